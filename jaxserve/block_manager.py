@@ -1,0 +1,188 @@
+"""KV block allocator (host side, numpy only, no JAX).
+
+The KV cache on the device is one pool of ``num_blocks`` pages of ``block_size`` token slots per
+layer. This module only does the bookkeeping: which pages are free, how many sequences share each
+page (reference counts, for n > 1 and beam search), and each sequence's ``block_table``. The
+``Scheduler`` asks ``can_allocate`` / ``allocate`` before it schedules a chunk or a decode token, and
+the ``ModelRunner`` turns the block tables into padded int32 arrays for the step.
+
+Token ``i`` of a sequence lives in slot ``i % block_size`` of page ``block_table[i // block_size]``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import numpy as np
+
+from jaxserve.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+
+    # -- pool state ---------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_block_ids)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool in use, in [0, 1]."""
+        return self.num_used_blocks / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # -- allocation ---------------------------------------------------------------------------------
+
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks ``seq`` still needs to hold ``num_computed_tokens + num_new_tokens`` tokens."""
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, *, reserve: int = 0) -> bool:
+        """Whether ``allocate`` would succeed and still leave ``reserve`` blocks free."""
+        return self.num_new_blocks(seq, num_new_tokens) + reserve <= len(self.free_block_ids)
+
+    def num_allocatable_tokens(self, seq: Sequence) -> int:
+        """The most new tokens ``seq`` could get right now (its table's slack plus every free block)."""
+        capacity = (len(seq.block_table) + len(self.free_block_ids)) * self.block_size
+        return max(0, capacity - seq.num_computed_tokens)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow ``seq.block_table`` to hold ``num_computed_tokens + num_new_tokens`` tokens."""
+        n = self.num_new_blocks(seq, num_new_tokens)
+        if n > len(self.free_block_ids):
+            raise RuntimeError(
+                f"seq {seq.seq_id}: needs {n} new KV blocks, only {len(self.free_block_ids)} free "
+                "(call can_allocate first)"
+            )
+        for _ in range(n):
+            block_id = self.free_block_ids.popleft()
+            self.ref_counts[block_id] = 1
+            seq.block_table.append(block_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; blocks nobody else holds go back to the free list."""
+        self._decref(seq.block_table)
+        seq.block_table = []
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every block of ``parent`` (reference count + 1 each)."""
+        if child.block_table:
+            raise ValueError(f"seq {child.seq_id}: cannot fork into a sequence that already has blocks")
+        self._check_owned(parent.block_table)
+        child.block_table = list(parent.block_table)
+        np.add.at(self.ref_counts, child.block_table, 1)
+
+    def copy_on_write(self, seq: Sequence) -> tuple[int, int] | None:
+        """Before writing into a block shared with a fork: give ``seq`` a private copy of it.
+
+        Checks the block that will receive token ``num_computed_tokens``. Returns ``(src, dst)``
+        block ids for the model runner to copy on the device, or None when nothing must be copied.
+        Not used by the scheduler yet (nothing forks sequences yet).
+        """
+        index = seq.num_computed_tokens // self.block_size
+        if index >= len(seq.block_table) or self.ref_counts[seq.block_table[index]] == 1:
+            return None
+        if not self.free_block_ids:
+            raise RuntimeError(f"seq {seq.seq_id}: no free KV block for copy-on-write")
+        src = seq.block_table[index]
+        dst = self.free_block_ids.popleft()
+        self.ref_counts[dst] = 1
+        self.ref_counts[src] -= 1
+        seq.block_table[index] = dst
+        return src, dst
+
+    # -- measurement --------------------------------------------------------------------------------
+
+    def kv_waste(self, seqs: Iterable[Sequence]) -> float:
+        """(allocated slots - used slots) / allocated slots over ``seqs``; 0.0 when nothing is allocated.
+
+        Used slots are the tokens whose K/V are in the cache (``num_computed_tokens``). A block shared
+        by several sequences counts once per sequence holding it.
+        """
+        allocated = used = 0
+        for seq in seqs:
+            capacity = len(seq.block_table) * self.block_size
+            allocated += capacity
+            used += min(seq.num_computed_tokens, capacity)
+        return (allocated - used) / allocated if allocated else 0.0
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _check_owned(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise ValueError(f"unknown KV block {block_id} (pool has {self.num_blocks} blocks)")
+        counts = np.bincount(np.asarray(block_ids, dtype=np.int64), minlength=self.num_blocks)
+        over = np.flatnonzero(counts > self.ref_counts)
+        if over.size:
+            raise ValueError(f"double free of KV block {int(over[0])}: it is not allocated that many times")
+
+    def _decref(self, block_ids: list[int]) -> None:
+        self._check_owned(block_ids)  # validate everything first: a failed free changes nothing
+        for block_id in block_ids:
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_block_ids.append(block_id)
+
+
+def kv_bytes_per_block(
+    *, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype_bytes: int
+) -> int:
+    """Device bytes of one block across all layers: K and V."""
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype_bytes
+
+
+def num_blocks_from_budget(
+    bytes_per_block: int,
+    *,
+    num_kv_blocks: int | None,
+    memory_budget_bytes: int | None,
+    default_cpu_blocks: int,
+) -> int:
+    """Size of the KV pool in blocks.
+
+    An explicit ``num_kv_blocks`` wins; else ``memory_budget_bytes // bytes_per_block`` (GPU/TPU: the
+    caller passes gpu_memory_utilization * device memory - weights - activations); else
+    ``default_cpu_blocks``. Raises ValueError when the result would be zero blocks.
+    """
+    if bytes_per_block < 1:
+        raise ValueError(f"bytes_per_block must be >= 1, got {bytes_per_block}")
+    if num_kv_blocks is not None:
+        if num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        return num_kv_blocks
+    if memory_budget_bytes is not None:
+        num_blocks = memory_budget_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory left for the KV cache: the budget is {memory_budget_bytes} bytes "
+                f"({memory_budget_bytes / 2**20:.1f} MiB) but one block needs {bytes_per_block} bytes "
+                f"({bytes_per_block / 2**20:.1f} MiB); raise gpu_memory_utilization, use a smaller "
+                "model or block_size, or set num_kv_blocks"
+            )
+        return num_blocks
+    if default_cpu_blocks < 1:
+        raise ValueError(f"default_cpu_blocks must be >= 1, got {default_cpu_blocks}")
+    return default_cpu_blocks

@@ -1,0 +1,133 @@
+"""Per-request host state.
+
+A ``Sequence`` is created by the engine from a tokenized prompt, queued by the ``Scheduler``, given KV
+blocks by the ``BlockManager`` (``block_table``), and advanced by the engine after every model step
+(``num_computed_tokens`` and ``append_token``). No JAX here: plain Python lists and ints.
+
+Token accounting (the invariant everything else relies on)::
+
+    all_token_ids = prompt_token_ids + output_token_ids
+    [0, num_computed_tokens)            K/V already in the cache
+    [num_computed_tokens, num_tokens)   still to be fed to the model (at least 1 while unfinished)
+
+A sequence in decode has exactly one uncomputed token: the last sampled one. After a recompute
+preemption ``num_computed_tokens`` is 0 again and prompt + outputs are re-prefilled.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS, stop token or stop string
+    FINISHED_LENGTH = enum.auto()  # max_tokens, max_model_len, or too large for the KV pool
+    FINISHED_ABORTED = enum.auto()  # aborted by the client
+
+    def is_finished(self) -> bool:
+        """``status.is_finished()`` or ``SequenceStatus.is_finished(status)``."""
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
+)
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any = None,
+        *,
+        seq_id: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt must contain at least one token")
+        self.seq_id = next(Sequence._ids) if seq_id is None else seq_id
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_prompt_tokens}+{self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table})"
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token still has to go through the model (a prefill chunk)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(int(token_id))
+
+    def reset_for_recompute(self) -> None:
+        """Recompute preemption; the caller has already freed ``block_table``. Outputs are kept."""
+        if self.block_table:
+            raise RuntimeError(f"seq {self.seq_id}: free its blocks before resetting it for recompute")
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+
+    def fork(self, seq_id: int | None = None) -> Sequence:
+        """A copy with a new ``seq_id`` and no blocks, for n > 1 / beam search.
+
+        Share the parent's KV with ``BlockManager.fork(parent, child)``.
+        """
+        child = Sequence(
+            self.request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            seq_id=seq_id,
+            arrival_time=self.arrival_time,
+        )
+        child.output_token_ids = list(self.output_token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        return child
