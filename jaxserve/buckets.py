@@ -1,0 +1,499 @@
+"""Bucket specs (``buckets/*.toml``), the pruned grid of executables, and nearest-bucket choice.
+
+XLA compiles one program per input shape, so every model step runs on a precompiled bucket:
+
+- decode  ``DecodeBucket(batch_size, context_len)``: ``batch_size`` rows of one query token each;
+- prefill ``PrefillBucket(batch_size, chunk_len, context_len)``: ``batch_size`` rows of
+  ``chunk_len`` query tokens each.
+
+``context_len`` bounds the tokens a row attends to (the cache after the step), hence the block-table
+width (``context_len // block_size`` pages) and the attention work. A real batch is padded up to the
+smallest bucket that holds it (3 sequences run on the batch-4 decoder with one padding row). The
+``BucketGrid`` keeps only the buckets some admissible batch can select, so it is both the list of
+executables to compile and the lookup table the ``Scheduler`` uses every step.
+
+No JAX here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+
+# TOML layout: table -> {key: BucketSpec field}
+_SPEC_KEYS = {
+    "decode": {"batch_sizes": "decode_batch_sizes"},
+    "prefill": {"batch_sizes": "prefill_batch_sizes", "lengths": "prefill_lengths"},
+    "context": {"lengths": "context_lengths"},
+}
+_FIELD_NAMES = {f: f"[{table}] {key}" for table, keys in _SPEC_KEYS.items() for key, f in keys.items()}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, order=True)
+class DecodeBucket:
+    batch_size: int
+    context_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens in the padded batch."""
+        return self.batch_size
+
+    def num_pages(self, block_size: int) -> int:
+        return self.context_len // block_size
+
+
+@dataclass(frozen=True, order=True)
+class PrefillBucket:
+    batch_size: int
+    chunk_len: int
+    context_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens in the padded batch."""
+        return self.batch_size * self.chunk_len
+
+    def num_pages(self, block_size: int) -> int:
+        return self.context_len // block_size
+
+
+Bucket = DecodeBucket | PrefillBucket
+
+
+# -- spec -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """The bucket sizes of one target, as written in a ``buckets/*.toml`` file."""
+
+    decode_batch_sizes: tuple[int, ...]
+    prefill_batch_sizes: tuple[int, ...]
+    prefill_lengths: tuple[int, ...]
+    context_lengths: tuple[int, ...]
+    block_size: int | None = None
+    source: str = field(default="<spec>", compare=False)
+
+    def __post_init__(self) -> None:
+        for name in _FIELD_NAMES:
+            object.__setattr__(self, name, _check_sizes(self.source, name, getattr(self, name)))
+        if self.block_size is not None:
+            if not _is_int(self.block_size) or self.block_size < 1:
+                raise ValueError(
+                    f"{self.source}: block_size must be a positive integer, got {self.block_size!r}"
+                )
+            _check_context_multiple(self.source, self.context_lengths, self.block_size)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<spec>") -> BucketSpec:
+        kwargs: dict[str, Any] = {"block_size": data.get("block_size"), "source": source}
+        for table in data:
+            if table != "block_size" and table not in _SPEC_KEYS:
+                raise ValueError(f"{source}: unknown table [{table}] (known: {', '.join(_SPEC_KEYS)})")
+        for table, keys in _SPEC_KEYS.items():
+            values = data.get(table)
+            if not isinstance(values, dict):
+                raise ValueError(f"{source}: missing table [{table}]")
+            for key in values:
+                if key not in keys:
+                    raise ValueError(f"{source}: unknown key [{table}] {key} (known: {', '.join(keys)})")
+            for key, name in keys.items():
+                if key not in values:
+                    raise ValueError(f"{source}: missing [{table}] {key}")
+                kwargs[name] = values[key]
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> BucketSpec:
+        path = Path(path)
+        return cls.from_toml_text(path.read_text(), source=str(path))
+
+    @classmethod
+    def from_toml_text(cls, text: str, source: str = "<spec>") -> BucketSpec:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{source}: invalid TOML: {e}") from None
+        return cls.from_dict(data, source)
+
+    def replace(self, **changes: Any) -> BucketSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_sizes(source: str, name: str, values: Any) -> tuple[int, ...]:
+    label = f"{source}: {_FIELD_NAMES[name]}"
+    if not isinstance(values, list | tuple) or not values:
+        raise ValueError(f"{label} must be a non-empty list of positive integers, got {values!r}")
+    for v in values:
+        if not _is_int(v) or v < 1:
+            raise ValueError(f"{label} must contain positive integers, got {v!r}")
+    if any(a >= b for a, b in zip(values, values[1:], strict=False)):
+        raise ValueError(f"{label} must be sorted ascending without repeats, got {list(values)}")
+    return tuple(values)
+
+
+def _check_context_multiple(source: str, context_lengths: tuple[int, ...], block_size: int) -> None:
+    for c in context_lengths:
+        if c % block_size:
+            raise ValueError(
+                f"{source}: [context] lengths must be multiples of block_size {block_size}, got {c}"
+            )
+
+
+# -- finding spec files -----------------------------------------------------------------------------
+
+
+def _bucket_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "buckets"
+
+
+def available_bucket_specs() -> list[str]:
+    names = {p.stem for p in _bucket_dir().glob("*.toml")}
+    packaged = importlib.resources.files("jaxserve") / "_buckets"
+    if packaged.is_dir():
+        names |= {p.name[: -len(".toml")] for p in packaged.iterdir() if p.name.endswith(".toml")}
+    return sorted(names)
+
+
+def load_bucket_spec(path_or_name: str | Path | None, platform: str = "cpu") -> BucketSpec:
+    """None -> the platform's shipped spec; ``"cpu"`` -> ``buckets/cpu.toml``; a path -> that file.
+
+    Shipped specs are looked up in ``<repo>/buckets`` first, then in the installed package's
+    ``jaxserve/_buckets``.
+    """
+    name = str(path_or_name) if path_or_name is not None else PLATFORM_ALIASES.get(platform, platform)
+    if name.endswith(".toml") or "/" in name or "\\" in name:
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"bucket spec file {name} does not exist")
+        return BucketSpec.from_toml(path)
+    path = _bucket_dir() / f"{name}.toml"
+    if path.is_file():
+        return BucketSpec.from_toml(path)
+    packaged = importlib.resources.files("jaxserve") / "_buckets" / f"{name}.toml"
+    if packaged.is_file():
+        return BucketSpec.from_toml_text(packaged.read_text(), source=f"jaxserve/_buckets/{name}.toml")
+    raise ValueError(
+        f"unknown bucket spec {name!r}: pass a .toml path or one of {', '.join(available_bucket_specs())}"
+    )
+
+
+# -- the pruned grid --------------------------------------------------------------------------------
+
+
+def _prev(values: tuple[int, ...], v: int) -> int:
+    """The value before ``v`` in the sorted ``values``; 0 for the first."""
+    i = values.index(v)
+    return values[i - 1] if i else 0
+
+
+class BucketGrid:
+    """The feasible buckets of ``spec`` under the engine limits.
+
+    A bucket is kept iff some admissible batch selects it (the smallest bucket that fits is always
+    chosen); every other bucket could never run, so it is pruned and never compiled. With ``x⁻`` the
+    value before ``x`` in its spec list (0 for the first), the rules are:
+
+    Context lengths
+      C0. ``max_model_len <= max(context lengths)`` and ``ceil(max_model_len / block_size) <=
+          num_blocks``, else ValueError (``check_max_model_len``).
+
+    Decode ``(b, c)``
+      D1. ``b⁻ < max_num_seqs``: at least ``b⁻ + 1`` sequences must be running to select ``b``; so the
+          largest kept batch is ``max_num_seqs`` rounded up to a bucket (ValueError if the spec has
+          no batch size that large).
+      D2. ``c⁻ < max_model_len``: some sequence must reach context ``c⁻ + 1``.
+      D3. ``b⁻ + ceil((c⁻ + 1) / block_size) <= num_blocks``: the smallest such batch (``b⁻``
+          one-block sequences plus one of ``c⁻ + 1`` tokens) must fit the KV pool.
+
+    Prefill ``(b, L, c)`` (a chunk is never longer than its context: context >= chunk)
+      P1. ``b⁻ < max_num_seqs``.
+      P2. ``b * L <= max_num_batched_tokens``; except for the smallest batch size, which only needs
+          ``L⁻ < max_num_batched_tokens``: one sequence alone may be padded beyond the token budget
+          (its real chunk is within the budget), but the scheduler only batches several sequences
+          when the padded bucket stays within it.
+      P3. ``max(c⁻, L⁻) < max_model_len``: a chunk longer than ``L⁻`` whose context exceeds ``c⁻``.
+      P4. ``b⁻ + ceil((max(c⁻, L⁻) + 1) / block_size) <= num_blocks``.
+      P5. ``L⁻ < c``: the chunk (longer than ``L⁻``) must fit in the context.
+
+    The kept sets are closed under "smallest fitting bucket" for every batch the ``Scheduler`` forms,
+    so ``select_decode`` / ``select_prefill`` never fail for a batch within the limits.
+    """
+
+    def __init__(
+        self,
+        spec: BucketSpec,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_blocks: int,
+    ) -> None:
+        for name, value in [
+            ("block_size", block_size),
+            ("max_model_len", max_model_len),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("num_blocks", num_blocks),
+        ]:
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.spec = spec
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_blocks = num_blocks
+        _check_context_multiple(spec.source, spec.context_lengths, block_size)
+        self.check_max_model_len(max_model_len)
+        if max_num_seqs > spec.decode_batch_sizes[-1]:
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs} exceeds the largest decode batch size "
+                f"{spec.decode_batch_sizes[-1]} in {spec.source}; lower max_num_seqs or add a larger "
+                "[decode] batch_sizes entry"
+            )
+        self.decode_buckets = [
+            DecodeBucket(b, c)
+            for b in spec.decode_batch_sizes
+            for c in spec.context_lengths
+            if self._decode_feasible(b, c)
+        ]
+        self.prefill_buckets = [
+            PrefillBucket(b, n, c)
+            for b in spec.prefill_batch_sizes
+            for n in spec.prefill_lengths
+            for c in spec.context_lengths
+            if self._prefill_feasible(b, n, c)
+        ]
+
+    # -- pruning ------------------------------------------------------------------------------------
+
+    def _decode_feasible(self, b: int, c: int) -> bool:
+        b0, c0 = _prev(self.spec.decode_batch_sizes, b), _prev(self.spec.context_lengths, c)
+        return (
+            b0 < self.max_num_seqs  # D1
+            and c0 < self.max_model_len  # D2
+            and b0 + _cdiv(c0 + 1, self.block_size) <= self.num_blocks  # D3
+        )
+
+    def _prefill_feasible(self, b: int, n: int, c: int) -> bool:
+        sizes = self.spec.prefill_batch_sizes
+        b0, n0 = _prev(sizes, b), _prev(self.spec.prefill_lengths, n)
+        min_context = max(_prev(self.spec.context_lengths, c), n0) + 1
+        budget = self.max_num_batched_tokens
+        budget_ok = n0 < budget if b == sizes[0] else b * n <= budget
+        return (
+            b0 < self.max_num_seqs  # P1
+            and budget_ok  # P2
+            and min_context <= self.max_model_len  # P3
+            and b0 + _cdiv(min_context, self.block_size) <= self.num_blocks  # P4
+            and n0 < c  # P5
+        )
+
+    # -- limits -------------------------------------------------------------------------------------
+
+    @property
+    def context_lengths(self) -> list[int]:
+        """Context buckets in use (some decode bucket has them)."""
+        return sorted({b.context_len for b in self.decode_buckets})
+
+    @property
+    def max_context_len(self) -> int:
+        return max(b.context_len for b in self.decode_buckets)
+
+    @property
+    def max_decode_batch_size(self) -> int:
+        return max(b.batch_size for b in self.decode_buckets)
+
+    @property
+    def max_prefill_batch_size(self) -> int:
+        return max(b.batch_size for b in self.prefill_buckets)
+
+    @property
+    def max_chunk_len(self) -> int:
+        return max(b.chunk_len for b in self.prefill_buckets)
+
+    @property
+    def num_executables(self) -> int:
+        return len(self.decode_buckets) + len(self.prefill_buckets)
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        largest = self.spec.context_lengths[-1]
+        if max_model_len > largest:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the largest context bucket {largest} in "
+                f"{self.spec.source}; lower max_model_len or add a larger [context] lengths entry"
+            )
+        pool_tokens = self.num_blocks * self.block_size
+        if max_model_len > pool_tokens:
+            raise ValueError(
+                f"The model's max seq len ({max_model_len}) is larger than the maximum number of tokens "
+                f"that can be stored in the KV cache ({pool_tokens} = {self.num_blocks} blocks of "
+                f"{self.block_size}). Increase the KV cache (gpu_memory_utilization or num_kv_blocks) "
+                "or decrease max_model_len."
+            )
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Reject a request that can never fit ``max_model_len`` (vLLM's wording)."""
+        limit = self.max_model_len
+        if num_prompt_tokens < 1:
+            raise ValueError("The prompt is empty: it must contain at least one token.")
+        if max_tokens is None:
+            if num_prompt_tokens >= limit:
+                raise ValueError(
+                    f"This model's maximum context length is {limit} tokens. However, your messages "
+                    f"resulted in {num_prompt_tokens} tokens, which leaves no room for the completion. "
+                    "Please reduce the length of the messages."
+                )
+            return
+        total = num_prompt_tokens + max_tokens
+        if total > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{total} tokens ({num_prompt_tokens} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion."
+            )
+
+    # -- selection ----------------------------------------------------------------------------------
+
+    def find_decode(self, num_seqs: int, max_context_len: int) -> DecodeBucket | None:
+        fits = [
+            b for b in self.decode_buckets if b.batch_size >= num_seqs and b.context_len >= max_context_len
+        ]
+        return min(fits, key=lambda b: (b.batch_size * b.context_len, b.batch_size), default=None)
+
+    def select_decode(self, num_seqs: int, max_context_len: int) -> DecodeBucket:
+        """The smallest decode bucket holding ``num_seqs`` rows at ``max_context_len``; ValueError if none."""
+        if num_seqs < 1 or max_context_len < 1:
+            raise ValueError(
+                f"select_decode needs num_seqs >= 1 and max_context_len >= 1, got "
+                f"{num_seqs} and {max_context_len}"
+            )
+        bucket = self.find_decode(num_seqs, max_context_len)
+        if bucket is None:
+            raise ValueError(
+                f"no decode bucket fits {num_seqs} sequences at context {max_context_len} "
+                f"(largest: batch {self.max_decode_batch_size}, context {self.max_context_len})"
+            )
+        return bucket
+
+    def find_prefill(self, num_seqs: int, max_chunk_len: int, max_context_len: int) -> PrefillBucket | None:
+        fits = [
+            b
+            for b in self.prefill_buckets
+            if b.batch_size >= num_seqs and b.chunk_len >= max_chunk_len and b.context_len >= max_context_len
+        ]
+        return min(fits, key=lambda b: (b.num_tokens, b.context_len, b.batch_size), default=None)
+
+    def select_prefill(self, num_seqs: int, max_chunk_len: int, max_context_len: int) -> PrefillBucket:
+        """The prefill bucket with the fewest padded tokens, then the smallest context; ValueError if none."""
+        if num_seqs < 1 or max_chunk_len < 1 or max_context_len < max_chunk_len:
+            raise ValueError(
+                "select_prefill needs num_seqs >= 1 and 1 <= max_chunk_len <= max_context_len, got "
+                f"{num_seqs}, {max_chunk_len}, {max_context_len}"
+            )
+        bucket = self.find_prefill(num_seqs, max_chunk_len, max_context_len)
+        if bucket is None:
+            raise ValueError(
+                f"no prefill bucket fits {num_seqs} sequences with chunks of {max_chunk_len} tokens at "
+                f"context {max_context_len} (largest: batch {self.max_prefill_batch_size}, chunk "
+                f"{self.max_chunk_len}, context {self.max_context_len})"
+            )
+        return bucket
+
+    # -- start-up print -----------------------------------------------------------------------------
+
+    def format_table(self) -> str:
+        contexts = self.spec.context_lengths
+        width = max(len(str(c)) for c in contexts) + 2
+        lines = [
+            f"bucket grid from {self.spec.source} (block_size={self.block_size}, max_model_len="
+            f"{self.max_model_len}, max_num_seqs={self.max_num_seqs}, max_num_batched_tokens="
+            f"{self.max_num_batched_tokens}, num_blocks={self.num_blocks})",
+            f"decode: {len(self.decode_buckets)} executables",
+        ]
+        decode = set(self.decode_buckets)
+        lines.append(f"  {'batch':>12}" + "".join(f"{c:>{width}}" for c in contexts))
+        for b in self.spec.decode_batch_sizes:
+            cells = "".join(f"{'x' if DecodeBucket(b, c) in decode else '-':>{width}}" for c in contexts)
+            lines.append(f"  {b:>12}" + cells)
+        lines.append(f"prefill: {len(self.prefill_buckets)} executables")
+        prefill = set(self.prefill_buckets)
+        lines.append(f"  {'batch x chunk':>12}" + "".join(f"{c:>{width}}" for c in contexts))
+        for b in self.spec.prefill_batch_sizes:
+            for n in self.spec.prefill_lengths:
+                cells = "".join(
+                    f"{'x' if PrefillBucket(b, n, c) in prefill else '-':>{width}}" for c in contexts
+                )
+                lines.append(f"  {f'{b} x {n}':>12}" + cells)
+        lines.append(
+            f"total: {self.num_executables} executables (columns: context length; x = compiled, "
+            "- = pruned, no admissible batch selects it)"
+        )
+        return "\n".join(lines)
+
+
+# -- padding accounting -----------------------------------------------------------------------------
+
+
+def padding_waste(num_real_tokens: int, bucket: Bucket) -> float:
+    """Fraction of the bucket's query tokens that are padding."""
+    return (bucket.num_tokens - num_real_tokens) / bucket.num_tokens
+
+
+@dataclass
+class PaddingStats:
+    """Running totals of real vs padded query tokens and attended context, per step kind."""
+
+    prefill_real_tokens: int = 0
+    prefill_padded_tokens: int = 0
+    decode_real_tokens: int = 0
+    decode_padded_tokens: int = 0
+    real_context_tokens: int = 0  # sum over rows of the real context length
+    padded_context_tokens: int = 0  # batch_size * context_len of the buckets
+
+    def record(self, bucket: Bucket, num_real_tokens: int, real_context_tokens: int) -> None:
+        if isinstance(bucket, PrefillBucket):
+            self.prefill_real_tokens += num_real_tokens
+            self.prefill_padded_tokens += bucket.num_tokens
+        else:
+            self.decode_real_tokens += num_real_tokens
+            self.decode_padded_tokens += bucket.num_tokens
+        self.real_context_tokens += real_context_tokens
+        self.padded_context_tokens += bucket.batch_size * bucket.context_len
+
+    @property
+    def prefill_waste(self) -> float:
+        return _waste(self.prefill_real_tokens, self.prefill_padded_tokens)
+
+    @property
+    def decode_waste(self) -> float:
+        return _waste(self.decode_real_tokens, self.decode_padded_tokens)
+
+    @property
+    def context_waste(self) -> float:
+        return _waste(self.real_context_tokens, self.padded_context_tokens)
+
+
+def _waste(real: int, padded: int) -> float:
+    return (padded - real) / padded if padded else 0.0
