@@ -1,0 +1,376 @@
+"""Decode attention over the paged KV cache: one new query token per sequence.
+
+Place in the data flow: on every decode step the engine's attention backend calls ``paged_attention`` once
+per layer, after writing the step's K/V into the pool, with that layer's slice of the KV pool
+(``k_pages[layer]``, ``v_pages[layer]``), the batch's block tables and context lengths. The result feeds
+the layer's output projection.
+
+Two Pallas variants:
+* TPU (Mosaic): grid (sequence, kv head). Lengths and block tables are scalar-prefetched into SMEM; pages
+  stay in HBM and are DMA'd into VMEM in double-buffered blocks of ``pages_per_compute_block`` pages; all
+  query heads of a KV group are computed together with an online softmax.
+* GPU (Triton): flash-decoding. Grid (sequence, kv head, split): each split walks its share of the block
+  table and writes a partial (max, sum, output); a small XLA reduction combines the splits.
+
+Tokens at positions >= length never influence the result, whatever page the block table points at.
+A sequence with length 0 produces zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas import _common as cm
+from kernels_pallas._tpu_paging import PageStream, fold_pages
+
+# Knobs per (backend, page_size, head_dim). Starting points sized so a compute block covers 128-512 tokens;
+# not yet measured on hardware (scripts/bench_kernels.py is the tool to refine them).
+TUNED_BLOCK_SIZES: dict[tuple[str, int, int], dict[str, int]] = {
+    ("tpu", 16, 64): {"pages_per_compute_block": 16},
+    ("tpu", 16, 128): {"pages_per_compute_block": 16},
+    ("tpu", 32, 64): {"pages_per_compute_block": 8},
+    ("tpu", 32, 128): {"pages_per_compute_block": 8},
+    ("tpu", 64, 64): {"pages_per_compute_block": 4},
+    ("tpu", 64, 128): {"pages_per_compute_block": 4},
+    ("tpu", 128, 64): {"pages_per_compute_block": 2},
+    ("tpu", 128, 128): {"pages_per_compute_block": 2},
+    ("gpu", 16, 64): {"pages_per_compute_block": 8, "num_warps": 4, "num_stages": 2},
+    ("gpu", 16, 128): {"pages_per_compute_block": 8, "num_warps": 4, "num_stages": 2},
+    ("gpu", 32, 64): {"pages_per_compute_block": 4, "num_warps": 4, "num_stages": 2},
+    ("gpu", 32, 128): {"pages_per_compute_block": 4, "num_warps": 4, "num_stages": 2},
+    ("gpu", 64, 64): {"pages_per_compute_block": 2, "num_warps": 4, "num_stages": 2},
+    ("gpu", 64, 128): {"pages_per_compute_block": 2, "num_warps": 4, "num_stages": 2},
+    ("gpu", 128, 64): {"pages_per_compute_block": 1, "num_warps": 4, "num_stages": 2},
+    ("gpu", 128, 128): {"pages_per_compute_block": 1, "num_warps": 4, "num_stages": 2},
+}
+DEFAULT_BLOCK_SIZES = {
+    "tpu": {"pages_per_compute_block": 4},
+    "gpu": {"pages_per_compute_block": 2, "num_warps": 4, "num_stages": 2},
+}
+# Flash-decoding aims for about this many (sequence, kv head, split) programs to fill an H100/H200.
+GPU_TARGET_PROGRAMS = 264
+
+
+# --------------------------------------------------------------------------------------------- TPU
+
+
+def _tpu_kernel(
+    lengths_ref,  # SMEM i32[num_seqs]
+    table_ref,  # SMEM i32[num_seqs * pages_per_seq]
+    q_ref,  # VMEM [group, head_dim]
+    k_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
+    v_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
+    o_ref,  # VMEM [group, head_dim]
+    k_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
+    v_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
+    sems,  # DMA semaphores [2, 2]
+    *,
+    sm_scale: float,
+    pages_per_seq: int,
+):
+    seq, head = pl.program_id(0), pl.program_id(1)
+    length = lengths_ref[seq]
+    _, pages_per_block, page_size, head_dim = k_buf.shape
+    block_tokens = pages_per_block * page_size
+    group = q_ref.shape[0]
+    stream = PageStream(
+        k_hbm,
+        v_hbm,
+        k_buf,
+        v_buf,
+        sems,
+        table_ref,
+        table_offset=seq * pages_per_seq,
+        head=head,
+        num_pages=pl.cdiv(length, page_size),
+    )
+    q = q_ref[...]
+
+    def body(block, k, v, state):
+        first = block * block_tokens
+        s = cm.logits(q, k, sm_scale)  # f32[group, block_tokens]
+        mask = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < length
+        token_ok = first + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0) < length
+        return cm.online_softmax_step(state, s, mask, cm.zero_invalid_rows(v, token_ok))
+
+    state = fold_pages(stream, pl.cdiv(length, block_tokens), body, cm.init_softmax_state(group, head_dim))
+    o_ref[...] = cm.finalize(state).astype(o_ref.dtype)
+
+
+def _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices, *, sm_scale, pages_per_block, interpret):
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    pages_per_seq = page_indices.shape[1]
+    group = num_q_heads // num_kv_heads
+    q4 = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    q_spec = pl.BlockSpec((None, None, group, head_dim), lambda s, h, *_: (s, h, 0, 0))
+    kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq)
+    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(num_seqs, num_kv_heads),
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=q_spec,
+            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=cm.interpret_arg("tpu", interpret),
+        name="paged_attention_tpu",
+    )(lengths, page_indices.reshape(-1), q4, k_pages, v_pages)
+    return out.reshape(q.shape)
+
+
+# --------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_kernel(
+    q_ref,  # [rows, head_dim], the KV group's query heads padded to rows (power of two >= 16)
+    k_ref,  # [total_pages, page_size, head_dim], this kv head's pages
+    v_ref,  # [total_pages, page_size, head_dim]
+    table_ref,  # i32[pages_per_split], this split's slice of the block table
+    length_ref,  # i32[1]
+    o_ref,  # f32[rows, head_dim], unnormalised partial output
+    m_ref,  # f32[rows, 1], running max
+    l_ref,  # f32[rows, 1], running sum
+    *,
+    sm_scale: float,
+    pages_per_block: int,
+):
+    split = pl.program_id(2)
+    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    pages_per_split = table_ref.shape[0]
+    block_tokens = pages_per_block * page_size
+    length = length_ref[0]
+    first_page = split * pages_per_split
+    end_page = jnp.minimum(pl.cdiv(length, page_size), first_page + pages_per_split)
+    num_blocks = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_block)
+    q = q_ref[...]
+
+    def body(block, state):
+        pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
+        k = k_ref[pages].reshape(block_tokens, head_dim)
+        v = v_ref[pages].reshape(block_tokens, head_dim)
+        first = (first_page + block * pages_per_block) * page_size
+        s = cm.logits(q, k, sm_scale)  # f32[rows, block_tokens]
+        mask = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < length
+        token_ok = first + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0) < length
+        return cm.online_softmax_step(state, s, mask, cm.zero_invalid_rows(v, token_ok))
+
+    state = cm.init_softmax_state(q_ref.shape[0], head_dim)
+    m, denom, acc = jax.lax.fori_loop(0, num_blocks, body, state)
+    o_ref[...], m_ref[...], l_ref[...] = acc, m, denom
+
+
+def _combine_splits(o, m, denom):
+    """Merges split partials: o f32[..., splits, rows, d]; max m, sum denom f32[..., splits, rows, 1]."""
+    m_all = jnp.max(m, axis=-3, keepdims=True)
+    weight = jnp.exp(m - m_all)
+    l_all = jnp.sum(weight * denom, axis=-3)
+    acc = jnp.sum(weight * o, axis=-3)
+    return acc / jnp.where(l_all == 0.0, 1.0, l_all)
+
+
+def _gpu_num_splits(num_splits, num_seqs, num_kv_heads, num_blocks) -> int:
+    if num_splits is None:
+        num_splits = pl.cdiv(GPU_TARGET_PROGRAMS, num_seqs * num_kv_heads)
+    return max(1, min(num_splits, num_blocks))
+
+
+def _paged_attention_gpu(
+    q,
+    k_pages,
+    v_pages,
+    lengths,
+    page_indices,
+    *,
+    sm_scale,
+    pages_per_block,
+    num_splits,
+    num_warps,
+    num_stages,
+    interpret,
+):
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, total_pages, page_size, _ = k_pages.shape
+    pages_per_seq = page_indices.shape[1]
+    group = num_q_heads // num_kv_heads
+    rows = max(16, cm.next_power_of_2(group))  # Triton dots need >= 16 rows
+    num_splits = _gpu_num_splits(num_splits, num_seqs, num_kv_heads, pl.cdiv(pages_per_seq, pages_per_block))
+    pages_per_split = pl.cdiv(pl.cdiv(pages_per_seq, num_splits), pages_per_block) * pages_per_block
+    # Padding entries point at page 0; they lie past every length and are masked.
+    table = jnp.pad(page_indices, ((0, 0), (0, num_splits * pages_per_split - pages_per_seq)))
+    table = table.reshape(num_seqs, num_splits, pages_per_split)
+    q4 = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    pool_spec = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda s, h, k: (h, 0, 0, 0))
+    part_shape = (num_seqs, num_kv_heads, num_splits, rows)
+    o, m, denom = pl.pallas_call(
+        functools.partial(_gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block),
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
+            pool_spec,
+            pool_spec,
+            pl.BlockSpec((None, None, pages_per_split), lambda s, h, k: (s, k, 0)),
+            pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
+            pl.BlockSpec((None, None, None, rows, 1), lambda s, h, k: (s, h, k, 0, 0)),
+            pl.BlockSpec((None, None, None, rows, 1), lambda s, h, k: (s, h, k, 0, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*part_shape, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((*part_shape, 1), jnp.float32),
+            jax.ShapeDtypeStruct((*part_shape, 1), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=cm.interpret_arg("gpu", interpret),
+        name="paged_attention_gpu",
+    )(q4, k_pages, v_pages, table, lengths.reshape(num_seqs, 1))
+    out = _combine_splits(o, m, denom)[:, :, :group]
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def _validate(q, k_pages, v_pages, lengths, page_indices) -> None:
+    num_kv_heads, _, _, head_dim = cm.check_kv_pages(k_pages, v_pages)
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim], got shape {q.shape}")
+    cm.check_query(q, k_pages.dtype, num_kv_heads, head_dim, "[num_seqs, num_q_heads, head_dim]")
+    cm.check_int_vector("lengths", lengths, q.shape[0])
+    cm.check_page_indices(page_indices, q.shape[0])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "backend",
+        "interpret",
+        "pages_per_compute_block",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+    ),
+)
+def paged_attention(
+    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    lengths: jax.Array,  # i32[num_seqs], context tokens per sequence
+    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq], block table
+    *,
+    sm_scale: float | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+    pages_per_compute_block: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:  # [num_seqs, num_q_heads, head_dim], q.dtype
+    """Decode attention of one query token per sequence over its paged context.
+
+    Args:
+      q, k_pages, v_pages, lengths, page_indices: see the shape comments. ``lengths`` above
+        pages_per_seq * page_size are clamped to it; block-table entries past a sequence's length may
+        point at any valid page.
+      sm_scale: softmax scale, default 1/sqrt(head_dim).
+      backend: "tpu", "gpu" or "auto" (by ``jax.default_backend()``; on CPU, "auto" with interpret=True
+        uses the TPU variant, without interpret it raises).
+      interpret: run the kernel in the Pallas interpreter (CPU testing). For the TPU variant an
+        ``pltpu.InterpretParams`` may be passed instead of True.
+      pages_per_compute_block: pages per KV block (power of two; both backends). Default from
+        ``TUNED_BLOCK_SIZES``; capped at the block table width.
+      num_splits: GPU only, flash-decoding splits of the context; default fills ~264 programs.
+      num_warps, num_stages: GPU only, Triton launch parameters.
+    """
+    _validate(q, k_pages, v_pages, lengths, page_indices)
+    backend = cm.resolve_backend(backend, interpret)
+    _, _, page_size, head_dim = k_pages.shape
+    knobs = cm.tuned_knobs(
+        TUNED_BLOCK_SIZES,
+        (backend, page_size, head_dim),
+        DEFAULT_BLOCK_SIZES[backend],
+        pages_per_compute_block=pages_per_compute_block,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    cm.check_positive_power_of_2("pages_per_compute_block", knobs["pages_per_compute_block"])
+    pages_per_seq = page_indices.shape[1]
+    pages_per_block = cm.fit_pages_per_block(knobs["pages_per_compute_block"], pages_per_seq)
+    sm_scale = cm.default_scale(sm_scale, head_dim)
+    lengths = jnp.clip(lengths, 0, pages_per_seq * page_size)  # never walk past the block table
+    if backend == "tpu":
+        cm.reject_knobs("tpu", num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+        return _paged_attention_tpu(
+            q,
+            k_pages,
+            v_pages,
+            lengths,
+            page_indices,
+            sm_scale=sm_scale,
+            pages_per_block=pages_per_block,
+            interpret=interpret,
+        )
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return _paged_attention_gpu(
+        q,
+        k_pages,
+        v_pages,
+        lengths,
+        page_indices,
+        sm_scale=sm_scale,
+        pages_per_block=pages_per_block,
+        num_splits=num_splits,
+        num_warps=knobs["num_warps"],
+        num_stages=knobs["num_stages"],
+        interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def paged_attention_reference(
+    q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    lengths: jax.Array,  # i32[num_seqs]
+    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:  # [num_seqs, num_q_heads, head_dim], q.dtype
+    """Plain-jnp decode attention: gathers each sequence's pages through the block table (float32 math)."""
+    _validate(q, k_pages, v_pages, lengths, page_indices)
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    sm_scale = cm.default_scale(sm_scale, head_dim)
+    k, v = gather_pages(k_pages, page_indices), gather_pages(v_pages, page_indices)  # [s, kvh, T, d]
+    valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [s, T]
+    k = jnp.where(valid[:, None, :, None], k, 0.0)
+    v = jnp.where(valid[:, None, :, None], v, 0.0)
+    qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    s = jnp.einsum("shgd,shtd->shgt", qg, k) * sm_scale
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True, initial=cm.MASK_VALUE))
+    out = jnp.einsum("shgt,shtd->shgd", p, v) / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def gather_pages(pages: jax.Array, page_indices: jax.Array) -> jax.Array:
+    """pages [kvh, total_pages, page_size, d], page_indices i32[s, P] -> f32[s, kvh, P * page_size, d]."""
+    num_kv_heads, _, page_size, head_dim = pages.shape
+    num_seqs, pages_per_seq = page_indices.shape
+    g = pages[:, page_indices].astype(jnp.float32)  # [kvh, s, P, page_size, d]
+    return g.reshape(num_kv_heads, num_seqs, pages_per_seq * page_size, head_dim).transpose(1, 0, 2, 3)

@@ -1,0 +1,378 @@
+"""Causal attention of a chunk of prompt tokens over the paged KV cache (chunked prefill).
+
+Place in the data flow: for a prefill step the engine's attention backend first writes the chunk's K/V into
+the sequence's pages, then calls ``prefill_attention`` once per layer with that layer's slice of the KV pool
+(``k_pages[layer]``, ``v_pages[layer]``). Each query row attends to the cached prefix and to the chunk up
+to and including itself. The result feeds the layer's output projection.
+
+Query row i of sequence s sits at position q_start[s] + i and attends keys j <= q_start[s] + i with
+j < lengths[s].
+Rows with q_start[s] + i >= lengths[s] are padding and come out as zeros.
+
+Two Pallas variants, both on grid (sequence, kv head, query block) with an online softmax over KV blocks
+that stops at the block's causal/length limit:
+* TPU (Mosaic): q_start, lengths and block tables scalar-prefetched into SMEM; pages DMA'd from HBM into
+  double-buffered VMEM blocks.
+* GPU (Triton): flash-attention style; each program gathers pages through the block table.
+
+Inside a program, the rows are the KV group's query heads times ``block_q`` tokens, head-major
+(row = head * block_q + token), so one K/V load serves all heads of the group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas import _common as cm
+from kernels_pallas._tpu_paging import PageStream, fold_pages
+from kernels_pallas.paged_attention import gather_pages
+
+# Knobs per (backend, page_size, head_dim); starting points, not yet measured on hardware.
+TUNED_BLOCK_SIZES: dict[tuple[str, int, int], dict[str, int]] = {
+    ("tpu", 16, 64): {"block_q": 128, "pages_per_compute_block": 8},
+    ("tpu", 16, 128): {"block_q": 128, "pages_per_compute_block": 8},
+    ("tpu", 32, 64): {"block_q": 128, "pages_per_compute_block": 4},
+    ("tpu", 32, 128): {"block_q": 128, "pages_per_compute_block": 4},
+    ("tpu", 64, 64): {"block_q": 128, "pages_per_compute_block": 2},
+    ("tpu", 64, 128): {"block_q": 128, "pages_per_compute_block": 2},
+    ("tpu", 128, 64): {"block_q": 128, "pages_per_compute_block": 1},
+    ("tpu", 128, 128): {"block_q": 128, "pages_per_compute_block": 1},
+    ("gpu", 16, 64): {"block_q": 32, "pages_per_compute_block": 4, "num_warps": 4, "num_stages": 2},
+    ("gpu", 16, 128): {"block_q": 32, "pages_per_compute_block": 4, "num_warps": 4, "num_stages": 2},
+    ("gpu", 32, 64): {"block_q": 32, "pages_per_compute_block": 2, "num_warps": 4, "num_stages": 2},
+    ("gpu", 32, 128): {"block_q": 32, "pages_per_compute_block": 2, "num_warps": 4, "num_stages": 2},
+    ("gpu", 64, 64): {"block_q": 32, "pages_per_compute_block": 1, "num_warps": 4, "num_stages": 2},
+    ("gpu", 64, 128): {"block_q": 32, "pages_per_compute_block": 1, "num_warps": 4, "num_stages": 2},
+    ("gpu", 128, 64): {"block_q": 32, "pages_per_compute_block": 1, "num_warps": 8, "num_stages": 2},
+    ("gpu", 128, 128): {"block_q": 16, "pages_per_compute_block": 1, "num_warps": 8, "num_stages": 2},
+}
+DEFAULT_BLOCK_SIZES = {
+    "tpu": {"block_q": 128, "pages_per_compute_block": 2},
+    "gpu": {"block_q": 32, "pages_per_compute_block": 1, "num_warps": 4, "num_stages": 2},
+}
+MIN_BLOCK_Q = 16  # Triton dots need >= 16 rows; on TPU it keeps row blocks sublane-aligned.
+
+
+def _row_positions(first_q: jax.Array, rows: int, block_q: int) -> jax.Array:
+    """i32[rows, 1] positions of head-major rows (row = head * block_q + token; block_q a power of 2)."""
+    return first_q + (jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
+
+
+def _kv_end(first_q: jax.Array, length: jax.Array, block_q: int) -> jax.Array:
+    """Exclusive key limit of a query block: 0 when the block is all padding."""
+    return jnp.where(first_q < length, jnp.minimum(length, first_q + block_q), 0)
+
+
+def _block_step(state, q, k, v, *, first_key, row_pos, length, kv_end, sm_scale):
+    """Online-softmax update of one query block with one KV block of tokens first_key.. (causal + length)."""
+    s = cm.logits(q, k, sm_scale)  # f32[rows, block_tokens]
+    key = first_key + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    mask = (key <= row_pos) & (key < length)
+    token_ok = first_key + jax.lax.broadcasted_iota(jnp.int32, (k.shape[0], 1), 0) < kv_end
+    return cm.online_softmax_step(state, s, mask, cm.zero_invalid_rows(v, token_ok))
+
+
+# --------------------------------------------------------------------------------------------- TPU
+
+
+def _tpu_kernel(
+    q_start_ref,  # SMEM i32[num_seqs]
+    lengths_ref,  # SMEM i32[num_seqs]
+    table_ref,  # SMEM i32[num_seqs * pages_per_seq]
+    q_ref,  # VMEM [group * block_q, head_dim]
+    k_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
+    v_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
+    o_ref,  # VMEM [group * block_q, head_dim]
+    k_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
+    v_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
+    sems,  # DMA semaphores [2, 2]
+    *,
+    sm_scale: float,
+    pages_per_seq: int,
+    block_q: int,
+):
+    seq, head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = lengths_ref[seq]
+    first_q = q_start_ref[seq] + q_block * block_q
+    kv_end = _kv_end(first_q, length, block_q)
+    _, pages_per_block, page_size, head_dim = k_buf.shape
+    rows = q_ref.shape[0]
+    row_pos = _row_positions(first_q, rows, block_q)
+    stream = PageStream(
+        k_hbm,
+        v_hbm,
+        k_buf,
+        v_buf,
+        sems,
+        table_ref,
+        table_offset=seq * pages_per_seq,
+        head=head,
+        num_pages=pl.cdiv(kv_end, page_size),
+    )
+    q = q_ref[...]
+    step = functools.partial(_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale)
+
+    def body(block, k, v, state):
+        return step(state, q, k, v, first_key=block * pages_per_block * page_size)
+
+    num_blocks = pl.cdiv(kv_end, pages_per_block * page_size)
+    state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(rows, head_dim))
+    out = jnp.where(row_pos < length, cm.finalize(state), 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _tpu_call(
+    q5, k_pages, v_pages, page_indices, q_start, lengths, *, block_q, sm_scale, pages_per_block, interpret
+):
+    num_seqs, num_kv_heads, num_q_blocks, rows, head_dim = q5.shape
+    page_size = k_pages.shape[2]
+    pages_per_seq = page_indices.shape[1]
+    q_spec = pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, b, *_: (s, h, b, 0, 0))
+    kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, block_q=block_q)
+    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(num_seqs, num_kv_heads, num_q_blocks),
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=q_spec,
+            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
+        interpret=cm.interpret_arg("tpu", interpret),
+        name="prefill_attention_tpu",
+    )(q_start, lengths, page_indices.reshape(-1), q5, k_pages, v_pages)
+
+
+# --------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_kernel(
+    q_ref,  # [group_p * block_q, head_dim], group padded to a power of two
+    k_ref,  # [total_pages, page_size, head_dim], this kv head's pages
+    v_ref,  # [total_pages, page_size, head_dim]
+    table_ref,  # i32[padded_pages_per_seq], this sequence's block table
+    meta_ref,  # i32[2]: q_start, length
+    o_ref,  # [group_p * block_q, head_dim]
+    *,
+    sm_scale: float,
+    pages_per_block: int,
+    block_q: int,
+):
+    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    block_tokens = pages_per_block * page_size
+    length = meta_ref[1]
+    first_q = meta_ref[0] + pl.program_id(2) * block_q
+    kv_end = _kv_end(first_q, length, block_q)
+    rows = q_ref.shape[0]
+    row_pos = _row_positions(first_q, rows, block_q)
+    q = q_ref[...]
+    step = functools.partial(_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale)
+
+    def body(block, state):
+        pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
+        k = k_ref[pages].reshape(block_tokens, head_dim)
+        v = v_ref[pages].reshape(block_tokens, head_dim)
+        return step(state, q, k, v, first_key=block * block_tokens)
+
+    state = jax.lax.fori_loop(0, pl.cdiv(kv_end, block_tokens), body, cm.init_softmax_state(rows, head_dim))
+    out = jnp.where(row_pos < length, cm.finalize(state), 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _gpu_call(
+    q5,
+    k_pages,
+    v_pages,
+    page_indices,
+    q_start,
+    lengths,
+    *,
+    block_q,
+    sm_scale,
+    pages_per_block,
+    num_warps,
+    num_stages,
+    interpret,
+):
+    num_seqs, num_kv_heads, num_q_blocks, rows, head_dim = q5.shape
+    _, total_pages, page_size, _ = k_pages.shape
+    pages_per_seq = page_indices.shape[1]
+    # Pad the table to whole compute blocks; the padding (page 0) lies past every length and is masked.
+    table = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % pages_per_block)))
+    meta = jnp.stack([q_start, lengths], axis=1)  # i32[num_seqs, 2]
+    q_spec = pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, b: (s, h, b, 0, 0))
+    pool_spec = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda s, h, b: (h, 0, 0, 0))
+    kernel = functools.partial(
+        _gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, block_q=block_q
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_q_blocks),
+        in_specs=[
+            q_spec,
+            pool_spec,
+            pool_spec,
+            pl.BlockSpec((None, table.shape[1]), lambda s, h, b: (s, 0)),
+            pl.BlockSpec((None, 2), lambda s, h, b: (s, 0)),
+        ],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=cm.interpret_arg("gpu", interpret),
+        name="prefill_attention_gpu",
+    )(q5, k_pages, v_pages, table, meta)
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def _to_row_blocks(q, num_kv_heads: int, group_p: int, block_q: int) -> jax.Array:
+    """q [s, chunk, qh, d] -> [s, kvh, q_blocks, group_p * block_q, d], rows head-major within a block."""
+    num_seqs, chunk_len, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    num_q_blocks = pl.cdiv(chunk_len, block_q)
+    x = q.reshape(num_seqs, chunk_len, num_kv_heads, group, head_dim)
+    x = jnp.pad(x, ((0, 0), (0, num_q_blocks * block_q - chunk_len), (0, 0), (0, group_p - group), (0, 0)))
+    x = x.reshape(num_seqs, num_q_blocks, block_q, num_kv_heads, group_p, head_dim)
+    x = x.transpose(0, 3, 1, 4, 2, 5)  # [s, kvh, q_blocks, group_p, block_q, d]
+    return x.reshape(num_seqs, num_kv_heads, num_q_blocks, group_p * block_q, head_dim)
+
+
+def _from_row_blocks(x, q_shape, group_p: int, block_q: int) -> jax.Array:
+    """Inverse of ``_to_row_blocks``: back to [s, chunk, qh, d]."""
+    num_seqs, chunk_len, num_q_heads, head_dim = q_shape
+    _, num_kv_heads, num_q_blocks, _, _ = x.shape
+    group = num_q_heads // num_kv_heads
+    x = x.reshape(num_seqs, num_kv_heads, num_q_blocks, group_p, block_q, head_dim)
+    x = x.transpose(0, 2, 4, 1, 3, 5)[:, :, :, :, :group]  # [s, q_blocks, block_q, kvh, group, d]
+    return x.reshape(num_seqs, num_q_blocks * block_q, num_q_heads, head_dim)[:, :chunk_len]
+
+
+def _validate(q, k_pages, v_pages, page_indices, q_start, lengths) -> None:
+    num_kv_heads, _, _, head_dim = cm.check_kv_pages(k_pages, v_pages)
+    if q.ndim != 4:
+        raise ValueError(f"q must be [num_seqs, chunk_len, num_q_heads, head_dim], got shape {q.shape}")
+    cm.check_query(q, k_pages.dtype, num_kv_heads, head_dim, "[num_seqs, chunk_len, num_q_heads, head_dim]")
+    cm.check_page_indices(page_indices, q.shape[0])
+    cm.check_int_vector("q_start", q_start, q.shape[0])
+    cm.check_int_vector("lengths", lengths, q.shape[0])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "backend",
+        "interpret",
+        "block_q",
+        "pages_per_compute_block",
+        "num_warps",
+        "num_stages",
+    ),
+)
+def prefill_attention(
+    q: jax.Array,  # [num_seqs, chunk_len, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq], block table
+    q_start: jax.Array,  # i32[num_seqs], position of each chunk's first token
+    lengths: jax.Array,  # i32[num_seqs], context length after the chunk (q_start + real chunk tokens)
+    *,
+    sm_scale: float | None = None,
+    backend: str = "auto",
+    interpret: bool = False,
+    block_q: int | None = None,
+    pages_per_compute_block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
+    """Causal attention of a chunk of query tokens over the paged KV cache (prefix + the chunk itself).
+
+    Args:
+      q, k_pages, v_pages, page_indices, q_start, lengths: see the shape comments. The chunk's K/V must
+        already be in the pages. ``lengths`` above pages_per_seq * page_size are clamped to it.
+      sm_scale: softmax scale, default 1/sqrt(head_dim).
+      backend: "tpu", "gpu" or "auto" (as in ``paged_attention``).
+      interpret: run in the Pallas interpreter (CPU testing); TPU also accepts ``pltpu.InterpretParams``.
+      block_q: query tokens per program (power of two >= 16; capped at the chunk length rounded up).
+      pages_per_compute_block: pages per KV block (power of two); capped at the block table width.
+      num_warps, num_stages: GPU only, Triton launch parameters.
+    """
+    _validate(q, k_pages, v_pages, page_indices, q_start, lengths)
+    backend = cm.resolve_backend(backend, interpret)
+    num_seqs, chunk_len, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    knobs = cm.tuned_knobs(
+        TUNED_BLOCK_SIZES,
+        (backend, page_size, head_dim),
+        DEFAULT_BLOCK_SIZES[backend],
+        block_q=block_q,
+        pages_per_compute_block=pages_per_compute_block,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    cm.check_positive_power_of_2("block_q", knobs["block_q"], MIN_BLOCK_Q)
+    cm.check_positive_power_of_2("pages_per_compute_block", knobs["pages_per_compute_block"])
+    block_q = min(knobs["block_q"], max(MIN_BLOCK_Q, cm.next_power_of_2(chunk_len)))
+    pages_per_seq = page_indices.shape[1]
+    common = dict(
+        block_q=block_q,
+        sm_scale=cm.default_scale(sm_scale, head_dim),
+        pages_per_block=cm.fit_pages_per_block(knobs["pages_per_compute_block"], pages_per_seq),
+        interpret=interpret,
+    )
+    lengths = jnp.clip(lengths, 0, pages_per_seq * page_size)  # never walk past the block table
+    group = num_q_heads // num_kv_heads
+    if backend == "tpu":
+        cm.reject_knobs("tpu", num_warps=num_warps, num_stages=num_stages)
+        group_p, call = group, _tpu_call
+    else:
+        group_p = cm.next_power_of_2(group)  # Triton tensors need power-of-two sizes
+        call = functools.partial(_gpu_call, num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
+    q5 = _to_row_blocks(q, num_kv_heads, group_p, block_q)
+    out = call(q5, k_pages, v_pages, page_indices, q_start, lengths, **common)
+    return _from_row_blocks(out, q.shape, group_p, block_q)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def prefill_attention_reference(
+    q: jax.Array,  # [num_seqs, chunk_len, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
+    q_start: jax.Array,  # i32[num_seqs]
+    lengths: jax.Array,  # i32[num_seqs]
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
+    """Plain-jnp chunked causal attention through the block table (float32 math)."""
+    _validate(q, k_pages, v_pages, page_indices, q_start, lengths)
+    num_seqs, chunk_len, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    sm_scale = cm.default_scale(sm_scale, head_dim)
+    k, v = gather_pages(k_pages, page_indices), gather_pages(v_pages, page_indices)  # [s, kvh, T, d]
+    key = jnp.arange(k.shape[2])[None, None, :]  # [1, 1, T]
+    row = (q_start[:, None] + jnp.arange(chunk_len)[None, :])[:, :, None]  # [s, C, 1]
+    mask = (key <= row) & (key < lengths[:, None, None])  # [s, C, T]
+    token_ok = key[:, 0, :, None] < lengths[:, None, None]  # [s, T, 1]
+    k = jnp.where(token_ok[:, None], k, 0.0)
+    v = jnp.where(token_ok[:, None], v, 0.0)
+    qg = q.astype(jnp.float32).reshape(
+        num_seqs, chunk_len, num_kv_heads, num_q_heads // num_kv_heads, head_dim
+    )
+    s = jnp.einsum("schgd,shtd->shgct", qg, k) * sm_scale
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True, initial=cm.MASK_VALUE))
+    out = jnp.einsum("shgct,shtd->schgd", p, v)
+    out = out / jnp.maximum(jnp.sum(p, axis=-1), 1e-30).transpose(0, 3, 1, 2)[..., None]
+    out = jnp.where((row < lengths[:, None, None])[..., None, None], out, 0.0)
+    return out.reshape(q.shape).astype(q.dtype)

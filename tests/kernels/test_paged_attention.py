@@ -1,0 +1,244 @@
+"""Decode kernel (both Pallas variants, interpret mode on CPU) against the jnp reference, and the reference
+against a naive numpy attention."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+
+# (dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, gpu num_splits)
+CASES = [
+    (jnp.float32, 16, 4, 4, 64, 3, 1),  # MHA
+    (jnp.bfloat16, 16, 8, 2, 128, 3, 2),  # GQA 4:1
+    (jnp.float32, 32, 9, 3, 128, 3, None),  # GQA 3:1
+    (jnp.bfloat16, 32, 4, 4, 64, 3, 3),
+    (jnp.float32, 128, 8, 2, 64, 2, 2),
+    (jnp.bfloat16, 128, 9, 3, 64, 2, None),
+]
+CASE_IDS = [f"{d.__name__}-ps{ps}-{qh}q{kh}kv-d{hd}" for d, ps, qh, kh, hd, _, _ in CASES]
+
+
+def edge_lengths(page_size, pages_per_seq):
+    """1, one short of a page, a page, one past a page, and the full block table."""
+    return [1, page_size - 1, page_size, page_size + 1, page_size * pages_per_seq]
+
+
+def make_inputs(rng, make_kv, dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, lengths):
+    kv = make_kv(
+        rng,
+        lengths=lengths,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        dtype=dtype,
+    )
+    q = jnp.asarray(rng.standard_normal((len(lengths), num_q_heads, head_dim)), dtype)
+    return q, kv
+
+
+def assert_close(out, ref, dtype, tol):
+    out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out, ref, atol=tol(dtype), rtol=tol(dtype))
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_kernel_matches_reference(case, backend, rng, make_kv, tol):
+    dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, num_splits = case
+    lengths = edge_lengths(page_size, pages_per_seq)
+    q, kv = make_inputs(
+        rng, make_kv, dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, lengths
+    )
+    knobs = {"pages_per_compute_block": 2}
+    if backend == "gpu":
+        knobs["num_splits"] = num_splits
+    out = paged_attention(
+        q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices, backend=backend, interpret=True, **knobs
+    )
+    ref = paged_attention_reference(q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, ref, dtype, tol)
+
+
+@pytest.mark.parametrize(
+    "backend,knobs",
+    [
+        ("tpu", {}),  # tuned-table defaults
+        ("tpu", {"pages_per_compute_block": 1}),
+        ("tpu", {"pages_per_compute_block": 4}),
+        ("gpu", {}),
+        ("gpu", {"pages_per_compute_block": 1, "num_splits": 5}),
+        ("gpu", {"pages_per_compute_block": 4, "num_splits": 2}),
+    ],
+)
+def test_tuning_knobs(backend, knobs, rng, make_kv, tol):
+    lengths = [5, 16, 33, 80]
+    q, kv = make_inputs(rng, make_kv, jnp.float32, 16, 6, 2, 64, 5, lengths)
+    out = paged_attention(
+        q,
+        kv.k_pages,
+        kv.v_pages,
+        kv.lengths,
+        kv.page_indices,
+        backend=backend,
+        interpret=True,
+        sm_scale=0.3,
+        **knobs,
+    )
+    ref = paged_attention_reference(q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices, sm_scale=0.3)
+    assert_close(out, ref, jnp.float32, tol)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_zero_length_sequence_gives_zeros(backend, rng, make_kv):
+    q, kv = make_inputs(rng, make_kv, jnp.float32, 16, 4, 2, 64, 2, [3, 20])
+    lengths = kv.lengths.at[0].set(0)
+    out = paged_attention(
+        q, kv.k_pages, kv.v_pages, lengths, kv.page_indices, backend=backend, interpret=True
+    )
+    ref = paged_attention_reference(q, kv.k_pages, kv.v_pages, lengths, kv.page_indices)
+    np.testing.assert_array_equal(np.asarray(out[0]), 0.0)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_auto_backend_on_cpu(rng, make_kv):
+    q, kv = make_inputs(rng, make_kv, jnp.float32, 16, 4, 2, 64, 2, [7, 32])
+    args = (q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices)
+    auto = paged_attention(*args, interpret=True)
+    tpu = paged_attention(*args, backend="tpu", interpret=True)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(tpu))
+    with pytest.raises(ValueError, match=r"backend='auto' found no accelerator \(platform 'cpu'\)"):
+        paged_attention(*args)
+
+
+def test_tpu_variant_has_no_dma_races(rng, make_kv):
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # private: where jax records races
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, kv = make_inputs(rng, make_kv, jnp.bfloat16, 16, 6, 2, 64, 4, [17, 64])
+    params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
+    out = paged_attention(
+        q,
+        kv.k_pages,
+        kv.v_pages,
+        kv.lengths,
+        kv.page_indices,
+        backend="tpu",
+        interpret=params,
+        pages_per_compute_block=1,
+    )
+    out.block_until_ready()
+    assert not interpret_pallas_call.races.races_found
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=CASE_IDS[:3])
+def test_reference_matches_naive_numpy(case, rng, make_kv, naive, tol):
+    dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, _ = case
+    lengths = edge_lengths(page_size, pages_per_seq)
+    q, kv = make_inputs(
+        rng, make_kv, dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, lengths
+    )
+    ref = np.asarray(
+        paged_attention_reference(q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices).astype(jnp.float32)
+    )
+    q64 = np.asarray(q.astype(jnp.float32), np.float64)
+    for s, length in enumerate(lengths):
+        want = naive(q64[s][None], kv.k_dense[s], kv.v_dense[s], [length - 1], 1 / np.sqrt(head_dim))
+        np.testing.assert_allclose(ref[s], want[0], atol=tol(dtype), rtol=tol(dtype))
+
+
+@pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_for_real_hardware(kernel_backend, platform, dtype):
+    """Runs the Mosaic / Triton lowering (no device needed) so unsupported ops fail here, not on hardware."""
+    args = (
+        jax.ShapeDtypeStruct((4, 9, 64), dtype),
+        jax.ShapeDtypeStruct((3, 40, 16, 64), dtype),
+        jax.ShapeDtypeStruct((3, 40, 16, 64), dtype),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct((4, 8), jnp.int32),
+    )
+    traced = paged_attention.trace(*args, backend=kernel_backend)
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
+
+
+# ----------------------------------------------------------------------------------------- validation
+
+
+def valid_args():
+    q = jnp.zeros((2, 4, 64), jnp.float32)
+    pages = jnp.zeros((2, 6, 16, 64), jnp.float32)
+    return dict(
+        q=q,
+        k_pages=pages,
+        v_pages=pages,
+        lengths=jnp.ones((2,), jnp.int32),
+        page_indices=jnp.zeros((2, 3), jnp.int32),
+    )
+
+
+BAD_INPUTS = [
+    (
+        {"q": jnp.zeros((2, 4, 1, 64))},
+        r"q must be \[num_seqs, num_q_heads, head_dim\], got shape \(2, 4, 1, 64\)",
+    ),
+    ({"q": jnp.zeros((2, 3, 64))}, r"num_q_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+    (
+        {"q": jnp.zeros((2, 4, 64), jnp.bfloat16)},
+        r"q dtype \(bfloat16\) must match the k_pages/v_pages dtype",
+    ),
+    ({"q": jnp.zeros((2, 4, 128))}, r"q head_dim \(128\) must match the k_pages head_dim \(64\)"),
+    ({"v_pages": jnp.zeros((2, 7, 16, 64))}, r"k_pages and v_pages must have the same shape"),
+    (
+        {
+            "k_pages": jnp.zeros((2, 6, 16, 64), jnp.float16),
+            "v_pages": jnp.zeros((2, 6, 16, 64), jnp.float16),
+        },
+        r"k_pages dtype must be float32 or bfloat16, got float16",
+    ),
+    (
+        {"k_pages": jnp.zeros((2, 6, 8, 64)), "v_pages": jnp.zeros((2, 6, 8, 64))},
+        r"page_size must be one of \(16, 32, 64, 128\), got 8",
+    ),
+    (
+        {"k_pages": jnp.zeros((6, 16, 64)), "v_pages": jnp.zeros((6, 16, 64))},
+        r"k_pages must be \[num_kv_heads",
+    ),
+    ({"lengths": jnp.ones((3,), jnp.int32)}, r"lengths must have shape \(num_seqs,\) = \(2,\), got \(3,\)"),
+    ({"lengths": jnp.ones((2,), jnp.float32)}, r"lengths must be int32, got float32"),
+    (
+        {"page_indices": jnp.zeros((3, 3), jnp.int32)},
+        r"page_indices must have shape \(num_seqs, pages_per_seq\)",
+    ),
+    ({"page_indices": jnp.zeros((2, 3), jnp.float32)}, r"page_indices must be int32, got float32"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD_INPUTS)
+def test_rejects_bad_inputs(change, message):
+    args = valid_args() | change
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**args, backend="gpu", interpret=True)
+    with pytest.raises(ValueError, match=message):
+        paged_attention_reference(**args)
+
+
+@pytest.mark.parametrize(
+    "knobs,message",
+    [
+        ({"backend": "cuda"}, r"backend must be one of \('auto', 'tpu', 'gpu'\), got 'cuda'"),
+        ({"backend": "tpu", "pages_per_compute_block": 3}, r"pages_per_compute_block must be a power of two"),
+        ({"backend": "tpu", "num_splits": 2}, r"num_splits is a knob of the other backend"),
+        ({"backend": "gpu", "num_splits": 0}, r"num_splits must be >= 1, got 0"),
+    ],
+)
+def test_rejects_bad_knobs(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        paged_attention(**valid_args(), interpret=True, **knobs)

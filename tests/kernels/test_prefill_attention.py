@@ -1,0 +1,207 @@
+"""Chunked-prefill kernel (both Pallas variants, interpret mode on CPU) against the jnp reference, and the
+reference against a naive numpy causal attention."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.prefill_attention import prefill_attention, prefill_attention_reference
+
+# (dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, chunk_len)
+CASES = [
+    (jnp.float32, 16, 4, 4, 64, 3, 20),  # MHA; two query blocks of 16
+    (jnp.bfloat16, 16, 8, 2, 128, 3, 12),  # GQA 4:1
+    (jnp.float32, 32, 9, 3, 128, 2, 20),  # GQA 3:1
+    (jnp.bfloat16, 32, 4, 4, 64, 3, 20),
+    (jnp.float32, 128, 8, 2, 64, 2, 20),
+    (jnp.bfloat16, 128, 9, 3, 64, 2, 9),
+]
+CASE_IDS = [f"{d.__name__}-ps{ps}-{qh}q{kh}kv-d{hd}-c{c}" for d, ps, qh, kh, hd, _, c in CASES]
+
+
+def chunk_layout(page_size, pages_per_seq, chunk_len):
+    """(q_start, lengths): contexts of 1, a page -1/0/+1 and the full table; chunks at q_start 0 and later,
+    full and partial (padding rows)."""
+    lengths = np.array([1, page_size - 1, page_size, page_size + 1, page_size * pages_per_seq])
+    real = np.minimum([1, chunk_len, chunk_len // 2, chunk_len, chunk_len - 3], lengths)
+    return (lengths - real).astype(np.int32), lengths.astype(np.int32)
+
+
+def make_inputs(
+    rng, make_kv, dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, chunk_len
+):
+    q_start, lengths = chunk_layout(page_size, pages_per_seq, chunk_len)
+    kv = make_kv(
+        rng,
+        lengths=list(lengths),
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        dtype=dtype,
+    )
+    q = jnp.asarray(rng.standard_normal((len(lengths), chunk_len, num_q_heads, head_dim)), dtype)
+    return q, kv, jnp.asarray(q_start)
+
+
+def real_rows(q_start, lengths):
+    return [int(n) for n in np.asarray(lengths) - np.asarray(q_start)]
+
+
+def assert_close_on_real_rows(out, ref, q_start, lengths, tol):
+    out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+    for s, n in enumerate(real_rows(q_start, lengths)):
+        np.testing.assert_allclose(out[s, :n], ref[s, :n], atol=tol, rtol=tol, err_msg=f"sequence {s}")
+        np.testing.assert_array_equal(out[s, n:], 0.0, err_msg=f"padding rows of sequence {s}")
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_kernel_matches_reference(case, backend, rng, make_kv, tol):
+    dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, chunk_len = case
+    q, kv, q_start = make_inputs(
+        rng, make_kv, dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, chunk_len
+    )
+    args = (q, kv.k_pages, kv.v_pages, kv.page_indices, q_start, kv.lengths)
+    out = prefill_attention(*args, backend=backend, interpret=True, block_q=16, pages_per_compute_block=2)
+    ref = prefill_attention_reference(*args)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close_on_real_rows(out, ref, q_start, kv.lengths, tol(dtype))
+
+
+@pytest.mark.parametrize(
+    "backend,knobs",
+    [
+        ("tpu", {}),  # tuned-table defaults
+        ("tpu", {"block_q": 32, "pages_per_compute_block": 1}),
+        ("gpu", {}),
+        ("gpu", {"block_q": 32, "pages_per_compute_block": 4}),
+    ],
+)
+def test_tuning_knobs(backend, knobs, rng, make_kv, tol):
+    q, kv, q_start = make_inputs(rng, make_kv, jnp.float32, 16, 6, 2, 64, 4, 40)
+    args = (q, kv.k_pages, kv.v_pages, kv.page_indices, q_start, kv.lengths)
+    out = prefill_attention(*args, backend=backend, interpret=True, sm_scale=0.2, **knobs)
+    ref = prefill_attention_reference(*args, sm_scale=0.2)
+    assert_close_on_real_rows(out, ref, q_start, kv.lengths, tol(jnp.float32))
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=CASE_IDS[:3])
+def test_reference_matches_naive_numpy(case, rng, make_kv, naive, tol):
+    dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, chunk_len = case
+    q, kv, q_start = make_inputs(
+        rng, make_kv, dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, chunk_len
+    )
+    ref = prefill_attention_reference(q, kv.k_pages, kv.v_pages, kv.page_indices, q_start, kv.lengths)
+    ref = np.asarray(ref.astype(jnp.float32))
+    q64 = np.asarray(q.astype(jnp.float32), np.float64)
+    for s, n in enumerate(real_rows(q_start, kv.lengths)):
+        positions = int(q_start[s]) + np.arange(n)
+        want = naive(q64[s, :n], kv.k_dense[s], kv.v_dense[s], positions, 1 / np.sqrt(head_dim))
+        np.testing.assert_allclose(ref[s, :n], want, atol=tol(dtype), rtol=tol(dtype))
+        np.testing.assert_array_equal(ref[s, n:], 0.0)
+
+
+def test_single_token_chunk_equals_decode(rng, make_kv):
+    """A one-token chunk at the end of the context is a decode step."""
+    from kernels_pallas.paged_attention import paged_attention_reference
+
+    q, kv, _ = make_inputs(rng, make_kv, jnp.float32, 16, 4, 2, 64, 3, 1)
+    q_start = kv.lengths - 1
+    out = prefill_attention(
+        q, kv.k_pages, kv.v_pages, kv.page_indices, q_start, kv.lengths, backend="gpu", interpret=True
+    )
+    dec = paged_attention_reference(q[:, 0], kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices)
+    np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(dec), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_for_real_hardware(kernel_backend, platform, dtype):
+    """Runs the Mosaic / Triton lowering (no device needed) so unsupported ops fail here, not on hardware."""
+    args = (
+        jax.ShapeDtypeStruct((2, 200, 9, 64), dtype),
+        jax.ShapeDtypeStruct((3, 40, 16, 64), dtype),
+        jax.ShapeDtypeStruct((3, 40, 16, 64), dtype),
+        jax.ShapeDtypeStruct((2, 20), jnp.int32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.ShapeDtypeStruct((2,), jnp.int32),
+    )
+    traced = prefill_attention.trace(*args, backend=kernel_backend)
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
+
+
+# ----------------------------------------------------------------------------------------- validation
+
+
+def valid_args():
+    pages = jnp.zeros((2, 6, 16, 64), jnp.float32)
+    ones = jnp.ones((2,), jnp.int32)
+    return dict(
+        q=jnp.zeros((2, 5, 4, 64), jnp.float32),
+        k_pages=pages,
+        v_pages=pages,
+        page_indices=jnp.zeros((2, 3), jnp.int32),
+        q_start=ones,
+        lengths=ones,
+    )
+
+
+BAD_INPUTS = [
+    (
+        {"q": jnp.zeros((2, 4, 64))},
+        r"q must be \[num_seqs, chunk_len, num_q_heads, head_dim\], got shape \(2, 4, 64\)",
+    ),
+    ({"q": jnp.zeros((2, 5, 3, 64))}, r"num_q_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+    (
+        {"q": jnp.zeros((2, 5, 4, 64), jnp.bfloat16)},
+        r"q dtype \(bfloat16\) must match the k_pages/v_pages dtype",
+    ),
+    ({"q": jnp.zeros((2, 5, 4, 32))}, r"q head_dim \(32\) must match the k_pages head_dim \(64\)"),
+    (
+        {"k_pages": jnp.zeros((2, 6, 16, 48)), "v_pages": jnp.zeros((2, 6, 16, 48))},
+        r"head_dim must be one of \(64, 128, 256\), got 48",
+    ),
+    (
+        {"k_pages": jnp.zeros((2, 6, 256, 64)), "v_pages": jnp.zeros((2, 6, 256, 64))},
+        r"page_size must be one of \(16, 32, 64, 128\), got 256",
+    ),
+    ({"v_pages": jnp.zeros((2, 6, 16, 64), jnp.bfloat16)}, r"k_pages and v_pages must have the same dtype"),
+    (
+        {"q_start": jnp.ones((2, 1), jnp.int32)},
+        r"q_start must have shape \(num_seqs,\) = \(2,\), got \(2, 1\)",
+    ),
+    ({"q_start": jnp.ones((2,), jnp.float32)}, r"q_start must be int32, got float32"),
+    ({"lengths": jnp.ones((1,), jnp.int32)}, r"lengths must have shape \(num_seqs,\) = \(2,\), got \(1,\)"),
+    (
+        {"page_indices": jnp.zeros((2,), jnp.int32)},
+        r"page_indices must have shape \(num_seqs, pages_per_seq\)",
+    ),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD_INPUTS)
+def test_rejects_bad_inputs(change, message):
+    args = valid_args() | change
+    with pytest.raises(ValueError, match=message):
+        prefill_attention(**args, backend="tpu", interpret=True)
+    with pytest.raises(ValueError, match=message):
+        prefill_attention_reference(**args)
+
+
+@pytest.mark.parametrize(
+    "knobs,message",
+    [
+        ({"block_q": 8}, r"block_q must be a power of two >= 16, got 8"),
+        ({"block_q": 48}, r"block_q must be a power of two >= 16, got 48"),
+        ({"pages_per_compute_block": 0}, r"pages_per_compute_block must be a power of two >= 1, got 0"),
+        ({"num_warps": 4}, r"num_warps is a knob of the other backend; it is not used by backend='tpu'"),
+    ],
+)
+def test_rejects_bad_knobs(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        prefill_attention(**valid_args(), backend="tpu", interpret=True, **knobs)
