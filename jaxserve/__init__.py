@@ -1,1 +1,30 @@
-"""jaxserve"""
+"""jaxserve: an LLM inference and serving engine in JAX/XLA.
+
+The public API mirrors vLLM: `LLM` for offline generation, `SamplingParams`, `RequestOutput`, and
+`AsyncLLMEngine` for servers. Imports are lazy so that `import jaxserve` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "jaxserve.llm",
+    "SamplingParams": "jaxserve.sampling_params",
+    "RequestOutputKind": "jaxserve.sampling_params",
+    "RequestOutput": "jaxserve.outputs",
+    "CompletionOutput": "jaxserve.outputs",
+    "LLMEngine": "jaxserve.engine",
+    "AsyncLLMEngine": "jaxserve.async_engine",
+    "EngineConfig": "jaxserve.config",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -114,11 +114,15 @@ def reference_paged_attention(
         g = pages[:, block_tables]  # [Hkv, S, P, B, D]
         return g.reshape(num_kv_heads, num_seqs, context, head_dim).swapaxes(0, 1).astype(jnp.float32)
 
-    k, v = gather(k_pages), gather(v_pages)
+    k_pos_all = jnp.arange(context, dtype=jnp.int32)
+    in_context = (k_pos_all[None, :] < lengths[:, None])[:, None, :, None]  # [S, 1, context, 1]
+    # slots past a sequence's length may hold stale or garbage values: keep them out of the products
+    k = jnp.where(in_context, gather(k_pages), 0.0)
+    v = jnp.where(in_context, gather(v_pages), 0.0)
     qg = q.reshape(num_seqs, num_q, num_kv_heads, group, head_dim).astype(jnp.float32)
     scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k) * sm_scale
     q_pos = token_positions(q_start, num_q)[:, :, None]  # [S, Q, 1]
-    k_pos = jnp.arange(context, dtype=jnp.int32)[None, None, :]
+    k_pos = k_pos_all[None, None, :]
     mask = (k_pos <= q_pos) & (k_pos < lengths[:, None, None])
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window

@@ -129,3 +129,36 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos_ids,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything `LLM(...)` and `jaxserve serve` take, with vLLM's names.
+
+    `None` means "derive": `max_model_len` from the model and the largest context bucket,
+    `max_num_seqs` from the largest decode bucket, `max_num_batched_tokens` from the largest prefill
+    bucket, `block_size` from the bucket file, and `num_kv_blocks` from the memory budget.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    buckets: str | None = None
+    seed: int = 0
+    attention_backend: str = "auto"
+    waiting_served_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

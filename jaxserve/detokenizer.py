@@ -1,0 +1,56 @@
+"""Incremental detokenization and stop checks, on the host after each step.
+
+Text grows by decoding a short window of the latest token ids (the prefix/read offsets of vLLM), so
+each step costs O(1) in the output length and multi-byte characters are only emitted once complete.
+Stop strings are searched in the tail of the text where a new match can appear, so a stop string that
+spans token boundaries is caught.
+"""
+
+from __future__ import annotations
+
+from jaxserve.sampling_params import SamplingParams
+
+_PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first outputs, for correct leading spaces
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.params.skip_special_tokens,
+            spaces_between_special_tokens=self.params.spaces_between_special_tokens,
+        )
+
+    def append(self, token_id: int) -> str | None:
+        """Adds one generated token; returns the stop string it completed, if any (text is then cut)."""
+        self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None  # an incomplete multi-byte character or nothing visible yet
+        previous_len = len(self.text)
+        self.text += full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return self._check_stop(previous_len)
+
+    def _check_stop(self, previous_len: int) -> str | None:
+        if not self.params.stop:
+            return None
+        search_from = max(0, previous_len - self.max_stop_len + 1)
+        hits = [(self.text.find(s, search_from), s) for s in self.params.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return None
+        pos, stop = min(hits)
+        end = pos + len(stop) if self.params.include_stop_str_in_output else pos
+        self.text = self.text[:end]
+        return stop

@@ -1,0 +1,287 @@
+"""LLMEngine: add_request / step / abort, the loop that LLM.generate and AsyncLLMEngine both drive.
+
+Each `step()` asks the Scheduler for a Schedule, pads it to the chosen bucket, runs the ModelRunner's
+precompiled executable, then appends the sampled tokens, detokenizes, applies stop conditions and
+returns a RequestOutput for every request that advanced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import jax
+import numpy as np
+
+from jaxserve.block_manager import BlockManager, num_blocks_from_budget
+from jaxserve.buckets import BucketGrid, load_bucket_spec
+from jaxserve.config import EngineConfig
+from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.logger import init_logger
+from jaxserve.model_runner import ModelRunner, StepInputs, kv_bytes_per_block, step_shape
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampler import SamplingTensors
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.scheduler import Schedule, Scheduler
+from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.weights import LoadedModel, load_model
+
+logger = init_logger("jaxserve.engine")
+
+DEFAULT_CPU_KV_BLOCKS = 1024
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclasses.dataclass
+class Request:
+    """Host state of one request: its sequence, detokenizer and what was last reported."""
+
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    seed: int
+    stop_reason: int | str | None = None
+    num_reported_tokens: int = 0
+    num_reported_chars: int = 0
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters the benchmarks and the metrics endpoint read."""
+
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_real_tokens: int = 0
+    num_padded_tokens: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+    @property
+    def padding_waste(self) -> float:
+        """Padded slots per real token over all steps."""
+        return self.num_padded_tokens / max(self.num_real_tokens, 1)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, warm_up: bool = True):
+        self.config = config
+        loaded = loaded or load_model(config.model, config.dtype)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        platform = jax.default_backend()
+        spec = load_bucket_spec(config.buckets, platform)
+        self.block_size = config.block_size or spec.block_size
+        num_blocks = self._num_kv_blocks(loaded, platform)
+        self.block_manager = BlockManager(num_blocks, self.block_size)
+        self.grid = self._bucket_grid(spec, num_blocks)
+        self.max_model_len = self.grid.max_model_len
+        self.scheduler = Scheduler(
+            self.block_manager, self.grid,
+            max_num_seqs=self.grid.max_num_seqs, max_num_batched_tokens=self.grid.max_num_batched_tokens,
+            **({} if config.waiting_served_ratio is None else {"waiting_served_ratio": config.waiting_served_ratio}),
+        )
+        self.runner = ModelRunner(
+            loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
+            num_blocks=num_blocks, attention_backend=config.attention_backend,
+        )
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._rng = random.Random(config.seed)
+        self.eos_token_ids = set(loaded.config.eos_token_id)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        if warm_up:
+            self.warm_up()
+
+    # ----- construction -------------------------------------------------------------------------
+    def _num_kv_blocks(self, loaded: LoadedModel, platform: str) -> int:
+        bytes_per_block = kv_bytes_per_block(loaded.config, self.block_size, self.config.dtype)
+        budget = None
+        if platform != "cpu" and self.config.num_kv_blocks is None:
+            stats = jax.devices()[0].memory_stats() or {}
+            weights = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
+            limit = stats.get("bytes_limit", 0) * self.config.gpu_memory_utilization
+            budget = int(limit - stats.get("bytes_in_use", 0) - weights)
+        return num_blocks_from_budget(
+            bytes_per_block, num_kv_blocks=self.config.num_kv_blocks,
+            memory_budget_bytes=budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS,
+        )
+
+    def _bucket_grid(self, spec, num_blocks: int) -> BucketGrid:
+        max_model_len = self.config.max_model_len or min(
+            self.model_config.max_position_embeddings, max(spec.context_lengths)
+        )
+        grid = BucketGrid(
+            spec, block_size=self.block_size, max_model_len=max_model_len,
+            max_num_seqs=self.config.max_num_seqs or max(spec.decode_batch_sizes),
+            max_num_batched_tokens=self.config.max_num_batched_tokens
+            or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths),
+            num_blocks=num_blocks,
+        )
+        grid.check_max_model_len(max_model_len)
+        return grid
+
+    def warm_up(self) -> None:
+        """Compiles every feasible bucket; after this nothing compiles while serving."""
+        logger.info("%s", self.grid.format_table())
+        start = time.perf_counter()
+        buckets = [*self.grid.prefill_buckets, *self.grid.decode_buckets]
+        self.runner.warm_up(buckets)
+        logger.info(
+            "warmed up %d buckets (%d executables) in %.1fs", len(buckets),
+            len(self.runner.executables), time.perf_counter() - start,
+        )
+
+    # ----- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
+        self.grid.check_request(len(token_ids), max_tokens)
+        seq = Sequence(request_id, token_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+        self.requests[request_id] = Request(request_id, text, params, seq, detok, seed & 0xFFFFFFFF)
+        self.scheduler.add(seq)
+        self.stats.num_prompt_tokens += len(token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort(request_id)
+        request.seq.status = SequenceStatus.FINISHED_ABORTED
+        return self._make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----- one iteration ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        schedule = self.scheduler.schedule()
+        self.stats.num_preemptions += len(schedule.preempted)
+        outputs = [self._finish_ignored(seq) for seq in schedule.ignored]
+        if schedule.is_idle:
+            return outputs
+        inputs = self._prepare_inputs(schedule)
+        tokens, _ = self.runner.execute(schedule.bucket, inputs)
+        self._count_step(schedule)
+        return outputs + self._process_tokens(schedule, np.asarray(tokens))
+
+    def _finish_ignored(self, seq: Sequence) -> RequestOutput:
+        """A sequence the scheduler could never run (it reached max_model_len) ends with "length"."""
+        request = self.requests.pop(seq.request_id)
+        return self._make_output(request)
+
+    def _prepare_inputs(self, schedule: Schedule) -> StepInputs:
+        shape = step_shape(schedule.bucket, self.block_size)
+        rows = self._rows(schedule)
+        s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
+        input_ids = np.zeros((s, q), np.int32)
+        block_tables = np.zeros((s, p), np.int32)
+        q_start = np.zeros(s, np.int32)
+        lengths = np.zeros(s, np.int32)
+        sample_index = np.zeros(s, np.int32)
+        sampling_rows = []
+        for i, (seq, start, num_tokens) in enumerate(rows):
+            input_ids[i, :num_tokens] = seq.all_token_ids[start : start + num_tokens]
+            block_tables[i, : len(seq.block_table)] = seq.block_table
+            q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
+            request = self.requests[seq.request_id]
+            sampling_rows.append((request.params, request.seed, seq.num_output_tokens))
+        sampling = SamplingTensors.from_rows(sampling_rows, s)
+        return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling)
+
+    @staticmethod
+    def _rows(schedule: Schedule) -> list[tuple[Sequence, int, int]]:
+        """(sequence, first position, number of tokens) for every real row of the step."""
+        if schedule.is_prefill:
+            return [(c.seq, c.start, c.num_tokens) for c in schedule.prefill_chunks]
+        return [(seq, seq.num_computed_tokens, 1) for seq in schedule.decode_seqs]
+
+    def _count_step(self, schedule: Schedule) -> None:
+        self.stats.num_steps += 1
+        if schedule.is_prefill:
+            self.stats.num_prefill_steps += 1
+        else:
+            self.stats.num_decode_steps += 1
+        self.stats.num_real_tokens += schedule.num_batched_tokens
+        self.stats.num_padded_tokens += schedule.num_padded_tokens
+
+    def _process_tokens(self, schedule: Schedule, tokens: np.ndarray) -> list[RequestOutput]:
+        outputs = []
+        for i, (seq, _, num_tokens) in enumerate(self._rows(schedule)):
+            seq.num_computed_tokens += num_tokens
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt samples nothing
+            request = self.requests[seq.request_id]
+            self._append_token(request, int(tokens[i]))
+            output = self._make_output(request)
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+                del self.requests[seq.request_id]
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int) -> None:
+        seq, params = request.seq, request.params
+        seq.append_token(token_id)
+        self.stats.num_generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        stop_string = request.detokenizer.append(token_id)
+        can_stop = seq.num_output_tokens >= params.min_tokens
+        if can_stop and not params.ignore_eos and token_id in self.eos_token_ids:
+            self._finish(request, SequenceStatus.FINISHED_STOPPED, None)
+        elif can_stop and token_id in params.stop_token_ids:
+            self._finish(request, SequenceStatus.FINISHED_STOPPED, token_id)
+        elif stop_string is not None:
+            self._finish(request, SequenceStatus.FINISHED_STOPPED, stop_string)
+        elif seq.num_output_tokens >= (params.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
+            self._finish(request, SequenceStatus.FINISHED_LENGTH, None)
+
+    @staticmethod
+    def _finish(request: Request, status: SequenceStatus, stop_reason) -> None:
+        request.seq.status = status
+        request.stop_reason = stop_reason
+
+    def _make_output(self, request: Request) -> RequestOutput | None:
+        seq, kind = request.seq, request.params.output_kind
+        finished = seq.is_finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        text, token_ids = request.detokenizer.text, seq.output_token_ids
+        if kind == RequestOutputKind.DELTA:
+            text, token_ids = text[request.num_reported_chars :], token_ids[request.num_reported_tokens :]
+        request.num_reported_chars = len(request.detokenizer.text)
+        request.num_reported_tokens = seq.num_output_tokens
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(token_ids),
+            finish_reason=_FINISH_REASONS.get(seq.status), stop_reason=request.stop_reason,
+        )
+        return RequestOutput(request.request_id, request.prompt, seq.prompt_token_ids, [completion], finished)

@@ -1,0 +1,1 @@
+"""Entry points: the `jaxserve` command line (and, later, the HTTP server)."""

@@ -1,0 +1,70 @@
+"""The `jaxserve` command: `jaxserve generate "prompt"` prints a greedy completion.
+
+With no `--model` it runs the embedded SmolLM2-135M-Instruct; a chat model's template is applied
+unless `--no-chat-template` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: embedded)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--buckets", default=None, help="bucket file path or name (cpu, gpu, tpu)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxserve", description="LLM serving engine in JAX/XLA")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="print a greedy completion of a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    _add_engine_args(gen)
+    return parser
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    names = ("dtype", "max_model_len", "max_num_seqs", "block_size", "num_kv_blocks", "buckets",
+             "attention_backend", "seed")
+    return {name: getattr(args, name) for name in names}
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(args.model, **_engine_kwargs(args))
+    tokenizer = llm.get_tokenizer()
+    prompt = args.prompt
+    if not args.no_chat_template and getattr(tokenizer, "chat_template", None):
+        prompt = {"prompt_token_ids": chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    output = llm.generate([prompt], params, use_tqdm=False)[0]
+    print(output.outputs[0].text)
+    return 0
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation through the tokenizer's chat template, ready for the assistant turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return run_generate(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""LLM: the offline Python API (vLLM's names and defaults) on top of LLMEngine.
+
+`LLM(...)` loads the model and warms up every bucket; `generate` adds all prompts, steps the engine
+until they finish (a tqdm bar counts finished requests) and returns RequestOutputs in input order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        block_size: int | None = None,
+        num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        buckets: str | None = None,
+        seed: int = 0,
+        attention_backend: str = "auto",
+        **engine_kwargs,
+    ):
+        config = EngineConfig(
+            model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            buckets=buckets, seed=seed, attention_backend=attention_backend, **engine_kwargs,
+        )
+        self.llm_engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = self._params_per_prompt(prompts, sampling_params)
+        request_ids = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            request_id = str(next(self._counter))
+            self.llm_engine.add_request(request_id, prompt, _final_only(params))
+            request_ids.append(request_id)
+        return self._run_engine(request_ids, use_tqdm)
+
+    @staticmethod
+    def _params_per_prompt(prompts, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; the lengths must match"
+            )
+        return list(sampling_params)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """Offline generation only needs each request's final output."""
+    import dataclasses
+
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)

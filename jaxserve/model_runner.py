@@ -1,0 +1,132 @@
+"""The only owner of device state: parameters, the KV pool and one compiled executable per bucket.
+
+The engine hands it a bucket and padded numpy arrays; it dispatches the bucket's executable, which runs
+the model over the paged KV pool (donated, so updated in place) and samples one token per sequence.
+Executables are compiled ahead of time from `ShapeDtypeStruct`s (`jit(...).lower(...).compile()`), so
+serving never compiles; `num_compiles` counts every executable built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.attention import AttentionMetadata, get_attention_backend
+from jaxserve.config import ModelConfig
+from jaxserve.models import get_model_class
+from jaxserve.sampler import SamplingTensors, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The static shape of one executable: S sequences × Q query tokens, P pages of block table."""
+
+    batch_size: int
+    num_query_tokens: int
+    pages_per_seq: int
+
+
+def step_shape(bucket, block_size: int) -> StepShape:
+    """Prefill buckets have `chunk_len` query tokens per sequence; decode buckets have one."""
+    num_query_tokens = getattr(bucket, "chunk_len", 1)
+    return StepShape(bucket.batch_size, num_query_tokens, -(-bucket.context_len // block_size))
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """Host-side, already padded to the bucket's shape."""
+
+    input_ids: np.ndarray  # i32[S, Q]
+    block_tables: np.ndarray  # i32[S, P]
+    q_start: np.ndarray  # i32[S]
+    lengths: np.ndarray  # i32[S]
+    sample_index: np.ndarray  # i32[S], which query token's logits to sample from
+    sampling: SamplingTensors
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: str) -> int:
+    itemsize = jnp.dtype(dtype).itemsize
+    return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * itemsize
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: dict,
+        *,
+        dtype: str,
+        block_size: int,
+        num_blocks: int,
+        attention_backend: str = "auto",
+    ):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.backend = get_attention_backend(attention_backend)
+        self.model = get_model_class(config.architecture)(config, self.dtype, self.backend)
+        self.params = jax.device_put(params)
+        self.kv_pool = self._allocate_pool()
+        self.executables: dict[StepShape, jax.stages.Compiled] = {}
+        self.num_compiles = 0
+        self.compile_seconds = 0.0
+
+    def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
+        cfg = self.config
+        shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
+        return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+
+    def _step(self, params, kv_pool, input_ids, meta, sample_index, sampling):
+        hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
+        last = jnp.take_along_axis(hidden, sample_index[:, None, None], axis=1)[:, 0]
+        logits = self.model.apply(params, last, method=self.model.logits)
+        return sample(logits, sampling), logits, kv_pool
+
+    def _abstract_inputs(self, shape: StepShape):
+        s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
+        i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
+        meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s))
+        sampling = SamplingTensors(
+            temperature=jax.ShapeDtypeStruct((s,), jnp.float32),
+            top_k=i32(s),
+            top_p=jax.ShapeDtypeStruct((s,), jnp.float32),
+            min_p=jax.ShapeDtypeStruct((s,), jnp.float32),
+            seeds=jax.ShapeDtypeStruct((s,), jnp.uint32),
+            steps=i32(s),
+        )
+        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        return abstract(self.params), abstract(self.kv_pool), i32(s, q), meta, i32(s), sampling
+
+    def compile(self, shape: StepShape) -> jax.stages.Compiled:
+        """Compiles (once) the executable for one step shape."""
+        if shape not in self.executables:
+            start = time.perf_counter()
+            lowered = jax.jit(self._step, donate_argnums=(1,)).lower(*self._abstract_inputs(shape))
+            self.executables[shape] = lowered.compile()
+            self.compile_seconds += time.perf_counter() - start
+            self.num_compiles += 1
+        return self.executables[shape]
+
+    def warm_up(self, buckets: Iterable) -> None:
+        for bucket in buckets:
+            self.compile(step_shape(bucket, self.block_size))
+
+    def execute(self, bucket, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
+        """Dispatches one step; returns (tokens i32[S], logits f32[S, V]) as device arrays (async)."""
+        shape = step_shape(bucket, self.block_size)
+        executable = self.executables.get(shape)
+        if executable is None:
+            raise RuntimeError(f"no compiled executable for bucket {bucket} (shape {shape}); warm it up first")
+        meta = AttentionMetadata(
+            block_tables=inputs.block_tables, q_start=inputs.q_start, lengths=inputs.lengths
+        )
+        tokens, logits, self.kv_pool = executable(
+            self.params, self.kv_pool, inputs.input_ids, meta, inputs.sample_index, inputs.sampling
+        )
+        return tokens, logits

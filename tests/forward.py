@@ -1,0 +1,40 @@
+"""Runs the Flax model directly over a paged KV pool, chunk by chunk, for parity tests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.attention import AttentionMetadata, get_attention_backend
+from jaxserve.models import get_model_class
+
+
+class PagedForward:
+    def __init__(self, config, params, *, dtype="float32", block_size=4, num_blocks=32, backend="reference"):
+        self.config, self.params, self.block_size = config, params, block_size
+        self.model = get_model_class(config.architecture)(config, jnp.dtype(dtype), get_attention_backend(backend))
+        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        nan = jnp.full(shape, jnp.nan, jnp.dtype(dtype))  # unwritten slots are NaN: a stray read shows
+        self.pool = (nan, nan)
+        self._apply = jax.jit(self._forward)
+
+    def _forward(self, params, pool, ids, meta):
+        hidden, pool = self.model.apply(params, ids, pool, meta)
+        return self.model.apply(params, hidden, method=self.model.logits), pool
+
+    def run(self, token_ids: list[int], block_table: list[int], chunks: list[int]) -> np.ndarray:
+        """Feeds `token_ids` in chunks of the given sizes; returns the logits of every token [T, V]."""
+        assert sum(chunks) == len(token_ids)
+        out, start = [], 0
+        table = jnp.asarray([block_table], jnp.int32)
+        for size in chunks:
+            ids = jnp.asarray([token_ids[start : start + size]], jnp.int32)
+            meta = AttentionMetadata(
+                block_tables=table, q_start=jnp.asarray([start], jnp.int32),
+                lengths=jnp.asarray([start + size], jnp.int32),
+            )
+            logits, self.pool = self._apply(self.params, self.pool, ids, meta)
+            out.append(np.asarray(logits[0]))
+            start += size
+        return np.concatenate(out)

@@ -1,0 +1,73 @@
+"""Tiny random Hugging Face models of each supported family, saved as model directories for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 320  # 3 special tokens + 256 byte tokens + unused ids
+
+
+def tiny_hf_config(family: str, **overrides):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+    }
+    config = classes[family](**{**common, **overrides})
+    config._attn_implementation = "eager"
+    return config
+
+
+def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Saves a seeded random model (safetensors + config.json) and a byte-level tokenizer into `path`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # larger weights than the default init, so logits differ visibly
+        for param in model.parameters():
+            param.normal_(0.0, 0.15 if param.dim() > 1 else 0.5)
+            if param.dim() == 1 and param.shape[0] == config.hidden_size:
+                param.add_(1.0)
+    model.save_pretrained(path)
+    byte_level_tokenizer().save_pretrained(path)
+    return path
+
+
+def byte_level_tokenizer():
+    """A byte-level BPE tokenizer without merges: ids 0-2 are <unk>, <s>, </s>, then one id per byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({ch: i + 3 for i, ch in enumerate(sorted(alphabet))})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        chat_template="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}",
+    )
+
+
+def hf_logits(path: Path, token_ids: list[int]) -> np.ndarray:
+    """transformers' float32 logits [T, V] for one sequence."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].numpy()

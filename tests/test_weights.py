@@ -1,0 +1,126 @@
+"""Weight loading: model resolution, GGUF conversion details, and clear loading errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxserve.weights import EMBEDDED_INSTALL, embedded_model_path, load_model, resolve_model_path
+from jaxserve.weights.gguf_file import dequantize_tensor, hf_name, unpermute_qk
+from tests.hf_tiny import make_tiny_model
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model not found: .*nowhere.gguf"):
+        resolve_model_path(str(tmp_path / "nowhere.gguf"))
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json in model directory"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"unsupported model architecture \['GPTNeoXForCausalLM'\]; supported: "
+                       r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_dtype(tmp_path):
+    with pytest.raises(ValueError, match="unsupported dtype 'float16'; supported: float32, bfloat16"):
+        load_model(str(tmp_path), "float16")
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = make_tiny_model(tmp_path / "m")
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks tensors: model.layers.1.mlp.up_proj.weight"):
+        load_model(str(path))
+
+
+def test_sharded_safetensors_with_index(tmp_path):
+    path = make_tiny_model(tmp_path / "m")
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: tensors[n] for n in part}, path / file, metadata={"format": "pt"})
+    (path / "model.safetensors").unlink()
+    weight_map = {n: file for file, part in halves.items() for n in part}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    loaded = load_model(str(path))
+    np.testing.assert_array_equal(
+        loaded.params["params"]["layers"]["mlp"]["up_proj"]["kernel"][1],
+        tensors["model.layers.1.mlp.up_proj.weight"].T,
+    )
+
+
+def test_gguf_names_map_to_hf():
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("blk.0.attn_k.bias") == "model.layers.0.self_attn.k_proj.bias"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    assert hf_name("rope_freqs.weight") is None
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    num_heads, head_dim, hidden = 3, 8, 5
+    w = np.arange(num_heads * head_dim * hidden, dtype=np.float32).reshape(num_heads * head_dim, hidden)
+    # llama.cpp's convert script: reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2)
+    permuted = w.reshape(num_heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(w.shape)
+    np.testing.assert_array_equal(unpermute_qk(permuted, num_heads), w)
+
+
+def _write_gguf(path, tensor_type):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    raw = np.zeros((4, 40), dtype=np.uint8)  # one Q8_1 block (32 weights) per row
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(str(path)).tensors[0]
+
+
+def test_unsupported_gguf_tensor_type(tmp_path):
+    import gguf
+
+    tensor = _write_gguf(tmp_path / "q81.gguf", gguf.GGMLQuantizationType.Q8_1)
+    with pytest.raises(ValueError, match="unsupported GGUF tensor type Q8_1 for tensor 'blk.0.attn_q.weight'"):
+        dequantize_tensor(tensor)
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "gptneox")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gptneox'; supported: llama, qwen2"):
+        load_model(str(tmp_path / "x.gguf"))
+
+
+def test_embedded_model_missing_names_the_install_command(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=EMBEDDED_INSTALL):
+        embedded_model_path()
+
+
+def test_embedded_model_config():
+    from jaxserve.weights import load_config
+
+    cfg = load_config(embedded_model_path())
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 9, 3, 49152)
+    assert cfg.tie_word_embeddings and cfg.head_dim == 64
