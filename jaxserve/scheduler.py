@@ -1,0 +1,394 @@
+"""Continuous batching policy (host side, no JAX).
+
+``LLMEngine.step()`` calls ``Scheduler.schedule()``, which only changes host state (queues, block
+tables) and returns a plain ``Schedule``: the sequences of one step and the bucket it runs on. The
+``ModelRunner`` pads the batch to that bucket and runs its executable; the engine then advances the
+sequences (``Schedule.advance``), checks stop conditions and calls ``finish`` on finished ones.
+
+One step is EITHER a prefill step (chunks of prompts, on a ``PrefillBucket``) OR a decode step (one
+token per running sequence, on a ``DecodeBucket``): they are different executables.
+
+Policy
+  * Queues: ``waiting`` (FCFS deque; preempted sequences go back to its front) and ``running``.
+  * Prefill or decode: a prefill step runs when some running sequence is mid-prefill (it keeps
+    priority until its prompt is in the cache), or when waiting sequences may be admitted: no
+    sequence is decoding, or ``num_waiting >= waiting_served_ratio * num_decoding`` (TGI), or the
+    decoders already ran ``max_waiting_steps`` decode steps while requests waited (TGI's
+    ``max_waiting_tokens``). Otherwise, or when nothing could be prefilled, all decoders decode.
+  * Prefill batch: mid-prefill sequences first (oldest first), then admissions from the head of the
+    waiting queue, while ``max_num_seqs``, the token budget ``max_num_batched_tokens`` and free blocks
+    allow. A chunk is at most the largest chunk bucket; a sequence joins a non-empty batch only if
+    the padded bucket stays within ``max_num_batched_tokens``. Admission takes the blocks of the
+    sequence's whole prefill (not just its first chunk), leaves free the blocks the decoders need for
+    their next token, and never skips the queue head (no starvation of long prompts).
+  * Preemption by recompute: when a running sequence needs a block and none is free, the NEWEST
+    running sequence (by arrival) is preempted: its blocks are freed, ``num_computed_tokens`` reset
+    and it is pushed to the front of the waiting queue (its outputs are kept and re-prefilled). This
+    repeats until the older sequence fits, or the sequence itself is the newest.
+  * A sequence that can never run (more tokens than ``max_model_len``; the grid guarantees the KV
+    pool holds one sequence of ``max_model_len``, so this covers "larger than the pool") is finished
+    with ``FINISHED_LENGTH`` and reported in ``Schedule.ignored``, so no loop waits on it forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from jaxserve.block_manager import BlockManager
+from jaxserve.buckets import BucketGrid, DecodeBucket, PrefillBucket
+from jaxserve.sequence import Sequence, SequenceStatus
+
+# TGI's defaults: admit waiting requests once they are 1.2x the decoding batch, or after 20 decode
+# steps. Starting points until measured: sweep the ratio with a serving benchmark (Poisson arrivals at
+# several request rates) and compare throughput, TTFT and inter-token latency percentiles.
+DEFAULT_WAITING_SERVED_RATIO = 1.2
+DEFAULT_MAX_WAITING_STEPS = 20
+
+
+def _age(seq: Sequence) -> tuple[float, int]:
+    return seq.arrival_time, seq.seq_id
+
+
+@dataclass
+class PrefillChunk:
+    """Tokens ``[start, start + num_tokens)`` of ``seq.all_token_ids``; ``start == num_computed_tokens``."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the cache after this chunk: what its row attends to."""
+        return self.end
+
+    @property
+    def is_last(self) -> bool:
+        """The chunk reaches the end of the sequence: its last logits are sampled."""
+        return self.end == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.all_token_ids[self.start : self.end]
+
+
+@dataclass
+class Schedule:
+    """One model step, decided by ``Scheduler.schedule()``.
+
+    Row ``i`` of the bucket is ``prefill_chunks[i]`` (prefill) or ``decode_seqs[i]`` (decode); rows
+    past them are padding. The blocks for every row's new tokens are already allocated.
+
+    The scheduler does not advance sequences: after the step the engine does, for each prefill
+    chunk, ``seq.num_computed_tokens += num_tokens`` and, if the chunk ``is_last``, appends the
+    sampled token; for each decode sequence ``num_computed_tokens += 1`` and appends the sampled
+    token. ``advance`` does exactly that.
+
+    ``preempted``: sequences moved back to the waiting queue during this call (recompute).
+    ``ignored``: sequences finished here (``FINISHED_LENGTH``) because they can never run; the engine
+    must emit their final output.
+    """
+
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    decode_seqs: list[Sequence] = field(default_factory=list)
+    bucket: PrefillBucket | DecodeBucket | None = None
+    preempted: list[Sequence] = field(default_factory=list)
+    ignored: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool(self.prefill_chunks)
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.decode_seqs)
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.prefill_chunks and not self.decode_seqs
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """The sequences of the rows, in row order."""
+        return [c.seq for c in self.prefill_chunks] if self.prefill_chunks else list(self.decode_seqs)
+
+    @property
+    def context_lens(self) -> list[int]:
+        """Per row: tokens in the cache after the step."""
+        if self.prefill_chunks:
+            return [c.context_len for c in self.prefill_chunks]
+        return [s.num_computed_tokens + 1 for s in self.decode_seqs]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Real query tokens of the step."""
+        return sum(c.num_tokens for c in self.prefill_chunks) + len(self.decode_seqs)
+
+    @property
+    def num_padded_tokens(self) -> int:
+        """Bucket query tokens minus real ones."""
+        return self.bucket.num_tokens - self.num_batched_tokens if self.bucket is not None else 0
+
+    def advance(self, sampled_token_ids: Iterable[int]) -> list[Sequence]:
+        """Apply the step's results (one sampled token per row, padding rows ignored).
+
+        Returns the sequences that received a new token, in row order.
+        """
+        sampled = list(sampled_token_ids)
+        rows = len(self.prefill_chunks) + len(self.decode_seqs)
+        if len(sampled) < rows:
+            raise ValueError(f"advance needs a sampled token per row: {rows} rows, got {len(sampled)}")
+        updated = []
+        for chunk, token in zip(self.prefill_chunks, sampled, strict=False):
+            is_last = chunk.is_last
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            if is_last:
+                chunk.seq.append_token(token)
+                updated.append(chunk.seq)
+        for seq, token in zip(self.decode_seqs, sampled, strict=False):
+            seq.num_computed_tokens += 1
+            seq.append_token(token)
+            updated.append(seq)
+        return updated
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        bucket_grid: BucketGrid,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        waiting_served_ratio: float = DEFAULT_WAITING_SERVED_RATIO,
+        max_waiting_steps: int = DEFAULT_MAX_WAITING_STEPS,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        grid = bucket_grid
+        if (block_manager.num_blocks, block_manager.block_size) != (grid.num_blocks, grid.block_size):
+            raise ValueError(
+                f"the bucket grid was pruned for {grid.num_blocks} blocks of {grid.block_size}, but the "
+                f"block manager has {block_manager.num_blocks} blocks of {block_manager.block_size}"
+            )
+        if not 1 <= max_num_seqs <= grid.max_num_seqs:
+            raise ValueError(
+                f"max_num_seqs must be in [1, {grid.max_num_seqs}] (the grid's), got {max_num_seqs}"
+            )
+        if not 1 <= max_num_batched_tokens <= grid.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens must be in [1, {grid.max_num_batched_tokens}] (the grid's), "
+                f"got {max_num_batched_tokens}"
+            )
+        if waiting_served_ratio < 0:
+            raise ValueError(f"waiting_served_ratio must be >= 0, got {waiting_served_ratio}")
+        if max_waiting_steps < 0:
+            raise ValueError(f"max_waiting_steps must be >= 0, got {max_waiting_steps}")
+        self.block_manager = block_manager
+        self.bucket_grid = grid
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = grid.max_model_len
+        self.max_chunk_len = min(grid.max_chunk_len, max_num_batched_tokens)
+        self.waiting_served_ratio = waiting_served_ratio
+        self.max_waiting_steps = max_waiting_steps
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_decode_steps_waited = 0  # decode steps since the last admission while requests waited
+        self.num_preemptions = 0  # total, for metrics
+
+    # -- queues -------------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise ValueError(f"seq {seq.seq_id}: only new WAITING sequences without blocks can be added")
+        if seq.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"seq {seq.seq_id}: {seq.num_tokens} tokens exceed max_model_len={self.max_model_len}"
+            )
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Abort every sequence of ``request_id``, waiting or running; returns them."""
+        aborted = [s for s in self.waiting if s.request_id == request_id]
+        for seq in aborted:
+            self.waiting.remove(seq)
+        running = [s for s in self.running if s.request_id == request_id]
+        for seq in running:
+            self.running.remove(seq)
+        aborted += running
+        for seq in aborted:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        return aborted
+
+    def finish(self, seq: Sequence, status: SequenceStatus | None = None) -> None:
+        """Called by the engine for a finished sequence: frees its blocks, removes it from the queues."""
+        if status is not None:
+            if not status.is_finished():
+                raise ValueError(f"finish needs a FINISHED_* status, got {status.name}")
+            seq.status = status
+        elif not seq.is_finished:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    # -- scheduling ---------------------------------------------------------------------------------
+
+    def schedule(self) -> Schedule:
+        sched = Schedule()
+        self._drop_overlong(sched)
+        partial = [s for s in self.running if s.is_prefill]
+        num_decoding = len(self.running) - len(partial)
+        if partial or self._admission_open(num_decoding):
+            self._schedule_prefill(sched, sorted(partial, key=_age))
+            if sched.prefill_chunks:
+                chunks = sched.prefill_chunks
+                sched.bucket = self.bucket_grid.select_prefill(
+                    len(chunks), max(c.num_tokens for c in chunks), max(c.context_len for c in chunks)
+                )
+                return sched
+        self._schedule_decode(sched)
+        if sched.decode_seqs:
+            sched.bucket = self.bucket_grid.select_decode(len(sched.decode_seqs), max(sched.context_lens))
+        return sched
+
+    def _admission_open(self, num_decoding: int) -> bool:
+        if not self.waiting:
+            return False
+        return (
+            num_decoding == 0
+            or len(self.waiting) >= self.waiting_served_ratio * num_decoding
+            or self.num_decode_steps_waited >= self.max_waiting_steps
+        )
+
+    def _drop_overlong(self, sched: Schedule) -> None:
+        for seq in list(self.running):
+            if seq.num_uncomputed_tokens < 1:
+                raise RuntimeError(
+                    f"seq {seq.seq_id} has no token to compute: the engine must append the sampled token "
+                    "after a step (Schedule.advance)"
+                )
+            if seq.num_tokens > self.max_model_len:
+                self._ignore(seq, sched)
+
+    def _ignore(self, seq: Sequence, sched: Schedule) -> None:
+        self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        sched.ignored.append(seq)
+
+    def _schedule_prefill(self, sched: Schedule, partial: list[Sequence]) -> None:
+        budget = self.max_num_batched_tokens
+        for seq in partial:
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for an older sequence
+                continue
+            n = self._chunk_len(seq, budget, sched.prefill_chunks)
+            if n == 0:
+                break
+            # Blocks for the whole prefill were taken at admission, so this only preempts if a
+            # sequence lost them some other way.
+            if not self._reserve(seq, n, sched):
+                break  # seq itself was the newest: every newer sequence is gone too
+            sched.prefill_chunks.append(PrefillChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        if self._admission_open(sum(not s.is_prefill for s in self.running)):
+            self._admit(sched, budget)
+
+    def _admit(self, sched: Schedule, budget: int) -> None:
+        reserve = sum(self.block_manager.num_new_blocks(s, 1) for s in self.running if not s.is_prefill)
+        admitted = False
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_tokens > self.max_model_len:
+                self.waiting.popleft()
+                self._ignore(seq, sched)
+                continue
+            n = self._chunk_len(seq, budget, sched.prefill_chunks)
+            # Take the blocks of the whole prefill now: a sequence admitted with its first chunk's
+            # blocks only could stall mid-prefill, preempt itself and be re-admitted, forever.
+            if n == 0 or not self.block_manager.can_allocate(seq, seq.num_tokens, reserve=reserve):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, seq.num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            sched.prefill_chunks.append(PrefillChunk(seq, 0, n))
+            budget -= n
+            admitted = True
+        if admitted or not self.waiting:
+            self.num_decode_steps_waited = 0
+
+    def _chunk_len(self, seq: Sequence, budget: int, chunks: list[PrefillChunk]) -> int:
+        """Tokens of ``seq`` to prefill in this step; 0 when it cannot join the batch."""
+        remaining = seq.num_uncomputed_tokens
+        n = min(remaining, self.max_chunk_len, budget)
+        if n < 1:
+            return 0
+        # Without chunked prefill a sequence is split only when no single step could hold it.
+        splittable = self.enable_chunked_prefill or remaining > self.max_chunk_len
+        if n < remaining and not splittable:
+            return 0
+        if not chunks:
+            return n
+        # Joining: the padded bucket must stay within the token budget; try shorter chunks too.
+        candidates = [n]
+        if splittable:
+            candidates += [length for length in reversed(self.bucket_grid.spec.prefill_lengths) if length < n]
+        for length in candidates:
+            bucket = self.bucket_grid.find_prefill(
+                len(chunks) + 1,
+                max(length, *(c.num_tokens for c in chunks)),
+                max(seq.num_computed_tokens + length, *(c.context_len for c in chunks)),
+            )
+            if bucket is not None and bucket.num_tokens <= self.max_num_batched_tokens:
+                return length
+        return 0
+
+    def _schedule_decode(self, sched: Schedule) -> None:
+        for seq in sorted((s for s in self.running if not s.is_prefill), key=_age):
+            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1, sched):
+                sched.decode_seqs.append(seq)
+        if sched.decode_seqs and self.waiting:
+            self.num_decode_steps_waited += 1
+
+    # -- blocks and preemption ----------------------------------------------------------------------
+
+    def _reserve(self, seq: Sequence, num_new_tokens: int, sched: Schedule) -> bool:
+        """Allocate blocks for a running sequence, preempting the newest ones until it fits.
+
+        Returns False when ``seq`` itself had to be preempted (it was the newest).
+        """
+        while not self.block_manager.can_allocate(seq, num_new_tokens):
+            victim = max(self.running, key=_age)
+            self._preempt(victim, sched)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, num_new_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence, sched: Schedule) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        sched.preempted.append(seq)
+        self.num_preemptions += 1
