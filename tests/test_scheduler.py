@@ -257,6 +257,14 @@ def test_waiting_served_ratio_decides_prefill_or_decode():
     assert sched.num_waiting == 1 and sched.num_running == 8
 
 
+def test_default_ratio_is_prefill_first():
+    sched = make_scheduler()
+    assert sched.waiting_served_ratio == 0.0
+    start_decoders(sched, 4)
+    sched.add(make_seq("w", 3, 10.0))
+    assert sched.schedule().is_prefill
+
+
 def test_ratio_zero_always_admits():
     sched = make_scheduler(waiting_served_ratio=0.0)
     start_decoders(sched, 4)
