@@ -209,7 +209,8 @@ class LLMEngine:
         sampling_rows = []
         for i, (seq, start, num_tokens) in enumerate(rows):
             input_ids[i, :num_tokens] = seq.all_token_ids[start : start + num_tokens]
-            block_tables[i, : len(seq.block_table)] = seq.block_table
+            table = seq.block_table[:p]  # blocks past this step's context (reserved ahead) are not read
+            block_tables[i, : len(table)] = table
             q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
             request = self.requests[seq.request_id]
             sampling_rows.append((request.params, request.seed, seq.num_output_tokens))

@@ -49,6 +49,24 @@ class StepInputs:
     sampling: SamplingTensors
 
 
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_backend_compiles = 0
+
+
+def _count_backend_compile(event: str, duration: float, **_) -> None:
+    global _backend_compiles
+    if event == BACKEND_COMPILE_EVENT:
+        _backend_compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_backend_compile)
+
+
+def num_backend_compiles() -> int:
+    """Every XLA compilation in this process so far (ours or anyone's): "no compile after warm-up" checks."""
+    return _backend_compiles
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: str) -> int:
     itemsize = jnp.dtype(dtype).itemsize
     return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * itemsize
