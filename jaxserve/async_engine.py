@@ -99,7 +99,10 @@ class AsyncLLMEngine:
         """Runs in the worker thread: apply adds and aborts, then one engine step."""
         delivered: list = []
         while self._pending_aborts:
-            self.engine.abort_request(self._pending_aborts.popleft())
+            request_id = self._pending_aborts.popleft()
+            aborted = self.engine.abort_request(request_id)
+            if aborted is not None:
+                delivered.append((request_id, aborted))
         while self._pending_adds:
             request_id, prompt, params = self._pending_adds.popleft()
             try:

@@ -1,0 +1,93 @@
+"""AsyncLLMEngine: cumulative streams, abort, cancellation freeing blocks, errors confined to their request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jaxserve import AsyncLLMEngine, SamplingParams
+from jaxserve.config import EngineConfig
+from tests.hf_tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=2)
+    return AsyncLLMEngine.from_config(EngineConfig(model=str(path), max_model_len=512, buckets="cpu"))
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+async def _collect(engine, prompt, params, request_id):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def test_stream_is_cumulative_and_matches_offline(engine):
+    prompt = {"prompt_token_ids": [4, 5, 6, 7]}
+    outputs = asyncio.run(_collect(engine, prompt, _params(6), "s1"))
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert [len(t) for t in tokens] == [1, 2, 3, 4, 5, 6]
+    assert all(tokens[i] == tokens[-1][: i + 1] for i in range(6))
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    engine.engine.add_request("offline", prompt, _params(6))
+    final = None
+    while engine.engine.has_unfinished_requests():
+        final = engine.engine.step()[-1]
+    assert final.outputs[0].token_ids == tokens[-1]
+
+
+def test_cancelled_consumer_aborts_and_frees_blocks(engine):
+    async def scenario():
+        async def consume_two():
+            n = 0
+            async for _ in engine.generate({"prompt_token_ids": [8, 9, 10]}, _params(200), "cancel-me"):
+                n += 1
+                if n == 2:
+                    await asyncio.sleep(3600)  # a client that stops reading; cancelled below
+
+        task = asyncio.create_task(consume_two())
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if engine.engine.block_manager.num_used_blocks:
+                break
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        done = await _collect(engine, {"prompt_token_ids": [3]}, _params(2), "after")  # the loop lives on
+        return done
+
+    done = asyncio.run(scenario())
+    assert done[-1].finished
+    assert "cancel-me" not in engine.engine.requests
+    pool = engine.engine.block_manager
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_error_reaches_only_its_request(engine):
+    async def scenario():
+        good = asyncio.create_task(_collect(engine, {"prompt_token_ids": [5, 6]}, _params(8), "good"))
+        with pytest.raises(ValueError, match="maximum context length is 512 tokens"):
+            await _collect(engine, {"prompt_token_ids": [5] * 600}, _params(4), "bad")
+        return await good
+
+    outputs = asyncio.run(scenario())
+    assert len(outputs[-1].outputs[0].token_ids) == 8
+
+
+def test_explicit_abort(engine):
+    async def scenario():
+        stream = engine.generate({"prompt_token_ids": [11, 12]}, _params(300), "abort-me")
+        first = await stream.__anext__()
+        await engine.abort("abort-me")
+        rest = [out async for out in stream]
+        return first, rest
+
+    first, rest = asyncio.run(scenario())
+    assert not first.finished
+    assert rest and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    pool = engine.engine.block_manager
+    assert pool.num_free_blocks == pool.num_blocks
