@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: venv serve generate test lint clean
+.PHONY: venv run generate test lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-serve: generate
+run: generate
 
 generate: venv
 	$(BIN)/jaxserve generate "$(PROMPT)"
