@@ -1,0 +1,216 @@
+"""Benchmark the GPU (Triton) paged-attention kernels against the XLA reference and the memory roofline.
+
+On a GPU machine this compiles the kernels for real (interpret=False), checks each configuration against
+the jnp reference on random data, then times:
+  * decode (`paged_attention`) for batch sizes 1..256 and contexts 512..8192, next to the XLA reference and
+    the roofline time = K/V bytes read / measured device copy bandwidth;
+  * chunked prefill (`prefill_attention`) for a few batch sizes, next to the XLA reference (TFLOP/s).
+Prints markdown tables.
+
+    python scripts/bench_kernels.py            # full sweep on a GPU
+    python scripts/bench_kernels.py --quick    # small sweep
+    python scripts/bench_kernels.py --interpret --quick   # CPU smoke test (interpret mode, tiny shapes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels_pallas.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+from kernels_pallas.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
+
+FULL = {"batches": [1, 4, 16, 64, 256], "contexts": [512, 2048, 8192], "prefill_batches": [1, 4, 16]}
+QUICK = {"batches": [1, 16], "contexts": [512, 2048], "prefill_batches": [1]}
+INTERPRET = {"batches": [1, 2], "contexts": [64, 128], "prefill_batches": [1]}
+CHECK_SEQS = 4  # sequences compared against the reference per configuration
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small sweep")
+    p.add_argument("--interpret", action="store_true", help="CPU smoke test: interpret mode, tiny shapes")
+    p.add_argument("--heads", default="32:8", help="num_q_heads:num_kv_heads (default 32:8)")
+    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
+    p.add_argument("--page-size", type=int, default=16, choices=(16, 32, 64, 128))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk length (default 512)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
+    p.add_argument("--kernel", default="both", choices=("decode", "prefill", "both"))
+    p.add_argument("--ref-mem-gb", type=float, default=16.0, help="skip the XLA reference above this gather size")
+    return p.parse_args(argv)
+
+
+def time_call(fn, *args, iters: int) -> float:
+    """Median wall time of fn(*args) in seconds, after one warm-up (compile) call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, iters: int) -> float:
+    """Device bytes/s moved by an elementwise copy (reads + writes) of an nbytes array."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    seconds = time_call(jax.jit(lambda a: a + 1.0), x, iters=iters)
+    return 2 * x.nbytes / seconds
+
+
+def make_pool(key, shape: Shape, batch: int, context: int):
+    """Random pool with each sequence's pages scattered over it; all sequences hold `context` tokens."""
+    pages_per_seq = -(-context // shape.page_size)
+    total_pages = batch * pages_per_seq
+    dims = (shape.num_kv_heads, total_pages, shape.page_size, shape.head_dim)
+    kk, kv, kp = jax.random.split(key, 3)
+    dtype = jnp.dtype(shape.dtype)
+    k_pages = jax.random.normal(kk, dims, dtype)
+    v_pages = jax.random.normal(kv, dims, dtype)
+    table = jax.random.permutation(kp, total_pages).reshape(batch, pages_per_seq).astype(jnp.int32)
+    return k_pages, v_pages, table, jnp.full((batch,), context, jnp.int32)
+
+
+def kv_bytes(shape: Shape, batch: int, context: int) -> int:
+    return 2 * batch * context * shape.num_kv_heads * shape.head_dim * jnp.dtype(shape.dtype).itemsize
+
+
+def reference_fits(shape: Shape, batch: int, context: int, limit_gb: float, chunk: int = 1) -> bool:
+    """Whether the XLA reference's float32 K/V gather and logits stay under limit_gb."""
+    gathered = 2 * batch * context * shape.num_kv_heads * shape.head_dim * 4
+    logits = batch * shape.num_q_heads * chunk * context * 4
+    return (gathered + 2 * logits) / 1e9 <= limit_gb
+
+
+def check(name: str, out, ref, dtype: str) -> None:
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+    if not np.isfinite(err) or err > TOLERANCE[dtype]:
+        raise SystemExit(f"{name}: kernel differs from the reference (max abs error {err:.3g})")
+
+
+def bench_decode(args, shape: Shape, sweep: dict, bandwidth: float) -> list[str]:
+    kernel = jax.jit(lambda *a: paged_attention(*a, backend="gpu", interpret=args.interpret))
+    reference = jax.jit(paged_attention_reference)
+    rows = [
+        "| batch | context | kernel us | XLA ref us | roofline us | % of roofline | speedup vs XLA |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    print("\n".join(rows), flush=True)
+    for batch in sweep["batches"]:
+        for context in sweep["contexts"]:
+            key = jax.random.PRNGKey(batch * 100_003 + context)
+            k_pages, v_pages, table, lengths = make_pool(key, shape, batch, context)
+            q = jax.random.normal(key, (batch, shape.num_q_heads, shape.head_dim), jnp.dtype(shape.dtype))
+            n = min(batch, CHECK_SEQS)
+            check(
+                f"decode b={batch} ctx={context}",
+                kernel(q, k_pages, v_pages, lengths, table)[:n],
+                reference(q[:n], k_pages, v_pages, lengths[:n], table[:n]),
+                shape.dtype,
+            )
+            t_kernel = time_call(kernel, q, k_pages, v_pages, lengths, table, iters=args.iters)
+            t_ref = None
+            if reference_fits(shape, batch, context, args.ref_mem_gb):
+                t_ref = time_call(reference, q, k_pages, v_pages, lengths, table, iters=args.iters)
+            t_roof = kv_bytes(shape, batch, context) / bandwidth
+            rows.append(
+                f"| {batch} | {context} | {t_kernel * 1e6:.1f} | {_us(t_ref)} | {t_roof * 1e6:.1f} "
+                f"| {100 * t_roof / t_kernel:.0f}% | {_ratio(t_ref, t_kernel)} |"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def bench_prefill(args, shape: Shape, sweep: dict) -> list[str]:
+    chunk = min(args.chunk, min(sweep["contexts"]))
+    kernel = jax.jit(lambda *a: prefill_attention(*a, backend="gpu", interpret=args.interpret))
+    reference = jax.jit(prefill_attention_reference)
+    rows = [
+        f"| batch | context (last chunk of {chunk}) | kernel us | XLA ref us | kernel TFLOP/s | speedup vs XLA |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    print("\n".join(rows), flush=True)
+    for batch in sweep["prefill_batches"]:
+        for context in sweep["contexts"]:
+            key = jax.random.PRNGKey(batch * 7 + context)
+            k_pages, v_pages, table, lengths = make_pool(key, shape, batch, context)
+            q = jax.random.normal(key, (batch, chunk, shape.num_q_heads, shape.head_dim), jnp.dtype(shape.dtype))
+            q_start = lengths - chunk
+            args_ = (q, k_pages, v_pages, table, q_start, lengths)
+            n = min(batch, CHECK_SEQS)
+            check(
+                f"prefill b={batch} ctx={context}",
+                kernel(*args_)[:n],
+                reference(q[:n], k_pages, v_pages, table[:n], q_start[:n], lengths[:n]),
+                shape.dtype,
+            )
+            t_kernel = time_call(kernel, *args_, iters=args.iters)
+            t_ref = None
+            if reference_fits(shape, batch, context, args.ref_mem_gb, chunk):
+                t_ref = time_call(reference, *args_, iters=args.iters)
+            # causal chunk at the end of the context: each query row sees (context - chunk + i + 1) keys
+            keys_seen = chunk * (context - chunk) + chunk * (chunk + 1) / 2
+            flops = 4 * batch * shape.num_q_heads * shape.head_dim * keys_seen
+            rows.append(
+                f"| {batch} | {context} | {t_kernel * 1e6:.1f} | {_us(t_ref)} "
+                f"| {flops / t_kernel / 1e12:.2f} | {_ratio(t_ref, t_kernel)} |"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def _us(seconds: float | None) -> str:
+    return "skipped" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def _ratio(t_ref: float | None, t_kernel: float) -> str:
+    return "-" if t_ref is None else f"{t_ref / t_kernel:.2f}x"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    platform = jax.default_backend()
+    if not args.interpret and platform not in ("gpu", "cuda", "rocm"):
+        raise SystemExit(f"no GPU (jax backend is {platform!r}); use --interpret --quick for a CPU smoke test")
+    num_q_heads, num_kv_heads = (int(x) for x in args.heads.split(":"))
+    if args.interpret:
+        shape = Shape(4, 2, 64, 16, args.dtype)
+        sweep, args.iters, copy_bytes = INTERPRET, min(args.iters, 2), 1 << 24
+    else:
+        shape = Shape(num_q_heads, num_kv_heads, args.head_dim, args.page_size, args.dtype)
+        sweep, copy_bytes = (QUICK if args.quick else FULL), 1 << 30
+    bandwidth = copy_bandwidth(copy_bytes, args.iters)
+    print(f"# paged attention on {jax.devices()[0].device_kind} ({'interpret' if args.interpret else 'compiled'})")
+    print(f"{shape}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)\n")
+    if args.kernel in ("decode", "both"):
+        print("## decode (paged_attention)\n")
+        bench_decode(args, shape, sweep, bandwidth)
+        print()
+    if args.kernel in ("prefill", "both"):
+        print("## chunked prefill (prefill_attention)\n")
+        bench_prefill(args, shape, sweep)
+
+
+if __name__ == "__main__":
+    main()
