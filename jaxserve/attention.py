@@ -146,8 +146,9 @@ class PallasBackend:
         if sliding_window is not None:
             raise ValueError("the pallas attention backend does not support sliding-window attention")
         if q.shape[1] == 1:
+            lengths = jnp.maximum(meta.lengths, 1)  # padding rows (length 0) read one harmless slot
             out = kernels_pallas.paged_attention(
-                q[:, 0], k_pages, v_pages, meta.lengths, meta.block_tables,
+                q[:, 0], k_pages, v_pages, lengths, meta.block_tables,
                 sm_scale=sm_scale, interpret=self.interpret,
             )
             return out[:, None]

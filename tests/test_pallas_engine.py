@@ -1,0 +1,33 @@
+"""The engine with the Pallas attention backend (interpret mode on CPU) gives the reference backend's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.hf_tiny import make_tiny_model
+
+# head_dim 64 (hidden 256 / 4 heads), GQA 2:1: a layout the kernels support
+TINY_64 = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny64"), "llama", seed=3, **TINY_64)
+
+
+def _run(model_dir, backend: str) -> list[list[int]]:
+    llm = LLM(str(model_dir), max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128, attention_backend=backend, buckets="cpu")
+    assert llm.llm_engine.runner.backend.name == backend
+    prompts = [
+        {"prompt_token_ids": list(range(5, 45))},  # spans pages of 16
+        {"prompt_token_ids": [7, 8, 9]},
+        {"prompt_token_ids": list(range(100, 300))},  # a long prompt: prefilled in chunks
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_pallas_backend_matches_reference_tokens(model_dir):
+    reference = _run(model_dir, "reference")
+    assert _run(model_dir, "pallas") == reference
