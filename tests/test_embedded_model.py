@@ -17,8 +17,7 @@ NEW_TOKENS = 32
 
 
 def _chats() -> list[list[dict]]:
-    path = CHATS if CHATS.is_file() else Path(__file__).parent / "data" / "chat_questions.jsonl"
-    return [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line)["messages"] for line in CHATS.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")
