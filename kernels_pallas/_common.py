@@ -156,6 +156,13 @@ def logits(q: jax.Array, k: jax.Array, sm_scale: float) -> jax.Array:
     return lax.dot_general(q, k, dims, preferred_element_type=jnp.float32) * sm_scale
 
 
+def live_pages_only(pages: jax.Array, first_page, end_page) -> jax.Array:
+    """i32[n] block-table entries for pages first_page.. with entries at or past end_page replaced by page 0,
+    so a gather never dereferences the table's padding (which may hold anything)."""
+    page_no = first_page + lax.broadcasted_iota(jnp.int32, pages.shape, 0)
+    return jnp.where(page_no < end_page, pages, 0)
+
+
 def zero_invalid_rows(x: jax.Array, valid: jax.Array) -> jax.Array:
     """Zeroes rows of x[n, d] where valid[n, 1] is False: NaN garbage in masked tokens stays out of dots."""
     return jnp.where(valid, x, jnp.zeros_like(x))

@@ -12,7 +12,8 @@ Two Pallas variants:
 * GPU (Triton): flash-decoding. Grid (sequence, kv head, split): each split walks its share of the block
   table and writes a partial (max, sum, output); a small XLA reduction combines the splits.
 
-Tokens at positions >= length never influence the result, whatever page the block table points at.
+Tokens at positions >= length never influence the result, and block-table entries past a sequence's
+length are never dereferenced (they may hold anything).
 A sequence with length 0 produces zeros.
 """
 
@@ -156,10 +157,12 @@ def _gpu_kernel(
     q = q_ref[...]
 
     def body(block, state):
+        first_in_block = first_page + block * pages_per_block
         pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
+        pages = cm.live_pages_only(pages, first_in_block, end_page)
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
-        first = (first_page + block * pages_per_block) * page_size
+        first = first_in_block * page_size
         s = cm.logits(q, k, sm_scale)  # f32[rows, block_tokens]
         mask = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < length
         token_ok = first + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0) < length
@@ -284,8 +287,8 @@ def paged_attention(
 
     Args:
       q, k_pages, v_pages, lengths, page_indices: see the shape comments. ``lengths`` above
-        pages_per_seq * page_size are clamped to it; block-table entries past a sequence's length may
-        point at any valid page.
+        pages_per_seq * page_size are clamped to it; block-table entries past a sequence's length are
+        never dereferenced.
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       backend: "tpu", "gpu" or "auto" (by ``jax.default_backend()``; on CPU, "auto" with interpret=True
         uses the TPU variant, without interpret it raises).

@@ -6,8 +6,8 @@ the sequence's pages, then calls ``prefill_attention`` once per layer with that 
 to and including itself. The result feeds the layer's output projection.
 
 Query row i of sequence s sits at position q_start[s] + i and attends keys j <= q_start[s] + i with
-j < lengths[s].
-Rows with q_start[s] + i >= lengths[s] are padding and come out as zeros.
+j < lengths[s]. Rows with q_start[s] + i >= lengths[s] are padding and come out as zeros. Block-table
+entries past a sequence's length are never dereferenced (they may hold anything).
 
 Two Pallas variants, both on grid (sequence, kv head, query block) with an online softmax over KV blocks
 that stops at the block's causal/length limit:
@@ -179,6 +179,7 @@ def _gpu_kernel(
 
     def body(block, state):
         pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
+        pages = cm.live_pages_only(pages, block * pages_per_block, pl.cdiv(kv_end, page_size))
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
         return step(state, q, k, v, first_key=block * block_tokens)

@@ -57,7 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk length (default 512)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
     p.add_argument("--kernel", default="both", choices=("decode", "prefill", "both"))
-    p.add_argument("--ref-mem-gb", type=float, default=16.0, help="skip the XLA reference above this gather size")
+    p.add_argument(
+        "--ref-mem-gb", type=float, default=16.0, help="skip the XLA reference above this gather size"
+    )
     return p.parse_args(argv)
 
 
@@ -147,7 +149,8 @@ def bench_prefill(args, shape: Shape, sweep: dict) -> list[str]:
     kernel = jax.jit(lambda *a: prefill_attention(*a, backend="gpu", interpret=args.interpret))
     reference = jax.jit(prefill_attention_reference)
     rows = [
-        f"| batch | context (last chunk of {chunk}) | kernel us | XLA ref us | kernel TFLOP/s | speedup vs XLA |",
+        f"| batch | context (last chunk of {chunk}) | kernel us | XLA ref us | kernel TFLOP/s "
+        "| speedup vs XLA |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(rows), flush=True)
@@ -155,7 +158,9 @@ def bench_prefill(args, shape: Shape, sweep: dict) -> list[str]:
         for context in sweep["contexts"]:
             key = jax.random.PRNGKey(batch * 7 + context)
             k_pages, v_pages, table, lengths = make_pool(key, shape, batch, context)
-            q = jax.random.normal(key, (batch, chunk, shape.num_q_heads, shape.head_dim), jnp.dtype(shape.dtype))
+            q = jax.random.normal(
+                key, (batch, chunk, shape.num_q_heads, shape.head_dim), jnp.dtype(shape.dtype)
+            )
             q_start = lengths - chunk
             args_ = (q, k_pages, v_pages, table, q_start, lengths)
             n = min(batch, CHECK_SEQS)
@@ -192,7 +197,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     platform = jax.default_backend()
     if not args.interpret and platform not in ("gpu", "cuda", "rocm"):
-        raise SystemExit(f"no GPU (jax backend is {platform!r}); use --interpret --quick for a CPU smoke test")
+        raise SystemExit(
+            f"no GPU (jax backend is {platform!r}); use --interpret --quick for a CPU smoke test"
+        )
     num_q_heads, num_kv_heads = (int(x) for x in args.heads.split(":"))
     if args.interpret:
         shape = Shape(4, 2, 64, 16, args.dtype)
@@ -201,7 +208,8 @@ def main(argv=None) -> None:
         shape = Shape(num_q_heads, num_kv_heads, args.head_dim, args.page_size, args.dtype)
         sweep, copy_bytes = (QUICK if args.quick else FULL), 1 << 30
     bandwidth = copy_bandwidth(copy_bytes, args.iters)
-    print(f"# paged attention on {jax.devices()[0].device_kind} ({'interpret' if args.interpret else 'compiled'})")
+    mode = "interpret" if args.interpret else "compiled"
+    print(f"# paged attention on {jax.devices()[0].device_kind} ({mode})")
     print(f"{shape}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)\n")
     if args.kernel in ("decode", "both"):
         print("## decode (paged_attention)\n")

@@ -107,6 +107,26 @@ def test_zero_length_sequence_gives_zeros(backend, rng, make_kv):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_block_table_padding_is_never_dereferenced(backend, rng, make_kv, tol):
+    """Entries past a sequence's length may hold anything, even out-of-range page numbers."""
+    q, kv = make_inputs(rng, make_kv, jnp.float32, 16, 4, 2, 64, 4, [1, 17, 40])
+    used = (np.asarray(kv.lengths)[:, None] + 15) // 16
+    garbage = np.where(np.arange(4)[None, :] < used, np.asarray(kv.page_indices), [[-7], [10**6], [-1]])
+    table = jnp.asarray(garbage, jnp.int32)
+    out = paged_attention(q, kv.k_pages, kv.v_pages, kv.lengths, table, backend=backend, interpret=True)
+    ref = paged_attention_reference(q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices)
+    assert_close(out, ref, jnp.float32, tol)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_head_dim_256(backend, rng, make_kv, tol):
+    q, kv = make_inputs(rng, make_kv, jnp.bfloat16, 32, 2, 1, 256, 2, [31, 64])
+    args = (q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices)
+    out = paged_attention(*args, backend=backend, interpret=True)
+    assert_close(out, paged_attention_reference(*args), jnp.bfloat16, tol)
+
+
 def test_auto_backend_on_cpu(rng, make_kv):
     q, kv = make_inputs(rng, make_kv, jnp.float32, 16, 4, 2, 64, 2, [7, 32])
     args = (q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices)

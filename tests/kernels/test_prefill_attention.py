@@ -105,6 +105,28 @@ def test_reference_matches_naive_numpy(case, rng, make_kv, naive, tol):
         np.testing.assert_array_equal(ref[s, n:], 0.0)
 
 
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_block_table_padding_is_never_dereferenced(backend, rng, make_kv, tol):
+    """Entries past a sequence's length may hold anything, even out-of-range page numbers."""
+    q, kv, q_start = make_inputs(rng, make_kv, jnp.float32, 16, 4, 2, 64, 3, 20)
+    used = (np.asarray(kv.lengths)[:, None] + 15) // 16
+    garbage = np.where(np.arange(3)[None, :] < used, np.asarray(kv.page_indices), -3)
+    table = jnp.asarray(garbage, jnp.int32)
+    out = prefill_attention(
+        q, kv.k_pages, kv.v_pages, table, q_start, kv.lengths, backend=backend, interpret=True, block_q=16
+    )
+    ref = prefill_attention_reference(q, kv.k_pages, kv.v_pages, kv.page_indices, q_start, kv.lengths)
+    assert_close_on_real_rows(out, ref, q_start, kv.lengths, tol(jnp.float32))
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_head_dim_256(backend, rng, make_kv, tol):
+    q, kv, q_start = make_inputs(rng, make_kv, jnp.bfloat16, 32, 2, 1, 256, 2, 16)
+    args = (q, kv.k_pages, kv.v_pages, kv.page_indices, q_start, kv.lengths)
+    out = prefill_attention(*args, backend=backend, interpret=True)
+    assert_close_on_real_rows(out, prefill_attention_reference(*args), q_start, kv.lengths, tol(jnp.bfloat16))
+
+
 def test_single_token_chunk_equals_decode(rng, make_kv):
     """A one-token chunk at the end of the context is a decode step."""
     from kernels_pallas.paged_attention import paged_attention_reference
