@@ -105,6 +105,7 @@ def _tpu_kernel(
 
 
 def _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices, *, sm_scale, pages_per_block, interpret):
+    """Arrays as in ``paged_attention`` (validated, lengths clamped) -> [num_seqs, num_q_heads, head_dim]."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]
@@ -202,6 +203,7 @@ def _paged_attention_gpu(
     num_stages,
     interpret,
 ):
+    """Arrays as in ``paged_attention`` (validated, lengths clamped) -> [num_seqs, num_q_heads, head_dim]."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, total_pages, page_size, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]

@@ -130,6 +130,8 @@ def _tpu_kernel(
 def _tpu_call(
     q5, k_pages, v_pages, page_indices, q_start, lengths, *, block_q, sm_scale, pages_per_block, interpret
 ):
+    """q5 [num_seqs, num_kv_heads, q_blocks, group_p * block_q, head_dim] from ``_to_row_blocks``; others
+    as in ``prefill_attention`` (validated, lengths clamped). Returns an array shaped like q5."""
     num_seqs, num_kv_heads, num_q_blocks, rows, head_dim = q5.shape
     page_size = k_pages.shape[2]
     pages_per_seq = page_indices.shape[1]
@@ -204,6 +206,8 @@ def _gpu_call(
     num_stages,
     interpret,
 ):
+    """q5 [num_seqs, num_kv_heads, q_blocks, group_p * block_q, head_dim] from ``_to_row_blocks``; others
+    as in ``prefill_attention`` (validated, lengths clamped). Returns an array shaped like q5."""
     num_seqs, num_kv_heads, num_q_blocks, rows, head_dim = q5.shape
     _, total_pages, page_size, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]
