@@ -14,12 +14,12 @@ import time
 import jax
 import numpy as np
 
-from jaxserve.block_manager import BlockManager, num_blocks_from_budget
+from jaxserve.block_manager import BlockManager, kv_bytes_per_block, num_blocks_from_budget
 from jaxserve.buckets import BucketGrid, load_bucket_spec
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.logger import init_logger
-from jaxserve.model_runner import ModelRunner, StepInputs, kv_bytes_per_block, step_shape
+from jaxserve.model_runner import ModelRunner, StepInputs, step_shape
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampler import SamplingTensors
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -106,7 +106,11 @@ class LLMEngine:
 
     # ----- construction -------------------------------------------------------------------------
     def _num_kv_blocks(self, loaded: LoadedModel, platform: str) -> int:
-        bytes_per_block = kv_bytes_per_block(loaded.config, self.block_size, self.config.dtype)
+        cfg = loaded.config
+        bytes_per_block = kv_bytes_per_block(
+            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, block_size=self.block_size,
+            head_dim=cfg.head_dim, dtype_bytes=jax.numpy.dtype(self.config.dtype).itemsize,
+        )
         budget = None
         if platform != "cpu" and self.config.num_kv_blocks is None:
             stats = jax.devices()[0].memory_stats() or {}

@@ -67,11 +67,6 @@ def num_backend_compiles() -> int:
     return _backend_compiles
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: str) -> int:
-    itemsize = jnp.dtype(dtype).itemsize
-    return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * itemsize
-
-
 class ModelRunner:
     def __init__(
         self,
