@@ -16,8 +16,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-MASK_VALUE = -1e30
-
 
 @struct.dataclass
 class AttentionMetadata:
@@ -88,48 +86,12 @@ class ReferenceBackend:
     name = "reference"
 
     def attend(self, q, k_pages, v_pages, meta, *, sm_scale, sliding_window=None):
-        return reference_paged_attention(
+        from kernels_pallas.prefill_attention import causal_paged_attention
+
+        return causal_paged_attention(
             q, k_pages, v_pages, meta.block_tables, meta.q_start, meta.lengths,
             sm_scale=sm_scale, sliding_window=sliding_window,
         )
-
-
-def reference_paged_attention(
-    q: jax.Array,  # [S, Q, Hq, D]
-    k_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
-    v_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
-    block_tables: jax.Array,  # i32[S, P]
-    q_start: jax.Array,  # i32[S]
-    lengths: jax.Array,  # i32[S]
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-) -> jax.Array:  # [S, Q, Hq, D]
-    num_seqs, num_q, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_pages.shape
-    group = num_q_heads // num_kv_heads
-    context = block_tables.shape[1] * block_size
-
-    def gather(pages):  # -> [S, Hkv, context, D]
-        g = pages[:, block_tables]  # [Hkv, S, P, B, D]
-        return g.reshape(num_kv_heads, num_seqs, context, head_dim).swapaxes(0, 1).astype(jnp.float32)
-
-    k_pos_all = jnp.arange(context, dtype=jnp.int32)
-    in_context = (k_pos_all[None, :] < lengths[:, None])[:, None, :, None]  # [S, 1, context, 1]
-    # slots past a sequence's length may hold stale or garbage values: keep them out of the products
-    k = jnp.where(in_context, gather(k_pages), 0.0)
-    v = jnp.where(in_context, gather(v_pages), 0.0)
-    qg = q.reshape(num_seqs, num_q, num_kv_heads, group, head_dim).astype(jnp.float32)
-    scores = jnp.einsum("sqhgd,shkd->shgqk", qg, k) * sm_scale
-    q_pos = token_positions(q_start, num_q)[:, :, None]  # [S, Q, 1]
-    k_pos = k_pos_all[None, None, :]
-    mask = (k_pos <= q_pos) & (k_pos < lengths[:, None, None])
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("shgqk,shkd->sqhgd", probs, v)
-    return out.reshape(num_seqs, num_q, num_q_heads, head_dim).astype(q.dtype)
 
 
 class PallasBackend:

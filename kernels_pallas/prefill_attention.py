@@ -361,6 +361,22 @@ def prefill_attention_reference(
 ) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
     """Plain-jnp chunked causal attention through the block table (float32 math)."""
     _validate(q, k_pages, v_pages, page_indices, q_start, lengths)
+    return causal_paged_attention(q, k_pages, v_pages, page_indices, q_start, lengths, sm_scale=sm_scale)
+
+
+def causal_paged_attention(
+    q: jax.Array,  # [num_seqs, chunk_len, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
+    q_start: jax.Array,  # i32[num_seqs]
+    lengths: jax.Array,  # i32[num_seqs]
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
+    """The reference math without the kernels' shape limits: any page size and head_dim, and an optional
+    sliding window (a query at position p sees keys p - window < j <= p). The engine's XLA backend."""
     num_seqs, chunk_len, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     sm_scale = cm.default_scale(sm_scale, head_dim)
@@ -368,6 +384,8 @@ def prefill_attention_reference(
     key = jnp.arange(k.shape[2])[None, None, :]  # [1, 1, T]
     row = (q_start[:, None] + jnp.arange(chunk_len)[None, :])[:, :, None]  # [s, C, 1]
     mask = (key <= row) & (key < lengths[:, None, None])  # [s, C, T]
+    if sliding_window is not None:
+        mask &= key > row - sliding_window
     token_ok = key[:, 0, :, None] < lengths[:, None, None]  # [s, T, 1]
     k = jnp.where(token_ok[:, None], k, 0.0)
     v = jnp.where(token_ok[:, None], v, 0.0)
