@@ -3,8 +3,12 @@
 The model calls `write_kv` to scatter a step's new keys and values into its layer of the pool, then
 `backend.attend(...)` to attend each query token over its sequence's cached context. Backends:
 "reference" (plain XLA, gathers pages through the block table) and "pallas" (the kernels in
-`kernels_pallas`, imported lazily). Layout of one layer's pool, shared with the kernels:
-`k_pages[num_kv_heads, num_blocks, block_size, head_dim]`.
+`kernels_pallas`, imported lazily).
+
+The pool is one array per K and V for all layers, `[num_layers, num_kv_heads, num_blocks, block_size,
+head_dim]`; a layer's slice is the kernels' page layout. The layers' scan carries the whole pool and
+indexes it with the layer number, so writes update the donated buffer in place and reads gather only the
+pages of the block tables: the step never copies the pool.
 """
 
 from __future__ import annotations
@@ -46,23 +50,32 @@ def slot_mapping(meta: AttentionMetadata, num_query_tokens: int, block_size: int
 
 
 def write_kv(
-    k_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
-    v_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+    k_pool: jax.Array,  # [L, Hkv, num_blocks, block_size, D]
+    v_pool: jax.Array,  # [L, Hkv, num_blocks, block_size, D]
+    layer: jax.Array,  # i32[], the layer whose pages are written
     k: jax.Array,  # [S, Q, Hkv, D]
     v: jax.Array,  # [S, Q, Hkv, D]
     meta: AttentionMetadata,
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatters the step's new K/V into the pool; padding tokens are dropped."""
-    num_kv_heads, num_blocks, block_size, head_dim = k_pages.shape
+    """Scatters the step's new K/V into one layer of the pool, in place; padding tokens are dropped."""
+    num_layers, num_kv_heads, num_blocks, block_size, head_dim = k_pool.shape
     num_slots = num_blocks * block_size
     slots = slot_mapping(meta, k.shape[1], block_size, num_slots)
 
-    def scatter(pages: jax.Array, new: jax.Array) -> jax.Array:
-        flat = pages.reshape(num_kv_heads, num_slots, head_dim)
-        new = new.reshape(-1, num_kv_heads, head_dim).swapaxes(0, 1).astype(pages.dtype)
-        return flat.at[:, slots].set(new, mode="drop").reshape(pages.shape)
+    def scatter(pool: jax.Array, new: jax.Array) -> jax.Array:
+        flat = pool.reshape(num_layers, num_kv_heads, num_slots, head_dim)
+        new = new.reshape(-1, num_kv_heads, head_dim).astype(pool.dtype)  # [S*Q, Hkv, D], index order
+        return flat.at[layer, :, slots].set(new, mode="drop").reshape(pool.shape)
 
-    return scatter(k_pages, k), scatter(v_pages, v)
+    return scatter(k_pool, k), scatter(v_pool, v)
+
+
+def gather_context(pool: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """[S, Hkv, P * block_size, D]: one layer's pages of every sequence's block table, in position order."""
+    _, num_kv_heads, _, block_size, head_dim = pool.shape
+    num_seqs, pages_per_seq = block_tables.shape
+    pages = pool[layer, :, block_tables]  # one gather: [S, P, Hkv, block_size, D]
+    return pages.transpose(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, pages_per_seq * block_size, head_dim)
 
 
 class AttentionBackend(Protocol):
@@ -71,8 +84,9 @@ class AttentionBackend(Protocol):
     def attend(
         self,
         q: jax.Array,  # [S, Q, Hq, D]
-        k_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
-        v_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+        k_pool: jax.Array,  # [L, Hkv, num_blocks, block_size, D]
+        v_pool: jax.Array,  # [L, Hkv, num_blocks, block_size, D]
+        layer: jax.Array,  # i32[]
         meta: AttentionMetadata,
         *,
         sm_scale: float,
@@ -81,32 +95,37 @@ class AttentionBackend(Protocol):
 
 
 class ReferenceBackend:
-    """Plain XLA: gather every page of the block table, mask, softmax in float32."""
+    """Plain XLA: gather the block tables' pages of one layer, mask, softmax in float32."""
 
     name = "reference"
 
-    def attend(self, q, k_pages, v_pages, meta, *, sm_scale, sliding_window=None):
-        from kernels_pallas.prefill_attention import causal_paged_attention
+    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
+        from kernels_pallas.prefill_attention import causal_attention
 
-        return causal_paged_attention(
-            q, k_pages, v_pages, meta.block_tables, meta.q_start, meta.lengths,
-            sm_scale=sm_scale, sliding_window=sliding_window,
+        k = gather_context(k_pool, layer, meta.block_tables)
+        v = gather_context(v_pool, layer, meta.block_tables)
+        return causal_attention(
+            q, k, v, meta.q_start, meta.lengths, sm_scale=sm_scale, sliding_window=sliding_window
         )
 
 
 class PallasBackend:
-    """The Pallas kernels: `paged_attention` for decode (Q == 1), `prefill_attention` otherwise."""
+    """The Pallas kernels: `paged_attention` for decode (Q == 1), `prefill_attention` otherwise.
+
+    The kernels take one layer's pages; slicing the layer out of the stacked pool costs a copy of that
+    layer per step on the device (kernels that index the stacked pool directly are a follow-up)."""
 
     name = "pallas"
 
     def __init__(self, *, interpret: bool = False):
         self.interpret = interpret
 
-    def attend(self, q, k_pages, v_pages, meta, *, sm_scale, sliding_window=None):
+    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
         import kernels_pallas
 
         if sliding_window is not None:
             raise ValueError("the pallas attention backend does not support sliding-window attention")
+        k_pages, v_pages = k_pool[layer], v_pool[layer]
         if q.shape[1] == 1:
             lengths = jnp.maximum(meta.lengths, 1)  # padding rows (length 0) read one harmless slot
             out = kernels_pallas.paged_attention(

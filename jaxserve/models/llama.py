@@ -79,7 +79,7 @@ class Attention(nn.Module):
     backend: AttentionBackend
 
     @nn.compact
-    def __call__(self, x, cos, sin, k_pages, v_pages, meta: AttentionMetadata):
+    def __call__(self, x, cos, sin, kv_pool, layer, meta: AttentionMetadata):
         cfg = self.config
         num_seqs, num_q = x.shape[:2]
         bias = cfg.attention_bias
@@ -89,13 +89,13 @@ class Attention(nn.Module):
         q = apply_rotary(q.reshape(num_seqs, num_q, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rotary(k.reshape(num_seqs, num_q, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.reshape(num_seqs, num_q, cfg.num_kv_heads, cfg.head_dim)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, meta)
+        k_pool, v_pool = write_kv(*kv_pool, layer, k, v, meta)
         out = self.backend.attend(
-            q, k_pages, v_pages, meta,
+            q, k_pool, v_pool, layer, meta,
             sm_scale=1.0 / math.sqrt(cfg.head_dim), sliding_window=cfg.sliding_window,
         )
         out = out.reshape(num_seqs, num_q, cfg.num_heads * cfg.head_dim)
-        return _dense(cfg.hidden_size, "o_proj", self.dtype)(out), k_pages, v_pages
+        return _dense(cfg.hidden_size, "o_proj", self.dtype)(out), (k_pool, v_pool)
 
 
 class MLP(nn.Module):
@@ -111,25 +111,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One transformer block; scanned over layers with its slice of the KV pool."""
+    """One transformer block, scanned over layers: the carry is (hidden states, whole KV pool) and the
+    scanned input is the layer number, so each layer writes and reads its pages of the pool in place."""
 
     config: ModelConfig
     dtype: jnp.dtype
     backend: AttentionBackend
 
     @nn.compact
-    def __call__(self, hidden, layer_kv, rotary, meta):
+    def __call__(self, carry, layer, rotary, meta):
         cfg = self.config
-        k_pages, v_pages = layer_kv
+        hidden, kv_pool = carry
         cos, sin = rotary
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        attn_out, k_pages, v_pages = Attention(cfg, self.dtype, self.backend, name="self_attn")(
-            normed, cos, sin, k_pages, v_pages, meta
+        attn_out, kv_pool = Attention(cfg, self.dtype, self.backend, name="self_attn")(
+            normed, cos, sin, kv_pool, layer, meta
         )
         hidden = hidden + attn_out
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
         hidden = hidden + MLP(cfg, self.dtype, name="mlp")(normed)
-        return hidden, (k_pages, v_pages)
+        return (hidden, kv_pool), None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -160,7 +161,8 @@ class LlamaForCausalLM(nn.Module):
         positions = token_positions(meta.q_start, input_ids.shape[1])
         rotary = rotary_cos_sin(positions, self.inv_freq)
         hidden = self.embed_tokens(input_ids)
-        hidden, kv_pool = self.layers(hidden, kv_pool, rotary, meta)
+        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (hidden, kv_pool), _ = self.layers((hidden, kv_pool), layer_ids, rotary, meta)
         return self.norm(hidden), kv_pool
 
     def logits(self, hidden):
