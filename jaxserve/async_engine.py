@@ -3,7 +3,8 @@ and fans the outputs out to one asyncio queue per request.
 
 Adds and aborts are queued and applied by the worker between steps, so the engine is only ever touched
 from one thread. An error while adding a request reaches that request's stream, not the loop;
-cancelling a consumer (client disconnect) aborts its request and frees its blocks.
+cancelling a consumer (client disconnect) aborts its request and frees its blocks. An optional
+observer (the server's `ServingMetrics`) hears of each arrival and of every delivered output.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import collections
 import concurrent.futures
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
@@ -22,9 +24,16 @@ from jaxserve.sampling_params import SamplingParams
 logger = init_logger("jaxserve.async_engine")
 
 
+class OutputObserver(Protocol):
+    def request_arrived(self, request_id: str) -> None: ...
+
+    def outputs_delivered(self, delivered: list[tuple[str, RequestOutput | BaseException]]) -> None: ...
+
+
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None):
         self.engine = engine
+        self.observer = observer
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: collections.deque = collections.deque()
         self._pending_aborts: collections.deque = collections.deque()
@@ -54,6 +63,8 @@ class AsyncLLMEngine:
         self._ensure_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
+        if self.observer is not None:
+            self.observer.request_arrived(request_id)
         self._pending_adds.append((request_id, prompt, sampling_params or SamplingParams()))
         self._wakeup.set()
         finished = False
@@ -90,6 +101,8 @@ class AsyncLLMEngine:
                 delivered = [(rid, err) for rid in list(self.engine.requests)]
                 for rid in list(self.engine.requests):
                     self.engine.abort_request(rid)
+            if self.observer is not None:
+                self.observer.outputs_delivered(delivered)
             for request_id, item in delivered:
                 queue = self._streams.get(request_id)
                 if queue is not None:
@@ -98,17 +111,17 @@ class AsyncLLMEngine:
     def _step_once(self) -> list[tuple[str, RequestOutput | BaseException]]:
         """Runs in the worker thread: apply adds and aborts, then one engine step."""
         delivered: list = []
-        while self._pending_aborts:
-            request_id = self._pending_aborts.popleft()
-            aborted = self.engine.abort_request(request_id)
-            if aborted is not None:
-                delivered.append((request_id, aborted))
-        while self._pending_adds:
+        while self._pending_adds:  # adds first: an abort queued with its own add must find the request
             request_id, prompt, params = self._pending_adds.popleft()
             try:
                 self.engine.add_request(request_id, prompt, params)
             except Exception as err:
                 delivered.append((request_id, err))
+        while self._pending_aborts:
+            request_id = self._pending_aborts.popleft()
+            aborted = self.engine.abort_request(request_id)
+            if aborted is not None:
+                delivered.append((request_id, aborted))
         if self.engine.has_unfinished_requests():
             delivered += [(out.request_id, out) for out in self.engine.step()]
         return delivered

@@ -138,6 +138,8 @@ class EngineConfig:
     `None` means "derive": `max_model_len` from the model and the largest context bucket,
     `max_num_seqs` from the largest decode bucket, `max_num_batched_tokens` from the largest prefill
     bucket, `block_size` from the bucket file, and `num_kv_blocks` from the memory budget.
+    `compile_cache_dir` turns on JAX's persistent compilation cache there, so a restart reuses the
+    buckets' executables instead of compiling them again.
     """
 
     model: str | None = None
@@ -152,6 +154,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     waiting_served_ratio: float | None = None
+    compile_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -19,7 +19,7 @@ from jaxserve.buckets import BucketGrid, load_bucket_spec
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.logger import init_logger
-from jaxserve.model_runner import ModelRunner, StepInputs, step_shape
+from jaxserve.model_runner import ModelRunner, StepInputs, enable_compilation_cache, step_shape
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampler import SamplingTensors
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -76,6 +76,8 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, warm_up: bool = True):
         self.config = config
+        if config.compile_cache_dir is not None:
+            enable_compilation_cache(config.compile_cache_dir)
         loaded = loaded or load_model(config.model, config.dtype)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

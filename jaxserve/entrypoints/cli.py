@@ -1,7 +1,11 @@
-"""The `jaxserve` command: `jaxserve generate "prompt"` prints a greedy completion.
+"""The `jaxserve` command.
 
-With no `--model` it runs the embedded SmolLM2-135M-Instruct; a chat model's template is applied
-unless `--no-chat-template` is given.
+- `jaxserve serve [MODEL]` starts the OpenAI-compatible HTTP server (`api_server.py`); with no MODEL it
+  serves the embedded SmolLM2-135M-Instruct.
+- `jaxserve generate "prompt"` prints a greedy completion; a chat model's template is applied unless
+  `--no-chat-template` is given.
+
+Engine flags map one to one onto EngineConfig fields (`args.py`).
 """
 
 from __future__ import annotations
@@ -9,41 +13,28 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: embedded)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--buckets", default=None, help="bucket file path or name (cpu, gpu, tpu)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
-    parser.add_argument("--seed", type=int, default=0)
+from jaxserve.entrypoints.args import ENGINE_FLAGS, add_engine_args, add_server_args, model_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM serving engine in JAX/XLA")
     commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    add_engine_args(serve, model_positional=True)
+    add_server_args(serve)
     gen = commands.add_parser("generate", help="print a greedy completion of a prompt")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.set_defaults(max_model_len=2048)  # one prompt: a smaller bucket grid warms up faster
     return parser
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ("dtype", "max_model_len", "max_num_seqs", "block_size", "num_kv_blocks", "buckets",
-             "attention_backend", "seed")
-    return {name: getattr(args, name) for name in names}
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(model_from_args(args), **{name: getattr(args, name) for name in ENGINE_FLAGS})
     tokenizer = llm.get_tokenizer()
     prompt = args.prompt
     if not args.no_chat_template and getattr(tokenizer, "chat_template", None):
@@ -62,6 +53,10 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from jaxserve.entrypoints.api_server import run_server
+
+        return run_server(args)
     if args.command == "generate":
         return run_generate(args)
     raise AssertionError(args.command)

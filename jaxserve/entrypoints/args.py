@@ -1,0 +1,62 @@
+"""Command-line flags: one flag per EngineConfig field (`--max-model-len` -> `max_model_len`), plus the
+HTTP server's own. Shared by `jaxserve generate`, `jaxserve serve` and `python -m
+jaxserve.entrypoints.api_server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from jaxserve.config import SUPPORTED_DTYPES, EngineConfig
+
+# EngineConfig field -> (type, help); `model` is the positional MODEL of `serve` and `--model` elsewhere.
+ENGINE_FLAGS: dict[str, tuple[type, str]] = {
+    "dtype": (str, "weights and KV cache dtype"),
+    "max_model_len": (int, "longest prompt + output (default: the model's, up to the largest context bucket)"),
+    "max_num_seqs": (int, "most sequences per decode step (default: the largest decode bucket)"),
+    "max_num_batched_tokens": (int, "most tokens per step (default: the largest prefill bucket)"),
+    "block_size": (int, "tokens per KV cache block (default: the bucket file's)"),
+    "num_kv_blocks": (int, "KV cache blocks (default: from the memory budget; 1024 on CPU)"),
+    "gpu_memory_utilization": (float, "fraction of accelerator memory for weights and KV cache"),
+    "buckets": (str, "bucket file path or name (cpu, gpu, tpu; default: the platform's)"),
+    "seed": (int, "seed of requests that give none"),
+    "attention_backend": (str, "auto, reference or pallas"),
+    "waiting_served_ratio": (float, "prefill new requests once waiting >= this ratio x decoding (TGI's; default 0)"),
+    "compile_cache_dir": (str, "JAX persistent compilation cache directory (fast restarts)"),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
+    if model_positional:
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                            help="HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: embedded)")
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    for name, (kind, help_text) in ENGINE_FLAGS.items():
+        kwargs: dict = {"type": kind, "default": defaults[name], "help": help_text}
+        if name == "dtype":
+            kwargs["choices"] = list(SUPPORTED_DTYPES)
+        elif name == "attention_backend":
+            kwargs["choices"] = ["auto", "reference", "pallas"]
+        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default, as vLLM: every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` (default: the JAXSERVE_API_KEY variable, if set)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: MODEL, or SmolLM2-135M-Instruct)")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def model_from_args(args: argparse.Namespace) -> str | None:
+    return getattr(args, "model_tag", None) or args.model
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    return EngineConfig(model=model_from_args(args), **values)

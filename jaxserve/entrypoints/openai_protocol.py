@@ -1,0 +1,373 @@
+"""Pydantic models of the HTTP API: OpenAI's completions and chat requests with vLLM's extra sampling
+fields, their responses and stream chunks, /tokenize and /detokenize, /v1/models and the error body.
+
+Requests become `SamplingParams` here (`to_sampling_params`), field for field with vLLM's mapping; the
+serving modules (`serving_completions.py`, `serving_chat.py`) turn engine outputs into the responses.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jaxserve.sampling_params import SamplingParams
+
+# SamplingParams fields whose neutral value is left out of the kwargs, so an engine without that
+# feature still serves every request that does not use it (and rejects, by name, one that does).
+_NEUTRAL_VALUES: dict[str, Any] = {
+    "n": 1, "best_of": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "logprobs": None, "prompt_logprobs": None, "logit_bias": None,
+}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # as vLLM: unknown request fields are ignored
+
+
+# ----- errors ---------------------------------------------------------------------------------------
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ----- shared request pieces ------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """The sampling fields completions and chat share: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = Field(default_factory=list)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's extras
+    use_beam_search: bool = False
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float = 1.0
+    stop_token_ids: list[int] | None = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
+
+    def _sampling_kwargs(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> dict:
+        return {
+            "n": self.n,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": 0 if self.top_k is None else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "ignore_eos": self.ignore_eos,
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": _token_id_keys(self.logit_bias),
+        }
+
+
+def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias maps token ids (as JSON strings) to a bias in [-100, 100]."""
+    if logit_bias is None:
+        return None
+    bias = {}
+    for token, value in logit_bias.items():
+        if not token.lstrip("-").isdigit():
+            raise ValueError(f"logit_bias keys must be token ids, got {token!r}.")
+        bias[int(token)] = min(100.0, max(-100.0, value))
+    return bias
+
+
+def build_sampling_params(kwargs: dict) -> SamplingParams:
+    """SamplingParams from vLLM-named kwargs; a feature the engine lacks is a ValueError naming it."""
+    fields = SamplingParams.__dataclass_fields__
+    for name, neutral in _NEUTRAL_VALUES.items():
+        if name in kwargs and kwargs[name] == neutral and name not in fields:
+            del kwargs[name]
+    unsupported = [name for name in kwargs if name not in fields]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)} is not supported by this engine yet.")
+    return SamplingParams(**kwargs)
+
+
+# ----- completions ----------------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields):
+    prompt: list[int] | list[list[int]] | str | list[str]
+    best_of: int | None = None
+    echo: bool | None = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    suffix: str | None = None
+    prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_fields(self):
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("`logprobs` must be a positive value.")
+        if self.suffix is not None:
+            raise ValueError("suffix is not currently supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be an empty list")
+        return self
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = self.logprobs  # echo with logprobs returns the prompt's logprobs too
+        kwargs = self._sampling_kwargs(max_tokens, self.logprobs, prompt_logprobs)
+        kwargs["best_of"] = self.best_of
+        return build_sampling_params(kwargs)
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int | None = 0
+
+    @classmethod
+    def of(cls, num_prompt: int, num_generated: int) -> UsageInfo:
+        return cls(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ----- chat -----------------------------------------------------------------------------------------
+
+
+class ChatMessageParam(OpenAIBaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: handed to the chat template
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessageParam]
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_fields(self):
+        if self.top_logprobs is not None:
+            if self.top_logprobs < 0:
+                raise ValueError("`top_logprobs` must be a positive value.")
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        if not self.messages:
+            raise ValueError("messages must contain at least one message")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return self
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = default_max_tokens if max_tokens is None else max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return build_sampling_params(self._sampling_kwargs(max_tokens, logprobs, None))
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ----- models, tokenizer ----------------------------------------------------------------------------
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxserve"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """vLLM's two forms: `prompt` (completion style) or `messages` (chat template applied)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of `prompt` and `messages` must be given")
+        if self.continue_final_message and self.add_generation_prompt and self.messages is not None:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return self
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

@@ -1,0 +1,219 @@
+"""Shared ground of the HTTP handlers, between the request models and the AsyncLLMEngine.
+
+It checks the model name, tokenizes prompts (text, token ids or a chat conversation through the chat
+template), rejects a prompt that cannot fit before anything reaches the engine (vLLM's wording), merges
+the streams of several prompts, holds back streamed text that a stop string could still cut, and
+formats logprobs. Errors are `ServingError`s, which the app answers with OpenAI's error JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+MIN_LOGPROB = -9999.0  # OpenAI's JSON has no -inf
+
+
+class ServingError(Exception):
+    """A request the server refuses; becomes `{"error": {...}}` with this status code."""
+
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+_ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.UNAUTHORIZED: "AuthenticationError",
+    HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+}
+
+
+def error_body(message: str, status: HTTPStatus, param: str | None = None) -> dict:
+    """OpenAI's error object, with vLLM's error type names."""
+    err_type = _ERROR_TYPES.get(HTTPStatus(status), HTTPStatus(status).phrase.replace(" ", "") + "Error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": int(status)}}
+
+
+def stream_error(err: Exception) -> str:
+    """An error after a stream has started: one `data:` event with the error object (as vLLM)."""
+    status = getattr(err, "status", HTTPStatus.BAD_REQUEST)
+    return f"data: {json.dumps(error_body(str(err), status))}\n\n"
+
+
+@dataclasses.dataclass
+class EnginePrompt:
+    text: str | None
+    token_ids: list[int]
+
+    def as_engine_input(self) -> dict:
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str):
+        self.engine = engine
+        self.llm_engine = engine.engine
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.served_model_name = served_model_name
+        self.vocab_size = engine.engine.model_config.vocab_size
+
+    # ----- checks -------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise ServingError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ServingError("The prompt is empty: it must contain at least one token.", param="prompt")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ServingError(f"Token id {bad[0]} is out of vocabulary (size {self.vocab_size}).", param="prompt")
+
+    def sampling_params(self, request: Any, prompt: EnginePrompt) -> SamplingParams:
+        """The request's SamplingParams for one prompt, after vLLM's context-length check."""
+        num_prompt_tokens = len(prompt.token_ids)
+        default_max_tokens = max(self.max_model_len - num_prompt_tokens, 1)
+        try:
+            params = request.to_sampling_params(default_max_tokens)
+            self.llm_engine.grid.check_request(num_prompt_tokens, params.max_tokens)
+        except (ValueError, TypeError) as err:
+            raise ServingError(str(err)) from err
+        return params
+
+    # ----- prompts ------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def text_prompt(self, text: str, add_special_tokens: bool = True) -> EnginePrompt:
+        prompt = EnginePrompt(text, self.encode(text, add_special_tokens))
+        self.check_token_ids(prompt.token_ids)
+        return prompt
+
+    def token_prompt(self, token_ids: list[int]) -> EnginePrompt:
+        self.check_token_ids(token_ids)
+        return EnginePrompt(self.tokenizer.decode(token_ids), list(token_ids))
+
+    def completion_prompts(self, prompt: str | list, add_special_tokens: bool) -> list[EnginePrompt]:
+        """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
+        if isinstance(prompt, str):
+            return [self.text_prompt(prompt, add_special_tokens)]
+        if all(isinstance(p, str) for p in prompt):
+            return [self.text_prompt(p, add_special_tokens) for p in prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [self.token_prompt(prompt)]
+        return [self.token_prompt(p) for p in prompt]
+
+    def chat_prompt(self, request: Any) -> EnginePrompt:
+        """Renders the conversation with the chat template (the model's, or the request's own)."""
+        messages = [_message_dict(m) for m in request.messages]
+        kwargs = dict(request.chat_template_kwargs or {})
+        if request.chat_template is not None:
+            kwargs["chat_template"] = request.chat_template
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, **kwargs,
+            )
+        except Exception as err:  # no template, a template error, bad kwargs: the request's fault
+            raise ServingError(f"Cannot apply the chat template: {err}") from err
+        return self.text_prompt(text, bool(request.add_special_tokens))
+
+    # ----- generation ---------------------------------------------------------------------------
+    def generate(
+        self, prompts: list[EnginePrompt], params: list[SamplingParams], request_id: str
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        streams = [
+            self.engine.generate(p.as_engine_input(), sp, f"{request_id}-{i}")
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        return merge_streams(streams)
+
+    @staticmethod
+    async def final_outputs(stream: AsyncIterator[tuple[int, RequestOutput]], num: int) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * num
+        try:
+            async for i, output in stream:
+                finals[i] = output
+        except ValueError as err:  # the engine refused the request
+            raise ServingError(str(err)) from err
+        return finals  # type: ignore[return-value]
+
+    # ----- formatting ---------------------------------------------------------------------------
+    def token_text(self, token_id: int, logprob: Any | None) -> str:
+        decoded = getattr(logprob, "decoded_token", None)
+        return decoded if decoded is not None else self.tokenizer.decode([token_id])
+
+    def top_logprobs(self, step: dict, num: int) -> list[tuple[int, Any]]:
+        """The `num` most likely entries of one position's {token_id: Logprob}, best first."""
+        ranked = sorted(step.items(), key=lambda kv: (_rank(kv[1]), -kv[1].logprob))
+        return ranked[:num]
+
+
+def _rank(logprob: Any) -> float:
+    rank = getattr(logprob, "rank", None)
+    return math.inf if rank is None else rank
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def streamable_text(output: CompletionOutput, params: SamplingParams) -> str:
+    """The text that can be sent now: while unfinished, the tail a stop string could still remove is held
+    back (vLLM's stop buffer); a finished output is final."""
+    if output.finish_reason is not None or not params.stop or params.include_stop_str_in_output:
+        return output.text
+    hold = max(len(s) for s in params.stop) - 1
+    return output.text[: max(len(output.text) - hold, 0)]
+
+
+def _message_dict(message: Any) -> dict:
+    data = message.model_dump(exclude_none=True)
+    content = data.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ServingError(f"Only text content parts are supported, got {part.get('type')!r}.")
+            texts.append(part["text"])
+        data["content"] = "\n".join(texts)
+    return data
+
+
+async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleaves several streams as (stream index, item). Closing or cancelling the merged stream
+    cancels every stream still open, which aborts its request in the engine."""
+    pending: dict[asyncio.Future, int] = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, item
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

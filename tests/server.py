@@ -1,0 +1,50 @@
+"""A real uvicorn server on 127.0.0.1 and a free port, in a background thread, for the HTTP tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+from jaxserve import AsyncLLMEngine
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.entrypoints.api_server import build_app
+
+MODEL_NAME = "tiny-llama"
+
+
+def tiny_async_engine(model_dir, **config) -> AsyncLLMEngine:
+    config = {"max_model_len": 512, "buckets": "cpu", **config}
+    return AsyncLLMEngine(LLMEngine(EngineConfig(model=str(model_dir), **config)))
+
+
+class ServerThread:
+    """`with ServerThread(app) as server:` serves `app` at `server.base_url` until the block ends."""
+
+    def __init__(self, app):
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def serve(model_dir, api_key: str | None = None, **config) -> tuple[ServerThread, AsyncLLMEngine]:
+    engine = tiny_async_engine(model_dir, **config)
+    app = build_app(engine, served_model_name=MODEL_NAME, api_key=api_key, model_path=str(model_dir))
+    return ServerThread(app), engine

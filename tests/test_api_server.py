@@ -1,0 +1,422 @@
+"""The HTTP server for real (uvicorn on 127.0.0.1, a free port) over a tiny random model.
+
+The official `openai` client drives /v1/completions and /v1/chat/completions (streaming and not, n=2,
+logprobs against transformers' log-softmax, stop strings, seeds, usage); raw HTTP drives /generate,
+/tokenize, /metrics and every error case. Expected tokens come from the engine itself, run offline
+before the server starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from jaxserve.sampling_params import SamplingParams
+from tests.hf_tiny import hf_logits, make_tiny_model
+from tests.server import MODEL_NAME, ServerThread, tiny_async_engine
+
+API_KEY = "test-key"
+PROMPT = "The quick brown fox"
+CHAT = [{"role": "user", "content": "Say something."}]
+LONG_PROMPT = "a" * 600  # 600 byte tokens > max_model_len 512
+NOT_FOUND_MESSAGE = "The model `gpt-nope` does not exist."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return tiny_async_engine(model_dir)
+
+
+def _offline(engine, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens from the engine itself, stepped synchronously before the server owns it."""
+    llm_engine = engine.engine
+    llm_engine.add_request("offline", {"prompt_token_ids": prompt_ids},
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    final = None
+    while llm_engine.has_unfinished_requests():
+        final = llm_engine.step()[-1]
+    return final.outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    tokenizer = engine.engine.tokenizer
+    prompt_ids = tokenizer(PROMPT).input_ids
+    chat_text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    chat_ids = tokenizer(chat_text, add_special_tokens=False).input_ids
+    greedy = _offline(engine, prompt_ids, 16)
+    chat = _offline(engine, chat_ids, 12)
+    return {
+        "prompt_ids": prompt_ids, "greedy_ids": greedy, "greedy_text": tokenizer.decode(greedy),
+        "chat_ids": chat_ids, "chat_greedy_ids": chat, "chat_text": tokenizer.decode(chat),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(engine, expected, model_dir):
+    from jaxserve.entrypoints.api_server import build_app
+
+    app = build_app(engine, served_model_name=MODEL_NAME, api_key=API_KEY, model_path=str(model_dir))
+    with ServerThread(app) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        yield c
+
+
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+# ----- completions ------------------------------------------------------------------------------------
+
+
+def test_completion_is_the_engines_greedy_output_with_usage(client, expected):
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, **GREEDY)
+    (choice,) = response.choices
+    assert choice.text == expected["greedy_text"]
+    assert (choice.index, choice.finish_reason) == (0, "length")
+    assert response.model == MODEL_NAME and response.object == "text_completion"
+    assert response.id.startswith("cmpl-")
+    usage = response.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        len(expected["prompt_ids"]), 16, len(expected["prompt_ids"]) + 16)
+
+
+def test_completion_stream_sums_to_the_same_text_and_reports_usage(client, expected):
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=16, stream=True, stream_options={"include_usage": True}, **GREEDY))
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == expected["greedy_text"]
+    assert [c.choices[0].finish_reason for c in text_chunks] == [None] * (len(text_chunks) - 1) + ["length"]
+    assert len({c.id for c in chunks}) == 1
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 16
+    assert usage_chunk.usage.prompt_tokens == len(expected["prompt_ids"])
+    assert all(c.usage is None for c in text_chunks)
+
+
+def test_token_id_prompts_and_prompt_lists_give_one_choice_each(client, expected):
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=[expected["prompt_ids"], expected["prompt_ids"][:3]], max_tokens=4, **GREEDY)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.choices[0].text == expected["greedy_text"][: len(response.choices[0].text)]
+    assert response.usage.prompt_tokens == len(expected["prompt_ids"]) + 3
+    assert response.usage.completion_tokens == 8
+
+
+def test_echo_prepends_the_prompt(client, expected):
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, echo=True, **GREEDY)
+    assert response.choices[0].text == PROMPT + expected["greedy_text"]
+
+
+def _stop_after(text: str, width: int) -> tuple[str, int]:
+    """A stop string of `width` characters first occurring at a position >= 2 of `text`."""
+    for k in range(2, len(text) - width + 1):
+        stop = text[k : k + width]
+        if stop.strip() and text.find(stop) == k:
+            return stop, k
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_stop_string_cuts_the_text_streamed_or_not(client, expected, width):
+    stop, position = _stop_after(expected["greedy_text"], width)
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, stop=[stop], **GREEDY)
+    choice = response.choices[0]
+    assert choice.text == expected["greedy_text"][:position]
+    assert (choice.finish_reason, choice.stop_reason) == ("stop", stop)
+    chunks = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, stop=stop, stream=True,
+                                       **GREEDY)
+    assert "".join(c.choices[0].text for c in chunks) == expected["greedy_text"][:position]
+
+
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed: int, stream: bool = False) -> str:
+        kwargs = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": seed,
+                  "extra_body": {"ignore_eos": True}}
+        if stream:
+            return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+        return client.completions.create(**kwargs).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(1234, stream=True) == first
+    assert sample(4321) != first
+
+
+def test_completion_n2_returns_two_sampled_choices(client):
+    kwargs = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8, "n": 2, "temperature": 1.0, "seed": 7,
+              "extra_body": {"ignore_eos": True}}
+    response = client.completions.create(**kwargs)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.choices[0].text != response.choices[1].text
+    assert response.usage.completion_tokens == 16
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in (0, 1)]
+    assert streamed == [c.text for c in response.choices]
+
+
+def _hf_logprobs(model_dir, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
+    """transformers' log-softmax [len(output), V] at each output position."""
+    logits = hf_logits(model_dir, prompt_ids + output_ids)[len(prompt_ids) - 1 : -1].astype(np.float64)
+    peak = logits.max(-1, keepdims=True)
+    return logits - peak - np.log(np.exp(logits - peak).sum(-1, keepdims=True))
+
+
+def test_completion_logprobs_match_transformers(client, expected, model_dir, engine):
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, logprobs=3, **GREEDY)
+    logprobs = response.choices[0].logprobs
+    output_ids = expected["greedy_ids"][:6]
+    reference = _hf_logprobs(model_dir, expected["prompt_ids"], output_ids)
+    decode = engine.engine.tokenizer.decode
+    assert logprobs.tokens == [decode([t]) for t in output_ids]
+    np.testing.assert_allclose(logprobs.token_logprobs, reference[np.arange(6), output_ids], atol=1e-4)
+    assert logprobs.text_offset == list(np.cumsum([0] + [len(t) for t in logprobs.tokens[:-1]]))
+    for position, top in enumerate(logprobs.top_logprobs):
+        best3 = [int(t) for t in np.argsort(-reference[position])[:3]]
+        names = [decode([t]) for t in best3]
+        assert set(top) == set(names)  # greedy: the sampled token is one of the three
+        for token_id, name in zip(best3, names, strict=True):
+            if names.count(name) == 1:  # two ids can decode to one string (partial UTF-8)
+                assert top[name] == pytest.approx(reference[position, token_id], abs=1e-4)
+
+
+# ----- chat -------------------------------------------------------------------------------------------
+
+
+def test_chat_completion_applies_the_template(client, expected):
+    response = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=12, **GREEDY)
+    (choice,) = response.choices
+    assert choice.message.role == "assistant" and choice.message.content == expected["chat_text"]
+    assert choice.finish_reason == "length" and response.object == "chat.completion"
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(expected["chat_ids"]), 12)
+
+
+def test_chat_stream_starts_with_the_role_and_ends_with_usage(client, expected):
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=12, stream=True, stream_options={"include_usage": True},
+        **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    content = chunks[1:-1]
+    assert "".join(c.choices[0].delta.content for c in content) == expected["chat_text"]
+    assert content[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == len(expected["chat_ids"])
+
+
+def test_chat_stop_and_max_completion_tokens(client, expected):
+    stop, position = _stop_after(expected["chat_text"], 1)
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_completion_tokens=12, stop=[stop], **GREEDY)
+    assert response.choices[0].message.content == expected["chat_text"][:position]
+    assert response.choices[0].finish_reason == "stop"
+    short = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_completion_tokens=3, **GREEDY)
+    assert short.usage.completion_tokens == 3
+
+
+def test_chat_n2_and_seed(client):
+    kwargs = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 11,
+              "extra_body": {"ignore_eos": True}}
+    first = client.chat.completions.create(**kwargs)
+    again = client.chat.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert first.usage.completion_tokens == 12
+
+
+def test_chat_logprobs_match_transformers(client, expected, model_dir):
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=2, **GREEDY)
+    content = response.choices[0].logprobs.content
+    output_ids = expected["chat_greedy_ids"][:5]
+    reference = _hf_logprobs(model_dir, expected["chat_ids"], output_ids)
+    np.testing.assert_allclose([c.logprob for c in content], reference[np.arange(5), output_ids], atol=1e-4)
+    for position, entry in enumerate(content):
+        assert len(entry.top_logprobs) == 2
+        best2 = np.sort(reference[position])[::-1][:2]
+        np.testing.assert_allclose([t.logprob for t in entry.top_logprobs], best2, atol=1e-4)
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+
+
+# ----- other endpoints --------------------------------------------------------------------------------
+
+
+def test_models_health_version(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert models.data[0].max_model_len == 512
+    health = httpx.get(server.base_url + "/health")  # no API key needed
+    assert (health.status_code, health.text) == (200, "")
+    assert httpx.get(server.base_url + "/version").json() == {"version": "0.1.0"}
+
+
+def test_tokenize_and_detokenize(http, expected):
+    tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert tokens == {"count": len(expected["prompt_ids"]), "max_model_len": 512, "tokens": expected["prompt_ids"]}
+    chat = http.post("/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"] == expected["chat_ids"]
+    assert http.post("/detokenize", json={"tokens": expected["greedy_ids"]}).json() == {
+        "prompt": expected["greedy_text"]}
+
+
+def test_generate_answers_prompt_plus_output(http, expected):
+    response = http.post("/generate", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200
+    assert response.json() == {"text": [PROMPT + expected["greedy_text"]]}
+
+
+def test_generate_streams_cumulative_json_lines(http, expected):
+    body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/generate", json=body) as response:
+        lines = [json.loads(line) for line in response.iter_lines() if line]
+    texts = [line["text"][0] for line in lines]
+    assert len(texts) >= 2 and texts[-1] == PROMPT + expected["greedy_text"]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))  # cumulative
+
+
+def test_generate_n_with_beam_search(http):
+    """The seeds' demo request: n=4 beams, greedy, 16 tokens: four distinct texts, prompt first."""
+    body = {"prompt": PROMPT, "n": 4, "use_beam_search": True, "temperature": 0.0, "max_tokens": 16}
+    response = http.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    texts = response.json()["text"]
+    assert len(texts) == 4 and len(set(texts)) == 4
+    assert all(t.startswith(PROMPT) for t in texts)
+
+
+def test_metrics_count_one_request_exactly(http, expected):
+    def scrape() -> dict[str, float]:
+        text = http.get("/metrics").text
+        return {m[0]: float(m[1]) for m in re.findall(r"^(jaxserve:[^ ]+) ([0-9.e+-]+)$", text, re.M)}
+
+    before = scrape()
+    http.post("/generate", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    after = scrape()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["jaxserve:prompt_tokens_total"] == len(expected["prompt_ids"])
+    assert delta["jaxserve:generation_tokens_total"] == 5
+    assert delta["jaxserve:time_to_first_token_seconds_count"] == 1
+    assert delta["jaxserve:inter_token_latency_seconds_count"] == 4
+    assert delta["jaxserve:e2e_request_latency_seconds_count"] == 1
+    assert delta['jaxserve:request_success_total{finished_reason="length"}'] == 1
+    assert after["jaxserve:num_requests_running"] == after["jaxserve:num_requests_waiting"] == 0
+    assert after["jaxserve:kv_cache_usage_perc"] == 0.0
+    assert after["jaxserve:compiles_after_warmup_total"] == 0
+    assert after["jaxserve:bucket_padding_waste"] == pytest.approx(
+        after["jaxserve:bucket_padded_tokens_total"] / after["jaxserve:bucket_real_tokens_total"])
+
+
+# ----- errors -----------------------------------------------------------------------------------------
+
+
+def _error(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and body["error"]["code"] == status
+    return body["error"]["message"]
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens: Input should be a valid integer"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature: Input should be a valid number"),
+    ({"prompt": "x", "stop": 3}, "stop"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens must be at least 1, got -1."),
+    ({"prompt": "x", "temperature": -0.5}, "temperature must be non-negative, got -0.5."),
+    ({"prompt": "x", "top_p": 0}, "top_p must be in (0, 1], got 0.0."),
+    ({"prompt": "x", "logprobs": -1}, "`logprobs` must be a positive value."),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "Stream options can only be defined when"),
+    ({"prompt": [], "max_tokens": 3}, "prompt must not be an empty list"),
+    ({"prompt": [5, 100000]}, "Token id 100000 is out of vocabulary (size 320)."),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias keys must be token ids, got 'a'."),
+    ({"prompt": LONG_PROMPT, "max_tokens": 16},
+     "This model's maximum context length is 512 tokens. However, you requested 616 tokens "
+     "(600 in the messages, 16 in the completion)."),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_COMPLETIONS)
+def test_bad_completion_requests_are_400(http, body, message):
+    assert message in _error(http.post("/v1/completions", json={"model": MODEL_NAME, **body}), 400)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate", "/tokenize"])
+def test_invalid_json_is_400(http, path):
+    response = http.post(path, content=b'{"prompt": "x",', headers={"Content-Type": "application/json"})
+    assert _error(response, 400).startswith("The request body is not valid JSON")
+
+
+BAD_CHATS = [
+    ({"messages": "hello"}, "messages: Input should be a valid list"),
+    ({"messages": []}, "messages must contain at least one message"),
+    ({"messages": CHAT, "top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true."),
+    ({"messages": CHAT, "max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "Only text content parts are supported, got 'image_url'."),
+    ({"messages": [{"role": "user", "content": LONG_PROMPT}]}, "This model's maximum context length is 512 tokens."),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_CHATS)
+def test_bad_chat_requests_are_400(http, body, message):
+    assert message in _error(http.post("/v1/chat/completions", json={"model": MODEL_NAME, **body}), 400)
+
+
+BAD_GENERATES = [
+    ([1, 2], "The request body must be a JSON object."),
+    ({"max_tokens": 4}, "`prompt` is required and must be a string."),
+    ({"prompt": "x", "stream": "yes"}, "`stream` must be a boolean."),
+    ({"prompt": "x", "max_tokens": -3}, "max_tokens must be at least 1, got -3."),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens: Input should be a valid integer"),
+    ({"prompt": "x", "temperature": [1]}, "temperature: Input should be a valid number"),
+    ({"prompt": "x", "bogus": 1}, "Unknown sampling parameter(s): bogus."),
+    ({"prompt": "x", "output_kind": 1}, "Unknown sampling parameter(s): output_kind."),
+    ({"prompt": LONG_PROMPT}, "This model's maximum context length is 512 tokens. However, you requested 616 tokens"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_GENERATES)
+def test_bad_generate_requests_are_400(http, body, message):
+    assert message in _error(http.post("/generate", json=body), 400)
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError, match=re.escape(NOT_FOUND_MESSAGE)):
+        client.completions.create(model="gpt-nope", prompt=PROMPT, max_tokens=2)
+
+
+def test_api_key_is_required_except_for_probes(server):
+    unauthorized = [
+        httpx.post(server.base_url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x"}),
+        httpx.post(server.base_url + "/generate", json={"prompt": "x"}),
+        httpx.get(server.base_url + "/v1/models", headers={"Authorization": "Bearer wrong"}),
+        httpx.get(server.base_url + "/v1/models", headers={"Authorization": b"Bearer t\xe9st"}),
+    ]
+    for response in unauthorized:
+        assert _error(response, 401) == "Unauthorized: a valid API key is required."
+    bad_client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+    assert httpx.get(server.base_url + "/metrics").status_code == 200
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_unknown_route_is_an_openai_404(http):
+    assert _error(http.get("/v1/nothing"), 404) == "Not Found"
