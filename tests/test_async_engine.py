@@ -91,3 +91,26 @@ def test_explicit_abort(engine):
     assert rest and rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
     pool = engine.engine.block_manager
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_abort_queued_with_its_own_add_is_not_lost(engine):
+    """A client that disconnects before the worker picks its request up: the add and the abort wait for
+    the same step, and the request must not run on orphaned."""
+
+    async def scenario():
+        busy = asyncio.create_task(_collect(engine, {"prompt_token_ids": [5, 6, 7]}, _params(40), "busy"))
+        while not engine.engine.requests:  # the worker is now stepping "busy"
+            await asyncio.sleep(0.005)
+        stream = engine.generate({"prompt_token_ids": [13, 14]}, _params(300), "gone-at-once")
+        task = asyncio.create_task(stream.__anext__())
+        await asyncio.sleep(0)  # generate() queued the add
+        task.cancel()  # ... and the client is gone before the next step
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await busy
+
+    done = asyncio.run(scenario())
+    assert len(done[-1].outputs[0].token_ids) == 40
+    assert "gone-at-once" not in engine.engine.requests
+    pool = engine.engine.block_manager
+    assert pool.num_free_blocks == pool.num_blocks

@@ -1,0 +1,116 @@
+"""Many clients at once against a real server: 100 concurrent streams with a third of the clients hanging
+up midway, and a non-streaming client that times out. Every client that stays gets all its tokens,
+every one that leaves is aborted, and afterwards every KV block is free and the server still answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.hf_tiny import make_tiny_model
+from tests.server import MODEL_NAME, serve
+
+NUM_CLIENTS = 100
+KEPT_TOKENS = 8  # tokens each staying client asks for
+LEFT_TOKENS = 64  # tokens each leaving client asks for: it is still running when it hangs up
+LEAVE_AFTER_CHUNKS = 2
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=4)
+    server, engine = serve(model_dir)
+    with server:
+        yield server, engine
+
+
+def _metrics(base_url: str) -> dict[str, float]:
+    text = httpx.get(base_url + "/metrics").text
+    return {m[0]: float(m[1]) for m in re.findall(r"^(jaxserve:[^ ]+) ([0-9.e+-]+)$", text, re.M)}
+
+
+def _wait_until_idle(engine, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.engine.has_unfinished_requests() or engine.engine.block_manager.num_used_blocks:
+        assert time.monotonic() < deadline, "the engine still holds requests"
+        time.sleep(0.05)
+
+
+async def _stream_client(client: httpx.AsyncClient, i: int, leave: bool) -> dict:
+    body = {
+        "model": MODEL_NAME, "prompt": f"Client number {i} says", "temperature": 0.0, "ignore_eos": True,
+        "max_tokens": LEFT_TOKENS if leave else KEPT_TOKENS, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result = {"chunks": 0, "finish_reason": None, "usage": None, "done": False}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result["done"] = True
+                break
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk["choices"]:
+                result["chunks"] += 1
+                result["finish_reason"] = chunk["choices"][0]["finish_reason"]
+            else:
+                result["usage"] = chunk["usage"]
+            if leave and result["chunks"] == LEAVE_AFTER_CHUNKS:
+                return result  # leaving the block closes the connection mid-stream
+    return result
+
+
+async def _many_clients(base_url: str) -> list[dict]:
+    limits = httpx.Limits(max_connections=NUM_CLIENTS, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
+        return await asyncio.gather(*(_stream_client(client, i, leave=i % 3 == 0) for i in range(NUM_CLIENTS)))
+
+
+def test_100_streams_with_a_third_disconnecting(served):
+    server, engine = served
+    before = _metrics(server.base_url)
+    results = asyncio.run(_many_clients(server.base_url))
+    _wait_until_idle(engine)
+    stayed = [r for i, r in enumerate(results) if i % 3 != 0]
+    left = [r for i, r in enumerate(results) if i % 3 == 0]
+    assert len(stayed) == 66 and len(left) == 34
+    for result in stayed:
+        assert result["done"] and result["finish_reason"] == "length"
+        assert result["usage"]["completion_tokens"] == KEPT_TOKENS
+    assert all(r["chunks"] == LEAVE_AFTER_CHUNKS and not r["done"] for r in left)
+    after = _metrics(server.base_url)
+    finished = {reason: after[f'jaxserve:request_success_total{{finished_reason="{reason}"}}']
+                - before[f'jaxserve:request_success_total{{finished_reason="{reason}"}}']
+                for reason in ("length", "abort", "stop")}
+    assert finished == {"length": 66, "abort": 34, "stop": 0}
+    pool = engine.engine.block_manager
+    assert pool.num_free_blocks == pool.num_blocks
+    assert after["jaxserve:kv_cache_usage_perc"] == 0.0
+    assert after["jaxserve:num_requests_running"] == after["jaxserve:num_requests_waiting"] == 0
+    assert after["jaxserve:compiles_after_warmup_total"] == 0
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_non_streaming_client_that_times_out_is_aborted(served):
+    server, engine = served
+    before = _metrics(server.base_url)
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 500, "temperature": 0.0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.3)
+    _wait_until_idle(engine)
+    after = _metrics(server.base_url)
+    key = 'jaxserve:request_success_total{finished_reason="abort"}'
+    assert after[key] - before[key] == 1
+    assert after['jaxserve:request_success_total{finished_reason="length"}'] == before[
+        'jaxserve:request_success_total{finished_reason="length"}']
+    pool = engine.engine.block_manager
+    assert pool.num_free_blocks == pool.num_blocks
+    response = httpx.post(server.base_url + "/generate", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
+    assert response.status_code == 200 and len(response.json()["text"]) == 1
