@@ -1,10 +1,13 @@
-# Two entry points (see README): `make serve` and `make test`. Both create .venv on first use.
+# Two entry points (see README): `make run` (the HTTP server) and `make test`. Both create .venv on first use.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
+PORT ?= 8000
+# the server's context limit: a smaller bucket grid than the model's 8192 warms up faster on CPU
+MAX_MODEL_LEN ?= 2048
 
-.PHONY: venv run generate test lint clean
+.PHONY: venv run serve generate test lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +21,10 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-run: generate
+run: serve
+
+serve: venv
+	$(BIN)/jaxserve serve --port $(PORT) --max-model-len $(MAX_MODEL_LEN)
 
 generate: venv
 	$(BIN)/jaxserve generate "$(PROMPT)"

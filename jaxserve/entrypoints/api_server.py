@@ -259,7 +259,7 @@ class AnnouncingServer(uvicorn.Server):
 
 
 def startup_message(host: str, port: int, served_model_name: str) -> str:
-    shown = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1") else host
+    shown = "localhost" if host in ("0.0.0.0", "::") else host
     body = json.dumps({"model": served_model_name, "messages": [{"role": "user", "content": "Hello!"}],
                        "max_tokens": 32})
     return (
