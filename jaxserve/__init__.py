@@ -13,9 +13,13 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jaxserve.llm",
     "SamplingParams": "jaxserve.sampling_params",
+    "BeamSearchParams": "jaxserve.sampling_params",
     "RequestOutputKind": "jaxserve.sampling_params",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
+    "Logprob": "jaxserve.outputs",
+    "BeamSearchOutput": "jaxserve.outputs",
+    "BeamSearchSequence": "jaxserve.outputs",
     "LLMEngine": "jaxserve.engine",
     "AsyncLLMEngine": "jaxserve.async_engine",
     "EngineConfig": "jaxserve.config",

@@ -33,6 +33,7 @@ class BlockManager:
         self.block_size = block_size
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
         self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), see take_pending_copies
 
     # -- pool state ---------------------------------------------------------------------------------
 
@@ -55,9 +56,19 @@ class BlockManager:
     # -- allocation ---------------------------------------------------------------------------------
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks ``seq`` still needs to hold ``num_computed_tokens + num_new_tokens`` tokens."""
+        """Blocks ``seq`` still needs to write ``num_new_tokens`` more tokens: new ones to hold
+        ``num_computed_tokens + num_new_tokens`` tokens, plus a private copy of every block it will
+        write that a fork shares (copy-on-write)."""
         needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(seq.block_table))
+        return max(0, needed - len(seq.block_table)) + len(self._shared_write_blocks(seq, num_new_tokens))
+
+    def _shared_write_blocks(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Indices in ``seq.block_table`` of the blocks the next tokens go to that another sequence holds."""
+        if num_new_tokens < 1:
+            return []
+        first = seq.num_computed_tokens // self.block_size
+        last = min((seq.num_computed_tokens + num_new_tokens - 1) // self.block_size, len(seq.block_table) - 1)
+        return [i for i in range(first, last + 1) if self.ref_counts[seq.block_table[i]] > 1]
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, *, reserve: int = 0) -> bool:
         """Whether ``allocate`` would succeed and still leave ``reserve`` blocks free."""
@@ -69,13 +80,17 @@ class BlockManager:
         return max(0, capacity - seq.num_computed_tokens)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Grow ``seq.block_table`` to hold ``num_computed_tokens + num_new_tokens`` tokens."""
+        """Grow ``seq.block_table`` to hold ``num_computed_tokens + num_new_tokens`` tokens, and give
+        ``seq`` a private copy of every shared block those tokens go to (queued in ``pending_copies``)."""
         n = self.num_new_blocks(seq, num_new_tokens)
         if n > len(self.free_block_ids):
             raise RuntimeError(
                 f"seq {seq.seq_id}: needs {n} new KV blocks, only {len(self.free_block_ids)} free "
                 "(call can_allocate first)"
             )
+        for index in self._shared_write_blocks(seq, num_new_tokens):
+            self.pending_copies.append(self._copy_block(seq, index))
+        n = max(0, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
         for _ in range(n):
             block_id = self.free_block_ids.popleft()
             self.ref_counts[block_id] = 1
@@ -99,19 +114,31 @@ class BlockManager:
 
         Checks the block that will receive token ``num_computed_tokens``. Returns ``(src, dst)``
         block ids for the model runner to copy on the device, or None when nothing must be copied.
-        Not used by the scheduler yet (nothing forks sequences yet).
+        ``allocate`` does this itself for every block it is about to write.
         """
         index = seq.num_computed_tokens // self.block_size
         if index >= len(seq.block_table) or self.ref_counts[seq.block_table[index]] == 1:
             return None
         if not self.free_block_ids:
             raise RuntimeError(f"seq {seq.seq_id}: no free KV block for copy-on-write")
+        return self._copy_block(seq, index)
+
+    def _copy_block(self, seq: Sequence, index: int) -> tuple[int, int]:
         src = seq.block_table[index]
         dst = self.free_block_ids.popleft()
         self.ref_counts[dst] = 1
         self.ref_counts[src] -= 1
         seq.block_table[index] = dst
         return src, dst
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies ``allocate`` queued, for the device to apply before the next step.
+
+        A destination freed since (its sequence was preempted) is dropped; if it was handed out again to
+        another copy, only that later copy is kept."""
+        latest = {dst: src for src, dst in self.pending_copies}
+        self.pending_copies = []
+        return [(src, dst) for dst, src in latest.items() if self.ref_counts[dst] > 0]
 
     # -- measurement --------------------------------------------------------------------------------
 

@@ -3,7 +3,9 @@
 Text grows by decoding a short window of the latest token ids (the prefix/read offsets of vLLM), so
 each step costs O(1) in the output length and multi-byte characters are only emitted once complete.
 Stop strings are searched in the tail of the text where a new match can appear, so a stop string that
-spans token boundaries is caught.
+spans token boundaries is caught. While a request streams, the last `len(longest stop) - 1` characters
+are held back (`visible_text`): they may still turn out to be the start of a stop string (vLLM does the
+same).
 """
 
 from __future__ import annotations
@@ -30,8 +32,15 @@ class IncrementalDetokenizer:
             spaces_between_special_tokens=self.params.spaces_between_special_tokens,
         )
 
-    def append(self, token_id: int) -> str | None:
-        """Adds one generated token; returns the stop string it completed, if any (text is then cut)."""
+    def visible_text(self, finished: bool) -> str:
+        """The text to report: all of it once finished, else without the held-back tail."""
+        held_back = 0 if finished else self.params.output_text_buffer_length
+        return self.text[: len(self.text) - held_back] if held_back else self.text
+
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Adds one generated token; returns the stop string it completed, if any (text is then cut).
+
+        `check_stop` is False while fewer than min_tokens tokens exist (stop strings do not count then)."""
         self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset :])
@@ -40,7 +49,7 @@ class IncrementalDetokenizer:
         previous_len = len(self.text)
         self.text += full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return self._check_stop(previous_len)
+        return self._check_stop(previous_len) if check_stop else None
 
     def _check_stop(self, previous_len: int) -> str | None:
         if not self.params.stop:

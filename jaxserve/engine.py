@@ -1,8 +1,10 @@
 """LLMEngine: add_request / step / abort, the loop that LLM.generate and AsyncLLMEngine both drive.
 
-Each `step()` asks the Scheduler for a Schedule, pads it to the chosen bucket, runs the ModelRunner's
-precompiled executable, then appends the sampled tokens, detokenizes, applies stop conditions and
-returns a RequestOutput for every request that advanced.
+Each `step()` asks the Scheduler for a Schedule, applies pending copy-on-write copies and new sampler
+slots on the device, pads the step to the chosen bucket, runs the ModelRunner's precompiled executable,
+then hands each sampled token (and its logprobs) to the request's group (`sequence_group.py`,
+`beam_search.py`), which detokenizes, applies stop conditions, forks samples and beams; the engine
+applies the forks and frees, and returns a RequestOutput for every request that advanced.
 """
 
 from __future__ import annotations
@@ -14,44 +16,27 @@ import time
 import jax
 import numpy as np
 
+from jaxserve.beam_search import BeamSearchGroup
 from jaxserve.block_manager import BlockManager, kv_bytes_per_block, num_blocks_from_budget
 from jaxserve.buckets import BucketGrid, load_bucket_spec
 from jaxserve.config import EngineConfig
-from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.logger import init_logger
-from jaxserve.model_runner import ModelRunner, StepInputs, enable_compilation_cache, step_shape
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampler import SamplingTensors
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.logprobs import TokenTexts
+from jaxserve.model_runner import ModelRunner, StepInputs, StepOutput, enable_compilation_cache, step_shape
+from jaxserve.outputs import RequestOutput
+from jaxserve.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
+from jaxserve.sampler import FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
+from jaxserve.sampler_state import SlotTable, slot_state_bytes
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.scheduler import Schedule, Scheduler
-from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.sequence import Sequence
+from jaxserve.sequence_group import EngineContext, GroupUpdate, RequestGroup, SampledToken, SamplingGroup
 from jaxserve.weights import LoadedModel, load_model
 
 logger = init_logger("jaxserve.engine")
 
 DEFAULT_CPU_KV_BLOCKS = 1024
-_FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-}
-
-
-@dataclasses.dataclass
-class Request:
-    """Host state of one request: its sequence, detokenizer and what was last reported."""
-
-    request_id: str
-    prompt: str | None
-    params: SamplingParams
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer
-    seed: int
-    stop_reason: int | str | None = None
-    num_reported_tokens: int = 0
-    num_reported_chars: int = 0
-    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
-    first_token_time: float | None = None
+_FLAGS = INT_COLUMNS.index("flags")
 
 
 @dataclasses.dataclass
@@ -96,13 +81,24 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
             num_blocks=num_blocks, attention_backend=config.attention_backend,
+            num_sampler_slots=self.grid.max_num_seqs, num_logprobs=config.max_logprobs,
         )
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, RequestGroup] = {}
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
         self.eos_token_ids = set(loaded.config.eos_token_id)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.slots = SlotTable(self.grid.max_num_seqs)
+        self._slot_copies: list[tuple[int, int]] = []  # (parent slot, child slot) of this step's forks
+        self.context = EngineContext(
+            tokenizer=self.tokenizer, texts=TokenTexts(self.tokenizer), eos_token_ids=frozenset(self.eos_token_ids),
+            max_model_len=self.max_model_len, vocab_size=loaded.config.vocab_size,
+        )
+        self.limits = EngineLimits(
+            vocab_size=loaded.config.vocab_size, max_logprobs=config.max_logprobs,
+            max_num_seqs=self.grid.max_num_seqs, num_kv_blocks=num_blocks, block_size=self.block_size,
+        )
         if warm_up:
             self.warm_up()
 
@@ -118,7 +114,10 @@ class LLMEngine:
             stats = jax.devices()[0].memory_stats() or {}
             weights = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
             limit = stats.get("bytes_limit", 0) * self.config.gpu_memory_utilization
-            budget = int(limit - stats.get("bytes_in_use", 0) - weights)
+            spec = load_bucket_spec(self.config.buckets, platform)
+            num_slots = self.config.max_num_seqs or max(spec.decode_batch_sizes)
+            sampler_state = slot_state_bytes(num_slots, cfg.vocab_size)
+            budget = int(limit - stats.get("bytes_in_use", 0) - weights - sampler_state)
         return num_blocks_from_budget(
             bytes_per_block, num_kv_blocks=self.config.num_kv_blocks,
             memory_budget_bytes=budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS,
@@ -159,29 +158,38 @@ class LLMEngine:
             return prompt, list(self.tokenizer(prompt).input_ids)
         raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None = None) -> None:
+        """Queues a request; BeamSearchParams make it a beam search (one final output, beams best first)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt must contain at least one token")
-        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
-        self.grid.check_request(len(token_ids), max_tokens)
-        seq = Sequence(request_id, token_ids, params)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-        self.requests[request_id] = Request(request_id, text, params, seq, detok, seed & 0xFFFFFFFF)
-        self.scheduler.add(seq)
+        seed = self._rng.getrandbits(32)
+        if isinstance(params, BeamSearchParams):
+            check_beam_search_request(params, len(token_ids), self.limits)
+            self.grid.check_request(len(token_ids), params.max_tokens)
+            group = BeamSearchGroup(request_id, text, token_ids, params, seed, self.context)
+        elif isinstance(params, SamplingParams):
+            check_sampling_request(params, self.limits)
+            self.grid.check_request(len(token_ids), params.max_tokens or self.max_model_len - len(token_ids))
+            seed = params.seed if params.seed is not None else seed
+            group = SamplingGroup(request_id, text, token_ids, params, seed, self.context)
+        else:
+            raise TypeError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
+        self.requests[request_id] = group
+        self.scheduler.add(group.seq)
         self.stats.num_prompt_tokens += len(token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.pop(request_id, None)
-        if request is None:
+        group = self.requests.pop(request_id, None)
+        if group is None:
             return None
-        self.scheduler.abort(request_id)
-        request.seq.status = SequenceStatus.FINISHED_ABORTED
-        return self._make_output(request)
+        for seq in self.scheduler.abort(request_id):
+            self.slots.release(seq.seq_id)
+        group.abort()
+        return group.make_output()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -190,22 +198,51 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         schedule = self.scheduler.schedule()
         self.stats.num_preemptions += len(schedule.preempted)
-        outputs = [self._finish_ignored(seq) for seq in schedule.ignored]
+        for seq in schedule.preempted:
+            self.slots.release(seq.seq_id)  # a recompute starts at position 0 and rebuilds its slot
+        outputs = self._finish_ignored(schedule.ignored)
         if schedule.is_idle:
             return outputs
-        inputs = self._prepare_inputs(schedule)
-        tokens, _ = self.runner.execute(schedule.bucket, inputs)
-        self._count_step(schedule)
-        return outputs + self._process_tokens(schedule, np.asarray(tokens))
-
-    def _finish_ignored(self, seq: Sequence) -> RequestOutput:
-        """A sequence the scheduler could never run (it reached max_model_len) ends with "length"."""
-        request = self.requests.pop(seq.request_id)
-        return self._make_output(request)
-
-    def _prepare_inputs(self, schedule: Schedule) -> StepInputs:
-        shape = step_shape(schedule.bucket, self.block_size)
         rows = self._rows(schedule)
+        self._sync_device_state(rows)
+        inputs = self._prepare_inputs(schedule, rows)
+        step_output = self.runner.execute(schedule.bucket, inputs)
+        self._count_step(schedule)
+        return outputs + self._process_step(schedule, rows, inputs, step_output)
+
+    def _finish_ignored(self, ignored: list[Sequence]) -> list[RequestOutput]:
+        """Sequences the scheduler could never run (they reached max_model_len) end with "length"."""
+        groups = {}
+        for seq in ignored:
+            self.slots.release(seq.seq_id)
+            group = self.requests[seq.request_id]
+            group.on_ignored(seq)
+            groups[group.request_id] = group
+        return self._report(groups.values())
+
+    def _sync_device_state(self, rows: list[tuple[Sequence, int, int]]) -> None:
+        """Before the step: copy-on-write copies (KV blocks, forked sampler slots), new slots' rows."""
+        writes = []
+        for seq, start, _ in rows:
+            group = self.requests[seq.request_id]
+            if not group.needs_slot() or self.slots.get(seq.seq_id) is not None:
+                continue
+            if start != 0:
+                raise RuntimeError(f"seq {seq.seq_id} has no sampler slot at position {start}: slots are "
+                                   "assigned at position 0 or when forked")
+            slot = self.slots.assign(seq.seq_id)
+            slot_rows = group.slot_rows()
+            if slot_rows is not None:
+                writes.append((slot, slot_rows))
+        block_copies, slot_copies = self.block_manager.take_pending_copies(), self._slot_copies
+        self._slot_copies = []
+        if block_copies or slot_copies:
+            self.runner.copy_blocks(block_copies, slot_copies)
+        for slot, (bias, min_tokens_mask) in writes:
+            self.runner.write_slot(slot, bias, min_tokens_mask)
+
+    def _prepare_inputs(self, schedule: Schedule, rows: list[tuple[Sequence, int, int]]) -> StepInputs:
+        shape = step_shape(schedule.bucket, self.block_size)
         s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
         input_ids = np.zeros((s, q), np.int32)
         block_tables = np.zeros((s, p), np.int32)
@@ -218,9 +255,9 @@ class LLMEngine:
             table = seq.block_table[:p]  # blocks past this step's context (reserved ahead) are not read
             block_tables[i, : len(table)] = table
             q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
-            request = self.requests[seq.request_id]
-            sampling_rows.append((request.params, request.seed, seq.num_output_tokens))
-        sampling = SamplingTensors.from_rows(sampling_rows, s)
+            group = self.requests[seq.request_id]
+            sampling_rows.append(group.sampling_row(seq, start, num_tokens, self.slots.get(seq.seq_id)))
+        sampling = SamplingTensors.from_rows(sampling_rows, s, self.slots.no_slot)
         return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling)
 
     @staticmethod
@@ -239,56 +276,61 @@ class LLMEngine:
         self.stats.num_real_tokens += schedule.num_batched_tokens
         self.stats.num_padded_tokens += schedule.num_padded_tokens
 
-    def _process_tokens(self, schedule: Schedule, tokens: np.ndarray) -> list[RequestOutput]:
-        outputs = []
-        for i, (seq, _, num_tokens) in enumerate(self._rows(schedule)):
+    def _process_step(
+        self, schedule: Schedule, rows: list[tuple[Sequence, int, int]], inputs: StepInputs, out: StepOutput
+    ) -> list[RequestOutput]:
+        tokens = np.asarray(out.tokens)
+        flags = inputs.sampling.ints[:, _FLAGS]
+        logprobs = _host(out.logprobs) if np.any(flags & FLAG_LOGPROBS) else None
+        wants_prompt = out.prompt_logprobs is not None and np.any(flags & FLAG_PROMPT_LOGPROBS)
+        prompt_logprobs = _host(out.prompt_logprobs) if wants_prompt else None
+        touched: dict[str, RequestGroup] = {}
+        for i, (seq, start, num_tokens) in enumerate(rows):
             seq.num_computed_tokens += num_tokens
+            group = self.requests[seq.request_id]
+            if prompt_logprobs is not None and flags[i] & FLAG_PROMPT_LOGPROBS:
+                group.add_prompt_logprobs(start, num_tokens, [x[i] for x in prompt_logprobs])
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt samples nothing
-            request = self.requests[seq.request_id]
-            self._append_token(request, int(tokens[i]))
-            output = self._make_output(request)
-            if seq.is_finished:
-                self.scheduler.finish(seq)
-                del self.requests[seq.request_id]
+            group.on_sample(seq, _sampled(tokens, logprobs, i))
+            self.stats.num_generation_tokens += 1
+            touched[group.request_id] = group
+        for group in touched.values():
+            group.after_step()
+            self._apply(group.take_update())
+        return self._report(touched.values())
+
+    def _apply(self, update: GroupUpdate) -> None:
+        """Forks first (they share blocks that a finished parent is about to release), then frees."""
+        for parent, child in update.forks:
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_forked(child)
+            parent_slot = self.slots.get(parent.seq_id)
+            if parent_slot is not None:
+                self._slot_copies.append((parent_slot, self.slots.assign(child.seq_id)))
+        for seq in update.finished:
+            self.scheduler.finish(seq)
+            self.slots.release(seq.seq_id)
+
+    def _report(self, groups) -> list[RequestOutput]:
+        outputs = []
+        for group in list(groups):
+            output = group.make_output()
+            if group.is_finished:
+                del self.requests[group.request_id]
             if output is not None:
                 outputs.append(output)
         return outputs
 
-    def _append_token(self, request: Request, token_id: int) -> None:
-        seq, params = request.seq, request.params
-        seq.append_token(token_id)
-        self.stats.num_generation_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
-        stop_string = request.detokenizer.append(token_id)
-        can_stop = seq.num_output_tokens >= params.min_tokens
-        if can_stop and not params.ignore_eos and token_id in self.eos_token_ids:
-            self._finish(request, SequenceStatus.FINISHED_STOPPED, None)
-        elif can_stop and token_id in params.stop_token_ids:
-            self._finish(request, SequenceStatus.FINISHED_STOPPED, token_id)
-        elif stop_string is not None:
-            self._finish(request, SequenceStatus.FINISHED_STOPPED, stop_string)
-        elif seq.num_output_tokens >= (params.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
-            self._finish(request, SequenceStatus.FINISHED_LENGTH, None)
 
-    @staticmethod
-    def _finish(request: Request, status: SequenceStatus, stop_reason) -> None:
-        request.seq.status = status
-        request.stop_reason = stop_reason
+def _host(logprobs) -> tuple[np.ndarray, ...]:
+    """(token logprob, rank, top ids, top logprobs) as numpy arrays."""
+    return tuple(np.asarray(x) for x in (logprobs.token_logprob, logprobs.token_rank, logprobs.top_ids,
+                                         logprobs.top_logprobs))
 
-    def _make_output(self, request: Request) -> RequestOutput | None:
-        seq, kind = request.seq, request.params.output_kind
-        finished = seq.is_finished
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        text, token_ids = request.detokenizer.text, seq.output_token_ids
-        if kind == RequestOutputKind.DELTA:
-            text, token_ids = text[request.num_reported_chars :], token_ids[request.num_reported_tokens :]
-        request.num_reported_chars = len(request.detokenizer.text)
-        request.num_reported_tokens = seq.num_output_tokens
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=list(token_ids),
-            finish_reason=_FINISH_REASONS.get(seq.status), stop_reason=request.stop_reason,
-        )
-        return RequestOutput(request.request_id, request.prompt, seq.prompt_token_ids, [completion], finished)
+
+def _sampled(tokens: np.ndarray, logprobs: tuple[np.ndarray, ...] | None, i: int) -> SampledToken:
+    if logprobs is None:
+        return SampledToken(int(tokens[i]))
+    token_logprob, rank, top_ids, top_logprobs = logprobs
+    return SampledToken(int(tokens[i]), float(token_logprob[i]), int(rank[i]), top_ids[i], top_logprobs[i])

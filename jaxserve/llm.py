@@ -2,19 +2,23 @@
 
 `LLM(...)` loads the model and warms up every bucket; `generate` adds all prompts, steps the engine
 until they finish (a tqdm bar counts finished requests) and returns RequestOutputs in input order.
+`chat` renders conversations through the chat template and generates; `beam_search` runs beam search
+requests (beams share KV blocks inside the engine) and returns BeamSearchOutputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from jaxserve.chat_template import is_batch_of_conversations, render_chat
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | dict
 
@@ -64,6 +68,44 @@ class LLM:
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
 
+    def chat(
+        self,
+        messages: Seq[dict] | Seq[Seq[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generates a reply to one conversation (a list of {"role", "content"} dicts) or to each of a list
+        of conversations, rendered with the tokenizer's chat template or `chat_template`."""
+        conversations = messages if is_batch_of_conversations(messages) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = render_chat(
+                tokenizer, conversation, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt; every output's `sequences` are its beam_width best, best first."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"beam_search takes BeamSearchParams, got {type(params).__name__}")
+        request_ids = []
+        for prompt in prompts:
+            request_id = str(next(self._counter))
+            self.llm_engine.add_request(request_id, prompt, params)
+            request_ids.append(request_id)
+        tokenizer = self.get_tokenizer()
+        return [_beam_output(out, tokenizer) for out in self._run_engine(request_ids, use_tqdm)]
+
     @staticmethod
     def _params_per_prompt(prompts, sampling_params) -> list[SamplingParams]:
         if sampling_params is None:
@@ -89,6 +131,16 @@ class LLM:
 
 def _final_only(params: SamplingParams) -> SamplingParams:
     """Offline generation only needs each request's final output."""
-    import dataclasses
-
     return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def _beam_output(output: RequestOutput, tokenizer) -> BeamSearchOutput:
+    """vLLM's shape: each sequence's tokens are prompt + generated, its text decodes all of them."""
+    sequences = []
+    for completion in output.outputs:
+        tokens = output.prompt_token_ids + completion.token_ids
+        sequences.append(BeamSearchSequence(
+            tokens=tokens, logprobs=completion.logprobs, cum_logprob=completion.cumulative_logprob,
+            text=tokenizer.decode(tokens), finish_reason=completion.finish_reason,
+        ))
+    return BeamSearchOutput(sequences)

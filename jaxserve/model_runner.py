@@ -1,9 +1,12 @@
 """The only owner of device state: parameters, the KV pool and one compiled executable per bucket.
 
 The engine hands it a bucket and padded numpy arrays; it dispatches the bucket's executable, which runs
-the model over the paged KV pool (donated, so updated in place) and samples one token per sequence.
-Executables are compiled ahead of time from `ShapeDtypeStruct`s (`jit(...).lower(...).compile()`), so
-serving never compiles; `num_compiles` counts every executable built.
+the model over the paged KV pool and the per-sequence sampler state (both donated, so updated in place)
+and samples one token per sequence (`sampler.py`), with logprobs and prompt logprobs when a row asks.
+Two small executables serve forks (n > 1, beam search): `copy_blocks` (copy-on-write of KV blocks and
+sampler slots) and `write_slot` (a request's logit_bias / min_tokens rows). Everything is compiled ahead
+of time from `ShapeDtypeStruct`s (`jit(...).lower(...).compile()`), so serving never compiles;
+`num_compiles` counts every executable built.
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ from collections.abc import Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxserve.attention import AttentionMetadata, get_attention_backend
 from jaxserve.config import ModelConfig
+from jaxserve.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
 from jaxserve.models import get_model_class
-from jaxserve.sampler import SamplingTensors, sample
+from jaxserve.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sample
+from jaxserve.sampler_state import SlotState, copy_slots, update_token_counts, write_slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +53,15 @@ class StepInputs:
     lengths: np.ndarray  # i32[S]
     sample_index: np.ndarray  # i32[S], which query token's logits to sample from
     sampling: SamplingTensors
+
+
+@struct.dataclass
+class StepOutput:
+    """Device arrays of one step; only `tokens` is always needed on the host."""
+
+    tokens: jax.Array  # i32[S]
+    logprobs: TokenLogprobs  # [S(, K)]: the sampled token's raw logprob and rank, and the top K
+    prompt_logprobs: TokenLogprobs | None  # [S, Q(, K)]: prefill steps only; each position's next token
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -84,6 +99,8 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         attention_backend: str = "auto",
+        num_sampler_slots: int = 1,
+        num_logprobs: int = 20,
     ):
         self.config = config
         self.dtype = jnp.dtype(dtype)
@@ -93,52 +110,98 @@ class ModelRunner:
         self.model = get_model_class(config.architecture)(config, self.dtype, self.backend)
         self.params = jax.device_put(params)
         self.kv_pool = self._allocate_pool()
+        self.slot_state = SlotState.zeros(num_sampler_slots, config.vocab_size)
+        self.num_logprobs = max(num_logprobs, 1)  # K of the step's top-K logprobs (a static shape)
+        self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0
+        self._copy_executable = None
+        self._write_slot_executable = None
 
     def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
         shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
         return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
 
-    def _step(self, params, kv_pool, input_ids, meta, sample_index, sampling):
+    def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling):
         hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
+        slot_state = update_token_counts(
+            slot_state, input_ids, meta.q_start, meta.lengths, sampling.prompt_len, sampling.slot
+        )
         last = jnp.take_along_axis(hidden, sample_index[:, None, None], axis=1)[:, 0]
         logits = self.model.apply(params, last, method=self.model.logits)
-        return sample(logits, sampling), logits, kv_pool
+        sampled = sample(logits, sampling, slot_state, self.num_logprobs)
+        prompt = self._prompt_logprobs(params, hidden, input_ids, meta, sampling) if input_ids.shape[1] > 1 else None
+        return StepOutput(sampled.tokens, sampled.logprobs, prompt), kv_pool, slot_state
+
+    def _prompt_logprobs(self, params, hidden, input_ids, meta, sampling) -> TokenLogprobs:
+        """Prefill steps: every position's logprobs, computed only when some row asks for them."""
+        s, q = input_ids.shape
+        targets = prompt_targets(input_ids, meta.lengths - meta.q_start, sampling.prompt_next_token)
+        logits_fn = lambda h: self.model.apply(params, h, method=self.model.logits)
+        return jax.lax.cond(
+            jnp.any(sampling.flag(FLAG_PROMPT_LOGPROBS)),
+            lambda: prompt_logprobs(hidden, targets, logits_fn, self.num_logprobs),
+            lambda: TokenLogprobs.zeros((s, q), self.num_logprobs),
+        )
+
+    @staticmethod
+    def _copy_blocks(kv_pool, slot_state, block_src, block_dst, slot_src, slot_dst):
+        """Copy-on-write: KV block dst[i] := block src[i] in every layer, slot dst[i] := slot src[i].
+
+        Sources are read before anything is written; out-of-range dst entries (padding) are no-ops."""
+        k_pool, v_pool = kv_pool
+        copy = lambda pool: pool.at[:, :, block_dst].set(pool[:, :, block_src], mode="drop")
+        return (copy(k_pool), copy(v_pool)), copy_slots(slot_state, slot_src, slot_dst)
 
     def _abstract_inputs(self, shape: StepShape):
         s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
         i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
         meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s))
-        sampling = SamplingTensors(
-            temperature=jax.ShapeDtypeStruct((s,), jnp.float32),
-            top_k=i32(s),
-            top_p=jax.ShapeDtypeStruct((s,), jnp.float32),
-            min_p=jax.ShapeDtypeStruct((s,), jnp.float32),
-            seeds=jax.ShapeDtypeStruct((s,), jnp.uint32),
-            steps=i32(s),
+        return (
+            _abstract(self.params), _abstract(self.kv_pool), _abstract(self.slot_state), i32(s, q), meta, i32(s),
+            SamplingTensors.abstract(s),
         )
-        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-        return abstract(self.params), abstract(self.kv_pool), i32(s, q), meta, i32(s), sampling
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """Compiles (once) the executable for one step shape."""
         if shape not in self.executables:
-            start = time.perf_counter()
-            lowered = jax.jit(self._step, donate_argnums=(1,)).lower(*self._abstract_inputs(shape))
-            self.executables[shape] = lowered.compile()
-            self.compile_seconds += time.perf_counter() - start
-            self.num_compiles += 1
+            self.executables[shape] = self._compile(
+                jax.jit(self._step, donate_argnums=(1, 2)), self._abstract_inputs(shape)
+            )
         return self.executables[shape]
 
+    def _compile(self, jitted, abstract_args) -> jax.stages.Compiled:
+        start = time.perf_counter()
+        compiled = jitted.lower(*abstract_args).compile()
+        self.compile_seconds += time.perf_counter() - start
+        self.num_compiles += 1
+        return compiled
+
+    def _compile_helpers(self) -> None:
+        """The fork executables: copy_blocks and write_slot (once)."""
+        if self._copy_executable is not None:
+            return
+        m, vocab = self.max_copies, self.config.vocab_size
+        idx = jax.ShapeDtypeStruct((m,), jnp.int32)
+        self._copy_executable = self._compile(
+            jax.jit(self._copy_blocks, donate_argnums=(0, 1)),
+            (_abstract(self.kv_pool), _abstract(self.slot_state), idx, idx, idx, idx),
+        )
+        self._write_slot_executable = self._compile(
+            jax.jit(write_slot, donate_argnums=(0,)),
+            (_abstract(self.slot_state), jax.ShapeDtypeStruct((), jnp.int32),
+             jax.ShapeDtypeStruct((vocab,), jnp.float32), jax.ShapeDtypeStruct((vocab,), jnp.bool_)),
+        )
+
     def warm_up(self, buckets: Iterable) -> None:
+        self._compile_helpers()
         for bucket in buckets:
             self.compile(step_shape(bucket, self.block_size))
 
-    def execute(self, bucket, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
-        """Dispatches one step; returns (tokens i32[S], logits f32[S, V]) as device arrays (async)."""
+    def execute(self, bucket, inputs: StepInputs) -> StepOutput:
+        """Dispatches one step; returns its StepOutput as device arrays (asynchronous)."""
         shape = step_shape(bucket, self.block_size)
         executable = self.executables.get(shape)
         if executable is None:
@@ -146,7 +209,39 @@ class ModelRunner:
         meta = AttentionMetadata(
             block_tables=inputs.block_tables, q_start=inputs.q_start, lengths=inputs.lengths
         )
-        tokens, logits, self.kv_pool = executable(
-            self.params, self.kv_pool, inputs.input_ids, meta, inputs.sample_index, inputs.sampling
+        output, self.kv_pool, self.slot_state = executable(
+            self.params, self.kv_pool, self.slot_state, inputs.input_ids, meta, inputs.sample_index,
+            inputs.sampling,
         )
-        return tokens, logits
+        return output
+
+    def copy_blocks(self, block_copies: list[tuple[int, int]], slot_copies: list[tuple[int, int]]) -> None:
+        """Applies copy-on-write pairs (src, dst) of KV blocks and sampler slots before the next step."""
+        self._compile_helpers()
+        m = self.max_copies
+        for i in range(0, max(len(block_copies), len(slot_copies)), m):
+            blocks, slots = block_copies[i : i + m], slot_copies[i : i + m]
+            block_src, block_dst = _padded_pairs(blocks, m, self.num_blocks)
+            slot_src, slot_dst = _padded_pairs(slots, m, self.slot_state.num_slots)
+            self.kv_pool, self.slot_state = self._copy_executable(
+                self.kv_pool, self.slot_state, block_src, block_dst, slot_src, slot_dst
+            )
+
+    def write_slot(self, slot: int, logit_bias: np.ndarray, min_tokens_mask: np.ndarray) -> None:
+        """Sets a sampler slot's logit_bias f32[V] and min_tokens mask bool[V] rows."""
+        self._compile_helpers()
+        self.slot_state = self._write_slot_executable(
+            self.slot_state, np.int32(slot), logit_bias.astype(np.float32), min_tokens_mask.astype(bool)
+        )
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _padded_pairs(pairs: list[tuple[int, int]], size: int, out_of_range: int) -> tuple[np.ndarray, np.ndarray]:
+    src = np.zeros(size, np.int32)
+    dst = np.full(size, out_of_range, np.int32)
+    if pairs:
+        src[: len(pairs)], dst[: len(pairs)] = zip(*pairs, strict=True)
+    return src, dst

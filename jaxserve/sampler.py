@@ -1,70 +1,193 @@
-"""Batched on-device sampling from per-request parameter arrays (inside the compiled step).
+"""Batched on-device sampling from per-row parameter arrays (inside the compiled step).
 
-Each row of the batch carries its own temperature, top-k, top-p, min-p and PRNG key, so a new value
-never recompiles. The key of a request is derived from its seed and the number of tokens it has
-generated, so a seeded request samples the same tokens alone and inside any batch. A `lax.cond` fast
-path skips sorting the vocabulary when the whole batch is greedy.
+Every row carries its own parameters in two packed arrays (`SamplingTensors`: one f32 and one i32
+column per parameter), so a new value never recompiles and a step copies two small arrays to the
+device. The order is vLLM's:
+
+  raw logits ── logprobs (raw_logprobs mode, `logprobs.py`)
+      └─ + logit_bias, EOS/stop ids masked while fewer than min_tokens     (slot rows, `sampler_state.py`)
+         └─ repetition / frequency / presence penalties                    (slot token counts)
+            ├─ greedy rows: argmax
+            └─ random rows: / temperature, min_p, top_k, top_p, categorical(fold_in(key(seed), step))
+
+Each stage sits behind a `lax.cond` on "does any row use it", so an all-greedy batch without
+penalties or logprobs costs one argmax. The key of a row depends only on its seed and the number of
+tokens its sequence has generated, so a seeded request samples the same tokens alone and in any batch.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxserve.logprobs import TokenLogprobs, token_logprobs
+from jaxserve.sampler_state import SlotState
+
 _EPS = 1e-5
+
+FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+INT_COLUMNS = ("top_k", "seed", "step", "min_tokens", "slot", "prompt_len", "flags", "prompt_next_token")
+FLAG_LOGIT_BIAS = 1
+FLAG_LOGPROBS = 2
+FLAG_PROMPT_LOGPROBS = 4
+PAD_FLOATS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # a padding row is greedy and changes nothing
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """Host values of one row; `floats` follow FLOAT_COLUMNS, the ints are INT_COLUMNS' named fields."""
+
+    floats: tuple[float, ...]
+    top_k: int = 0
+    seed: int = 0
+    step: int = 0  # tokens the sequence has generated so far
+    min_tokens: int = 0
+    slot: int | None = None
+    prompt_len: int = 0
+    flags: int = 0
+    prompt_next_token: int = 0
 
 
 @struct.dataclass
 class SamplingTensors:
-    temperature: jax.Array  # f32[S]; 0 = greedy
-    top_k: jax.Array  # i32[S]; 0 = off
-    top_p: jax.Array  # f32[S]; 1 = off
-    min_p: jax.Array  # f32[S]; 0 = off
-    seeds: jax.Array  # u32[S]
-    steps: jax.Array  # i32[S], tokens generated so far (folded into the key)
+    floats: jax.Array  # f32[S, len(FLOAT_COLUMNS)]
+    ints: jax.Array  # i32[S, len(INT_COLUMNS)]
 
     @classmethod
-    def from_rows(cls, rows: list, batch_size: int) -> SamplingTensors:
-        """rows: (SamplingParams, seed, num_generated) per real sequence; padding rows are greedy."""
-        pad = batch_size - len(rows)
-        temps = [p.temperature if not p.is_greedy else 0.0 for p, _, _ in rows] + [0.0] * pad
-        return cls(
-            temperature=np.asarray(temps, np.float32),
-            top_k=np.asarray([p.effective_top_k for p, _, _ in rows] + [0] * pad, np.int32),
-            top_p=np.asarray([p.top_p for p, _, _ in rows] + [1.0] * pad, np.float32),
-            min_p=np.asarray([p.min_p for p, _, _ in rows] + [0.0] * pad, np.float32),
-            seeds=np.asarray([s for _, s, _ in rows] + [0] * pad, np.uint32),
-            steps=np.asarray([n for _, _, n in rows] + [0] * pad, np.int32),
-        )
+    def from_rows(cls, rows: list[SamplingRow], batch_size: int, no_slot: int) -> SamplingTensors:
+        floats = np.empty((batch_size, len(FLOAT_COLUMNS)), np.float32)
+        floats[:] = PAD_FLOATS
+        ints = np.zeros((batch_size, len(INT_COLUMNS)), np.int32)
+        ints[:, INT_COLUMNS.index("slot")] = no_slot
+        if rows:
+            floats[: len(rows)] = [r.floats for r in rows]
+            ints[: len(rows)] = [
+                (r.top_k, _as_int32(r.seed), r.step, r.min_tokens, no_slot if r.slot is None else r.slot,
+                 r.prompt_len, r.flags, r.prompt_next_token)
+                for r in rows
+            ]
+        return cls(floats, ints)
+
+    @classmethod
+    def abstract(cls, batch_size: int) -> SamplingTensors:
+        return cls(jax.ShapeDtypeStruct((batch_size, len(FLOAT_COLUMNS)), jnp.float32),
+                   jax.ShapeDtypeStruct((batch_size, len(INT_COLUMNS)), jnp.int32))
+
+    def _f(self, name: str) -> jax.Array:
+        return self.floats[:, FLOAT_COLUMNS.index(name)]
+
+    def _i(self, name: str) -> jax.Array:
+        return self.ints[:, INT_COLUMNS.index(name)]
+
+    temperature = property(lambda self: self._f("temperature"))
+    top_p = property(lambda self: self._f("top_p"))
+    min_p = property(lambda self: self._f("min_p"))
+    presence_penalty = property(lambda self: self._f("presence_penalty"))
+    frequency_penalty = property(lambda self: self._f("frequency_penalty"))
+    repetition_penalty = property(lambda self: self._f("repetition_penalty"))
+    top_k = property(lambda self: self._i("top_k"))
+    step = property(lambda self: self._i("step"))
+    min_tokens = property(lambda self: self._i("min_tokens"))
+    slot = property(lambda self: self._i("slot"))
+    prompt_len = property(lambda self: self._i("prompt_len"))
+    prompt_next_token = property(lambda self: self._i("prompt_next_token"))
+
+    @property
+    def seed(self) -> jax.Array:
+        return jax.lax.bitcast_convert_type(self._i("seed"), jnp.uint32)
+
+    def flag(self, bit: int) -> jax.Array:
+        return (self._i("flags") & bit) != 0
 
 
-def sample(logits: jax.Array, params: SamplingTensors) -> jax.Array:
-    """logits f32[S, V] → token ids i32[S]."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    all_greedy = jnp.all(params.temperature < _EPS)
-    sampled = jax.lax.cond(all_greedy, lambda: greedy, lambda: _sample_random(logits, params))
-    return jnp.where(params.temperature < _EPS, greedy, sampled)
+@struct.dataclass
+class SamplerOutput:
+    tokens: jax.Array  # i32[S]
+    logprobs: TokenLogprobs  # of the raw logits; zeros unless some row asked
 
 
-def filtered_logits(logits: jax.Array, params: SamplingTensors) -> tuple[jax.Array, jax.Array]:
-    """Temperature, top-k, top-p and min-p applied; returns (sorted masked logits, their token ids)."""
-    temperature = jnp.maximum(params.temperature, _EPS)[:, None]
-    scaled = logits / temperature
-    sorted_logits, sorted_ids = jax.lax.top_k(scaled, scaled.shape[-1])
-    ranks = jnp.arange(scaled.shape[-1])[None, :]
-    keep = (params.top_k[:, None] <= 0) | (ranks < params.top_k[:, None])
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+def sample(logits: jax.Array, params: SamplingTensors, slots: SlotState, num_logprobs: int) -> SamplerOutput:
+    """logits f32[S, V] (raw) -> one token per row, plus raw logprobs when a row wants them."""
+    processed = apply_penalties(apply_bias_and_min_tokens(logits, params, slots), params, slots)
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    is_greedy = params.temperature < _EPS
+    random = jax.lax.cond(jnp.all(is_greedy), lambda: greedy, lambda: sample_random(processed, params))
+    tokens = jnp.where(is_greedy, greedy, random)
+    logprobs = jax.lax.cond(
+        jnp.any(params.flag(FLAG_LOGPROBS)),
+        lambda: token_logprobs(logits, tokens, num_logprobs),
+        lambda: TokenLogprobs.zeros(tokens.shape, num_logprobs),
+    )
+    return SamplerOutput(tokens, logprobs)
+
+
+def apply_bias_and_min_tokens(logits: jax.Array, params: SamplingTensors, slots: SlotState) -> jax.Array:
+    use_bias = params.flag(FLAG_LOGIT_BIAS)
+    before_min = params.step < params.min_tokens
+
+    def apply() -> jax.Array:
+        rows = slots.rows(params.slot)
+        biased = logits + jnp.where(use_bias[:, None], rows.logit_bias, 0.0)
+        return jnp.where(before_min[:, None] & rows.min_tokens_mask, -jnp.inf, biased)
+
+    return jax.lax.cond(jnp.any(use_bias) | jnp.any(before_min), apply, lambda: logits)
+
+
+def apply_penalties(logits: jax.Array, params: SamplingTensors, slots: SlotState) -> jax.Array:
+    """vLLM's: repetition over prompt and output tokens, frequency and presence over output tokens."""
+    rep = params.repetition_penalty[:, None]
+    freq = params.frequency_penalty[:, None]
+    presence = params.presence_penalty[:, None]
+
+    def apply() -> jax.Array:
+        rows = slots.rows(params.slot)
+        counts = rows.output_counts
+        generated = counts > 0
+        repeated = jnp.where(logits > 0, logits / rep, logits * rep)
+        out = jnp.where(generated | rows.prompt_mask, repeated, logits)
+        return out - freq * counts - presence * generated
+
+    any_penalty = jnp.any(rep != 1.0) | jnp.any(freq != 0.0) | jnp.any(presence != 0.0)
+    return jax.lax.cond(any_penalty, apply, lambda: logits)
+
+
+def sample_random(logits: jax.Array, params: SamplingTensors) -> jax.Array:
+    """Temperature, min_p, top_k, top_p, then one categorical draw per row from its own key."""
+    masked = filter_logits(logits, params)
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(params.seed, params.step)
+    return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+
+
+def filter_logits(logits: jax.Array, params: SamplingTensors) -> jax.Array:
+    """Scaled by temperature, tokens outside min_p, top_k and top_p at -inf (vocabulary order)."""
+    scaled = logits / jnp.maximum(params.temperature, _EPS)[:, None]
+    probs = jax.nn.softmax(scaled, axis=-1)
+    below_min_p = probs < params.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    scaled = jnp.where(below_min_p, -jnp.inf, scaled)
+    uses_sort = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0)
+    return jax.lax.cond(uses_sort, lambda: _top_k_top_p(scaled, params.top_k, params.top_p), lambda: scaled)
+
+
+def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Both keep a prefix of the descending order, so one sort finds the smallest value kept per row."""
+    vocab = scaled.shape[-1]
+    descending = -jnp.sort(-scaled, axis=-1)
+    ranks = jnp.arange(vocab)[None, :]
+    in_top_k = ranks < jnp.where(top_k > 0, top_k, vocab)[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, descending, -jnp.inf), axis=-1)
     cum_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= cum_before < params.top_p[:, None]
-    keep &= probs >= params.min_p[:, None] * probs[:, :1]
+    keep = in_top_k & (cum_before < top_p[:, None])
     keep = keep.at[:, 0].set(True)  # the most likely token always survives
-    return jnp.where(keep, sorted_logits, -jnp.inf), sorted_ids
+    num_keep = jnp.sum(keep, axis=-1)
+    threshold = jnp.take_along_axis(descending, (num_keep - 1)[:, None], axis=-1)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def _sample_random(logits: jax.Array, params: SamplingTensors) -> jax.Array:
-    masked, sorted_ids = filtered_logits(logits, params)
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(params.seeds, params.steps)
-    choice = jax.vmap(jax.random.categorical)(keys, masked)
-    return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+def _as_int32(seed: int) -> int:
+    """A u32 seed stored in an i32 column (same bits)."""
+    seed &= 0xFFFFFFFF
+    return seed - (1 << 32) if seed >= 1 << 31 else seed

@@ -1,15 +1,25 @@
-"""SamplingParams: how one request is decoded, with vLLM's field names, defaults and validation.
+"""SamplingParams and BeamSearchParams: how one request is decoded, with vLLM's names, defaults and checks.
 
-The engine turns these into per-request arrays for the on-device sampler (`sampler.py`) and into
-host-side stop checks (`detokenizer.py`). A new value never recompiles anything.
+The engine turns SamplingParams into per-row arrays for the on-device sampler (`sampler.py`) and into
+host-side stop checks (`detokenizer.py`, `sequence_group.py`); a new value never recompiles anything.
+BeamSearchParams drive `LLM.beam_search` (`beam_search.py`). Every invalid value raises a ValueError
+naming the field, with vLLM's wording.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from enum import IntEnum
 
-_SAMPLING_EPS = 1e-5
+from jaxserve.logger import init_logger
+
+logger = init_logger("jaxserve.sampling_params")
+
+SAMPLING_EPS = 1e-5
+MIN_TEMPERATURE = 1e-2  # vLLM raises smaller positive temperatures to this (they overflow in softmax)
+MAX_TEMPERATURE = 2.0
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for one logit bias value
 
 
 class RequestOutputKind(IntEnum):
@@ -21,9 +31,13 @@ class RequestOutputKind(IntEnum):
 @dataclasses.dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0
+    best_of: int | None = None  # sequences generated; the n with the highest cumulative logprob are returned
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 or -1 = off
     min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -32,47 +46,146 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.seed == -1:
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self._validate()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s; raised to %s", self.temperature, MIN_TEMPERATURE,
+                           MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
+        if self.is_greedy:
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+            _check(self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}.")
+            _check(self.best_of == 1, f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
 
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
-        _check(self.n == 1, "n > 1 is not supported yet; only n=1.")
-        _check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        _check_count(self.n, "n")
+        _check_count(self.best_of, "best_of")
         _check(
-            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
-            f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.",
+            self.best_of >= self.n,
+            f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.",
         )
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
-        _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            f"max_tokens must be at least 1, got {self.max_tokens}.",
-        )
-        _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
-        _check(
-            self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
-        )
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings.")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}.")
+        rep = self.repetition_penalty
+        _check(_is_number(rep) and math.isfinite(rep), f"repetition_penalty must be a finite number, got {rep}.")
+        _check(rep > 0.0, f"repetition_penalty must be greater than zero, got {rep}.")
+        temp = self.temperature
+        _check(_is_number(temp) and math.isfinite(temp), f"temperature must be a finite number, got {temp}.")
+        _check(temp >= 0.0, f"temperature must be non-negative, got {temp}.")
+        _check(temp <= MAX_TEMPERATURE, f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temp}.")
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        _check(_is_int(self.top_k), f"top_k must be an integer, got {type(self.top_k).__name__}.")
+        _check(self.top_k >= -1, f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}.")
+        self._validate_lengths()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= 0), f"{name} must be non-negative, got {value}.")
+        _check(all(_is_int(t) for t in self.stop_token_ids),
+               f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
+        _check(all(isinstance(s, str) for s in self.stop), f"stop must be strings, got {self.stop}.")
+        _check(all(self.stop), "stop cannot contain an empty string.")
+        _check(isinstance(self.output_kind, RequestOutputKind),
+               f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+
+    def _validate_lengths(self) -> None:
+        max_tokens, min_tokens = self.max_tokens, self.min_tokens
+        _check(max_tokens is None or (_is_int(max_tokens) and max_tokens >= 1),
+               f"max_tokens must be at least 1, got {max_tokens}.")
+        _check(_is_int(min_tokens) and min_tokens >= 0,
+               f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+        _check(max_tokens is None or min_tokens <= max_tokens,
+               f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
+        return self.temperature < SAMPLING_EPS
 
     @property
-    def effective_top_k(self) -> int:
-        """0 means no top-k filtering (vLLM accepts 0 and -1 for that)."""
-        return 1 if self.is_greedy else max(self.top_k, 0)
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters held back from streamed text: they may still turn out to start a stop string."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+
+@dataclasses.dataclass
+class BeamSearchParams:
+    """`LLM.beam_search` parameters (vLLM's). Each step expands every beam by its 2 * beam_width most
+    likely tokens and keeps the beam_width best; the result is sorted by
+    cum_logprob / len(tokens) ** length_penalty (the prompt counts in the length, a final EOS does not)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_count(self.beam_width, "beam_width")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be at least 1, got {self.max_tokens}.")
+        temp = self.temperature
+        _check(_is_number(temp) and math.isfinite(temp) and 0.0 <= temp <= MAX_TEMPERATURE,
+               f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temp}.")
+        _check(_is_number(self.length_penalty) and math.isfinite(self.length_penalty),
+               f"length_penalty must be a finite number, got {self.length_penalty}.")
+
+
+def _normalize_logit_bias(logit_bias) -> dict[int, float] | None:
+    """Token ids as ints (JSON sends strings), biases clamped to [-100, 100] as OpenAI does."""
+    if logit_bias is None:
+        return None
+    _check(isinstance(logit_bias, dict), f"logit_bias must be a dict of token id to bias, got {logit_bias!r}.")
+    normalized = {}
+    for token, bias in logit_bias.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids (integers), got {token!r}.") from None
+        _check(_is_number(bias) and math.isfinite(bias), f"logit_bias values must be finite numbers, got {bias!r}.")
+        normalized[token_id] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(bias)))
+    return normalized
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_count(value, name: str) -> None:
+    _check(_is_int(value), f"{name} must be an int, but is of type {type(value).__name__}.")
+    _check(value >= 1, f"{name} must be at least 1, got {value}.")
 
 
 def _check(condition: bool, message: str) -> None:

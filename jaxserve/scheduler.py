@@ -16,7 +16,8 @@ Policy
     decoders already ran ``max_waiting_steps`` decode steps while requests waited (TGI's
     ``max_waiting_tokens``). Otherwise, or when nothing could be prefilled, all decoders decode.
   * Prefill batch: mid-prefill sequences first (oldest first), then admissions from the head of the
-    waiting queue, while ``max_num_seqs``, the token budget ``max_num_batched_tokens`` and free blocks
+    waiting queue, while ``max_num_seqs`` (counting the sequences a request will fork: n > 1, beam
+    search, ``Sequence.num_pending_forks``), the token budget ``max_num_batched_tokens`` and free blocks
     allow. A chunk is at most the largest chunk bucket; a sequence joins a non-empty batch only if
     the padded bucket stays within ``max_num_batched_tokens``. Admission takes the blocks of the
     sequence's whole prefill (not just its first chunk), leaves free the blocks the decoders need for
@@ -229,6 +230,15 @@ class Scheduler:
             )
         self.waiting.append(seq)
 
+    def add_forked(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (n > 1, beam search) joins ``running`` directly.
+
+        It already shares its parent's blocks (``BlockManager.fork``); its admission was accounted
+        for by the parent's ``num_pending_forks``."""
+        if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens < 1:
+            raise ValueError(f"seq {seq.seq_id}: a forked sequence must be RUNNING with a token to compute")
+        self.running.append(seq)
+
     def abort(self, request_id: str) -> list[Sequence]:
         """Abort every sequence of ``request_id``, waiting or running; returns them."""
         aborted = [s for s in self.waiting if s.request_id == request_id]
@@ -327,7 +337,8 @@ class Scheduler:
         # keep free the blocks the decoders need for their next token
         reserve = sum(self.block_manager.num_new_blocks(s, 1) for s in decoding)
         admitted = False
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        num_seqs = len(self.running) + sum(s.num_pending_forks for s in self.running)
+        while self.waiting and num_seqs + 1 + self.waiting[0].num_pending_forks <= self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_tokens > self.max_model_len:
                 self.waiting.popleft()
@@ -344,6 +355,7 @@ class Scheduler:
             self.running.append(seq)
             sched.prefill_chunks.append(PrefillChunk(seq, 0, n))
             budget -= n
+            num_seqs += 1 + seq.num_pending_forks
             admitted = True
         if admitted or not self.waiting:
             self.num_decode_steps_waited = 0

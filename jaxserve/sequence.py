@@ -63,6 +63,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.num_preemptions = 0
+        # Sequences still to be forked from this one (n > 1, beam search): the scheduler admits it only
+        # when max_num_seqs leaves room for them too.
+        self.num_pending_forks = 0
 
     def __repr__(self) -> str:
         return (

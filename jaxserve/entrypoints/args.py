@@ -23,6 +23,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "seed": (int, "seed of requests that give none"),
     "attention_backend": (str, "auto, reference or pallas"),
     "waiting_served_ratio": (float, "prefill new requests once waiting >= this ratio x decoding (TGI's; default 0)"),
+    "max_logprobs": (int, "the most logprobs or prompt_logprobs a request may ask for"),
     "compile_cache_dir": (str, "JAX persistent compilation cache directory (fast restarts)"),
 }
 
