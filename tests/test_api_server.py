@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from tests.hf_tiny import hf_logits, make_tiny_model
 from tests.server import MODEL_NAME, ServerThread, tiny_async_engine
 
@@ -37,15 +37,20 @@ def engine(model_dir):
     return tiny_async_engine(model_dir)
 
 
-def _offline(engine, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens from the engine itself, stepped synchronously before the server owns it."""
+def _offline(engine, prompt_ids: list[int], params) -> list:
+    """The engine's own outputs, stepped synchronously before the server owns it."""
     llm_engine = engine.engine
-    llm_engine.add_request("offline", {"prompt_token_ids": prompt_ids},
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    final = None
+    llm_engine.add_request("offline", {"prompt_token_ids": prompt_ids}, params)
+    finals = []
     while llm_engine.has_unfinished_requests():
-        final = llm_engine.step()[-1]
-    return final.outputs[0].token_ids
+        finals += [out for out in llm_engine.step() if out.finished]
+    (final,) = finals
+    return final.outputs
+
+
+def _greedy_ids(engine, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return _offline(engine, prompt_ids, params)[0].token_ids
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +59,11 @@ def expected(engine):
     prompt_ids = tokenizer(PROMPT).input_ids
     chat_text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     chat_ids = tokenizer(chat_text, add_special_tokens=False).input_ids
-    greedy = _offline(engine, prompt_ids, 16)
-    chat = _offline(engine, chat_ids, 12)
+    greedy = _greedy_ids(engine, prompt_ids, 16)
+    chat = _greedy_ids(engine, chat_ids, 12)
+    beams = _offline(engine, prompt_ids, BeamSearchParams(beam_width=4, max_tokens=16, ignore_eos=True))
     return {
+        "beam_texts": [b.text for b in beams],
         "prompt_ids": prompt_ids, "greedy_ids": greedy, "greedy_text": tokenizer.decode(greedy),
         "chat_ids": chat_ids, "chat_greedy_ids": chat, "chat_text": tokenizer.decode(chat),
     }
@@ -291,14 +298,25 @@ def test_generate_streams_cumulative_json_lines(http, expected):
     assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))  # cumulative
 
 
-def test_generate_n_with_beam_search(http):
-    """The seeds' demo request: n=4 beams, greedy, 16 tokens: four distinct texts, prompt first."""
-    body = {"prompt": PROMPT, "n": 4, "use_beam_search": True, "temperature": 0.0, "max_tokens": 16}
+def test_generate_beam_search_is_the_engines(http, expected):
+    """The seeds' demo request: n=4 beams, greedy, 16 tokens; beams best first, each prompt + output."""
+    body = {"prompt": PROMPT, "n": 4, "use_beam_search": True, "temperature": 0.0, "max_tokens": 16,
+            "ignore_eos": True}
     response = http.post("/generate", json=body)
     assert response.status_code == 200, response.text
-    texts = response.json()["text"]
-    assert len(texts) == 4 and len(set(texts)) == 4
-    assert all(t.startswith(PROMPT) for t in texts)
+    assert response.json() == {"text": [PROMPT + text for text in expected["beam_texts"]]}
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as streamed:
+        lines = [json.loads(line) for line in streamed.iter_lines() if line]
+    assert lines == [response.json()]  # a beam search has one, final, output
+
+
+def test_completion_beam_search(client, expected):
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, n=4, max_tokens=16, temperature=0.0,
+        extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.text for c in response.choices] == expected["beam_texts"]
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.usage.completion_tokens == 64
 
 
 def test_metrics_count_one_request_exactly(http, expected):
@@ -345,7 +363,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "Stream options can only be defined when"),
     ({"prompt": [], "max_tokens": 3}, "prompt must not be an empty list"),
     ({"prompt": [5, 100000]}, "Token id 100000 is out of vocabulary (size 320)."),
-    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias keys must be token ids, got 'a'."),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias keys must be token ids (integers), got 'a'."),
     ({"prompt": LONG_PROMPT, "max_tokens": 16},
      "This model's maximum context length is 512 tokens. However, you requested 616 tokens "
      "(600 in the messages, 16 in the completion)."),

@@ -13,14 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jaxserve.sampling_params import SamplingParams
-
-# SamplingParams fields whose neutral value is left out of the kwargs, so an engine without that
-# feature still serves every request that does not use it (and rejects, by name, one that does).
-_NEUTRAL_VALUES: dict[str, Any] = {
-    "n": 1, "best_of": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "logprobs": None, "prompt_logprobs": None, "logit_bias": None,
-}
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 def random_id(prefix: str) -> str:
@@ -87,6 +80,18 @@ class SamplingFields(OpenAIBaseModel):
             raise ValueError("Stream options can only be defined when `stream=True`.")
         return self
 
+    def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
+        """vLLM's mapping: n beams; temperature defaults to 1.0 as in sampling."""
+        max_tokens = self.requested_max_tokens()
+        return BeamSearchParams(
+            beam_width=self.n, max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            ignore_eos=self.ignore_eos, temperature=1.0 if self.temperature is None else self.temperature,
+            length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    def requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
     def _sampling_kwargs(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> dict:
         return {
             "n": self.n,
@@ -108,32 +113,8 @@ class SamplingFields(OpenAIBaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
-            "logit_bias": _token_id_keys(self.logit_bias),
+            "logit_bias": self.logit_bias,  # SamplingParams makes the keys ints and clamps
         }
-
-
-def _token_id_keys(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias maps token ids (as JSON strings) to a bias in [-100, 100]."""
-    if logit_bias is None:
-        return None
-    bias = {}
-    for token, value in logit_bias.items():
-        if not token.lstrip("-").isdigit():
-            raise ValueError(f"logit_bias keys must be token ids, got {token!r}.")
-        bias[int(token)] = min(100.0, max(-100.0, value))
-    return bias
-
-
-def build_sampling_params(kwargs: dict) -> SamplingParams:
-    """SamplingParams from vLLM-named kwargs; a feature the engine lacks is a ValueError naming it."""
-    fields = SamplingParams.__dataclass_fields__
-    for name, neutral in _NEUTRAL_VALUES.items():
-        if name in kwargs and kwargs[name] == neutral and name not in fields:
-            del kwargs[name]
-    unsupported = [name for name in kwargs if name not in fields]
-    if unsupported:
-        raise ValueError(f"{', '.join(unsupported)} is not supported by this engine yet.")
-    return SamplingParams(**kwargs)
 
 
 # ----- completions ----------------------------------------------------------------------------------
@@ -159,6 +140,9 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be an empty list")
         return self
 
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         prompt_logprobs = self.prompt_logprobs
@@ -166,7 +150,7 @@ class CompletionRequest(SamplingFields):
             prompt_logprobs = self.logprobs  # echo with logprobs returns the prompt's logprobs too
         kwargs = self._sampling_kwargs(max_tokens, self.logprobs, prompt_logprobs)
         kwargs["best_of"] = self.best_of
-        return build_sampling_params(kwargs)
+        return SamplingParams(**kwargs)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -254,11 +238,14 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         return self
 
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = self.requested_max_tokens()
         max_tokens = default_max_tokens if max_tokens is None else max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return build_sampling_params(self._sampling_kwargs(max_tokens, logprobs, None))
+        return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs, None))
 
 
 class ChatMessage(OpenAIBaseModel):

@@ -27,13 +27,13 @@ from jaxserve.entrypoints.openai_protocol import (
 from jaxserve.entrypoints.serving_engine import (
     EnginePrompt,
     OpenAIServing,
+    RequestParams,
     ServingError,
     clamp_logprob,
     stream_error,
     streamable_text,
 )
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
 
 ROLE = "assistant"
 
@@ -43,8 +43,6 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
-        if request.use_beam_search:
-            raise ServingError("use_beam_search is not supported by this engine yet.", param="use_beam_search")
         prompt = self.chat_prompt(request)
         params = self.sampling_params(request, prompt)
         request_id, created = random_id("chatcmpl"), int(time.time())
@@ -75,7 +73,7 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _stream(
-        self, request: ChatCompletionRequest, prompt: EnginePrompt, params: SamplingParams,
+        self, request: ChatCompletionRequest, prompt: EnginePrompt, params: RequestParams,
         stream: AsyncIterator[tuple[int, RequestOutput]], request_id: str, created: int,
     ) -> AsyncIterator[str]:
         options = request.stream_options
@@ -107,7 +105,7 @@ class OpenAIServingChat(OpenAIServing):
         yield "data: [DONE]\n\n"
 
     def _choice_delta(
-        self, request: ChatCompletionRequest, params: SamplingParams, output: CompletionOutput,
+        self, request: ChatCompletionRequest, params: RequestParams, output: CompletionOutput,
         sent_chars: dict[int, int], sent_tokens: dict[int, int],
     ) -> ChatCompletionResponseStreamChoice | None:
         index = output.index

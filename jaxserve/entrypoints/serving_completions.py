@@ -22,20 +22,18 @@ from jaxserve.entrypoints.openai_protocol import (
 from jaxserve.entrypoints.serving_engine import (
     EnginePrompt,
     OpenAIServing,
+    RequestParams,
     ServingError,
     clamp_logprob,
     stream_error,
     streamable_text,
 )
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
-        if request.use_beam_search:
-            raise ServingError("use_beam_search is not supported by this engine yet.", param="use_beam_search")
         prompts = self.completion_prompts(request.prompt, request.add_special_tokens)
         params = [self.sampling_params(request, p) for p in prompts]
         request_id, created = random_id("cmpl"), int(time.time())
@@ -71,7 +69,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ----- streaming ----------------------------------------------------------------------------
     async def _stream(
-        self, request: CompletionRequest, prompts: list[EnginePrompt], params: list[SamplingParams],
+        self, request: CompletionRequest, prompts: list[EnginePrompt], params: list[RequestParams],
         stream: AsyncIterator[tuple[int, RequestOutput]], request_id: str, created: int,
     ) -> AsyncIterator[str]:
         sent_chars: dict[int, int] = {}  # choice index -> characters of output text sent
@@ -101,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
         yield "data: [DONE]\n\n"
 
     def _choice_delta(
-        self, request: CompletionRequest, prompt: EnginePrompt, params: SamplingParams, result: RequestOutput,
+        self, request: CompletionRequest, prompt: EnginePrompt, params: RequestParams, result: RequestOutput,
         output: CompletionOutput, index: int, sent_chars: dict[int, int], sent_tokens: dict[int, int],
     ) -> CompletionResponseStreamChoice | None:
         """What choice `index` gained since the last chunk, or None when nothing can be sent yet."""

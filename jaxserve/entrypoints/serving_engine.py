@@ -18,9 +18,11 @@ from typing import Any
 
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.request_checks import check_beam_search_request, check_sampling_request
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 MIN_LOGPROB = -9999.0  # OpenAI's JSON has no -inf
+RequestParams = SamplingParams | BeamSearchParams  # use_beam_search makes a request a beam search
 
 
 class ServingError(Exception):
@@ -84,16 +86,31 @@ class OpenAIServing:
         if bad:
             raise ServingError(f"Token id {bad[0]} is out of vocabulary (size {self.vocab_size}).", param="prompt")
 
-    def sampling_params(self, request: Any, prompt: EnginePrompt) -> SamplingParams:
-        """The request's SamplingParams for one prompt, after vLLM's context-length check."""
-        num_prompt_tokens = len(prompt.token_ids)
-        default_max_tokens = max(self.max_model_len - num_prompt_tokens, 1)
+    def sampling_params(self, request: Any, prompt: EnginePrompt) -> RequestParams:
+        """The request's SamplingParams (BeamSearchParams with use_beam_search) for one prompt, checked
+        against the engine's limits here, so that a bad request is a 400 before any stream starts."""
+        default_max_tokens = max(self.max_model_len - len(prompt.token_ids), 1)
         try:
-            params = request.to_sampling_params(default_max_tokens)
-            self.llm_engine.grid.check_request(num_prompt_tokens, params.max_tokens)
+            if request.use_beam_search:
+                params = request.to_beam_search_params(default_max_tokens)
+            else:
+                params = request.to_sampling_params(default_max_tokens)
         except (ValueError, TypeError) as err:
             raise ServingError(str(err)) from err
+        self.check_params(params, prompt)
         return params
+
+    def check_params(self, params: RequestParams, prompt: EnginePrompt) -> None:
+        """The engine's own request checks, with vLLM's context-length message."""
+        num_prompt_tokens = len(prompt.token_ids)
+        try:
+            if isinstance(params, BeamSearchParams):
+                check_beam_search_request(params, num_prompt_tokens, self.llm_engine.limits)
+            else:
+                check_sampling_request(params, self.llm_engine.limits)
+            self.llm_engine.grid.check_request(num_prompt_tokens, params.max_tokens)
+        except ValueError as err:
+            raise ServingError(str(err)) from err
 
     # ----- prompts ------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -135,7 +152,7 @@ class OpenAIServing:
 
     # ----- generation ---------------------------------------------------------------------------
     def generate(
-        self, prompts: list[EnginePrompt], params: list[SamplingParams], request_id: str
+        self, prompts: list[EnginePrompt], params: list[RequestParams], request_id: str
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         streams = [
             self.engine.generate(p.as_engine_input(), sp, f"{request_id}-{i}")
@@ -173,12 +190,13 @@ def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def streamable_text(output: CompletionOutput, params: SamplingParams) -> str:
+def streamable_text(output: CompletionOutput, params: RequestParams) -> str:
     """The text that can be sent now: while unfinished, the tail a stop string could still remove is held
-    back (vLLM's stop buffer); a finished output is final."""
-    if output.finish_reason is not None or not params.stop or params.include_stop_str_in_output:
+    back (vLLM's stop buffer); a finished output is final (beam search only gives final outputs)."""
+    stop = getattr(params, "stop", None)
+    if output.finish_reason is not None or not stop or params.include_stop_str_in_output:
         return output.text
-    hold = max(len(s) for s in params.stop) - 1
+    hold = max(len(s) for s in stop) - 1
     return output.text[: max(len(output.text) - hold, 0)]
 
 

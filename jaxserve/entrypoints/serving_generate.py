@@ -1,6 +1,7 @@
 """POST /generate: vLLM's demo protocol. The JSON body holds `prompt`, `stream` and SamplingParams fields
 by their own names (`n`, `temperature`, `max_tokens`, ...); the answer is `{"text": [prompt + output for
 each of the n outputs]}`, and with `"stream": true` one such object per line, cumulative.
+`"use_beam_search": true` makes it a beam search of `n` beams (the answer lists them best first).
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from jaxserve.entrypoints.openai_protocol import random_id
-from jaxserve.entrypoints.serving_engine import EnginePrompt, OpenAIServing, ServingError, streamable_text
+from jaxserve.entrypoints.serving_engine import (
+    EnginePrompt,
+    OpenAIServing,
+    RequestParams,
+    ServingError,
+    streamable_text,
+)
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 _SERVER_OWNED_FIELDS = ("output_kind",)  # how outputs are delivered is the server's business
 
@@ -31,10 +38,11 @@ class GenerateServing(OpenAIServing):
         stream = body.pop("stream", False)
         if not isinstance(stream, bool):
             raise ServingError("`stream` must be a boolean.", param="stream")
-        if body.pop("use_beam_search", False) is not False:
-            raise ServingError("use_beam_search is not supported by this engine yet.", param="use_beam_search")
+        use_beam_search = body.pop("use_beam_search", False)
+        if not isinstance(use_beam_search, bool):
+            raise ServingError("`use_beam_search` must be a boolean.", param="use_beam_search")
         prompt = self.text_prompt(prompt_text)
-        params = self._sampling_params(body, prompt)
+        params = self._beam_search_params(body, prompt) if use_beam_search else self._sampling_params(body, prompt)
         outputs = self.generate([prompt], [params], random_id("generate"))
         if stream:
             return self._stream(outputs, params)
@@ -42,21 +50,27 @@ class GenerateServing(OpenAIServing):
         return {"text": _texts(final, params)}
 
     def _sampling_params(self, fields: dict, prompt: EnginePrompt) -> SamplingParams:
-        known = {f.name for f in dataclasses.fields(SamplingParams)} - set(_SERVER_OWNED_FIELDS)
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ServingError(f"Unknown sampling parameter(s): {', '.join(unknown)}.", param=unknown[0])
-        try:
-            params = _sampling_params_adapter().validate_python(fields)
-        except ValidationError as err:
-            raise ServingError(_validation_message(err), param=_first_loc(err)) from err
-        try:
-            self.llm_engine.grid.check_request(len(prompt.token_ids), params.max_tokens)
-        except ValueError as err:
-            raise ServingError(str(err)) from err
+        params = _validated_sampling_params(fields)
+        self.check_params(params, prompt)
         return params
 
-    async def _stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]], params: SamplingParams):
+    def _beam_search_params(self, fields: dict, prompt: EnginePrompt) -> BeamSearchParams:
+        """vLLM's demo semantics: `n` beams; the other fields validate as SamplingParams fields."""
+        beam_width = fields.pop("n", 1)
+        length_penalty = fields.pop("length_penalty", 1.0)
+        checked = _validated_sampling_params(fields)
+        try:
+            params = BeamSearchParams(
+                beam_width=beam_width, max_tokens=checked.max_tokens or self.max_model_len - len(prompt.token_ids),
+                ignore_eos=checked.ignore_eos, temperature=checked.temperature, length_penalty=length_penalty,
+                include_stop_str_in_output=checked.include_stop_str_in_output,
+            )
+        except (ValueError, TypeError) as err:
+            raise ServingError(str(err)) from err
+        self.check_params(params, prompt)
+        return params
+
+    async def _stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]], params: RequestParams):
         try:
             async for _, result in outputs:
                 yield (json.dumps({"text": _texts(result, params)}) + "\n").encode()
@@ -64,9 +78,20 @@ class GenerateServing(OpenAIServing):
             yield (json.dumps({"error": str(err)}) + "\n").encode()
 
 
-def _texts(result: RequestOutput, params: SamplingParams) -> list[str]:
+def _texts(result: RequestOutput, params: RequestParams) -> list[str]:
     prompt = result.prompt or ""
     return [prompt + streamable_text(output, params) for output in sorted(result.outputs, key=lambda o: o.index)]
+
+
+def _validated_sampling_params(fields: dict) -> SamplingParams:
+    known = {f.name for f in dataclasses.fields(SamplingParams)} - set(_SERVER_OWNED_FIELDS)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ServingError(f"Unknown sampling parameter(s): {', '.join(unknown)}.", param=unknown[0])
+    try:
+        return _sampling_params_adapter().validate_python(fields)
+    except ValidationError as err:
+        raise ServingError(_validation_message(err), param=_first_loc(err)) from err
 
 
 _ADAPTER: TypeAdapter | None = None
