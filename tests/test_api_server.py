@@ -180,11 +180,16 @@ def test_completion_n2_returns_two_sampled_choices(client):
     assert streamed == [c.text for c in response.choices]
 
 
-def _hf_logprobs(model_dir, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
-    """transformers' log-softmax [len(output), V] at each output position."""
-    logits = hf_logits(model_dir, prompt_ids + output_ids)[len(prompt_ids) - 1 : -1].astype(np.float64)
+def _hf_log_softmax(model_dir, token_ids: list[int]) -> np.ndarray:
+    """transformers' log-softmax [len(token_ids) - 1, V]: row j predicts token_ids[j + 1]."""
+    logits = hf_logits(model_dir, token_ids)[:-1].astype(np.float64)
     peak = logits.max(-1, keepdims=True)
     return logits - peak - np.log(np.exp(logits - peak).sum(-1, keepdims=True))
+
+
+def _hf_logprobs(model_dir, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
+    """transformers' log-softmax [len(output), V] at each output position."""
+    return _hf_log_softmax(model_dir, prompt_ids + output_ids)[len(prompt_ids) - 1 :]
 
 
 def test_completion_logprobs_match_transformers(client, expected, model_dir, engine):
@@ -203,6 +208,29 @@ def test_completion_logprobs_match_transformers(client, expected, model_dir, eng
         for token_id, name in zip(best3, names, strict=True):
             if names.count(name) == 1:  # two ids can decode to one string (partial UTF-8)
                 assert top[name] == pytest.approx(reference[position, token_id], abs=1e-4)
+
+
+def test_echo_logprobs_and_prompt_logprobs_match_transformers(http, expected, model_dir, engine):
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 1, "prompt_logprobs": 1}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    prompt_ids, output_ids = expected["prompt_ids"], expected["greedy_ids"][:2]
+    token_ids = prompt_ids + output_ids
+    reference = _hf_log_softmax(model_dir, token_ids)
+    decode = engine.engine.tokenizer.decode
+    assert choice["text"] == PROMPT + decode(output_ids)
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [decode([t]) for t in token_ids]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    np.testing.assert_allclose(logprobs["token_logprobs"][1:], reference[np.arange(len(token_ids) - 1), token_ids[1:]],
+                               atol=1e-4)
+    assert logprobs["text_offset"] == list(np.cumsum([0] + [len(t) for t in logprobs["tokens"][:-1]]))
+    prompt_logprobs = choice["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
+    for j in range(1, len(prompt_ids)):
+        entry = prompt_logprobs[j][str(prompt_ids[j])]
+        assert entry["logprob"] == pytest.approx(reference[j - 1, prompt_ids[j]], abs=1e-4)
+        assert entry["rank"] == 1 + int((reference[j - 1] > reference[j - 1, prompt_ids[j]]).sum())
 
 
 # ----- chat -------------------------------------------------------------------------------------------
@@ -274,11 +302,15 @@ def test_models_health_version(client, server):
     assert httpx.get(server.base_url + "/version").json() == {"version": "0.1.0"}
 
 
-def test_tokenize_and_detokenize(http, expected):
+def test_tokenize_and_detokenize(http, expected, engine):
     tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()
     assert tokens == {"count": len(expected["prompt_ids"]), "max_model_len": 512, "tokens": expected["prompt_ids"]}
     chat = http.post("/tokenize", json={"messages": CHAT}).json()
     assert chat["tokens"] == expected["chat_ids"]
+    own_template = {"messages": CHAT, "chat_template": "{{ messages[0]['content'] }}|{{ flavour }}",
+                    "chat_template_kwargs": {"flavour": "plain"}}
+    own_ids = engine.engine.tokenizer("Say something.|plain", add_special_tokens=False).input_ids
+    assert http.post("/tokenize", json=own_template).json()["tokens"] == own_ids
     assert http.post("/detokenize", json={"tokens": expected["greedy_ids"]}).json() == {
         "prompt": expected["greedy_text"]}
 

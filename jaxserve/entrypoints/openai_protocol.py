@@ -170,12 +170,21 @@ class UsageInfo(OpenAIBaseModel):
         return cls(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob object, as its `prompt_logprobs` extra returns it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's extra
 
 
 class CompletionResponse(OpenAIBaseModel):

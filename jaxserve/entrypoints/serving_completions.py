@@ -16,6 +16,7 @@ from jaxserve.entrypoints.openai_protocol import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    PromptLogprob,
     UsageInfo,
     random_id,
 )
@@ -59,6 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + output.index, text=echo + output.text, logprobs=logprobs,
                     finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                    prompt_logprobs=_prompt_logprobs(result) if request.prompt_logprobs is not None else None,
                 ))
         choices.sort(key=lambda c: c.index)
         num_prompt = sum(len(p.token_ids) for p in prompts)
@@ -131,7 +133,7 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids = list(output.token_ids[first_token:])
         steps = list((output.logprobs or [])[first_token:])
         if with_prompt:
-            prompt_steps = getattr(result, "prompt_logprobs", None) or [None] * len(prompt.token_ids)
+            prompt_steps = result.prompt_logprobs or [None] * len(prompt.token_ids)
             token_ids, steps = prompt.token_ids + token_ids, list(prompt_steps) + steps
             text_offset = 0
         logprobs = CompletionLogProbs()
@@ -152,3 +154,12 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs.top_logprobs.append(top)
         return logprobs
 
+
+def _prompt_logprobs(result: RequestOutput) -> list[dict[int, PromptLogprob] | None] | None:
+    steps = result.prompt_logprobs
+    if steps is None:
+        return None
+    return [None if step is None else {
+        token_id: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+        for token_id, lp in step.items()
+    } for step in steps]

@@ -17,7 +17,7 @@ from http import HTTPStatus
 from typing import Any
 
 from jaxserve.async_engine import AsyncLLMEngine
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.request_checks import check_beam_search_request, check_sampling_request
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -171,19 +171,17 @@ class OpenAIServing:
         return finals  # type: ignore[return-value]
 
     # ----- formatting ---------------------------------------------------------------------------
-    def token_text(self, token_id: int, logprob: Any | None) -> str:
-        decoded = getattr(logprob, "decoded_token", None)
-        return decoded if decoded is not None else self.tokenizer.decode([token_id])
+    def token_text(self, token_id: int, logprob: Logprob | None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
 
-    def top_logprobs(self, step: dict, num: int) -> list[tuple[int, Any]]:
-        """The `num` most likely entries of one position's {token_id: Logprob}, best first."""
-        ranked = sorted(step.items(), key=lambda kv: (_rank(kv[1]), -kv[1].logprob))
+    @staticmethod
+    def top_logprobs(step: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+        """The `num` most likely entries of one position's {token_id: Logprob} (the sampled token comes
+        first there, whatever its rank), best first."""
+        ranked = sorted(step.items(), key=lambda kv: (math.inf if kv[1].rank is None else kv[1].rank, -kv[1].logprob))
         return ranked[:num]
-
-
-def _rank(logprob: Any) -> float:
-    rank = getattr(logprob, "rank", None)
-    return math.inf if rank is None else rank
 
 
 def clamp_logprob(value: float) -> float:
