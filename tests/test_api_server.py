@@ -340,6 +340,8 @@ def test_generate_beam_search_is_the_engines(http, expected):
     with http.stream("POST", "/generate", json={**body, "stream": True}) as streamed:
         lines = [json.loads(line) for line in streamed.iter_lines() if line]
     assert lines == [response.json()]  # a beam search has one, final, output
+    best_two = http.post("/generate", json={**body, "n": 2, "best_of": 4}).json()  # 4 beams, the best 2
+    assert best_two == {"text": [PROMPT + text for text in expected["beam_texts"][:2]]}
 
 
 def test_completion_beam_search(client, expected):
@@ -420,7 +422,10 @@ BAD_CHATS = [
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens must be at least 1, got 0."),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "Only text content parts are supported, got 'image_url'."),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "A text content part needs a `text` string."),
     ({"messages": [{"role": "user", "content": LONG_PROMPT}]}, "This model's maximum context length is 512 tokens."),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+     "Requested sample logprobs of 21, which is greater than max allowed: 20"),
 ]
 
 
@@ -438,6 +443,10 @@ BAD_GENERATES = [
     ({"prompt": "x", "temperature": [1]}, "temperature: Input should be a valid number"),
     ({"prompt": "x", "bogus": 1}, "Unknown sampling parameter(s): bogus."),
     ({"prompt": "x", "output_kind": 1}, "Unknown sampling parameter(s): output_kind."),
+    ({"prompt": "x", "use_beam_search": True, "n": 3, "best_of": 2},
+     "best_of must be greater than or equal to n, got n=3 and best_of=2."),
+    ({"prompt": "x", "use_beam_search": "yes"}, "`use_beam_search` must be a boolean."),
+    ({"prompt": "x", "temperature": 0, "n": 2}, "n must be 1 when using greedy sampling, got 2."),
     ({"prompt": LONG_PROMPT}, "This model's maximum context length is 512 tokens. However, you requested 616 tokens"),
 ]
 

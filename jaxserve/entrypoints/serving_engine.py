@@ -204,8 +204,10 @@ def _message_dict(message: Any) -> dict:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise ServingError(f"Only text content parts are supported, got {part.get('type')!r}.")
+            if not isinstance(part.get("text"), str):
+                raise ServingError("A text content part needs a `text` string.")
             texts.append(part["text"])
         data["content"] = "\n".join(texts)
     return data

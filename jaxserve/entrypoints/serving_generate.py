@@ -1,7 +1,8 @@
 """POST /generate: vLLM's demo protocol. The JSON body holds `prompt`, `stream` and SamplingParams fields
 by their own names (`n`, `temperature`, `max_tokens`, ...); the answer is `{"text": [prompt + output for
 each of the n outputs]}`, and with `"stream": true` one such object per line, cumulative.
-`"use_beam_search": true` makes it a beam search of `n` beams (the answer lists them best first).
+`"use_beam_search": true` makes it a beam search of `best_of` (default `n`) beams, the best `n` answered
+best first (the semantics of vLLM's SamplingParams when the demo server was written).
 """
 
 from __future__ import annotations
@@ -42,45 +43,62 @@ class GenerateServing(OpenAIServing):
         if not isinstance(use_beam_search, bool):
             raise ServingError("`use_beam_search` must be a boolean.", param="use_beam_search")
         prompt = self.text_prompt(prompt_text)
-        params = self._beam_search_params(body, prompt) if use_beam_search else self._sampling_params(body, prompt)
+        if use_beam_search:
+            params, num_returned = self._beam_search_params(body, prompt)
+        else:
+            params, num_returned = self._sampling_params(body, prompt), None
         outputs = self.generate([prompt], [params], random_id("generate"))
         if stream:
-            return self._stream(outputs, params)
+            return self._stream(outputs, params, num_returned)
         (final,) = await self.final_outputs(outputs, 1)
-        return {"text": _texts(final, params)}
+        return {"text": _texts(final, params, num_returned)}
 
     def _sampling_params(self, fields: dict, prompt: EnginePrompt) -> SamplingParams:
         params = _validated_sampling_params(fields)
         self.check_params(params, prompt)
         return params
 
-    def _beam_search_params(self, fields: dict, prompt: EnginePrompt) -> BeamSearchParams:
-        """vLLM's demo semantics: `n` beams; the other fields validate as SamplingParams fields."""
-        beam_width = fields.pop("n", 1)
+    def _beam_search_params(self, fields: dict, prompt: EnginePrompt) -> tuple[BeamSearchParams, int]:
+        """vLLM's demo semantics: `best_of` (default `n`) beams, the best `n` returned; the other fields
+        validate as SamplingParams fields. Returns the params and n."""
+        n, best_of = fields.pop("n", 1), fields.pop("best_of", None)
         length_penalty = fields.pop("length_penalty", 1.0)
         checked = _validated_sampling_params(fields)
+        if not _is_count(n):
+            raise ServingError(f"n must be at least 1, got {n}.", param="n")
+        if best_of is not None and not (_is_count(best_of) and best_of >= n):
+            raise ServingError(f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.",
+                               param="best_of")
         try:
             params = BeamSearchParams(
-                beam_width=beam_width, max_tokens=checked.max_tokens or self.max_model_len - len(prompt.token_ids),
+                beam_width=best_of or n, max_tokens=checked.max_tokens or self.max_model_len - len(prompt.token_ids),
                 ignore_eos=checked.ignore_eos, temperature=checked.temperature, length_penalty=length_penalty,
                 include_stop_str_in_output=checked.include_stop_str_in_output,
             )
         except (ValueError, TypeError) as err:
             raise ServingError(str(err)) from err
         self.check_params(params, prompt)
-        return params
+        return params, n
 
-    async def _stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]], params: RequestParams):
+    async def _stream(
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]], params: RequestParams, num_returned: int | None
+    ) -> AsyncIterator[bytes]:
         try:
             async for _, result in outputs:
-                yield (json.dumps({"text": _texts(result, params)}) + "\n").encode()
+                yield (json.dumps({"text": _texts(result, params, num_returned)}) + "\n").encode()
         except ValueError as err:
             yield (json.dumps({"error": str(err)}) + "\n").encode()
 
 
-def _texts(result: RequestOutput, params: RequestParams) -> list[str]:
+def _texts(result: RequestOutput, params: RequestParams, num_returned: int | None) -> list[str]:
+    """prompt + output for each output by index (beams come best first), the first `num_returned`."""
     prompt = result.prompt or ""
-    return [prompt + streamable_text(output, params) for output in sorted(result.outputs, key=lambda o: o.index)]
+    outputs = sorted(result.outputs, key=lambda o: o.index)[:num_returned]
+    return [prompt + streamable_text(output, params) for output in outputs]
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _validated_sampling_params(fields: dict) -> SamplingParams:
