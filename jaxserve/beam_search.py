@@ -107,7 +107,8 @@ class BeamSearchGroup(RequestGroup):
                     self.completed.append(self._extend(parent, token, cum))
                 else:
                     live.append((cum, parent, token))
-        score = lambda c: beam_score(num_tokens, c[0], False, self.params.length_penalty)
+        eos = self.ctx.eos_token_ids
+        score = lambda c: beam_score(num_tokens, c[0], c[2] in eos, self.params.length_penalty)  # ignore_eos
         chosen = sorted(live, key=score, reverse=True)[: self.params.beam_width]  # stable, as vLLM's
         done = num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= self.ctx.max_model_len
         if done or not chosen:
@@ -122,26 +123,28 @@ class BeamSearchGroup(RequestGroup):
         return Hypothesis(step, cum_logprob, beam.num_generated + 1)
 
     def _continue_with(self, chosen: list[tuple[float, Sequence, int]]) -> None:
-        """Each parent continues as its first pick and forks for the others; parents not picked end."""
-        picks: dict[int, list[tuple[float, int]]] = {}
+        """The chosen beams, in rank order: a parent's first pick continues the parent itself, its other
+        picks fork it (forked before any token is appended); parents not picked end."""
+        seqs_of: dict[int, list[Sequence]] = {}
+        for _, parent, _ in chosen:
+            if parent.seq_id in seqs_of:
+                child = parent.fork()
+                self._update.forks.append((parent, child))
+                seqs_of[parent.seq_id].append(child)
+            else:
+                seqs_of[parent.seq_id] = [parent]
+        next_seqs, next_beams = [], {}
         for cum, parent, token in chosen:
-            picks.setdefault(parent.seq_id, []).append((cum, token))
-        next_beams: dict[int, Hypothesis] = {}
-        next_seqs = []
+            seq = seqs_of[parent.seq_id].pop(0)
+            next_beams[seq.seq_id] = self._extend(parent, token, cum)
+            next_seqs.append(seq)
+        for seq in next_seqs:
+            seq.append_token(next_beams[seq.seq_id].last.token_id)
         for parent in self.seqs:
-            parent_picks = picks.get(parent.seq_id, [])
             parent.num_pending_forks = 0  # the root's forks were counted at admission
-            if not parent_picks:
+            if parent.seq_id not in seqs_of:
                 parent.status = SequenceStatus.FINISHED_STOPPED
                 self._update.finished.append(parent)
-                continue
-            hypotheses = [self._extend(parent, token, cum) for cum, token in parent_picks]
-            children = [parent.fork() for _ in parent_picks[1:]]  # before the parent's token is appended
-            self._update.forks += [(parent, child) for child in children]
-            for seq, hypothesis in zip([parent, *children], hypotheses, strict=True):
-                seq.append_token(hypothesis.last.token_id)
-                next_beams[seq.seq_id] = hypothesis
-                next_seqs.append(seq)
         self.seqs, self.beams = next_seqs, next_beams
 
     def _finish(self, live: list[Hypothesis]) -> None:

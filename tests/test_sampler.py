@@ -249,7 +249,7 @@ def test_prompt_logprobs_over_chunks_equal_a_direct_log_softmax(q):
 
 
 def test_update_token_counts_matches_numpy():
-    num_slots, q = 3, 6
+    num_slots = 3
     state = SlotState.zeros(num_slots, V)
     state = state.replace(output_counts=state.output_counts.at[1, 7].set(4).at[2, 9].set(2),
                           prompt_mask=state.prompt_mask.at[2, 11].set(True))
