@@ -219,7 +219,7 @@ class LLMEngine:
         return self._report(groups.values())
 
     def _sync_device_state(self, rows: list[tuple[Sequence, int, int]]) -> None:
-        """Before the step: copy-on-write copies (KV blocks, forked sampler slots), new slots' rows."""
+        """Before the step: copy-on-write copies (KV blocks, forked sampler slots), then new slots' reset."""
         writes = []
         for seq, start, _ in rows:
             group = self.requests[seq.request_id]
@@ -228,10 +228,7 @@ class LLMEngine:
             if start != 0:
                 raise RuntimeError(f"seq {seq.seq_id} has no sampler slot at position {start}: slots are "
                                    "assigned at position 0 or when forked")
-            slot = self.slots.assign(seq.seq_id)
-            slot_rows = group.slot_rows()
-            if slot_rows is not None:
-                writes.append((slot, slot_rows))
+            writes.append((self.slots.assign(seq.seq_id), group.slot_rows()))
         block_copies, slot_copies = self.block_manager.take_pending_copies(), self._slot_copies
         self._slot_copies = []
         if block_copies or slot_copies:

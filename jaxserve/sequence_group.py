@@ -104,9 +104,9 @@ class RequestGroup(abc.ABC):
         """Whether its sequences need a sampler slot (penalties, logit_bias, min_tokens)."""
         return False
 
-    def slot_rows(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """Dense (logit_bias f32[V], min_tokens mask bool[V]) rows to write into a new slot, if used."""
-        return None
+    def slot_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Dense (logit_bias f32[V], min_tokens mask bool[V]) rows for a new slot of this request."""
+        raise NotImplementedError
 
     def wants_prompt_logprobs(self, start: int, num_tokens: int) -> bool:
         return False
@@ -199,10 +199,8 @@ class SamplingGroup(RequestGroup):
         p = self.params
         return p.has_penalties or bool(p.logit_bias) or p.min_tokens > 0
 
-    def slot_rows(self) -> tuple[np.ndarray, np.ndarray] | None:
+    def slot_rows(self) -> tuple[np.ndarray, np.ndarray]:
         p = self.params
-        if not p.logit_bias and p.min_tokens == 0:
-            return None
         bias = np.zeros(self.ctx.vocab_size, np.float32)
         if p.logit_bias:
             bias[list(p.logit_bias)] = list(p.logit_bias.values())

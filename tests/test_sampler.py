@@ -262,9 +262,10 @@ def test_update_token_counts_matches_numpy():
     counts, prompt = np.zeros((num_slots, V), np.int32), np.zeros((num_slots, V), bool)
     counts[1, 7] = 4  # row 1 continues (q_start 10): kept, plus its generated token 8
     counts[1, 8] = 1
-    prompt[0, [3, 4, 5]] = True  # row 0 restarts at 0: positions 0-3 are prompt, 4-5 generated
+    prompt[0, [3, 4, 5]] = True  # row 0: positions 0-3 are prompt, 4-5 generated (token 6 twice)
     counts[0, 6] = 2
-    prompt[2, 12] = True  # row 2 restarts: its old counts and prompt mask are gone
+    counts[2, 9], prompt[2, 11] = 2, True  # earlier counts stay (write_slot resets a slot, not the step)
+    prompt[2, 12] = True  # row 2: a one-token prompt, then one generated token
     counts[2, 13] = 1
     np.testing.assert_array_equal(np.asarray(out.output_counts), counts)
     np.testing.assert_array_equal(np.asarray(out.prompt_mask), prompt)
@@ -272,9 +273,13 @@ def test_update_token_counts_matches_numpy():
 
 def test_write_and_copy_slots():
     state = SlotState.zeros(3, V)
+    state = state.replace(output_counts=state.output_counts.at[1, 3].set(5).at[0, 3].set(1),
+                          prompt_mask=state.prompt_mask.at[1, 2].set(True))
     bias = np.arange(V, dtype=np.float32)
     mask = np.arange(V) % 5 == 0
     state = jax.jit(write_slot)(state, np.int32(1), bias, mask)
+    assert not np.any(np.asarray(state.output_counts[1])) and not np.any(np.asarray(state.prompt_mask[1]))
+    assert int(state.output_counts[0, 3]) == 1  # other slots are untouched
     state = state.replace(output_counts=state.output_counts.at[1, 4].set(2))
     copied = jax.jit(copy_slots)(state, np.array([1, 0], np.int32), np.array([2, 3], np.int32))  # 3: no-op
     for field in ("output_counts", "prompt_mask", "logit_bias", "min_tokens_mask"):
