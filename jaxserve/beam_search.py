@@ -168,6 +168,10 @@ class BeamSearchGroup(RequestGroup):
             self.final = []
 
     def abort(self) -> None:
+        """The live and completed beams so far are reported, best first, with finish_reason "abort"."""
+        if self.final is None:
+            live = [h for h in self.beams.values() if h.last is not None]
+            self.final = sorted(self.completed + live, key=self._final_score, reverse=True)[: self.params.beam_width]
         self.aborted = True
         for seq in self.seqs:
             seq.num_pending_forks = 0
@@ -176,7 +180,7 @@ class BeamSearchGroup(RequestGroup):
 
     @property
     def is_finished(self) -> bool:
-        return self.final is not None or self.aborted
+        return self.final is not None
 
     def make_output(self) -> RequestOutput | None:
         """Only the final output: beam_width completions, best first."""
@@ -196,10 +200,10 @@ class BeamSearchGroup(RequestGroup):
         logprobs = [self._candidate_logprobs(s) for s in steps]
         ends_with_eos = bool(token_ids) and token_ids[-1] in self.ctx.eos_token_ids
         text_ids = token_ids[:-1] if ends_with_eos and not self.params.include_stop_str_in_output else token_ids
+        finish_reason = "abort" if self.aborted else "stop" if ends_with_eos else "length"
         return CompletionOutput(
             index=index, text=self.ctx.tokenizer.decode(text_ids, skip_special_tokens=True), token_ids=token_ids,
-            cumulative_logprob=hypothesis.cum_logprob, logprobs=logprobs,
-            finish_reason="stop" if ends_with_eos else "length",
+            cumulative_logprob=hypothesis.cum_logprob, logprobs=logprobs, finish_reason=finish_reason,
         )
 
     def _candidate_logprobs(self, step: BeamStep) -> dict:

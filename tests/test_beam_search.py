@@ -157,6 +157,20 @@ def test_preempted_beams_roll_back_and_give_the_same_result(llm, monkeypatch):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_abort_reports_the_beams_so_far(llm):
+    engine = llm.llm_engine
+    engine.add_request("beam-abort", tokens_prompt(PROMPT), BeamSearchParams(beam_width=2, max_tokens=20))
+    for _ in range(4):
+        engine.step()
+    out = engine.abort_request("beam-abort")
+    assert out.finished and [o.finish_reason for o in out.outputs] == ["abort", "abort"]
+    assert not engine.has_unfinished_requests()
+    # four expansions ran (prefill + 3 decode steps): the best so far are those of a 4-token search
+    four = llm.beam_search([tokens_prompt(PROMPT)], BeamSearchParams(beam_width=2, max_tokens=4))[0]
+    assert [PROMPT + o.token_ids for o in out.outputs] == [s.tokens for s in four.sequences]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_async_engine_runs_beam_search_requests(llm):
     async def run():
         engine = AsyncLLMEngine(llm.llm_engine)
