@@ -50,6 +50,8 @@ def beam_score(num_tokens: int, cum_logprob: float, ends_with_eos: bool, length_
 
 
 class BeamSearchGroup(RequestGroup):
+    needs_host_sync = True  # the next beams depend on this step's logprobs
+
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams,
                  seed: int, ctx: EngineContext):
         super().__init__(request_id, prompt, prompt_token_ids, ctx)
@@ -68,8 +70,12 @@ class BeamSearchGroup(RequestGroup):
         return SamplingRow(floats, seed=self._seed + seq.seq_id, step=seq.num_output_tokens,
                            prompt_len=self.num_prompt_tokens, flags=FLAG_LOGPROBS)
 
-    def on_sample(self, seq: Sequence, sample: SampledToken) -> None:
+    def on_launch(self, seq: Sequence) -> int:
+        return -1  # no placeholder: the beam's next token is chosen on the host (expansion)
+
+    def on_sample(self, seq: Sequence, index: int, sample: SampledToken) -> bool:
         self.results[seq.seq_id] = sample
+        return True
 
     def after_step(self) -> None:
         if not self.results:

@@ -215,8 +215,9 @@ def test_n_samples_share_the_prompt_blocks_copy_on_write_and_are_reproducible(ll
     prompt = list(range(40, 60))  # 20 tokens: blocks of 8, 8 and a partial 4
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
     engine.add_request("n3", tokens_prompt(prompt), params)
-    engine.step()  # prefill: the first sample's token, and two forks
     group = engine.requests["n3"]
+    while len(group.seqs) < 3:  # the prefill step that samples the first token forks two children
+        engine.step()
     tables = [list(s.block_table) for s in group.seqs]
     assert len(tables) == 3 and tables[0] == tables[1] == tables[2] and len(tables[0]) == 3
     assert [int(engine.block_manager.ref_counts[b]) for b in tables[0]] == [3, 3, 3]
