@@ -50,6 +50,8 @@ def beam_score(num_tokens: int, cum_logprob: float, ends_with_eos: bool, length_
 
 
 class BeamSearchGroup(RequestGroup):
+    needs_host_sync = True  # the next beams depend on this step's logprobs
+
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams,
                  seed: int, ctx: EngineContext):
         super().__init__(request_id, prompt, prompt_token_ids, ctx)
@@ -68,8 +70,12 @@ class BeamSearchGroup(RequestGroup):
         return SamplingRow(floats, seed=self._seed + seq.seq_id, step=seq.num_output_tokens,
                            prompt_len=self.num_prompt_tokens, flags=FLAG_LOGPROBS)
 
-    def on_sample(self, seq: Sequence, sample: SampledToken) -> None:
+    def on_launch(self, seq: Sequence) -> int:
+        return -1  # no placeholder: the beam's next token is chosen on the host (expansion)
+
+    def on_sample(self, seq: Sequence, index: int, sample: SampledToken) -> bool:
         self.results[seq.seq_id] = sample
+        return True
 
     def after_step(self) -> None:
         if not self.results:
@@ -107,7 +113,8 @@ class BeamSearchGroup(RequestGroup):
                     self.completed.append(self._extend(parent, token, cum))
                 else:
                     live.append((cum, parent, token))
-        score = lambda c: beam_score(num_tokens, c[0], False, self.params.length_penalty)
+        eos = self.ctx.eos_token_ids
+        score = lambda c: beam_score(num_tokens, c[0], c[2] in eos, self.params.length_penalty)  # ignore_eos
         chosen = sorted(live, key=score, reverse=True)[: self.params.beam_width]  # stable, as vLLM's
         done = num_tokens - self.num_prompt_tokens >= self.params.max_tokens or num_tokens >= self.ctx.max_model_len
         if done or not chosen:
@@ -122,26 +129,28 @@ class BeamSearchGroup(RequestGroup):
         return Hypothesis(step, cum_logprob, beam.num_generated + 1)
 
     def _continue_with(self, chosen: list[tuple[float, Sequence, int]]) -> None:
-        """Each parent continues as its first pick and forks for the others; parents not picked end."""
-        picks: dict[int, list[tuple[float, int]]] = {}
+        """The chosen beams, in rank order: a parent's first pick continues the parent itself, its other
+        picks fork it (forked before any token is appended); parents not picked end."""
+        seqs_of: dict[int, list[Sequence]] = {}
+        for _, parent, _ in chosen:
+            if parent.seq_id in seqs_of:
+                child = parent.fork()
+                self._update.forks.append((parent, child))
+                seqs_of[parent.seq_id].append(child)
+            else:
+                seqs_of[parent.seq_id] = [parent]
+        next_seqs, next_beams = [], {}
         for cum, parent, token in chosen:
-            picks.setdefault(parent.seq_id, []).append((cum, token))
-        next_beams: dict[int, Hypothesis] = {}
-        next_seqs = []
+            seq = seqs_of[parent.seq_id].pop(0)
+            next_beams[seq.seq_id] = self._extend(parent, token, cum)
+            next_seqs.append(seq)
+        for seq in next_seqs:
+            seq.append_token(next_beams[seq.seq_id].last.token_id)
         for parent in self.seqs:
-            parent_picks = picks.get(parent.seq_id, [])
             parent.num_pending_forks = 0  # the root's forks were counted at admission
-            if not parent_picks:
+            if parent.seq_id not in seqs_of:
                 parent.status = SequenceStatus.FINISHED_STOPPED
                 self._update.finished.append(parent)
-                continue
-            hypotheses = [self._extend(parent, token, cum) for cum, token in parent_picks]
-            children = [parent.fork() for _ in parent_picks[1:]]  # before the parent's token is appended
-            self._update.forks += [(parent, child) for child in children]
-            for seq, hypothesis in zip([parent, *children], hypotheses, strict=True):
-                seq.append_token(hypothesis.last.token_id)
-                next_beams[seq.seq_id] = hypothesis
-                next_seqs.append(seq)
         self.seqs, self.beams = next_seqs, next_beams
 
     def _finish(self, live: list[Hypothesis]) -> None:
@@ -165,6 +174,10 @@ class BeamSearchGroup(RequestGroup):
             self.final = []
 
     def abort(self) -> None:
+        """The live and completed beams so far are reported, best first, with finish_reason "abort"."""
+        if self.final is None:
+            live = [h for h in self.beams.values() if h.last is not None]
+            self.final = sorted(self.completed + live, key=self._final_score, reverse=True)[: self.params.beam_width]
         self.aborted = True
         for seq in self.seqs:
             seq.num_pending_forks = 0
@@ -173,7 +186,7 @@ class BeamSearchGroup(RequestGroup):
 
     @property
     def is_finished(self) -> bool:
-        return self.final is not None or self.aborted
+        return self.final is not None
 
     def make_output(self) -> RequestOutput | None:
         """Only the final output: beam_width completions, best first."""
@@ -193,10 +206,10 @@ class BeamSearchGroup(RequestGroup):
         logprobs = [self._candidate_logprobs(s) for s in steps]
         ends_with_eos = bool(token_ids) and token_ids[-1] in self.ctx.eos_token_ids
         text_ids = token_ids[:-1] if ends_with_eos and not self.params.include_stop_str_in_output else token_ids
+        finish_reason = "abort" if self.aborted else "stop" if ends_with_eos else "length"
         return CompletionOutput(
             index=index, text=self.ctx.tokenizer.decode(text_ids, skip_special_tokens=True), token_ids=token_ids,
-            cumulative_logprob=hypothesis.cum_logprob, logprobs=logprobs,
-            finish_reason="stop" if ends_with_eos else "length",
+            cumulative_logprob=hypothesis.cum_logprob, logprobs=logprobs, finish_reason=finish_reason,
         )
 
     def _candidate_logprobs(self, step: BeamStep) -> dict:

@@ -154,6 +154,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     waiting_served_ratio: float | None = None
+    async_scheduling: bool = True  # schedule step N+1 while step N runs; its tokens stay on the device
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     compile_cache_dir: str | None = None
 

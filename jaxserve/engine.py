@@ -1,10 +1,15 @@
 """LLMEngine: add_request / step / abort, the loop that LLM.generate and AsyncLLMEngine both drive.
 
 Each `step()` asks the Scheduler for a Schedule, applies pending copy-on-write copies and new sampler
-slots on the device, pads the step to the chosen bucket, runs the ModelRunner's precompiled executable,
-then hands each sampled token (and its logprobs) to the request's group (`sequence_group.py`,
-`beam_search.py`), which detokenizes, applies stop conditions, forks samples and beams; the engine
-applies the forks and frees, and returns a RequestOutput for every request that advanced.
+slots on the device, pads the step to the chosen bucket and dispatches the ModelRunner's precompiled
+executable. With `async_scheduling` (the default) it does not wait for that step: every sampling row gets
+a placeholder token at once, so the scheduler can plan the next step, and the next step reads the real
+tokens on the device. While the device runs step N, the host reads step N-1's tokens (and logprobs) and
+hands each to its request's group (`sequence_group.py`, `beam_search.py`), which detokenizes, applies
+stop conditions and forks; the engine applies the forks and frees and returns a RequestOutput for every
+request that advanced. A sequence that stops on a token the host had not yet seen was already scheduled
+once more: that extra row's token is dropped. Beam search needs every step's logprobs before it can
+pick the next beams, so while a beam search request runs, each step is read before the next is planned.
 """
 
 from __future__ import annotations
@@ -30,13 +35,31 @@ from jaxserve.sampler_state import SlotTable, slot_state_bytes
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.scheduler import Schedule, Scheduler
 from jaxserve.sequence import Sequence
-from jaxserve.sequence_group import EngineContext, GroupUpdate, RequestGroup, SampledToken, SamplingGroup
+from jaxserve.sequence_group import (
+    PLACEHOLDER_TOKEN,
+    EngineContext,
+    GroupUpdate,
+    RequestGroup,
+    SampledToken,
+    SamplingGroup,
+)
 from jaxserve.weights import LoadedModel, load_model
 
 logger = init_logger("jaxserve.engine")
 
-DEFAULT_CPU_KV_BLOCKS = 1024
+DEFAULT_CPU_KV_BLOCKS = 2048
 _FLAGS = INT_COLUMNS.index("flags")
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step whose results the host has not read yet."""
+
+    output: StepOutput  # on the device
+    flags: np.ndarray  # i32[S], the rows' sampling flags (which rows want logprobs)
+    samples: list[tuple[RequestGroup, Sequence, int, int]]  # (group, seq, row, output index; -1: a beam)
+    prompt_rows: list[tuple[RequestGroup, int, int, int]]  # (group, row, first position, number of tokens)
+    rows_by_seq: dict[int, int]  # seq_id -> row, for feeding the tokens into the next step
 
 
 @dataclasses.dataclass
@@ -80,9 +103,12 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
-            num_blocks=num_blocks, attention_backend=config.attention_backend,
+            num_blocks=num_blocks, max_rows=self.grid.max_batch_size, attention_backend=config.attention_backend,
             num_sampler_slots=self.grid.max_num_seqs, num_logprobs=config.max_logprobs,
         )
+        self._in_flight: InFlightStep | None = None
+        self.async_scheduling = config.async_scheduling
+        self._num_sync_groups = 0  # requests that need each step's results before the next is planned
         self.requests: dict[str, RequestGroup] = {}
         self.stats = EngineStats()
         self._rng = random.Random(config.seed)
@@ -90,7 +116,7 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.slots = SlotTable(self.grid.max_num_seqs)
-        self._slot_copies: list[tuple[int, int]] = []  # (parent slot, child slot) of this step's forks
+        self._slot_copies: list[tuple[int, int]] = []  # (parent slot, child slot) of forks not yet copied
         self.context = EngineContext(
             tokenizer=self.tokenizer, texts=TokenTexts(self.tokenizer), eos_token_ids=frozenset(self.eos_token_ids),
             max_model_len=self.max_model_len, vocab_size=loaded.config.vocab_size,
@@ -179,36 +205,46 @@ class LLMEngine:
         else:
             raise TypeError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
         self.requests[request_id] = group
+        self._num_sync_groups += group.needs_host_sync
         self.scheduler.add(group.seq)
         self.stats.num_prompt_tokens += len(token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        group = self.requests.pop(request_id, None)
+        """Ends a request at once; its tokens still on the device are dropped."""
+        group = self.requests.get(request_id)
         if group is None:
             return None
         for seq in self.scheduler.abort(request_id):
             self.slots.release(seq.seq_id)
         group.abort()
-        return group.make_output()
+        output = group.make_output()
+        self._remove(group)
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ----- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and dispatches one step, then returns the outputs of the step before it (or of
+        this one, without async scheduling)."""
+        outputs = []
+        if self._in_flight is not None and self._num_sync_groups:
+            outputs += self._complete(self._in_flight)  # beams pick their next tokens before scheduling
+            self._in_flight = None
         schedule = self.scheduler.schedule()
         self.stats.num_preemptions += len(schedule.preempted)
         for seq in schedule.preempted:
-            self.slots.release(seq.seq_id)  # a recompute starts at position 0 and rebuilds its slot
-        outputs = self._finish_ignored(schedule.ignored)
-        if schedule.is_idle:
-            return outputs
-        rows = self._rows(schedule)
-        self._sync_device_state(rows)
-        inputs = self._prepare_inputs(schedule, rows)
-        step_output = self.runner.execute(schedule.bucket, inputs)
-        self._count_step(schedule)
-        return outputs + self._process_step(schedule, rows, inputs, step_output)
+            self.slots.release(seq.seq_id)  # a recompute starts at position 0 in a fresh slot
+        outputs += self._finish_ignored(schedule.ignored)
+        launched = None if schedule.is_idle else self._launch(schedule)
+        if self._in_flight is not None:
+            outputs += self._complete(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._complete(launched)
+            self._in_flight = None
+        return outputs
 
     def _finish_ignored(self, ignored: list[Sequence]) -> list[RequestOutput]:
         """Sequences the scheduler could never run (they reached max_model_len) end with "length"."""
@@ -220,8 +256,33 @@ class LLMEngine:
             groups[group.request_id] = group
         return self._report(groups.values())
 
+    def _launch(self, schedule: Schedule) -> InFlightStep:
+        """Dispatches the step and advances host state as if its tokens were known (placeholders)."""
+        rows = self._rows(schedule)
+        self._sync_device_state(rows)
+        inputs = self._prepare_inputs(schedule, rows)
+        prev = self._in_flight.output.tokens if self._in_flight is not None else None
+        output = self.runner.execute(schedule.bucket, inputs, prev)
+        flags = inputs.sampling.ints[:, _FLAGS]
+        step = InFlightStep(output, flags, [], [], {})
+        launched: dict[str, RequestGroup] = {}
+        for row, (seq, start, num_tokens) in enumerate(rows):
+            seq.num_computed_tokens += num_tokens
+            group = self.requests[seq.request_id]
+            if flags[row] & FLAG_PROMPT_LOGPROBS:
+                step.prompt_rows.append((group, row, start, num_tokens))
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt samples nothing
+            step.samples.append((group, seq, row, group.on_launch(seq)))
+            step.rows_by_seq[seq.seq_id] = row
+            launched[group.request_id] = group
+        for group in launched.values():
+            self._apply(group.take_update())  # forks of n > 1, sequences at their length limit
+        self._count_step(schedule)
+        return step
+
     def _sync_device_state(self, rows: list[tuple[Sequence, int, int]]) -> None:
-        """Before the step: copy-on-write copies (KV blocks, forked sampler slots), new slots' rows."""
+        """Before the step: copy-on-write copies (KV blocks, forked sampler slots), then new slots' reset."""
         writes = []
         for seq, start, _ in rows:
             group = self.requests[seq.request_id]
@@ -230,10 +291,7 @@ class LLMEngine:
             if start != 0:
                 raise RuntimeError(f"seq {seq.seq_id} has no sampler slot at position {start}: slots are "
                                    "assigned at position 0 or when forked")
-            slot = self.slots.assign(seq.seq_id)
-            slot_rows = group.slot_rows()
-            if slot_rows is not None:
-                writes.append((slot, slot_rows))
+            writes.append((self.slots.assign(seq.seq_id), group.slot_rows()))
         block_copies, slot_copies = self.block_manager.take_pending_copies(), self._slot_copies
         self._slot_copies = []
         if block_copies or slot_copies:
@@ -249,23 +307,29 @@ class LLMEngine:
         q_start = np.zeros(s, np.int32)
         lengths = np.zeros(s, np.int32)
         sample_index = np.zeros(s, np.int32)
+        feed_rows = np.zeros(s, np.int32)
+        feed_cols = np.full(s, -1, np.int32)
         sampling_rows = []
         for i, (seq, start, num_tokens) in enumerate(rows):
             input_ids[i, :num_tokens] = seq.all_token_ids[start : start + num_tokens]
+            if input_ids[i, num_tokens - 1] == PLACEHOLDER_TOKEN:  # only ever a sequence's last token
+                feed_rows[i], feed_cols[i] = self._in_flight.rows_by_seq[seq.seq_id], num_tokens - 1
             table = seq.block_table[:p]  # blocks past this step's context (reserved ahead) are not read
             block_tables[i, : len(table)] = table
             q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
             group = self.requests[seq.request_id]
             sampling_rows.append(group.sampling_row(seq, start, num_tokens, self.slots.get(seq.seq_id)))
         sampling = SamplingTensors.from_rows(sampling_rows, s, self.slots.no_slot)
-        return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling)
+        return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling, feed_rows, feed_cols)
 
     @staticmethod
     def _rows(schedule: Schedule) -> list[tuple[Sequence, int, int]]:
         """(sequence, first position, number of tokens) for every real row of the step."""
         if schedule.is_prefill:
             return [(c.seq, c.start, c.num_tokens) for c in schedule.prefill_chunks]
-        return [(seq, seq.num_computed_tokens, 1) for seq in schedule.decode_seqs]
+        # longest first: rows of similar length share the attention's row groups (see attention.py)
+        decode = sorted(schedule.decode_seqs, key=lambda seq: -seq.num_computed_tokens)
+        return [(seq, seq.num_computed_tokens, 1) for seq in decode]
 
     def _count_step(self, schedule: Schedule) -> None:
         self.stats.num_steps += 1
@@ -276,25 +340,21 @@ class LLMEngine:
         self.stats.num_real_tokens += schedule.num_batched_tokens
         self.stats.num_padded_tokens += schedule.num_padded_tokens
 
-    def _process_step(
-        self, schedule: Schedule, rows: list[tuple[Sequence, int, int]], inputs: StepInputs, out: StepOutput
-    ) -> list[RequestOutput]:
-        tokens = np.asarray(out.tokens)
-        flags = inputs.sampling.ints[:, _FLAGS]
-        logprobs = _host(out.logprobs) if np.any(flags & FLAG_LOGPROBS) else None
-        wants_prompt = out.prompt_logprobs is not None and np.any(flags & FLAG_PROMPT_LOGPROBS)
-        prompt_logprobs = _host(out.prompt_logprobs) if wants_prompt else None
+    def _complete(self, step: InFlightStep) -> list[RequestOutput]:
+        """Reads a dispatched step's results (waits for the device) and hands them to their groups."""
+        tokens = np.asarray(step.output.tokens)
+        logprobs = _host(step.output.logprobs) if np.any(step.flags & FLAG_LOGPROBS) else None
+        prompt_logprobs = _host(step.output.prompt_logprobs) if step.prompt_rows else None
+        for group, row, start, num_tokens in step.prompt_rows:
+            if self.requests.get(group.request_id) is group:
+                group.add_prompt_logprobs(start, num_tokens, [x[row] for x in prompt_logprobs])
         touched: dict[str, RequestGroup] = {}
-        for i, (seq, start, num_tokens) in enumerate(rows):
-            seq.num_computed_tokens += num_tokens
-            group = self.requests[seq.request_id]
-            if prompt_logprobs is not None and flags[i] & FLAG_PROMPT_LOGPROBS:
-                group.add_prompt_logprobs(start, num_tokens, [x[i] for x in prompt_logprobs])
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prefill chunk that did not reach the end of the prompt samples nothing
-            group.on_sample(seq, _sampled(tokens, logprobs, i))
-            self.stats.num_generation_tokens += 1
-            touched[group.request_id] = group
+        for group, seq, row, index in step.samples:
+            if self.requests.get(group.request_id) is not group:
+                continue  # aborted: this row's token is dropped
+            if group.on_sample(seq, index, _sampled(tokens, logprobs, row)):
+                self.stats.num_generation_tokens += 1
+                touched[group.request_id] = group
         for group in touched.values():
             group.after_step()
             self._apply(group.take_update())
@@ -317,10 +377,14 @@ class LLMEngine:
         for group in list(groups):
             output = group.make_output()
             if group.is_finished:
-                del self.requests[group.request_id]
+                self._remove(group)
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _remove(self, group: RequestGroup) -> None:
+        del self.requests[group.request_id]
+        self._num_sync_groups -= group.needs_host_sync
 
 
 def _host(logprobs) -> tuple[np.ndarray, ...]:

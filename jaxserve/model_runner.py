@@ -3,10 +3,13 @@
 The engine hands it a bucket and padded numpy arrays; it dispatches the bucket's executable, which runs
 the model over the paged KV pool and the per-sequence sampler state (both donated, so updated in place)
 and samples one token per sequence (`sampler.py`), with logprobs and prompt logprobs when a row asks.
-Two small executables serve forks (n > 1, beam search): `copy_blocks` (copy-on-write of KV blocks and
-sampler slots) and `write_slot` (a request's logit_bias / min_tokens rows). Everything is compiled ahead
-of time from `ShapeDtypeStruct`s (`jit(...).lower(...).compile()`), so serving never compiles;
-`num_compiles` counts every executable built.
+Dispatch is asynchronous: a step may take some of its input tokens from the previous step's sampled
+tokens while they are still on the device (`feed_rows`/`feed_cols`), so the host can schedule and
+prepare step N+1 before it has read step N's tokens.
+Two small executables serve forks (n > 1, beam search) and new sequences: `copy_blocks` (copy-on-write
+of KV blocks and sampler slots) and `write_slot` (a slot's reset and its request's logit_bias /
+min_tokens rows). Everything is compiled ahead of time from `ShapeDtypeStruct`s
+(`jit(...).lower(...).compile()`), so serving never compiles; `num_compiles` counts every executable.
 """
 
 from __future__ import annotations
@@ -53,13 +56,22 @@ class StepInputs:
     lengths: np.ndarray  # i32[S]
     sample_index: np.ndarray  # i32[S], which query token's logits to sample from
     sampling: SamplingTensors
+    feed_rows: np.ndarray | None = None  # i32[S], row of the previous step's tokens to feed in
+    feed_cols: np.ndarray | None = None  # i32[S], column of input_ids that token replaces; -1: none
+
+
+def feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols):
+    """input_ids [S, Q] with column `feed_cols[s]` of row s replaced by `prev_tokens[feed_rows[s]]`."""
+    fed = jnp.take(prev_tokens, feed_rows, mode="clip")[:, None]
+    column = jnp.arange(input_ids.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.where(column == feed_cols[:, None], fed, input_ids)
 
 
 @struct.dataclass
 class StepOutput:
     """Device arrays of one step; only `tokens` is always needed on the host."""
 
-    tokens: jax.Array  # i32[S]
+    tokens: jax.Array  # i32[max_rows], rows past the bucket's batch are 0 (fed to the next step)
     logprobs: TokenLogprobs  # [S(, K)]: the sampled token's raw logprob and rank, and the top K
     prompt_logprobs: TokenLogprobs | None  # [S, Q(, K)]: prefill steps only; each position's next token
 
@@ -98,6 +110,7 @@ class ModelRunner:
         dtype: str,
         block_size: int,
         num_blocks: int,
+        max_rows: int,
         attention_backend: str = "auto",
         num_sampler_slots: int = 1,
         num_logprobs: int = 20,
@@ -110,6 +123,8 @@ class ModelRunner:
         self.model = get_model_class(config.architecture)(config, self.dtype, self.backend)
         self.params = jax.device_put(params)
         self.kv_pool = self._allocate_pool()
+        self.max_rows = max_rows  # every step returns its tokens padded to this many rows
+        self.no_tokens = jnp.zeros(max_rows, jnp.int32)
         self.slot_state = SlotState.zeros(num_sampler_slots, config.vocab_size)
         self.num_logprobs = max(num_logprobs, 1)  # K of the step's top-K logprobs (a static shape)
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
@@ -124,7 +139,9 @@ class ModelRunner:
         shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
         return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
 
-    def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling):
+    def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
+              feed_cols):
+        input_ids = feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols)
         hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
         slot_state = update_token_counts(
             slot_state, input_ids, meta.q_start, meta.lengths, sampling.prompt_len, sampling.slot
@@ -133,7 +150,8 @@ class ModelRunner:
         logits = self.model.apply(params, last, method=self.model.logits)
         sampled = sample(logits, sampling, slot_state, self.num_logprobs)
         prompt = self._prompt_logprobs(params, hidden, input_ids, meta, sampling) if input_ids.shape[1] > 1 else None
-        return StepOutput(sampled.tokens, sampled.logprobs, prompt), kv_pool, slot_state
+        tokens = jnp.zeros(self.max_rows, jnp.int32).at[: input_ids.shape[0]].set(sampled.tokens)
+        return StepOutput(tokens, sampled.logprobs, prompt), kv_pool, slot_state
 
     def _prompt_logprobs(self, params, hidden, input_ids, meta, sampling) -> TokenLogprobs:
         """Prefill steps: every position's logprobs, computed only when some row asks for them."""
@@ -161,7 +179,7 @@ class ModelRunner:
         meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s))
         return (
             _abstract(self.params), _abstract(self.kv_pool), _abstract(self.slot_state), i32(s, q), meta, i32(s),
-            SamplingTensors.abstract(s),
+            SamplingTensors.abstract(s), i32(self.max_rows), i32(s), i32(s),
         )
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
@@ -200,8 +218,10 @@ class ModelRunner:
         for bucket in buckets:
             self.compile(step_shape(bucket, self.block_size))
 
-    def execute(self, bucket, inputs: StepInputs) -> StepOutput:
-        """Dispatches one step; returns its StepOutput as device arrays (asynchronous)."""
+    def execute(self, bucket, inputs: StepInputs, prev_tokens: jax.Array | None = None) -> StepOutput:
+        """Dispatches one step without waiting for it; returns its StepOutput as device arrays.
+
+        `prev_tokens` is an earlier step's `tokens`, read where `inputs.feed_cols >= 0`."""
         shape = step_shape(bucket, self.block_size)
         executable = self.executables.get(shape)
         if executable is None:
@@ -209,9 +229,12 @@ class ModelRunner:
         meta = AttentionMetadata(
             block_tables=inputs.block_tables, q_start=inputs.q_start, lengths=inputs.lengths
         )
+        no_feed = np.full(shape.batch_size, -1, np.int32)
+        feed_rows = no_feed if inputs.feed_rows is None else inputs.feed_rows
+        feed_cols = no_feed if inputs.feed_cols is None else inputs.feed_cols
         output, self.kv_pool, self.slot_state = executable(
             self.params, self.kv_pool, self.slot_state, inputs.input_ids, meta, inputs.sample_index,
-            inputs.sampling,
+            inputs.sampling, self.no_tokens if prev_tokens is None else prev_tokens, feed_rows, feed_cols,
         )
         return output
 

@@ -7,8 +7,9 @@ so they live on the device in `SlotState`, one row ("slot") per running sequence
 * `output_counts` / `prompt_mask` are maintained INSIDE the compiled step from the step's own input
   tokens (`update_token_counts`): a token at a position past the prompt is a generated one. Feeding a
   sampled token back as the next input is what counts it, so a recompute after preemption (which
-  re-feeds prompt and outputs from position 0, resetting the slot) rebuilds the counts exactly.
-* `logit_bias` / `min_tokens_mask` rows are written once when a sequence gets its slot (`write_slot`).
+  re-feeds prompt and outputs from position 0 into a fresh slot) rebuilds the counts exactly.
+* A sequence that gets a slot at position 0 (new, or recomputed) has it reset and its request's
+  `logit_bias` / `min_tokens_mask` rows written once (`write_slot`, a small executable).
 * A forked sequence (n > 1) copies its parent's slot (`copy_slots`, with the KV copy-on-write copies).
 
 `SlotTable` (host, numpy-free) hands slots out and takes them back; a sequence without penalties,
@@ -64,23 +65,17 @@ def update_token_counts(
     prompt_len: jax.Array,  # i32[S]
     slots: jax.Array,  # i32[S], num_slots = none
 ) -> SlotState:
-    """Counts the step's input tokens into their slots; a row starting at position 0 resets its slot."""
+    """Counts the step's input tokens into their slots: two scatters of S x Q elements, no copy of the
+    state (rows without a slot scatter out of range and are dropped). A slot is zeroed by `write_slot`
+    when a sequence gets it at position 0."""
     n = state.num_slots
-    has_slot = slots < n
-
-    def update() -> SlotState:
-        reset = jnp.where(has_slot & (q_start == 0), slots, n)
-        counts = state.output_counts.at[reset].set(0, mode="drop")
-        prompt_mask = state.prompt_mask.at[reset].set(False, mode="drop")
-        positions = q_start[:, None] + jnp.arange(input_ids.shape[1])[None, :]
-        real = has_slot[:, None] & (positions < lengths[:, None])
-        in_prompt = positions < prompt_len[:, None]
-        rows = jnp.broadcast_to(slots[:, None], input_ids.shape)
-        counts = counts.at[jnp.where(real & ~in_prompt, rows, n), input_ids].add(1, mode="drop")
-        prompt_mask = prompt_mask.at[jnp.where(real & in_prompt, rows, n), input_ids].set(True, mode="drop")
-        return state.replace(output_counts=counts, prompt_mask=prompt_mask)
-
-    return jax.lax.cond(jnp.any(has_slot), update, lambda: state)
+    positions = q_start[:, None] + jnp.arange(input_ids.shape[1])[None, :]
+    real = (slots < n)[:, None] & (positions < lengths[:, None])
+    in_prompt = positions < prompt_len[:, None]
+    rows = jnp.broadcast_to(slots[:, None], input_ids.shape)
+    counts = state.output_counts.at[jnp.where(real & ~in_prompt, rows, n), input_ids].add(1, mode="drop")
+    prompt_mask = state.prompt_mask.at[jnp.where(real & in_prompt, rows, n), input_ids].set(True, mode="drop")
+    return state.replace(output_counts=counts, prompt_mask=prompt_mask)
 
 
 def write_slot(
@@ -89,7 +84,10 @@ def write_slot(
     logit_bias: jax.Array,  # f32[V]
     min_tokens_mask: jax.Array,  # bool[V]
 ) -> SlotState:
-    return state.replace(
+    """A sequence takes `slot` at position 0: no counts yet, its request's bias and min_tokens rows."""
+    return SlotState(
+        output_counts=state.output_counts.at[slot].set(0),
+        prompt_mask=state.prompt_mask.at[slot].set(False),
         logit_bias=state.logit_bias.at[slot].set(logit_bias),
         min_tokens_mask=state.min_tokens_mask.at[slot].set(min_tokens_mask),
     )

@@ -1,8 +1,10 @@
 """Request groups: the host state of one request, whose sequences share the prompt's KV blocks.
 
-The engine keeps one group per request. After each step it hands every sampled token to its group
-(`on_sample`), then applies what the group asks for (`take_update`: sequences to fork from a parent,
-sequences to free) and reports `make_output()`. Two kinds exist:
+The engine keeps one group per request. When it dispatches a step, every row that will sample is
+announced to its group (`on_launch`: a sampling sequence gets a placeholder token, so the next step can
+be planned before this one's tokens are read); when it reads the step back, each sampled token goes to
+its group (`on_sample`). After both it applies what the group asks for (`take_update`: sequences to fork
+from a parent, sequences to free) and reports `make_output()`. Two kinds exist:
 
 * `SamplingGroup` (this file): n / best_of samples. The prompt is prefilled once, by the first
   sequence; when it samples its first token, best_of - 1 children are forked from it. A child shares
@@ -10,8 +12,9 @@ sequences to free) and reports `make_output()`. Two kinds exist:
   the block holding it), so each sample draws its first token from its own key: child i uses seed + i,
   as vLLM's parallel sampling does. Stop conditions follow vLLM: EOS (unless ignore_eos) and
   stop_token_ids end a sequence once min_tokens exist, stop strings once more than min_tokens exist,
-  then max_tokens / max_model_len. With best_of > n the n highest cumulative logprobs are returned,
-  once every sequence finished.
+  then max_tokens / max_model_len (known at dispatch: such a sequence is freed at once). A sequence
+  that stops on a token read back late drops the placeholders dispatched after it. With best_of > n
+  the n highest cumulative logprobs are returned, once every sequence finished.
 * `BeamSearchGroup` (`beam_search.py`).
 """
 
@@ -30,6 +33,7 @@ from jaxserve.sampler import FLAG_LOGIT_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROB
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.sequence import Sequence, SequenceStatus
 
+PLACEHOLDER_TOKEN = -1  # a sampled token still on the device
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
@@ -68,6 +72,8 @@ class EngineContext:
 
 
 class RequestGroup(abc.ABC):
+    needs_host_sync = False  # True: each step's results must be read before the next step is planned
+
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], ctx: EngineContext):
         self.request_id = request_id
         self.prompt = prompt
@@ -104,9 +110,9 @@ class RequestGroup(abc.ABC):
         """Whether its sequences need a sampler slot (penalties, logit_bias, min_tokens)."""
         return False
 
-    def slot_rows(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """Dense (logit_bias f32[V], min_tokens mask bool[V]) rows to write into a new slot, if used."""
-        return None
+    def slot_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Dense (logit_bias f32[V], min_tokens mask bool[V]) rows for a new slot of this request."""
+        raise NotImplementedError
 
     def wants_prompt_logprobs(self, start: int, num_tokens: int) -> bool:
         return False
@@ -116,7 +122,12 @@ class RequestGroup(abc.ABC):
 
     # ----- results ------------------------------------------------------------------------------
     @abc.abstractmethod
-    def on_sample(self, seq: Sequence, sample: SampledToken) -> None: ...
+    def on_launch(self, seq: Sequence) -> int:
+        """A dispatched row of `seq` samples; returns the output index its token will take (-1: none)."""
+
+    @abc.abstractmethod
+    def on_sample(self, seq: Sequence, index: int, sample: SampledToken) -> bool:
+        """The token of a row announced by `on_launch`; False if it was dropped."""
 
     def after_step(self) -> None:  # noqa: B027 - optional hook, a no-op for sampling groups
         """Called once per step for every group that received a token, after all its rows."""
@@ -146,6 +157,7 @@ class SampleState:
     logprobs: list | None
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
+    num_accepted_tokens: int = 0  # output tokens read back from the device (the rest are placeholders)
     num_reported_tokens: int = 0
     num_reported_chars: int = 0
 
@@ -199,10 +211,8 @@ class SamplingGroup(RequestGroup):
         p = self.params
         return p.has_penalties or bool(p.logit_bias) or p.min_tokens > 0
 
-    def slot_rows(self) -> tuple[np.ndarray, np.ndarray] | None:
+    def slot_rows(self) -> tuple[np.ndarray, np.ndarray]:
         p = self.params
-        if not p.logit_bias and p.min_tokens == 0:
-            return None
         bias = np.zeros(self.ctx.vocab_size, np.float32)
         if p.logit_bias:
             bias[list(p.logit_bias)] = list(p.logit_bias.values())
@@ -234,13 +244,24 @@ class SamplingGroup(RequestGroup):
             self._num_prompt_logprobs += 1
 
     # ----- results ------------------------------------------------------------------------------
-    def on_sample(self, seq: Sequence, sample: SampledToken) -> None:
+    def on_launch(self, seq: Sequence) -> int:
         if seq.num_pending_forks:
             self._fork_children(seq)
+        seq.append_token(PLACEHOLDER_TOKEN)
+        num_out = seq.num_output_tokens
+        if num_out >= (self.params.max_tokens or self.ctx.max_model_len) or seq.num_tokens >= self.ctx.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH  # its last token: free it now, read the token later
+            self._update.finished.append(seq)
+        return num_out - 1
+
+    def on_sample(self, seq: Sequence, index: int, sample: SampledToken) -> bool:
+        state = self.states[seq.seq_id]
+        if index >= seq.num_output_tokens or state.num_accepted_tokens != index:
+            return False  # dispatched after the sequence stopped (or was aborted)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        state = self.states[seq.seq_id]
-        seq.append_token(sample.token_id)
+        seq.output_token_ids[index] = sample.token_id
+        state.num_accepted_tokens = index + 1
         if self._tracks_logprobs:
             state.cumulative_logprob += float(sample.logprob)
         if state.logprobs is not None:
@@ -248,9 +269,13 @@ class SamplingGroup(RequestGroup):
                 sample.token_id, sample.logprob, sample.rank, sample.top_ids, sample.top_logprobs,
                 self.params.logprobs, self.ctx.texts,
             ))
+        was_finished = seq.is_finished
         self._check_stop(seq, state, sample.token_id)
-        if seq.is_finished:
+        if seq.is_finished and not was_finished:
+            del seq.output_token_ids[index + 1 :]  # placeholders dispatched after the stop
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
             self._update.finished.append(seq)
+        return True
 
     def _fork_children(self, parent: Sequence) -> None:
         """best_of - 1 children that share the prompt and re-decode its last token with their own key."""
@@ -263,8 +288,9 @@ class SamplingGroup(RequestGroup):
         parent.num_pending_forks = 0
 
     def _check_stop(self, seq: Sequence, state: SampleState, token_id: int) -> None:
+        """After accepting a token; a sequence already at its length limit keeps "length" unless it stops."""
         p = self.params
-        num_out = seq.num_output_tokens
+        num_out = state.num_accepted_tokens
         can_stop = num_out >= p.min_tokens
         if can_stop and not p.ignore_eos and token_id in self.ctx.eos_token_ids:
             self._finish(seq, state, token_id, SequenceStatus.FINISHED_STOPPED, None)
@@ -287,14 +313,20 @@ class SamplingGroup(RequestGroup):
         seq.num_pending_forks = 0  # a prompt that cannot run ends every sample of the request
 
     def abort(self) -> None:
+        """Unfinished sequences end with "abort" and keep only the tokens read back so far."""
         for seq in self.seqs:
             seq.num_pending_forks = 0
-            if not seq.is_finished:
+            if not self._is_done(seq):
+                del seq.output_token_ids[self.states[seq.seq_id].num_accepted_tokens :]
                 seq.status = SequenceStatus.FINISHED_ABORTED
+
+    def _is_done(self, seq: Sequence) -> bool:
+        """Finished, with every token read back."""
+        return seq.is_finished and self.states[seq.seq_id].num_accepted_tokens == seq.num_output_tokens
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished and not s.num_pending_forks for s in self.seqs)
+        return all(self._is_done(s) and not s.num_pending_forks for s in self.seqs)
 
     # ----- outputs ------------------------------------------------------------------------------
     def make_output(self) -> RequestOutput | None:
@@ -317,18 +349,20 @@ class SamplingGroup(RequestGroup):
 
     def _completion(self, seq: Sequence, index: int | None, delta: bool) -> CompletionOutput:
         state = self.states[seq.seq_id]
-        visible = state.detokenizer.visible_text(seq.is_finished)
-        text, token_ids, logprobs = visible, seq.output_token_ids, state.logprobs
+        done = self._is_done(seq)
+        visible = state.detokenizer.visible_text(done)
+        text, token_ids, logprobs = visible, seq.output_token_ids[: state.num_accepted_tokens], state.logprobs
         if delta:
             text = visible[state.num_reported_chars :]
             token_ids = token_ids[state.num_reported_tokens :]
             logprobs = None if logprobs is None else logprobs[state.num_reported_tokens :]
-        state.num_reported_chars, state.num_reported_tokens = len(visible), seq.num_output_tokens
+        state.num_reported_chars, state.num_reported_tokens = len(visible), state.num_accepted_tokens
         return CompletionOutput(
             index=state.index if index is None else index, text=text, token_ids=list(token_ids),
             cumulative_logprob=state.cumulative_logprob if self.params.logprobs is not None else None,
             logprobs=None if logprobs is None else list(logprobs),
-            finish_reason=FINISH_REASONS.get(seq.status), stop_reason=state.stop_reason,
+            finish_reason=FINISH_REASONS.get(seq.status) if done else None,
+            stop_reason=state.stop_reason if done else None,
         )
 
     def _report_prompt_logprobs(self, delta: bool) -> list | None:
