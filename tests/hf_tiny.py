@@ -12,6 +12,10 @@ VOCAB = 320  # 3 special tokens + 256 byte tokens + unused ids
 def tiny_hf_config(family: str, **overrides):
     import transformers
 
+    if family in LEARNED_POSITION_CONFIGS:
+        config = LEARNED_POSITION_CONFIGS[family](**overrides)
+        config._attn_implementation = "eager"
+        return config
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -25,6 +29,26 @@ def tiny_hf_config(family: str, **overrides):
     config = classes[family](**{**common, **overrides})
     config._attn_implementation = "eager"
     return config
+
+
+def _tiny_opt_config(**overrides):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return transformers.OPTConfig(**{**common, **overrides})
+
+
+def _tiny_gpt2_config(**overrides):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2)
+    return transformers.GPT2Config(**{**common, **overrides})
+
+
+LEARNED_POSITION_CONFIGS = {"opt": _tiny_opt_config, "gpt2": _tiny_gpt2_config}
 
 
 def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -71,3 +95,37 @@ def hf_logits(path: Path, token_ids: list[int]) -> np.ndarray:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].numpy()
+
+
+SMALL_BUCKETS = """
+block_size = 16
+[decode]
+batch_sizes = [1, 4]
+[prefill]
+batch_sizes = [1]
+lengths = [32]
+[context]
+lengths = [128]
+"""
+
+
+def small_bucket_file(directory: Path) -> str:
+    """A 3-executable bucket grid (decode batch 1 and 4, prefill chunks of 32, context 128): engine tests
+    on tiny models warm up in seconds."""
+    path = Path(directory) / "small_buckets.toml"
+    path.write_text(SMALL_BUCKETS)
+    return str(path)
+
+
+def hf_greedy(path: Path, token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation (new tokens only) of one prompt, float32."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([token_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=0,
+        )
+    return out[0, len(token_ids):].tolist()
