@@ -202,6 +202,8 @@ class EngineConfig:
     `None` means "derive": `max_model_len` from the model and the largest context bucket,
     `max_num_seqs` from the largest decode bucket, `max_num_batched_tokens` from the largest prefill
     bucket, `block_size` from the bucket file, and `num_kv_blocks` from the memory budget.
+    `tensor_parallel_size` devices (of all hosts, after `distributed_init`) hold one engine, its weights and
+    KV pool split by attention heads (see `jaxserve.parallel` and `jaxserve.distributed`).
     """
 
     model: str | None = None
@@ -216,10 +218,17 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     waiting_served_ratio: float | None = None
+    tensor_parallel_size: int = 1
+    distributed_init: bool = False
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

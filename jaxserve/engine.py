@@ -18,9 +18,11 @@ from jaxserve.block_manager import BlockManager, kv_bytes_per_block, num_blocks_
 from jaxserve.buckets import BucketGrid, load_bucket_spec
 from jaxserve.config import EngineConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.distributed import distributed_init_requested, initialize_distributed
 from jaxserve.logger import init_logger
 from jaxserve.model_runner import ModelRunner, StepInputs, step_shape
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.parallel import engine_mesh, per_device_bytes
 from jaxserve.sampler import SamplingTensors
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.scheduler import Schedule, Scheduler
@@ -76,7 +78,10 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, warm_up: bool = True):
         self.config = config
-        loaded = loaded or load_model(config.model, config.dtype)
+        if distributed_init_requested(config.distributed_init):
+            initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
+        self.mesh = engine_mesh(config.tensor_parallel_size)
+        loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         platform = jax.default_backend()
@@ -93,7 +98,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
-            num_blocks=num_blocks, attention_backend=config.attention_backend,
+            num_blocks=num_blocks, attention_backend=config.attention_backend, mesh=self.mesh,
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -112,13 +117,13 @@ class LLMEngine:
             head_dim=cfg.head_dim, dtype_bytes=jax.numpy.dtype(self.config.dtype).itemsize,
         )
         budget = None
-        if platform != "cpu" and self.config.num_kv_blocks is None:
-            stats = jax.devices()[0].memory_stats() or {}
-            weights = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
+        if platform != "cpu" and self.config.num_kv_blocks is None:  # per device: pool and weights are split
+            stats = jax.local_devices()[0].memory_stats() or {}
+            weights = per_device_bytes(loaded.params, self.mesh)
             limit = stats.get("bytes_limit", 0) * self.config.gpu_memory_utilization
             budget = int(limit - stats.get("bytes_in_use", 0) - weights)
         return num_blocks_from_budget(
-            bytes_per_block, num_kv_blocks=self.config.num_kv_blocks,
+            bytes_per_block // self.mesh.size, num_kv_blocks=self.config.num_kv_blocks,
             memory_budget_bytes=budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS,
         )
 

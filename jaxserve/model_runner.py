@@ -3,7 +3,10 @@
 The engine hands it a bucket and padded numpy arrays; it dispatches the bucket's executable, which runs
 the model over the paged KV pool (donated, so updated in place) and samples one token per sequence.
 Executables are compiled ahead of time from `ShapeDtypeStruct`s (`jit(...).lower(...).compile()`), so
-serving never compiles; `num_compiles` counts every executable built.
+serving never compiles; `num_compiles` counts every executable built. Everything lives on a device mesh
+(`jaxserve.parallel`; one device unless tensor parallel): the structs carry the params' and pool's
+shardings and the pool's out-sharding equals its in-sharding, so warm-up and serving agree and the
+donated pool stays in place.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 from jaxserve.attention import AttentionMetadata, get_attention_backend
 from jaxserve.config import ModelConfig
 from jaxserve.models import get_model_class
+from jaxserve.parallel import check_tensor_parallel, kv_pool_sharding, make_mesh, replicated, shard_params
 from jaxserve.sampler import SamplingTensors, sample
 
 
@@ -77,14 +81,18 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         attention_backend: str = "auto",
+        mesh: jax.sharding.Mesh | None = None,
     ):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = get_attention_backend(attention_backend)
-        self.model = get_model_class(config.architecture)(config, self.dtype, self.backend)
-        self.params = jax.device_put(params)
+        self.mesh = mesh if mesh is not None else make_mesh(1)
+        check_tensor_parallel(config, self.mesh.size)
+        model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
+        self.model = get_model_class(config.architecture)(config, self.dtype, self.backend, model_mesh)
+        self.params = shard_params(params, self.mesh)
         self.kv_pool = self._allocate_pool()
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.num_compiles = 0
@@ -93,7 +101,8 @@ class ModelRunner:
     def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
         shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
-        return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=kv_pool_sharding(self.mesh))
+        return zeros(), zeros()
 
     def _step(self, params, kv_pool, input_ids, meta, sample_index, sampling):
         hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
@@ -103,24 +112,30 @@ class ModelRunner:
 
     def _abstract_inputs(self, shape: StepShape):
         s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
-        i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
+        rep = replicated(self.mesh)
+        i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32, sharding=rep)
+        f32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32, sharding=rep)
         meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s))
         sampling = SamplingTensors(
-            temperature=jax.ShapeDtypeStruct((s,), jnp.float32),
+            temperature=f32(s),
             top_k=i32(s),
-            top_p=jax.ShapeDtypeStruct((s,), jnp.float32),
-            min_p=jax.ShapeDtypeStruct((s,), jnp.float32),
-            seeds=jax.ShapeDtypeStruct((s,), jnp.uint32),
+            top_p=f32(s),
+            min_p=f32(s),
+            seeds=jax.ShapeDtypeStruct((s,), jnp.uint32, sharding=rep),
             steps=i32(s),
         )
-        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        abstract = lambda tree: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+        )
         return abstract(self.params), abstract(self.kv_pool), i32(s, q), meta, i32(s), sampling
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """Compiles (once) the executable for one step shape."""
         if shape not in self.executables:
             start = time.perf_counter()
-            lowered = jax.jit(self._step, donate_argnums=(1,)).lower(*self._abstract_inputs(shape))
+            rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
+            step = jax.jit(self._step, donate_argnums=(1,), out_shardings=(rep, rep, (pool, pool)))
+            lowered = step.lower(*self._abstract_inputs(shape))
             self.executables[shape] = lowered.compile()
             self.compile_seconds += time.perf_counter() - start
             self.num_compiles += 1

@@ -40,6 +40,17 @@ def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
     return Mesh(np.array(devices[:tensor_parallel_size]), (TP_AXIS,))
 
 
+def engine_mesh(tensor_parallel_size: int) -> Mesh:
+    """The engine's mesh. Across processes (multi-host) it must span every device of every host, so that
+    each process holds a part of it: tensor_parallel_size must equal the global device count there."""
+    if jax.process_count() > 1 and tensor_parallel_size != jax.device_count():
+        raise ValueError(
+            f"with {jax.process_count()} processes, tensor_parallel_size ({tensor_parallel_size}) must equal the "
+            f"global device count ({jax.device_count()}): one engine spans every host's devices"
+        )
+    return make_mesh(tensor_parallel_size)
+
+
 def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:
     """Clear errors for a model the mesh cannot split evenly (heads, kv heads, MLP hidden dimension)."""
     sizes = {
@@ -89,3 +100,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def shard_params(params, mesh: Mesh):
     """Places a parameter tree (numpy or jax arrays) on the mesh; already placed arrays are not copied."""
     return jax.device_put(params, param_shardings(params, mesh))
+
+
+def per_device_bytes(params, mesh: Mesh) -> int:
+    """Bytes of one device's shards of a parameter tree placed with `param_shardings` (the largest shard)."""
+    shardings = param_shardings(params, mesh)
+    return sum(
+        int(np.prod(sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+        for x, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True)
+    )

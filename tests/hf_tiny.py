@@ -100,7 +100,7 @@ def hf_logits(path: Path, token_ids: list[int]) -> np.ndarray:
 SMALL_BUCKETS = """
 block_size = 16
 [decode]
-batch_sizes = [1, 4]
+batch_sizes = {decode_batch_sizes}
 [prefill]
 batch_sizes = [1]
 lengths = [32]
@@ -109,11 +109,11 @@ lengths = [128]
 """
 
 
-def small_bucket_file(directory: Path) -> str:
-    """A 3-executable bucket grid (decode batch 1 and 4, prefill chunks of 32, context 128): engine tests
-    on tiny models warm up in seconds."""
+def small_bucket_file(directory: Path, decode_batch_sizes: tuple[int, ...] = (1, 4)) -> str:
+    """A small bucket grid (by default 3 executables: decode batch 1 and 4, prefill chunks of 32, context
+    128): engine tests on tiny models warm up in seconds."""
     path = Path(directory) / "small_buckets.toml"
-    path.write_text(SMALL_BUCKETS)
+    path.write_text(SMALL_BUCKETS.format(decode_batch_sizes=list(decode_batch_sizes)))
     return str(path)
 
 
