@@ -6,6 +6,7 @@ rest of the suite runs on one device."""
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import numpy as np
@@ -113,6 +114,29 @@ def test_serving_uses_the_warm_up_shardings_and_compiles_nothing(llms):
         assert pool_in == (runner.kv_pool[0].sharding, runner.kv_pool[1].sharding)
         assert jax.tree.leaves(params_in) == jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.params))
         assert executable.output_shardings[2][0].spec == P(None, "tp")
+
+
+def test_compiled_steps_only_all_reduce_the_row_parallel_outputs_and_update_the_pool_in_place(llms):
+    """Megatron's communication and nothing more: the scanned layer body all-reduces the o_proj and
+    down_proj outputs ([S, Q, hidden]); no all-gather (the pool and weights never move), and the donated
+    pool's per-device bytes are aliased to the output."""
+    runner = llms[4].llm_engine.runner
+    pool_bytes_per_device = sum(pool.addressable_shards[0].data.nbytes for pool in runner.kv_pool)
+    for shape, executable in runner.executables.items():
+        hlo = executable.as_text()
+        collectives = re.findall(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(", hlo)
+        activation = f"f32[{shape.batch_size},{shape.num_query_tokens},64]"
+        assert [(t.split("{")[0], op) for t, op in collectives] == [(activation, "all-reduce")] * 2, shape
+        assert executable.memory_analysis().alias_size_in_bytes == pool_bytes_per_device
+
+
+def test_pallas_backend_under_tensor_parallelism_matches_transformers(tmp_path, buckets):
+    """The Pallas kernels (interpret mode on CPU) run per device inside the head shard_map."""
+    path = make_tiny_model(tmp_path / "hd64", "llama", seed=3, hidden_size=256, num_attention_heads=4,
+                           num_key_value_heads=2)  # head_dim 64, a layout the kernels support
+    llm = LLM(str(path), buckets=buckets, max_model_len=128, tensor_parallel_size=2, attention_backend="pallas")
+    assert llm.llm_engine.runner.backend.name == "pallas"
+    assert _generate(llm) == [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
 @pytest.mark.parametrize(
