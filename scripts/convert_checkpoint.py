@@ -6,7 +6,8 @@
     python scripts/convert_checkpoint.py --embedded /tmp/smollm2-orbax      # the embedded SmolLM2 GGUF
 
 The stored dtype is `--dtype` (the engine casts on restore when it serves another dtype). GGUF tensors
-are dequantized, so the checkpoint holds plain float arrays.
+are dequantized, so the checkpoint holds plain float arrays; they are stored uncompressed unless
+`--compress` (zstd: smaller, about 2x slower to restore on CPU).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("output", help="new directory for the orbax checkpoint (must not exist)")
     parser.add_argument("--embedded", action="store_true", help="convert the embedded SmolLM2-135M GGUF")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--compress", action="store_true", help="zstd-compress the arrays (smaller, slower to load)")
     return parser
 
 
-def convert(source: str | None, output: Path, dtype: str) -> Path:
+def convert(source: str | None, output: Path, dtype: str, compress: bool = False) -> Path:
     """Loads `source` on the host (numpy) and writes the orbax directory; returns its path."""
     from jaxserve.weights import load_model
     from jaxserve.weights.orbax_dir import save_orbax_dir
@@ -34,7 +36,9 @@ def convert(source: str | None, output: Path, dtype: str) -> Path:
     if output.exists():
         raise FileExistsError(f"output {output} already exists; choose a new directory")
     loaded = load_model(source, dtype)
-    save_orbax_dir(output, loaded.config, loaded.params, loaded.tokenizer, source=loaded.path, dtype=dtype)
+    save_orbax_dir(
+        output, loaded.config, loaded.params, loaded.tokenizer, source=loaded.path, dtype=dtype, compress=compress
+    )
     return output
 
 
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: give either a source path or --embedded", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    out = convert(args.source, Path(args.output), args.dtype)
+    out = convert(args.source, Path(args.output), args.dtype, args.compress)
     print(f"wrote {out} in {time.perf_counter() - start:.1f}s")
     return 0
 

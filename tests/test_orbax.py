@@ -49,7 +49,7 @@ def llama_dirs(tmp_path_factory):
 def test_checkpoint_directory_holds_params_config_and_tokenizer(llama_dirs):
     _, orbax_dir = llama_dirs
     marker = json.loads((orbax_dir / MARKER_FILE).read_text())
-    assert (marker["format_version"], marker["dtype"]) == (1, "float32")
+    assert (marker["format_version"], marker["dtype"], marker["compressed"]) == (1, "float32", False)
     assert (orbax_dir / "params").is_dir()
     assert (orbax_dir / "config.json").is_file() and (orbax_dir / "tokenizer.json").is_file()
 
@@ -100,10 +100,12 @@ def test_gguf_file_converts(tmp_path):
     assert ids == from_gguf.tokenizer("the hero").input_ids and 319 in ids  # the GGUF's one merge, "he"
 
 
-def test_gpt2_round_trip_logits(tmp_path):
+def test_compressed_gpt2_round_trip_logits(tmp_path):
     hf_dir = make_tiny_model(tmp_path / "hf", "gpt2")
-    assert convert_checkpoint(hf_dir, tmp_path / "orbax") == 0
+    assert convert_checkpoint(hf_dir, tmp_path / "orbax", "--compress") == 0
+    assert json.loads((tmp_path / "orbax" / MARKER_FILE).read_text())["compressed"] is True
     restored = load_model(str(tmp_path / "orbax"))
+    assert_same_params(restored.params, load_model(str(hf_dir)).params)
     got = PagedForward(restored.config, restored.params).run(TOKENS, [3, 1, 2, 0], [14])
     np.testing.assert_allclose(got, hf_logits(hf_dir, TOKENS), atol=2e-5, rtol=0)
 

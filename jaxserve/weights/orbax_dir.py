@@ -6,7 +6,7 @@ every array straight into its target sharding on the mesh (each device reads onl
 copy of the whole tree, no conversion at start-up). Layout:
 
     <dir>/jaxserve_checkpoint.json   marker: format version, the ModelConfig, the stored dtype, the source
-    <dir>/params/                    the parameter tree as an orbax (OCDBT) checkpoint
+    <dir>/params/                    the parameter tree as an orbax (OCDBT) checkpoint, uncompressed by default
     <dir>/tokenizer files, config.json (when the source had one)
 """
 
@@ -53,20 +53,24 @@ def read_orbax_config(path: Path) -> ModelConfig:
     return config_from_dict(marker["model_config"])
 
 
-def save_orbax_dir(out: Path, config: ModelConfig, params: dict, tokenizer, *, source: Path, dtype: str) -> None:
-    """Writes params (numpy or jax arrays), the config and the tokenizer files into a new directory `out`."""
+def save_orbax_dir(
+    out: Path, config: ModelConfig, params: dict, tokenizer, *, source: Path, dtype: str, compress: bool = False
+) -> None:
+    """Writes params (numpy or jax arrays), the config and the tokenizer files into a new directory `out`.
+
+    Arrays are stored uncompressed unless `compress` (zstd): decompression made restoring the embedded
+    SmolLM2 about 2x slower on CPU (docs/benchmarks.md), and serving start-up is what this format is for."""
     import orbax.checkpoint as ocp
 
     out = Path(out).absolute()
     out.mkdir(parents=True, exist_ok=False)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(out / PARAMS_DIR, params)
-    checkpointer.wait_until_finished()
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=compress))
+    checkpointer.save(out / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
     tokenizer.save_pretrained(out)
     if source.is_dir() and (source / "config.json").is_file():
         shutil.copy(source / "config.json", out / "config.json")
     marker = {
-        "format_version": FORMAT_VERSION, "dtype": dtype, "source": str(source),
+        "format_version": FORMAT_VERSION, "dtype": dtype, "source": str(source), "compressed": compress,
         "model_config": config_to_dict(config),
     }
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
