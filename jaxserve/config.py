@@ -218,6 +218,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     waiting_served_ratio: float | None = None
+    async_scheduling: bool = True  # schedule step N+1 while step N runs; its tokens stay on the device
     tensor_parallel_size: int = 1
     distributed_init: bool = False
     coordinator_address: str | None = None

@@ -2,6 +2,9 @@
 
 The engine hands it a bucket and padded numpy arrays; it dispatches the bucket's executable, which runs
 the model over the paged KV pool (donated, so updated in place) and samples one token per sequence.
+Dispatch is asynchronous: a step may take some of its input tokens from the previous step's sampled
+tokens while they are still on the device (`feed_rows`/`feed_cols`), so the host can schedule and
+prepare step N+1 before it has read step N's tokens.
 Executables are compiled ahead of time from `ShapeDtypeStruct`s (`jit(...).lower(...).compile()`), so
 serving never compiles; `num_compiles` counts every executable built. Everything lives on a device mesh
 (`jaxserve.parallel`; one device unless tensor parallel): the structs carry the params' and pool's
@@ -51,6 +54,15 @@ class StepInputs:
     lengths: np.ndarray  # i32[S]
     sample_index: np.ndarray  # i32[S], which query token's logits to sample from
     sampling: SamplingTensors
+    feed_rows: np.ndarray | None = None  # i32[S], row of the previous step's tokens to feed in
+    feed_cols: np.ndarray | None = None  # i32[S], column of input_ids that token replaces; -1: none
+
+
+def feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols):
+    """input_ids [S, Q] with column `feed_cols[s]` of row s replaced by `prev_tokens[feed_rows[s]]`."""
+    fed = jnp.take(prev_tokens, feed_rows, mode="clip")[:, None]
+    column = jnp.arange(input_ids.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.where(column == feed_cols[:, None], fed, input_ids)
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -80,6 +92,7 @@ class ModelRunner:
         dtype: str,
         block_size: int,
         num_blocks: int,
+        max_rows: int,
         attention_backend: str = "auto",
         mesh: jax.sharding.Mesh | None = None,
     ):
@@ -94,6 +107,8 @@ class ModelRunner:
         self.model = get_model_class(config.architecture)(config, self.dtype, self.backend, model_mesh)
         self.params = shard_params(params, self.mesh)
         self.kv_pool = self._allocate_pool()
+        self.max_rows = max_rows  # every step returns its tokens padded to this many rows
+        self.no_tokens = jax.jit(lambda: jnp.zeros(max_rows, jnp.int32), out_shardings=replicated(self.mesh))()
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0
@@ -104,11 +119,13 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=kv_pool_sharding(self.mesh))
         return zeros(), zeros()
 
-    def _step(self, params, kv_pool, input_ids, meta, sample_index, sampling):
+    def _step(self, params, kv_pool, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows, feed_cols):
+        input_ids = feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols)
         hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
         last = jnp.take_along_axis(hidden, sample_index[:, None, None], axis=1)[:, 0]
         logits = self.model.apply(params, last, method=self.model.logits)
-        return sample(logits, sampling), logits, kv_pool
+        tokens = jnp.zeros(self.max_rows, jnp.int32).at[: input_ids.shape[0]].set(sample(logits, sampling))
+        return tokens, logits, kv_pool
 
     def _abstract_inputs(self, shape: StepShape):
         s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
@@ -127,7 +144,10 @@ class ModelRunner:
         abstract = lambda tree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
         )
-        return abstract(self.params), abstract(self.kv_pool), i32(s, q), meta, i32(s), sampling
+        return (
+            abstract(self.params), abstract(self.kv_pool), i32(s, q), meta, i32(s), sampling,
+            i32(self.max_rows), i32(s), i32(s),
+        )
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """Compiles (once) the executable for one step shape."""
@@ -145,8 +165,12 @@ class ModelRunner:
         for bucket in buckets:
             self.compile(step_shape(bucket, self.block_size))
 
-    def execute(self, bucket, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
-        """Dispatches one step; returns (tokens i32[S], logits f32[S, V]) as device arrays (async)."""
+    def execute(self, bucket, inputs: StepInputs, prev_tokens: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Dispatches one step without waiting for it.
+
+        Returns (tokens i32[max_rows], logits f32[S, V]) as device arrays; rows past the bucket's batch
+        are 0. `prev_tokens` is an earlier step's `tokens`, read where `inputs.feed_cols >= 0`.
+        """
         shape = step_shape(bucket, self.block_size)
         executable = self.executables.get(shape)
         if executable is None:
@@ -154,7 +178,11 @@ class ModelRunner:
         meta = AttentionMetadata(
             block_tables=inputs.block_tables, q_start=inputs.q_start, lengths=inputs.lengths
         )
+        no_feed = np.full(shape.batch_size, -1, np.int32)
+        feed_rows = no_feed if inputs.feed_rows is None else inputs.feed_rows
+        feed_cols = no_feed if inputs.feed_cols is None else inputs.feed_cols
         tokens, logits, self.kv_pool = executable(
-            self.params, self.kv_pool, inputs.input_ids, meta, inputs.sample_index, inputs.sampling
+            self.params, self.kv_pool, inputs.input_ids, meta, inputs.sample_index, inputs.sampling,
+            self.no_tokens if prev_tokens is None else prev_tokens, feed_rows, feed_cols,
         )
         return tokens, logits
