@@ -282,7 +282,9 @@ class LLMEngine:
         """(sequence, first position, number of tokens) for every real row of the step."""
         if schedule.is_prefill:
             return [(c.seq, c.start, c.num_tokens) for c in schedule.prefill_chunks]
-        return [(seq, seq.num_computed_tokens, 1) for seq in schedule.decode_seqs]
+        # longest first: rows of similar length share the attention's row groups (see attention.py)
+        decode = sorted(schedule.decode_seqs, key=lambda seq: -seq.num_computed_tokens)
+        return [(seq, seq.num_computed_tokens, 1) for seq in decode]
 
     def _count_step(self, schedule: Schedule) -> None:
         self.stats.num_steps += 1
