@@ -23,24 +23,37 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "seed": (int, "seed of requests that give none"),
     "attention_backend": (str, "auto, reference or pallas"),
     "waiting_served_ratio": (float, "prefill new requests once waiting >= this ratio x decoding (TGI's; default 0)"),
+    "async_scheduling": (bool, "plan step N+1 while step N runs (--no-async-scheduling reads every step first)"),
     "max_logprobs": (int, "the most logprobs or prompt_logprobs a request may ask for"),
+    "tensor_parallel_size": (int, "devices (of all hosts) that hold one engine, split by attention heads"),
+    "distributed_init": (bool, "join a multi-host run: jax.distributed.initialize (or JAXSERVE_DISTRIBUTED_INIT=1)"),
+    "coordinator_address": (str, "host:port of process 0 (or JAXSERVE_COORDINATOR_ADDRESS; auto on TPU pods)"),
+    "num_processes": (int, "or JAXSERVE_NUM_PROCESSES"),
+    "process_id": (int, "or JAXSERVE_PROCESS_ID"),
     "compile_cache_dir": (str, "JAX persistent compilation cache directory (fast restarts)"),
 }
+FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
     if model_positional:
         parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                            help="HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: embedded)")
+                            help="HF directory, .gguf file, orbax checkpoint dir or hub id (default: the embedded "
+                            "SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="HF directory, .gguf file, orbax checkpoint dir or hub id (default: embedded)")
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     for name, (kind, help_text) in ENGINE_FLAGS.items():
-        kwargs: dict = {"type": kind, "default": defaults[name], "help": help_text}
+        kwargs: dict = {"default": defaults[name], "help": help_text}
+        if kind is bool:  # --flag / --no-flag
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
         if name == "dtype":
             kwargs["choices"] = list(SUPPORTED_DTYPES)
         elif name == "attention_backend":
             kwargs["choices"] = ["auto", "reference", "pallas"]
-        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
+        parser.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, []), **kwargs)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
