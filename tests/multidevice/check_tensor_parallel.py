@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, BeamSearchParams, SamplingParams
 from jaxserve.model_runner import StepInputs, num_backend_compiles, step_shape
-from jaxserve.sampler import SamplingTensors
+from jaxserve.sampler import FLAG_LOGPROBS, PAD_FLOATS, SamplingRow, SamplingTensors
 from tests.hf_tiny import hf_greedy, make_tiny_model, small_bucket_file
 
 assert jax.device_count() == 8, f"run with XLA_FLAGS=--xla_force_host_platform_device_count=8 ({os.environ})"
@@ -46,8 +46,9 @@ def _generate(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def _prefill_logits(llm, prompt: list[int]) -> np.ndarray:
-    """Runs one prefill step of `prompt` (blocks 0..) on the engine's runner; returns its f32[V] logits."""
+def _prefill_logprobs(llm, prompt: list[int]) -> np.ndarray:
+    """Runs one prefill step of `prompt` (blocks 0..) on the engine's runner; returns the next token's top-K
+    raw logprobs f32[K] (log_softmax of the logits; the step returns no full logits)."""
     engine = llm.llm_engine
     bucket = engine.grid.prefill_buckets[0]
     shape = step_shape(bucket, engine.block_size)
@@ -56,11 +57,12 @@ def _prefill_logits(llm, prompt: list[int]) -> np.ndarray:
     ids[0, : len(prompt)] = prompt
     tables = np.zeros((s, p), np.int32)
     tables[0] = np.arange(p)
-    sampling = SamplingTensors.from_rows([(GREEDY, 0, 0)], s)
+    row = SamplingRow(PAD_FLOATS, prompt_len=len(prompt), flags=FLAG_LOGPROBS)  # greedy, with logprobs
+    sampling = SamplingTensors.from_rows([row], s, engine.slots.no_slot)
     inputs = StepInputs(ids, tables, np.zeros(s, np.int32), np.asarray([len(prompt)] * s, np.int32),
                         np.asarray([len(prompt) - 1] * s, np.int32), sampling)
-    _, logits = engine.runner.execute(bucket, inputs)
-    return np.asarray(logits[0])
+    output = engine.runner.execute(bucket, inputs)
+    return np.asarray(output.logprobs.top_logprobs[0])
 
 
 def test_greedy_tokens_are_identical_for_tp_1_2_4(llms):
@@ -69,8 +71,22 @@ def test_greedy_tokens_are_identical_for_tp_1_2_4(llms):
     assert [len(t) for t in tokens[1]] == [16, 16, 16]
 
 
+def test_generation_features_are_identical_for_tp_1_2_4(llms):
+    """n > 1 forks (copy_blocks), logit_bias (write_slot), penalties and beams on the mesh as on one device."""
+    sampled = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=2,
+                             presence_penalty=0.5, logit_bias={5: 3.0})
+    beams = BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+    results = {}
+    for tp, llm in llms.items():
+        outputs = llm.generate([{"prompt_token_ids": PROMPTS[2]}], sampled, use_tqdm=False)[0].outputs
+        best = llm.beam_search([{"prompt_token_ids": PROMPTS[1]}], beams)[0].sequences
+        results[tp] = ([o.token_ids for o in outputs], [b.tokens for b in best])
+    assert results[2] == results[1] and results[4] == results[1]
+    assert len(results[1][0]) == 2 and len(results[1][1]) == 2
+
+
 def test_logits_agree_within_tolerance(llms):
-    logits = {tp: _prefill_logits(llm, PROMPTS[1]) for tp, llm in llms.items()}
+    logits = {tp: _prefill_logprobs(llm, PROMPTS[1]) for tp, llm in llms.items()}
     assert np.abs(logits[1]).max() > 1.0
     np.testing.assert_allclose(logits[2], logits[1], atol=2e-5, rtol=0)
     np.testing.assert_allclose(logits[4], logits[1], atol=2e-5, rtol=0)
@@ -113,21 +129,24 @@ def test_serving_uses_the_warm_up_shardings_and_compiles_nothing(llms):
         params_in, pool_in = executable.input_shardings[0][:2]
         assert pool_in == (runner.kv_pool[0].sharding, runner.kv_pool[1].sharding)
         assert jax.tree.leaves(params_in) == jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.params))
-        assert executable.output_shardings[2][0].spec == P(None, "tp")
+        _, pool_out, slots_out = executable.output_shardings  # (StepOutput, kv pool, sampler state)
+        assert pool_out[0].spec == P(None, "tp")
+        assert all(sharding.is_fully_replicated for sharding in jax.tree.leaves(slots_out))
 
 
 def test_compiled_steps_only_all_reduce_the_row_parallel_outputs_and_update_the_pool_in_place(llms):
     """Megatron's communication and nothing more: the scanned layer body all-reduces the o_proj and
     down_proj outputs ([S, Q, hidden]); no all-gather (the pool and weights never move), and the donated
-    pool's per-device bytes are aliased to the output."""
+    pool's per-device bytes and the (replicated) sampler state are aliased to the output."""
     runner = llms[4].llm_engine.runner
-    pool_bytes_per_device = sum(pool.addressable_shards[0].data.nbytes for pool in runner.kv_pool)
+    donated = [*runner.kv_pool, *jax.tree.leaves(runner.slot_state)]
+    donated_bytes_per_device = sum(x.addressable_shards[0].data.nbytes for x in donated)
     for shape, executable in runner.executables.items():
         hlo = executable.as_text()
         collectives = re.findall(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(", hlo)
         activation = f"f32[{shape.batch_size},{shape.num_query_tokens},64]"
         assert [(t.split("{")[0], op) for t, op in collectives] == [(activation, "all-reduce")] * 2, shape
-        assert executable.memory_analysis().alias_size_in_bytes == pool_bytes_per_device
+        assert executable.memory_analysis().alias_size_in_bytes == donated_bytes_per_device
 
 
 def test_pallas_backend_under_tensor_parallelism_matches_transformers(tmp_path, buckets):
