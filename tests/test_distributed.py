@@ -9,7 +9,8 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import distributed_init_requested, distributed_settings
-from jaxserve.entrypoints.cli import _engine_kwargs, build_parser
+from jaxserve.entrypoints.args import engine_config_from_args
+from jaxserve.entrypoints.cli import build_parser
 from jaxserve.parallel import engine_mesh, param_spec
 
 
@@ -48,7 +49,7 @@ def test_cli_flags_reach_the_engine_config():
         "generate", "hi", "--tensor-parallel-size", "4", "--distributed-init",
         "--coordinator-address", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "1",
     ])
-    config = EngineConfig(**_engine_kwargs(args))
+    config = engine_config_from_args(args)
     assert (config.tensor_parallel_size, config.distributed_init, config.coordinator_address) == (
         4, True, "10.0.0.1:1234",
     )
