@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -13,10 +14,24 @@ from jaxserve.engine import LLMEngine
 from jaxserve.entrypoints.api_server import build_app
 
 MODEL_NAME = "tiny-llama"
+# 5 step executables: decode batches 1, 4 and 16, prefill chunks of 32 and 128, context 512 (the tiny
+# models' max_position_embeddings): the server tests warm up in seconds
+SERVER_BUCKETS = """
+block_size = 16
+[decode]
+batch_sizes = [1, 4, 16]
+[prefill]
+batch_sizes = [1]
+lengths = [32, 128]
+[context]
+lengths = [512]
+"""
 
 
 def tiny_async_engine(model_dir, **config) -> AsyncLLMEngine:
-    config = {"max_model_len": 512, "buckets": "cpu", **config}
+    buckets = Path(model_dir).parent / "server_buckets.toml"
+    buckets.write_text(SERVER_BUCKETS)
+    config = {"max_model_len": 512, "buckets": str(buckets), **config}
     return AsyncLLMEngine(LLMEngine(EngineConfig(model=str(model_dir), **config)))
 
 
