@@ -19,6 +19,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.entrypoints import api_server, cli
 from jaxserve.entrypoints.args import ENGINE_FLAGS, engine_config_from_args
 from tests.hf_tiny import make_tiny_model
+from tests.server import SERVER_BUCKETS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,8 +67,10 @@ def test_startup_message_has_the_address_and_a_curl_example():
 def server_process(tmp_path):
     model_dir = make_tiny_model(tmp_path / "tiny", "llama", seed=5)
     cache_dir = tmp_path / "xla-cache"
+    buckets = tmp_path / "buckets.toml"
+    buckets.write_text(SERVER_BUCKETS)
     command = [sys.executable, "-m", "jaxserve.entrypoints.api_server", "--model", str(model_dir),
-               "--host", "127.0.0.1", "--port", "0", "--max-model-len", "512", "--buckets", "cpu",
+               "--host", "127.0.0.1", "--port", "0", "--max-model-len", "512", "--buckets", str(buckets),
                "--api-key", "secret", "--compile-cache-dir", str(cache_dir), "--served-model-name", "tiny",
                "--uvicorn-log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAXSERVE_LOGGING_LEVEL": "WARNING"}
