@@ -25,10 +25,12 @@ from jaxserve.beam_search import BeamSearchGroup
 from jaxserve.block_manager import BlockManager, kv_bytes_per_block, num_blocks_from_budget
 from jaxserve.buckets import BucketGrid, load_bucket_spec
 from jaxserve.config import EngineConfig
+from jaxserve.distributed import distributed_init_requested, initialize_distributed
 from jaxserve.logger import init_logger
 from jaxserve.logprobs import TokenTexts
 from jaxserve.model_runner import ModelRunner, StepInputs, StepOutput, step_shape
 from jaxserve.outputs import RequestOutput
+from jaxserve.parallel import engine_mesh, per_device_bytes
 from jaxserve.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
 from jaxserve.sampler import FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
 from jaxserve.sampler_state import SlotTable, slot_state_bytes
@@ -84,7 +86,10 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, warm_up: bool = True):
         self.config = config
-        loaded = loaded or load_model(config.model, config.dtype)
+        if distributed_init_requested(config.distributed_init):
+            initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
+        self.mesh = engine_mesh(config.tensor_parallel_size)
+        loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         platform = jax.default_backend()
@@ -102,7 +107,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
             num_blocks=num_blocks, max_rows=self.grid.max_batch_size, attention_backend=config.attention_backend,
-            num_sampler_slots=self.grid.max_num_seqs, num_logprobs=config.max_logprobs,
+            mesh=self.mesh, num_sampler_slots=self.grid.max_num_seqs, num_logprobs=config.max_logprobs,
         )
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = config.async_scheduling
@@ -134,16 +139,16 @@ class LLMEngine:
             head_dim=cfg.head_dim, dtype_bytes=jax.numpy.dtype(self.config.dtype).itemsize,
         )
         budget = None
-        if platform != "cpu" and self.config.num_kv_blocks is None:
-            stats = jax.devices()[0].memory_stats() or {}
-            weights = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
+        if platform != "cpu" and self.config.num_kv_blocks is None:  # per device: pool and weights are split
+            stats = jax.local_devices()[0].memory_stats() or {}
+            weights = per_device_bytes(loaded.params, self.mesh)
             limit = stats.get("bytes_limit", 0) * self.config.gpu_memory_utilization
             spec = load_bucket_spec(self.config.buckets, platform)
             num_slots = self.config.max_num_seqs or max(spec.decode_batch_sizes)
-            sampler_state = slot_state_bytes(num_slots, cfg.vocab_size)
+            sampler_state = slot_state_bytes(num_slots, cfg.vocab_size)  # replicated on every device
             budget = int(limit - stats.get("bytes_in_use", 0) - weights - sampler_state)
         return num_blocks_from_budget(
-            bytes_per_block, num_kv_blocks=self.config.num_kv_blocks,
+            bytes_per_block // self.mesh.size, num_kv_blocks=self.config.num_kv_blocks,
             memory_budget_bytes=budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS,
         )
 

@@ -38,13 +38,15 @@ class LLM:
         buckets: str | None = None,
         seed: int = 0,
         attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
         **engine_kwargs,
     ):
         config = EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            buckets=buckets, seed=seed, attention_backend=attention_backend, **engine_kwargs,
+            buckets=buckets, seed=seed, attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size, **engine_kwargs,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

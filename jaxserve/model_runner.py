@@ -10,6 +10,9 @@ Two small executables serve forks (n > 1, beam search) and new sequences: `copy_
 of KV blocks and sampler slots) and `write_slot` (a slot's reset and its request's logit_bias /
 min_tokens rows). Everything is compiled ahead of time from `ShapeDtypeStruct`s
 (`jit(...).lower(...).compile()`), so serving never compiles; `num_compiles` counts every executable.
+Everything lives on a device mesh (`jaxserve.parallel`; one device unless tensor parallel): the structs
+carry the params', pool's and sampler state's shardings and the donated state's out-sharding equals its
+in-sharding, so warm-up and serving agree and the donated buffers stay in place.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jaxserve.attention import AttentionMetadata, get_attention_backend
 from jaxserve.config import ModelConfig
 from jaxserve.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
 from jaxserve.models import get_model_class
+from jaxserve.parallel import check_tensor_parallel, kv_pool_sharding, make_mesh, replicated, shard_params
 from jaxserve.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sample
 from jaxserve.sampler_state import SlotState, copy_slots, update_token_counts, write_slot
 
@@ -105,6 +109,7 @@ class ModelRunner:
         num_blocks: int,
         max_rows: int,
         attention_backend: str = "auto",
+        mesh: jax.sharding.Mesh | None = None,
         num_sampler_slots: int = 1,
         num_logprobs: int = 20,
     ):
@@ -113,12 +118,16 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = get_attention_backend(attention_backend)
-        self.model = get_model_class(config.architecture)(config, self.dtype, self.backend)
-        self.params = jax.device_put(params)
+        self.mesh = mesh if mesh is not None else make_mesh(1)
+        check_tensor_parallel(config, self.mesh.size)
+        model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
+        self.model = get_model_class(config.architecture)(config, self.dtype, self.backend, model_mesh)
+        self.params = shard_params(params, self.mesh)
         self.kv_pool = self._allocate_pool()
         self.max_rows = max_rows  # every step returns its tokens padded to this many rows
-        self.no_tokens = jnp.zeros(max_rows, jnp.int32)
-        self.slot_state = SlotState.zeros(num_sampler_slots, config.vocab_size)
+        self.no_tokens = jax.jit(lambda: jnp.zeros(max_rows, jnp.int32), out_shardings=replicated(self.mesh))()
+        self.slot_state = jax.jit(lambda: SlotState.zeros(num_sampler_slots, config.vocab_size),
+                                  out_shardings=replicated(self.mesh))()
         self.num_logprobs = max(num_logprobs, 1)  # K of the step's top-K logprobs (a static shape)
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
@@ -130,7 +139,8 @@ class ModelRunner:
     def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
         shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
-        return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=kv_pool_sharding(self.mesh))
+        return zeros(), zeros()
 
     def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
               feed_cols):
@@ -168,19 +178,20 @@ class ModelRunner:
 
     def _abstract_inputs(self, shape: StepShape):
         s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
-        i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
+        rep = replicated(self.mesh)
+        i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32, sharding=rep)
         meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s))
         return (
             _abstract(self.params), _abstract(self.kv_pool), _abstract(self.slot_state), i32(s, q), meta, i32(s),
-            SamplingTensors.abstract(s), i32(self.max_rows), i32(s), i32(s),
+            SamplingTensors.abstract(s, rep), i32(self.max_rows), i32(s), i32(s),
         )
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """Compiles (once) the executable for one step shape."""
         if shape not in self.executables:
-            self.executables[shape] = self._compile(
-                jax.jit(self._step, donate_argnums=(1, 2)), self._abstract_inputs(shape)
-            )
+            rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
+            step = jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep))
+            self.executables[shape] = self._compile(step, self._abstract_inputs(shape))
         return self.executables[shape]
 
     def _compile(self, jitted, abstract_args) -> jax.stages.Compiled:
@@ -195,15 +206,16 @@ class ModelRunner:
         if self._copy_executable is not None:
             return
         m, vocab = self.max_copies, self.config.vocab_size
-        idx = jax.ShapeDtypeStruct((m,), jnp.int32)
+        rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+        idx = sds((m,), jnp.int32)
         self._copy_executable = self._compile(
-            jax.jit(self._copy_blocks, donate_argnums=(0, 1)),
+            jax.jit(self._copy_blocks, donate_argnums=(0, 1), out_shardings=((pool, pool), rep)),
             (_abstract(self.kv_pool), _abstract(self.slot_state), idx, idx, idx, idx),
         )
         self._write_slot_executable = self._compile(
-            jax.jit(write_slot, donate_argnums=(0,)),
-            (_abstract(self.slot_state), jax.ShapeDtypeStruct((), jnp.int32),
-             jax.ShapeDtypeStruct((vocab,), jnp.float32), jax.ShapeDtypeStruct((vocab,), jnp.bool_)),
+            jax.jit(write_slot, donate_argnums=(0,), out_shardings=rep),
+            (_abstract(self.slot_state), sds((), jnp.int32), sds((vocab,), jnp.float32), sds((vocab,), jnp.bool_)),
         )
 
     def warm_up(self, buckets: Iterable) -> None:
@@ -252,7 +264,7 @@ class ModelRunner:
 
 
 def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def _padded_pairs(pairs: list[tuple[int, int]], size: int, out_of_range: int) -> tuple[np.ndarray, np.ndarray]:

@@ -74,9 +74,9 @@ class SamplingTensors:
         return cls(floats, ints)
 
     @classmethod
-    def abstract(cls, batch_size: int) -> SamplingTensors:
-        return cls(jax.ShapeDtypeStruct((batch_size, len(FLOAT_COLUMNS)), jnp.float32),
-                   jax.ShapeDtypeStruct((batch_size, len(INT_COLUMNS)), jnp.int32))
+    def abstract(cls, batch_size: int, sharding=None) -> SamplingTensors:
+        return cls(jax.ShapeDtypeStruct((batch_size, len(FLOAT_COLUMNS)), jnp.float32, sharding=sharding),
+                   jax.ShapeDtypeStruct((batch_size, len(INT_COLUMNS)), jnp.int32, sharding=sharding))
 
     def _f(self, name: str) -> jax.Array:
         return self.floats[:, FLOAT_COLUMNS.index(name)]
