@@ -76,6 +76,7 @@ class StepOutput:
     """Device arrays of one step; only `tokens` is always needed on the host."""
 
     tokens: jax.Array  # i32[max_rows], rows past the bucket's batch are 0 (fed to the next step)
+    logits: jax.Array  # f32[S, V], the raw logits sampled from (tests and debugging; not read by the engine)
     logprobs: TokenLogprobs  # [S(, K)]: the sampled token's raw logprob and rank, and the top K
     prompt_logprobs: TokenLogprobs | None  # [S, Q(, K)]: prefill steps only; each position's next token
 
@@ -154,7 +155,7 @@ class ModelRunner:
         sampled = sample(logits, sampling, slot_state, self.num_logprobs)
         prompt = self._prompt_logprobs(params, hidden, input_ids, meta, sampling) if input_ids.shape[1] > 1 else None
         tokens = jnp.zeros(self.max_rows, jnp.int32).at[: input_ids.shape[0]].set(sampled.tokens)
-        return StepOutput(tokens, sampled.logprobs, prompt), kv_pool, slot_state
+        return StepOutput(tokens, logits, sampled.logprobs, prompt), kv_pool, slot_state
 
     def _prompt_logprobs(self, params, hidden, input_ids, meta, sampling) -> TokenLogprobs:
         """Prefill steps: every position's logprobs, computed only when some row asks for them."""

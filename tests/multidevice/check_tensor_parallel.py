@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model_runner import StepInputs, num_backend_compiles, step_shape
-from jaxserve.sampler import SamplingTensors
+from jaxserve.sampler import PAD_FLOATS, SamplingRow, SamplingTensors
 from tests.hf_tiny import hf_greedy, make_tiny_model, small_bucket_file
 
 assert jax.device_count() == 8, f"run with XLA_FLAGS=--xla_force_host_platform_device_count=8 ({os.environ})"
@@ -56,11 +56,10 @@ def _prefill_logits(llm, prompt: list[int]) -> np.ndarray:
     ids[0, : len(prompt)] = prompt
     tables = np.zeros((s, p), np.int32)
     tables[0] = np.arange(p)
-    sampling = SamplingTensors.from_rows([(GREEDY, 0, 0)], s)
+    sampling = SamplingTensors.from_rows([SamplingRow(PAD_FLOATS)], s, engine.slots.no_slot)
     inputs = StepInputs(ids, tables, np.zeros(s, np.int32), np.asarray([len(prompt)] * s, np.int32),
                         np.asarray([len(prompt) - 1] * s, np.int32), sampling)
-    _, logits = engine.runner.execute(bucket, inputs)
-    return np.asarray(logits[0])
+    return np.asarray(engine.runner.execute(bucket, inputs).logits[0])
 
 
 def test_greedy_tokens_are_identical_for_tp_1_2_4(llms):
@@ -113,21 +112,22 @@ def test_serving_uses_the_warm_up_shardings_and_compiles_nothing(llms):
         params_in, pool_in = executable.input_shardings[0][:2]
         assert pool_in == (runner.kv_pool[0].sharding, runner.kv_pool[1].sharding)
         assert jax.tree.leaves(params_in) == jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.params))
-        assert executable.output_shardings[2][0].spec == P(None, "tp")
+        assert executable.output_shardings[1][0].spec == P(None, "tp")  # (StepOutput, pool, sampler state)
 
 
 def test_compiled_steps_only_all_reduce_the_row_parallel_outputs_and_update_the_pool_in_place(llms):
     """Megatron's communication and nothing more: the scanned layer body all-reduces the o_proj and
     down_proj outputs ([S, Q, hidden]); no all-gather (the pool and weights never move), and the donated
-    pool's per-device bytes are aliased to the output."""
+    pool's and (replicated) sampler state's per-device bytes are aliased to the output."""
     runner = llms[4].llm_engine.runner
-    pool_bytes_per_device = sum(pool.addressable_shards[0].data.nbytes for pool in runner.kv_pool)
+    donated_bytes_per_device = sum(pool.addressable_shards[0].data.nbytes for pool in runner.kv_pool)
+    donated_bytes_per_device += sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.slot_state))
     for shape, executable in runner.executables.items():
         hlo = executable.as_text()
         collectives = re.findall(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(", hlo)
         activation = f"f32[{shape.batch_size},{shape.num_query_tokens},64]"
         assert [(t.split("{")[0], op) for t, op in collectives] == [(activation, "all-reduce")] * 2, shape
-        assert executable.memory_analysis().alias_size_in_bytes == pool_bytes_per_device
+        assert executable.memory_analysis().alias_size_in_bytes == donated_bytes_per_device
 
 
 def test_pallas_backend_under_tensor_parallelism_matches_transformers(tmp_path, buckets):
