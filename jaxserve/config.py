@@ -221,13 +221,13 @@ class EngineConfig:
     attention_backend: str = "auto"
     waiting_served_ratio: float | None = None
     async_scheduling: bool = True  # schedule step N+1 while step N runs; its tokens stay on the device
-    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     tensor_parallel_size: int = 1
     distributed_init: bool = False
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
-    compile_cache_dir: str | None = None
+    compile_cache_dir: str | None = None  # JAX persistent compilation cache
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

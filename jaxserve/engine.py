@@ -109,7 +109,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
             num_blocks=num_blocks, max_rows=self.grid.max_batch_size, attention_backend=config.attention_backend,
-            num_sampler_slots=self.grid.max_num_seqs, num_logprobs=config.max_logprobs, mesh=self.mesh,
+            mesh=self.mesh, num_sampler_slots=self.grid.max_num_seqs, num_logprobs=config.max_logprobs,
         )
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = config.async_scheduling
@@ -147,7 +147,7 @@ class LLMEngine:
             limit = stats.get("bytes_limit", 0) * self.config.gpu_memory_utilization
             spec = load_bucket_spec(self.config.buckets, platform)
             num_slots = self.config.max_num_seqs or max(spec.decode_batch_sizes)
-            sampler_state = slot_state_bytes(num_slots, cfg.vocab_size)
+            sampler_state = slot_state_bytes(num_slots, cfg.vocab_size)  # replicated on every device
             budget = int(limit - stats.get("bytes_in_use", 0) - weights - sampler_state)
         return num_blocks_from_budget(
             bytes_per_block // self.mesh.size, num_kv_blocks=self.config.num_kv_blocks,

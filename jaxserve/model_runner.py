@@ -11,7 +11,7 @@ of KV blocks and sampler slots) and `write_slot` (a slot's reset and its request
 min_tokens rows). Everything is compiled ahead of time from `ShapeDtypeStruct`s
 (`jit(...).lower(...).compile()`), so serving never compiles; `num_compiles` counts every executable.
 Everything lives on a device mesh (`jaxserve.parallel`; one device unless tensor parallel): the structs
-carry the params', pool's and sampler state's shardings, and each donated buffer's out-sharding equals its
+carry the params', pool's and sampler state's shardings and the donated state's out-sharding equals its
 in-sharding, so warm-up and serving agree and the donated buffers stay in place.
 """
 
@@ -76,6 +76,7 @@ class StepOutput:
     """Device arrays of one step; only `tokens` is always needed on the host."""
 
     tokens: jax.Array  # i32[max_rows], rows past the bucket's batch are 0 (fed to the next step)
+    logits: jax.Array  # f32[S, V], the raw logits sampled from (tests and debugging; not read by the engine)
     logprobs: TokenLogprobs  # [S(, K)]: the sampled token's raw logprob and rank, and the top K
     prompt_logprobs: TokenLogprobs | None  # [S, Q(, K)]: prefill steps only; each position's next token
 
@@ -116,9 +117,9 @@ class ModelRunner:
         num_blocks: int,
         max_rows: int,
         attention_backend: str = "auto",
+        mesh: jax.sharding.Mesh | None = None,
         num_sampler_slots: int = 1,
         num_logprobs: int = 20,
-        mesh: jax.sharding.Mesh | None = None,
     ):
         self.config = config
         self.dtype = jnp.dtype(dtype)
@@ -133,7 +134,8 @@ class ModelRunner:
         self.kv_pool = self._allocate_pool()
         self.max_rows = max_rows  # every step returns its tokens padded to this many rows
         self.no_tokens = jax.jit(lambda: jnp.zeros(max_rows, jnp.int32), out_shardings=replicated(self.mesh))()
-        self.slot_state = jax.device_put(SlotState.zeros(num_sampler_slots, config.vocab_size), replicated(self.mesh))
+        self.slot_state = jax.jit(lambda: SlotState.zeros(num_sampler_slots, config.vocab_size),
+                                  out_shardings=replicated(self.mesh))()
         self.num_logprobs = max(num_logprobs, 1)  # K of the step's top-K logprobs (a static shape)
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
@@ -160,7 +162,7 @@ class ModelRunner:
         sampled = sample(logits, sampling, slot_state, self.num_logprobs)
         prompt = self._prompt_logprobs(params, hidden, input_ids, meta, sampling) if input_ids.shape[1] > 1 else None
         tokens = jnp.zeros(self.max_rows, jnp.int32).at[: input_ids.shape[0]].set(sampled.tokens)
-        return StepOutput(tokens, sampled.logprobs, prompt), kv_pool, slot_state
+        return StepOutput(tokens, logits, sampled.logprobs, prompt), kv_pool, slot_state
 
     def _prompt_logprobs(self, params, hidden, input_ids, meta, sampling) -> TokenLogprobs:
         """Prefill steps: every position's logprobs, computed only when some row asks for them."""
@@ -189,17 +191,15 @@ class ModelRunner:
         meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s))
         return (
             _abstract(self.params), _abstract(self.kv_pool), _abstract(self.slot_state), i32(s, q), meta, i32(s),
-            _abstract(SamplingTensors.abstract(s), rep), i32(self.max_rows), i32(s), i32(s),
+            SamplingTensors.abstract(s, rep), i32(self.max_rows), i32(s), i32(s),
         )
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """Compiles (once) the executable for one step shape."""
         if shape not in self.executables:
             rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
-            self.executables[shape] = self._compile(
-                jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep)),
-                self._abstract_inputs(shape),
-            )
+            step = jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep))
+            self.executables[shape] = self._compile(step, self._abstract_inputs(shape))
         return self.executables[shape]
 
     def _compile(self, jitted, abstract_args) -> jax.stages.Compiled:
@@ -215,16 +215,15 @@ class ModelRunner:
             return
         m, vocab = self.max_copies, self.config.vocab_size
         rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
-        idx = jax.ShapeDtypeStruct((m,), jnp.int32, sharding=rep)
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+        idx = sds((m,), jnp.int32)
         self._copy_executable = self._compile(
             jax.jit(self._copy_blocks, donate_argnums=(0, 1), out_shardings=((pool, pool), rep)),
             (_abstract(self.kv_pool), _abstract(self.slot_state), idx, idx, idx, idx),
         )
         self._write_slot_executable = self._compile(
             jax.jit(write_slot, donate_argnums=(0,), out_shardings=rep),
-            (_abstract(self.slot_state), jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
-             jax.ShapeDtypeStruct((vocab,), jnp.float32, sharding=rep),
-             jax.ShapeDtypeStruct((vocab,), jnp.bool_, sharding=rep)),
+            (_abstract(self.slot_state), sds((), jnp.int32), sds((vocab,), jnp.float32), sds((vocab,), jnp.bool_)),
         )
 
     def warm_up(self, buckets: Iterable) -> None:
@@ -272,9 +271,8 @@ class ModelRunner:
         )
 
 
-def _abstract(tree, sharding=None):
-    """ShapeDtypeStructs of a tree's arrays, each with its own sharding (or the one given)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding), tree)
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def _padded_pairs(pairs: list[tuple[int, int]], size: int, out_of_range: int) -> tuple[np.ndarray, np.ndarray]:

@@ -28,6 +28,7 @@ from jaxserve.logprobs import TokenLogprobs, token_logprobs
 from jaxserve.sampler_state import SlotState
 
 _EPS = 1e-5
+TOP_CANDIDATES = 256  # top-k / top-p look for their cutoff among this many largest logits first
 
 FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 INT_COLUMNS = ("top_k", "seed", "step", "min_tokens", "slot", "prompt_len", "flags", "prompt_next_token")
@@ -73,9 +74,9 @@ class SamplingTensors:
         return cls(floats, ints)
 
     @classmethod
-    def abstract(cls, batch_size: int) -> SamplingTensors:
-        return cls(jax.ShapeDtypeStruct((batch_size, len(FLOAT_COLUMNS)), jnp.float32),
-                   jax.ShapeDtypeStruct((batch_size, len(INT_COLUMNS)), jnp.int32))
+    def abstract(cls, batch_size: int, sharding=None) -> SamplingTensors:
+        return cls(jax.ShapeDtypeStruct((batch_size, len(FLOAT_COLUMNS)), jnp.float32, sharding=sharding),
+                   jax.ShapeDtypeStruct((batch_size, len(INT_COLUMNS)), jnp.int32, sharding=sharding))
 
     def _f(self, name: str) -> jax.Array:
         return self.floats[:, FLOAT_COLUMNS.index(name)]
@@ -162,29 +163,60 @@ def sample_random(logits: jax.Array, params: SamplingTensors) -> jax.Array:
     return jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
 
 
-def filter_logits(logits: jax.Array, params: SamplingTensors) -> jax.Array:
+def filter_logits(logits: jax.Array, params: SamplingTensors, num_candidates: int = TOP_CANDIDATES) -> jax.Array:
     """Scaled by temperature, tokens outside min_p, top_k and top_p at -inf (vocabulary order)."""
     scaled = logits / jnp.maximum(params.temperature, _EPS)[:, None]
     probs = jax.nn.softmax(scaled, axis=-1)
     below_min_p = probs < params.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     scaled = jnp.where(below_min_p, -jnp.inf, scaled)
     uses_sort = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0)
-    return jax.lax.cond(uses_sort, lambda: _top_k_top_p(scaled, params.top_k, params.top_p), lambda: scaled)
+    return jax.lax.cond(
+        uses_sort, lambda: _top_k_top_p(scaled, params.top_k, params.top_p, num_candidates), lambda: scaled
+    )
 
 
-def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Both keep a prefix of the descending order, so one sort finds the smallest value kept per row."""
+def _top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, num_candidates: int) -> jax.Array:
+    """Top-k and top-p both keep a prefix of the descending order: find each row's smallest kept value.
+
+    Sorting the whole vocabulary is slow (about 150 ms for 8 x 49k on 2 CPU cores), so the cutoff is
+    first looked for among the `num_candidates` largest values (`lax.top_k`, a few ms). That is exact
+    when every row's cutoff lies among them and its top-p normalizer is known: top_k at most
+    num_candidates, or off (the normalizer is the whole vocabulary's). Otherwise the vocabulary is sorted."""
     vocab = scaled.shape[-1]
-    descending = -jnp.sort(-scaled, axis=-1)
-    ranks = jnp.arange(vocab)[None, :]
-    in_top_k = ranks < jnp.where(top_k > 0, top_k, vocab)[:, None]
-    probs = jax.nn.softmax(jnp.where(in_top_k, descending, -jnp.inf), axis=-1)
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    top_values = jax.lax.top_k(scaled, min(num_candidates, vocab))[0]
+    found, threshold = _prefix_cutoff(top_values, k, top_p, vocab, jax.nn.logsumexp(scaled, axis=-1))
+    threshold = jax.lax.cond(
+        jnp.all(found), lambda: threshold,
+        lambda: _prefix_cutoff(-jnp.sort(-scaled, axis=-1), k, top_p, vocab, None)[1],
+    )
+    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+
+
+def _prefix_cutoff(
+    descending: jax.Array,  # f32[S, C], the C largest values of each row, in descending order
+    k: jax.Array,  # i32[S], top_k (vocab = off)
+    top_p: jax.Array,  # f32[S]
+    vocab: int,
+    log_normalizer: jax.Array | None,  # f32[S], log-sum-exp of the whole row; None when C == vocab
+) -> tuple[jax.Array, jax.Array]:
+    """(whether each row's cutoff is exact from these values, the smallest value the row keeps)."""
+    c = descending.shape[-1]
+    in_top_k = jnp.arange(c)[None, :] < k[:, None]
+    masked = jnp.where(in_top_k, descending, -jnp.inf)
+    top_k_normalizer = jax.nn.logsumexp(masked, axis=-1)
+    if log_normalizer is not None:  # top_k off: the whole row's; top_k <= C: the candidates'
+        top_k_normalizer = jnp.where(k >= vocab, log_normalizer, top_k_normalizer)
+    probs = jnp.exp(masked - top_k_normalizer[:, None])
     cum_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = in_top_k & (cum_before < top_p[:, None])
+    keep = in_top_k & ((cum_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
     keep = keep.at[:, 0].set(True)  # the most likely token always survives
     num_keep = jnp.sum(keep, axis=-1)
-    threshold = jnp.take_along_axis(descending, (num_keep - 1)[:, None], axis=-1)
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    threshold = jnp.take_along_axis(descending, (num_keep - 1)[:, None], axis=-1)[:, 0]
+    unfiltered = (k >= vocab) & (top_p >= 1.0)
+    threshold = jnp.where(unfiltered, -jnp.inf, threshold)
+    found = unfiltered | (k <= c) | ((k >= vocab) & (num_keep < c))
+    return found, threshold
 
 
 def _as_int32(seed: int) -> int:

@@ -177,6 +177,18 @@ def test_min_tokens_suppresses_eos_and_stop_token_ids(llm):
     assert with_stop.text == out.text + "a"  # ... unless asked for
 
 
+def test_special_tokens_in_the_text(llm):
+    tokenizer = llm.get_tokenizer()
+    base = dict(temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias={EOS: 100.0})
+    hidden = one(llm, PROMPT, SamplingParams(**base)).outputs[0]
+    assert hidden.token_ids == [EOS] * 3 and hidden.text == ""
+    for spaces in (True, False):
+        shown = one(llm, PROMPT, SamplingParams(**base, skip_special_tokens=False,
+                                                spaces_between_special_tokens=spaces)).outputs[0]
+        expected = tokenizer.decode([EOS] * 3, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        assert shown.text == expected and "</s>" in expected
+
+
 def test_finish_reasons_length_and_abort(llm):
     out = one(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)).outputs[0]
     assert (len(out.token_ids), out.finish_reason, out.stop_reason) == (3, "length", None)

@@ -15,6 +15,7 @@ from jaxserve.sampler import (
     PAD_FLOATS,
     SamplingRow,
     SamplingTensors,
+    _prefix_cutoff,
     apply_bias_and_min_tokens,
     apply_penalties,
     filter_logits,
@@ -136,15 +137,33 @@ def test_logit_bias_and_min_tokens_match_numpy_reference():
     [(1.0, 0.0, 0, 1.0), (0.7, 0.1, 0, 1.0), (1.3, 0.0, 5, 1.0), (0.9, 0.0, 0, 0.8), (0.6, 0.02, 12, 0.9),
      (1.0, 0.3, 40, 0.5), (2.0, 0.0, 1, 1.0)],
 )
-def test_temperature_min_p_top_k_top_p_match_numpy_reference(temperature, min_p, top_k, top_p):
+@pytest.mark.parametrize("num_candidates", [256, 8])  # 8: the cutoff is often beyond the candidates
+def test_temperature_min_p_top_k_top_p_match_numpy_reference(temperature, min_p, top_k, top_p, num_candidates):
     rng = np.random.default_rng(2)
     logits = rng.normal(0, 2, (3, V)).astype(np.float32)
     rows = [row(temperature=temperature, min_p=min_p, top_p=top_p, top_k=top_k)] * 2
     rows.append(row(temperature=1.0))  # another row without filters is unaffected by this row's
-    out = np.asarray(jax.jit(filter_logits)(logits, tensors(rows)))
+    out = np.asarray(jax.jit(filter_logits, static_argnums=2)(logits, tensors(rows), num_candidates))
     for i in range(2):
         assert_same_masked(out[i], ref_filter(logits[i].astype(np.float64), temperature, min_p, top_k, top_p))
     np.testing.assert_allclose(out[2], logits[2], rtol=1e-6)
+
+
+def test_cutoff_among_the_candidates_is_used_only_when_exact():
+    rng = np.random.default_rng(9)
+    logits = np.sort(rng.normal(0, 1, (5, V)).astype(np.float32), axis=-1)[:, ::-1]
+    logits[2] *= 6.0  # peaked: top_p 0.5 ends within the first candidates
+    vocab = V
+    k = np.array([5, 12, vocab, vocab, vocab], np.int32)
+    top_p = np.array([0.9, 0.9, 0.5, 0.999, 1.0], np.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    found, threshold = jax.jit(_prefix_cutoff, static_argnums=3)(logits[:, :8], k, top_p, vocab, lse)
+    # top_k 5 <= 8: exact; top_k 12 > 8: its normalizer is unknown; a peaked top_p ends among the 8; a
+    # flat top_p 0.999 does not; top_p 1 with top_k off filters nothing
+    assert np.asarray(found).tolist() == [True, False, True, False, True]
+    assert np.isneginf(np.asarray(threshold)[4])
+    full = jax.jit(_prefix_cutoff, static_argnums=3)(logits, k, top_p, vocab, None)[1]
+    np.testing.assert_array_equal(np.asarray(threshold)[[0, 2]], np.asarray(full)[[0, 2]])
 
 
 def test_top_k_one_equals_greedy():

@@ -2,7 +2,7 @@
 subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8 (the flag must be set before JAX
 starts; this process keeps its single device) and requires every one of its tests to pass.
 
-What the checks cover: tensor_parallel_size 1, 2 and 4 give identical greedy tokens and logprobs within
+What the checks cover: tensor_parallel_size 1, 2 and 4 give identical greedy tokens and logits within
 2e-5 on a tiny 8-head GQA Llama, and identical n > 1 samples, penalties, logit_bias and beams; the KV
 pool's per-device bytes shrink by the mesh size; weights are split column- and row-parallel; executables
 keep their warm-up shardings and nothing compiles while serving; the compiled steps communicate only the

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, BeamSearchParams, SamplingParams
 from jaxserve.model_runner import StepInputs, num_backend_compiles, step_shape
-from jaxserve.sampler import FLAG_LOGPROBS, PAD_FLOATS, SamplingRow, SamplingTensors
+from jaxserve.sampler import PAD_FLOATS, SamplingRow, SamplingTensors
 from tests.hf_tiny import hf_greedy, make_tiny_model, small_bucket_file
 
 assert jax.device_count() == 8, f"run with XLA_FLAGS=--xla_force_host_platform_device_count=8 ({os.environ})"
@@ -46,9 +46,8 @@ def _generate(llm) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def _prefill_logprobs(llm, prompt: list[int]) -> np.ndarray:
-    """Runs one prefill step of `prompt` (blocks 0..) on the engine's runner; returns the next token's top-K
-    raw logprobs f32[K] (log_softmax of the logits; the step returns no full logits)."""
+def _prefill_logits(llm, prompt: list[int]) -> np.ndarray:
+    """Runs one prefill step of `prompt` (blocks 0..) on the engine's runner; returns its f32[V] logits."""
     engine = llm.llm_engine
     bucket = engine.grid.prefill_buckets[0]
     shape = step_shape(bucket, engine.block_size)
@@ -57,12 +56,10 @@ def _prefill_logprobs(llm, prompt: list[int]) -> np.ndarray:
     ids[0, : len(prompt)] = prompt
     tables = np.zeros((s, p), np.int32)
     tables[0] = np.arange(p)
-    row = SamplingRow(PAD_FLOATS, prompt_len=len(prompt), flags=FLAG_LOGPROBS)  # greedy, with logprobs
-    sampling = SamplingTensors.from_rows([row], s, engine.slots.no_slot)
+    sampling = SamplingTensors.from_rows([SamplingRow(PAD_FLOATS)], s, engine.slots.no_slot)
     inputs = StepInputs(ids, tables, np.zeros(s, np.int32), np.asarray([len(prompt)] * s, np.int32),
                         np.asarray([len(prompt) - 1] * s, np.int32), sampling)
-    output = engine.runner.execute(bucket, inputs)
-    return np.asarray(output.logprobs.top_logprobs[0])
+    return np.asarray(engine.runner.execute(bucket, inputs).logits[0])
 
 
 def test_greedy_tokens_are_identical_for_tp_1_2_4(llms):
@@ -86,7 +83,7 @@ def test_generation_features_are_identical_for_tp_1_2_4(llms):
 
 
 def test_logits_agree_within_tolerance(llms):
-    logits = {tp: _prefill_logprobs(llm, PROMPTS[1]) for tp, llm in llms.items()}
+    logits = {tp: _prefill_logits(llm, PROMPTS[1]) for tp, llm in llms.items()}
     assert np.abs(logits[1]).max() > 1.0
     np.testing.assert_allclose(logits[2], logits[1], atol=2e-5, rtol=0)
     np.testing.assert_allclose(logits[4], logits[1], atol=2e-5, rtol=0)
@@ -129,18 +126,16 @@ def test_serving_uses_the_warm_up_shardings_and_compiles_nothing(llms):
         params_in, pool_in = executable.input_shardings[0][:2]
         assert pool_in == (runner.kv_pool[0].sharding, runner.kv_pool[1].sharding)
         assert jax.tree.leaves(params_in) == jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.params))
-        _, pool_out, slots_out = executable.output_shardings  # (StepOutput, kv pool, sampler state)
-        assert pool_out[0].spec == P(None, "tp")
-        assert all(sharding.is_fully_replicated for sharding in jax.tree.leaves(slots_out))
+        assert executable.output_shardings[1][0].spec == P(None, "tp")  # (StepOutput, pool, sampler state)
 
 
 def test_compiled_steps_only_all_reduce_the_row_parallel_outputs_and_update_the_pool_in_place(llms):
     """Megatron's communication and nothing more: the scanned layer body all-reduces the o_proj and
     down_proj outputs ([S, Q, hidden]); no all-gather (the pool and weights never move), and the donated
-    pool's per-device bytes and the (replicated) sampler state are aliased to the output."""
+    pool's and (replicated) sampler state's per-device bytes are aliased to the output."""
     runner = llms[4].llm_engine.runner
-    donated = [*runner.kv_pool, *jax.tree.leaves(runner.slot_state)]
-    donated_bytes_per_device = sum(x.addressable_shards[0].data.nbytes for x in donated)
+    donated_bytes_per_device = sum(pool.addressable_shards[0].data.nbytes for pool in runner.kv_pool)
+    donated_bytes_per_device += sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.slot_state))
     for shape, executable in runner.executables.items():
         hlo = executable.as_text()
         collectives = re.findall(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(", hlo)
