@@ -19,7 +19,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.logger import init_logger
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 logger = init_logger("jaxserve.async_engine")
 
@@ -55,9 +55,9 @@ class AsyncLLMEngine:
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
     async def generate(
-        self, prompt, sampling_params: SamplingParams | None, request_id: str
+        self, prompt, sampling_params: SamplingParams | BeamSearchParams | None, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Streams RequestOutputs for one request until it finishes."""
+        """Streams RequestOutputs for one request until it finishes (a beam search: only its final output)."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._ensure_loop()

@@ -119,6 +119,69 @@ def test_copy_on_write_of_a_shared_last_block():
     assert bm.copy_on_write(parent) is None  # block 1 is the parent's alone now
 
 
+def test_allocate_copies_a_shared_block_before_it_is_written():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    parent = make_seq(6)
+    bm.allocate(parent, 6)
+    parent.num_computed_tokens = 6
+    child = parent.fork()
+    bm.fork(parent, child)
+    assert bm.num_new_blocks(child, 1) == 1  # token 6 goes into block 1, shared: a private copy is needed
+    assert bm.can_allocate(child, 1, reserve=3) and not bm.can_allocate(child, 1, reserve=4)
+    bm.allocate(child, 1)
+    assert child.block_table == [0, 2] and parent.block_table == [0, 1]
+    assert bm.ref_counts.tolist() == [2, 1, 1, 0, 0, 0]
+    assert bm.num_new_blocks(parent, 1) == 0  # block 1 is the parent's alone now
+    child.num_computed_tokens = 8
+    child.append_token(7)
+    child.append_token(8)
+    bm.allocate(child, 1)  # a new block, nothing shared to copy
+    assert child.block_table == [0, 2, 3]
+    assert bm.take_pending_copies() == [(1, 2)] and bm.take_pending_copies() == []
+
+
+def test_a_chunk_over_several_shared_blocks_copies_each():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = make_seq(12)
+    bm.allocate(parent, 12)
+    child = parent.fork()
+    bm.fork(parent, child)
+    child.num_computed_tokens = 2  # re-writes tokens 2..9: blocks 0, 1 and 2
+    assert bm.num_new_blocks(child, 8) == 3
+    bm.allocate(child, 8)
+    assert child.block_table == [3, 4, 5] and bm.take_pending_copies() == [(0, 3), (1, 4), (2, 5)]
+
+
+def forked_writer(bm: BlockManager, parent: Sequence) -> Sequence:
+    """A fork of ``parent`` about to write its last prompt token (into the shared last block)."""
+    child = parent.fork()
+    bm.fork(parent, child)
+    child.num_computed_tokens = parent.num_tokens - 1
+    return child
+
+
+def test_pending_copies_skip_freed_destinations_and_keep_the_latest():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a, b = make_seq(4, "a"), make_seq(4, "b")
+    bm.allocate(a, 4)
+    bm.allocate(b, 4)
+    a_child = forked_writer(bm, a)
+    bm.allocate(a_child, 1)  # block 0 -> 2
+    bm.free(a_child)  # preempted before the copy ran: block 2 is free again ...
+    b_child = forked_writer(bm, b)
+    bm.allocate(b_child, 1)  # ... and receives block 1's copy instead
+    assert bm.pending_copies == [(0, 2), (1, 2)]
+    assert bm.take_pending_copies() == [(1, 2)]
+
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a = make_seq(4, "a")
+    bm.allocate(a, 4)
+    a_child = forked_writer(bm, a)
+    bm.allocate(a_child, 1)
+    bm.free(a_child)  # freed and not handed out again: its copy is dropped
+    assert bm.take_pending_copies() == []
+
+
 def test_double_free_and_unknown_block_raise():
     bm = BlockManager(num_blocks=4, block_size=4)
     seq = make_seq(8)

@@ -136,6 +136,40 @@ def test_admission_is_capped_by_max_num_seqs():
     assert [q.status for q in seqs] == [SequenceStatus.RUNNING] * 3 + [SequenceStatus.WAITING] * 2
 
 
+def test_admission_counts_the_sequences_a_request_will_fork():
+    sched = make_scheduler(max_num_seqs=4)
+    parent = make_seq("n3", 3, 0.0)
+    parent.num_pending_forks = 2  # n=3: two children will be forked after its prefill
+    others = [make_seq(f"r{i}", 3, float(i + 1)) for i in range(3)]
+    for seq in [parent, *others]:
+        sched.add(seq)
+    s = sched.schedule()
+    assert [c.seq for c in s.prefill_chunks] == [parent, others[0]]  # 1 + 2 pending + 1 = 4
+    assert (sched.num_running, sched.num_waiting) == (2, 2)
+    s.advance([5, 6])
+    parent.num_pending_forks = 0
+    children = []
+    for _ in range(2):
+        child = Sequence("n3", parent.prompt_token_ids, arrival_time=0.0)
+        child.num_computed_tokens, child.status = 2, SequenceStatus.RUNNING
+        sched.block_manager.fork(parent, child)
+        sched.add_forked(child)
+        children.append(child)
+    s = sched.schedule()  # the four running sequences decode; nothing more is admitted
+    assert s.is_decode and set(s.decode_seqs) == {parent, others[0], *children}
+    assert sched.num_waiting == 2
+
+
+def test_add_forked_needs_a_running_sequence_with_a_token_to_compute():
+    sched = make_scheduler()
+    seq = make_seq("r", 3, 0.0)
+    with pytest.raises(ValueError, match="a forked sequence must be RUNNING with a token to compute"):
+        sched.add_forked(seq)  # still WAITING
+    seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, 3
+    with pytest.raises(ValueError, match="a forked sequence must be RUNNING with a token to compute"):
+        sched.add_forked(seq)  # nothing to compute
+
+
 def test_a_lone_prompt_is_chunked_to_the_token_budget():
     sched = make_scheduler(budget=8)
     seq = make_seq("r", 30, 0.0)
