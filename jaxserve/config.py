@@ -8,6 +8,7 @@ so that a bad value fails where it is given, with a message naming it.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {
@@ -138,6 +139,8 @@ class EngineConfig:
     `None` means "derive": `max_model_len` from the model and the largest context bucket,
     `max_num_seqs` from the largest decode bucket, `max_num_batched_tokens` from the largest prefill
     bucket, `block_size` from the bucket file, and `num_kv_blocks` from the memory budget.
+    `compile_cache_dir` (None: no persistent cache) is where warm-up loads and stores executables;
+    `strict_no_compile` turns a compilation after warm-up into a RuntimeError (vLLM TPU's check).
     """
 
     model: str | None = None
@@ -152,6 +155,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     waiting_served_ratio: float | None = None
+    compile_cache_dir: str | None = None  # JAX persistent compilation cache (see jaxserve/compile_cache.py)
+    strict_no_compile: bool = False  # raise if anything compiles after warm-up
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -162,3 +167,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.compile_cache_dir is not None:
+            if not isinstance(self.compile_cache_dir, str | os.PathLike) or not str(self.compile_cache_dir):
+                raise ValueError(f"compile_cache_dir must be a directory path, got {self.compile_cache_dir!r}")
+            object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
+        if not isinstance(self.strict_no_compile, bool):
+            raise ValueError(f"strict_no_compile must be True or False, got {self.strict_no_compile!r}")

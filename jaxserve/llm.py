@@ -1,7 +1,8 @@
 """LLM: the offline Python API (vLLM's names and defaults) on top of LLMEngine.
 
-`LLM(...)` loads the model and warms up every bucket; `generate` adds all prompts, steps the engine
-until they finish (a tqdm bar counts finished requests) and returns RequestOutputs in input order.
+`LLM(...)` loads the model and warms up every bucket (from `compile_cache_dir` when given); `generate`
+adds all prompts, steps the engine until they finish (a tqdm bar counts finished requests) and returns
+RequestOutputs in input order.
 """
 
 from __future__ import annotations
@@ -34,13 +35,16 @@ class LLM:
         buckets: str | None = None,
         seed: int = 0,
         attention_backend: str = "auto",
+        compile_cache_dir: str | None = None,
+        strict_no_compile: bool = False,
         **engine_kwargs,
     ):
         config = EngineConfig(
             model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            buckets=buckets, seed=seed, attention_backend=attention_backend, **engine_kwargs,
+            buckets=buckets, seed=seed, attention_backend=attention_backend,
+            compile_cache_dir=compile_cache_dir, strict_no_compile=strict_no_compile, **engine_kwargs,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

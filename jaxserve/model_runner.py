@@ -9,8 +9,9 @@ serving never compiles; `num_compiles` counts every executable built.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import time
-from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,12 @@ def num_backend_compiles() -> int:
     return _backend_compiles
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _zeros_pool(shape: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
+    """The zeroed K and V pools, as one program: allocated on device, never staged through the host."""
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -77,23 +84,36 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         attention_backend: str = "auto",
+        abstract: bool = False,
     ):
+        """``abstract=True``: ``params`` are ``ShapeDtypeStruct``s and no KV pool is allocated; such a
+        runner only compiles (precompilation into the persistent cache needs no device memory)."""
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = get_attention_backend(attention_backend)
         self.model = get_model_class(config.architecture)(config, self.dtype, self.backend)
-        self.params = jax.device_put(params)
-        self.kv_pool = self._allocate_pool()
+        self.params = params if abstract else jax.device_put(params)
+        self.kv_pool = self._abstract_pool() if abstract else self._allocate_pool()
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0
+        self._compile_lock = threading.Lock()  # warm-up compiles buckets from several threads
 
-    def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
+    def _abstract_pool(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         cfg = self.config
         shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
-        return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+        return jax.ShapeDtypeStruct(shape, self.dtype), jax.ShapeDtypeStruct(shape, self.dtype)
+
+    def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
+        k, _ = self._abstract_pool()
+        return _zeros_pool(k.shape, k.dtype)
+
+    def compile_pool_allocation(self) -> None:
+        """Compiles the pool's allocation program (so that precompile puts it in the persistent cache too)."""
+        k, _ = self._abstract_pool()
+        _zeros_pool.lower(k.shape, k.dtype).compile()
 
     def _step(self, params, kv_pool, input_ids, meta, sample_index, sampling):
         hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
@@ -117,18 +137,16 @@ class ModelRunner:
         return abstract(self.params), abstract(self.kv_pool), i32(s, q), meta, i32(s), sampling
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
-        """Compiles (once) the executable for one step shape."""
+        """Compiles (once) the executable for one step shape. Thread-safe for different shapes."""
         if shape not in self.executables:
             start = time.perf_counter()
             lowered = jax.jit(self._step, donate_argnums=(1,)).lower(*self._abstract_inputs(shape))
-            self.executables[shape] = lowered.compile()
-            self.compile_seconds += time.perf_counter() - start
-            self.num_compiles += 1
+            executable = lowered.compile()
+            with self._compile_lock:
+                self.executables[shape] = executable
+                self.compile_seconds += time.perf_counter() - start
+                self.num_compiles += 1
         return self.executables[shape]
-
-    def warm_up(self, buckets: Iterable) -> None:
-        for bucket in buckets:
-            self.compile(step_shape(bucket, self.block_size))
 
     def execute(self, bucket, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
         """Dispatches one step; returns (tokens i32[S], logits f32[S, V]) as device arrays (async)."""
