@@ -65,11 +65,21 @@ def enable_persistent_cache(cache_dir: str | Path) -> Path:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size floor, no override
     jax.config.update("jax_enable_compilation_cache", True)
+    # JAX's XLA side caches (GPU autotuning, on by default) put <cache_dir>/... into the compile options,
+    # which are part of every entry's key: a copied or re-mounted cache would then miss everything.
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     if jax.config.jax_compilation_cache_dir != str(path):
         jax.config.update("jax_compilation_cache_dir", str(path))
         # JAX opens its cache object once; forget one opened on another directory.
         jax_compilation_cache.reset_cache()
     return path
+
+
+def disable_persistent_cache() -> None:
+    """Stops reading and writing the persistent cache in this process (JAX's default state)."""
+    if jax.config.jax_compilation_cache_dir is not None:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax_compilation_cache.reset_cache()
 
 
 def persistent_cache_dir() -> Path | None:

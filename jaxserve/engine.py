@@ -169,7 +169,7 @@ class LLMEngine:
             (logger.info if check.state in ("match", "empty") else logger.warning)("%s", check.describe())
         buckets = [*self.grid.prefill_buckets, *self.grid.decode_buckets]
         report = compile_buckets(self.runner, buckets, num_threads=num_threads, cache_dir=cache_dir, cache_check=check)
-        if manifest is not None:
+        if manifest is not None and not check.ok:
             record_manifest(cache_dir, manifest)  # every bucket of this configuration is in the cache now
         logger.info("warm-up: %s", report.summary())
         self.warm_up_report = report
