@@ -95,18 +95,70 @@ class AttentionBackend(Protocol):
 
 
 class ReferenceBackend:
-    """Plain XLA: gather the block tables' pages of one layer, mask, softmax in float32."""
+    """Plain XLA paged attention: an online-softmax loop over chunks of each block table.
+
+    The loop runs only as far as the longest sequence of the step (a dynamic trip count), so a decode
+    step on a 2048-token context bucket whose sequences hold 200 tokens reads about 200 tokens per
+    sequence, not 2048. Each chunk gathers `chunk_pages` pages of one layer straight from the stacked pool.
+    """
 
     name = "reference"
 
-    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
-        from kernels_pallas.prefill_attention import causal_attention
+    def __init__(self, chunk_tokens: int = 256):
+        self.chunk_tokens = chunk_tokens
 
-        k = gather_context(k_pool, layer, meta.block_tables)
-        v = gather_context(v_pool, layer, meta.block_tables)
-        return causal_attention(
-            q, k, v, meta.q_start, meta.lengths, sm_scale=sm_scale, sliding_window=sliding_window
+    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
+        block_size = k_pool.shape[3]
+        chunk_pages = max(1, min(self.chunk_tokens // block_size, meta.block_tables.shape[1]))
+        return chunked_paged_attention(
+            q, k_pool, v_pool, layer, meta, chunk_pages=chunk_pages,
+            sm_scale=sm_scale, sliding_window=sliding_window,
         )
+
+
+def chunked_paged_attention(q, k_pool, v_pool, layer, meta, *, chunk_pages, sm_scale, sliding_window=None):
+    """q [S, Q, Hq, D] attends causally over its sequence's pages; returns [S, Q, Hq, D] (padding rows 0)."""
+    num_seqs, num_q, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_pool.shape[1], k_pool.shape[3]
+    chunk_len = chunk_pages * block_size
+    pages_per_seq = meta.block_tables.shape[1]
+    padded_pages = -(-pages_per_seq // chunk_pages) * chunk_pages
+    block_tables = jnp.pad(meta.block_tables, ((0, 0), (0, padded_pages - pages_per_seq)))
+    qg = q.astype(jnp.float32).reshape(num_seqs, num_q, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    rows = token_positions(meta.q_start, num_q)[:, None, None, :, None]  # [S, 1, 1, Q, 1]
+    lengths = meta.lengths[:, None, None, None, None]
+
+    def chunk(i, state):
+        m, denom, acc = state
+        pages = jax.lax.dynamic_slice_in_dim(block_tables, i * chunk_pages, chunk_pages, axis=1)
+        k = gather_context(k_pool, layer, pages).astype(jnp.float32)  # [S, Hkv, T, D]
+        v = gather_context(v_pool, layer, pages).astype(jnp.float32)
+        keys = i * chunk_len + jnp.arange(chunk_len)[None, None, None, None, :]  # [1, 1, 1, 1, T]
+        mask = (keys <= rows) & (keys < lengths)
+        if sliding_window is not None:
+            mask &= keys > rows - sliding_window
+        scores = jnp.einsum("sqhgd,shtd->shgqt", qg, k) * sm_scale
+        scores = jnp.where(mask, scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(scores - m_safe[..., None])
+        scale = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+        v = jnp.where(keys[0, 0, 0, 0][None, None, :, None] < meta.lengths[:, None, None, None], v, 0.0)
+        acc = acc * scale[..., None] + jnp.einsum("shgqt,shtd->shgqd", p, v)
+        return m_new, denom * scale + p.sum(axis=-1), acc
+
+    group = num_q_heads // num_kv_heads
+    init = (
+        jnp.full((num_seqs, num_kv_heads, group, num_q), -jnp.inf, jnp.float32),
+        jnp.zeros((num_seqs, num_kv_heads, group, num_q), jnp.float32),
+        jnp.zeros((num_seqs, num_kv_heads, group, num_q, head_dim), jnp.float32),
+    )
+    num_chunks = (jnp.max(meta.lengths) + chunk_len - 1) // chunk_len
+    _, denom, acc = jax.lax.fori_loop(0, num_chunks, chunk, init)
+    out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [S, Hkv, G, Q, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(q.shape)
+    valid = token_positions(meta.q_start, num_q) < meta.lengths[:, None]
+    return jnp.where(valid[..., None, None], out, 0.0).astype(q.dtype)
 
 
 class PallasBackend:

@@ -327,6 +327,11 @@ class BucketGrid:
         return max(b.batch_size for b in self.prefill_buckets)
 
     @property
+    def max_batch_size(self) -> int:
+        """The most rows any executable of the grid has."""
+        return max(self.max_decode_batch_size, self.max_prefill_batch_size)
+
+    @property
     def max_chunk_len(self) -> int:
         return max(b.chunk_len for b in self.prefill_buckets)
 

@@ -155,6 +155,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     waiting_served_ratio: float | None = None
+    async_scheduling: bool = True  # schedule step N+1 while step N runs; its tokens stay on the device
     compile_cache_dir: str | None = None  # JAX persistent compilation cache (see jaxserve/compile_cache.py)
     strict_no_compile: bool = False  # raise if anything compiles after warm-up
 

@@ -1,8 +1,13 @@
 """LLMEngine: add_request / step / abort, the loop that LLM.generate and AsyncLLMEngine both drive.
 
-Each `step()` asks the Scheduler for a Schedule, pads it to the chosen bucket, runs the ModelRunner's
-precompiled executable, then appends the sampled tokens, detokenizes, applies stop conditions and
-returns a RequestOutput for every request that advanced.
+Each `step()` asks the Scheduler for a Schedule, pads it to the chosen bucket and dispatches the
+ModelRunner's precompiled executable. With `async_scheduling` (the default) it does not wait for that
+step: every sampling row gets a placeholder token at once, so the scheduler can plan the next step, and
+the next step reads the real tokens on the device. While the device runs step N, the host reads step
+N-1's tokens, detokenizes, applies stop conditions and returns a RequestOutput for every request that
+advanced. A sequence that stops on a token the host had not yet seen was already scheduled once more:
+that extra row's token is dropped. Sequences that reach their length limit stop being scheduled as soon
+as their last token is dispatched.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from jaxserve.weights import LoadedModel, load_model
 
 logger = init_logger("jaxserve.engine")
 
-DEFAULT_CPU_KV_BLOCKS = 1024
+DEFAULT_CPU_KV_BLOCKS = 2048
+PLACEHOLDER_TOKEN = -1  # a sampled token still on the device
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
@@ -58,10 +64,20 @@ class Request:
     detokenizer: IncrementalDetokenizer
     seed: int
     stop_reason: int | str | None = None
+    num_accepted_tokens: int = 0  # output tokens the host has read back (the rest are placeholders)
     num_reported_tokens: int = 0
     num_reported_chars: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     first_token_time: float | None = None
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step whose sampled tokens the host has not read yet."""
+
+    tokens: jax.Array  # i32[max_rows], on the device
+    samples: list[tuple[Request, int, int]]  # (request, row, index of its placeholder in output_token_ids)
+    rows_by_seq: dict[int, int]  # seq_id -> row, for feeding the tokens into the next step
 
 
 @dataclasses.dataclass
@@ -142,8 +158,10 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
-            num_blocks=num_blocks, attention_backend=config.attention_backend,
+            num_blocks=num_blocks, max_rows=self.grid.max_batch_size, attention_backend=config.attention_backend,
         )
+        self._in_flight: InFlightStep | None = None
+        self.async_scheduling = config.async_scheduling
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.warm_up_report: WarmUpReport | None = None
@@ -207,24 +225,26 @@ class LLMEngine:
             return None
         self.scheduler.abort(request_id)
         request.seq.status = SequenceStatus.FINISHED_ABORTED
-        return self._make_output(request)
+        return self._make_output(request, finished=True)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ----- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedules and dispatches one step, then returns the outputs of the step before it (or of
+        this one, without async scheduling)."""
         schedule = self.scheduler.schedule()
         self.stats.num_preemptions += len(schedule.preempted)
         outputs = [self._finish_ignored(seq) for seq in schedule.ignored]
-        if schedule.is_idle:
-            return outputs
-        inputs = self._prepare_inputs(schedule)
-        compiles_before = thread_compile_counts()
-        tokens, _ = self.runner.execute(schedule.bucket, inputs)
-        self._check_no_compile(compiles_before, schedule)
-        self._count_step(schedule)
-        return outputs + self._process_tokens(schedule, np.asarray(tokens))
+        launched = None if schedule.is_idle else self._launch(schedule)
+        if self._in_flight is not None:
+            outputs += self._complete(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._complete(launched)
+            self._in_flight = None
+        return outputs
 
     def _check_no_compile(self, before: CompileCounts, schedule: Schedule) -> None:
         """Counts executables built during a step (a bug: warm-up covers every bucket); strict mode raises."""
@@ -243,7 +263,33 @@ class LLMEngine:
     def _finish_ignored(self, seq: Sequence) -> RequestOutput:
         """A sequence the scheduler could never run (it reached max_model_len) ends with "length"."""
         request = self.requests.pop(seq.request_id)
-        return self._make_output(request)
+        return self._make_output(request, finished=True)
+
+    def _launch(self, schedule: Schedule) -> InFlightStep:
+        """Dispatches the step and advances host state as if its tokens were known (placeholders)."""
+        inputs = self._prepare_inputs(schedule)
+        prev = self._in_flight.tokens if self._in_flight is not None else None
+        compiles_before = thread_compile_counts()
+        tokens, _ = self.runner.execute(schedule.bucket, inputs, prev)
+        self._check_no_compile(compiles_before, schedule)
+        samples, rows_by_seq = [], {}
+        for row, (seq, _, num_tokens) in enumerate(self._rows(schedule)):
+            seq.num_computed_tokens += num_tokens
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt samples nothing
+            request = self.requests[seq.request_id]
+            seq.append_token(PLACEHOLDER_TOKEN)
+            samples.append((request, row, seq.num_output_tokens - 1))
+            rows_by_seq[seq.seq_id] = row
+            if self._is_last_token(request, seq.num_output_tokens):
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)  # frees blocks; status settles later
+        self._count_step(schedule)
+        return InFlightStep(tokens, samples, rows_by_seq)
+
+    def _is_last_token(self, request: Request, num_output_tokens: int) -> bool:
+        max_tokens = request.params.max_tokens or self.max_model_len
+        total = request.seq.num_prompt_tokens + num_output_tokens
+        return num_output_tokens >= max_tokens or total >= self.max_model_len
 
     def _prepare_inputs(self, schedule: Schedule) -> StepInputs:
         shape = step_shape(schedule.bucket, self.block_size)
@@ -254,16 +300,20 @@ class LLMEngine:
         q_start = np.zeros(s, np.int32)
         lengths = np.zeros(s, np.int32)
         sample_index = np.zeros(s, np.int32)
+        feed_rows = np.zeros(s, np.int32)
+        feed_cols = np.full(s, -1, np.int32)
         sampling_rows = []
         for i, (seq, start, num_tokens) in enumerate(rows):
             input_ids[i, :num_tokens] = seq.all_token_ids[start : start + num_tokens]
+            if input_ids[i, num_tokens - 1] == PLACEHOLDER_TOKEN:  # only ever a sequence's last token
+                feed_rows[i], feed_cols[i] = self._in_flight.rows_by_seq[seq.seq_id], num_tokens - 1
             table = seq.block_table[:p]  # blocks past this step's context (reserved ahead) are not read
             block_tables[i, : len(table)] = table
             q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
             request = self.requests[seq.request_id]
             sampling_rows.append((request.params, request.seed, seq.num_output_tokens))
         sampling = SamplingTensors.from_rows(sampling_rows, s)
-        return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling)
+        return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling, feed_rows, feed_cols)
 
     @staticmethod
     def _rows(schedule: Schedule) -> list[tuple[Sequence, int, int]]:
@@ -281,56 +331,69 @@ class LLMEngine:
         self.stats.num_real_tokens += schedule.num_batched_tokens
         self.stats.num_padded_tokens += schedule.num_padded_tokens
 
-    def _process_tokens(self, schedule: Schedule, tokens: np.ndarray) -> list[RequestOutput]:
+    def _complete(self, step: InFlightStep) -> list[RequestOutput]:
+        """Reads a dispatched step's tokens (waits for the device) and applies them."""
+        tokens = np.asarray(step.tokens)
         outputs = []
-        for i, (seq, _, num_tokens) in enumerate(self._rows(schedule)):
-            seq.num_computed_tokens += num_tokens
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prefill chunk that did not reach the end of the prompt samples nothing
-            request = self.requests[seq.request_id]
-            self._append_token(request, int(tokens[i]))
-            output = self._make_output(request)
-            if seq.is_finished:
-                self.scheduler.finish(seq)
-                del self.requests[seq.request_id]
+        for request, row, index in step.samples:
+            if self.requests.get(request.request_id) is not request:
+                continue  # aborted, or stopped on an earlier token: this row's token is dropped
+            finished = self._accept_token(request, index, int(tokens[row]))
+            if finished:
+                self._retire(request)
+            output = self._make_output(request, finished)
             if output is not None:
                 outputs.append(output)
         return outputs
 
-    def _append_token(self, request: Request, token_id: int) -> None:
+    def _retire(self, request: Request) -> None:
+        """A finished request leaves: tokens dispatched after its last one are dropped, blocks freed."""
+        seq = request.seq
+        del seq.output_token_ids[request.num_accepted_tokens :]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+        self.scheduler.finish(seq, seq.status)
+        del self.requests[request.request_id]
+
+    def _accept_token(self, request: Request, index: int, token_id: int) -> bool:
+        """Token `index` of the output is now known: detokenize it, check the stop conditions and say
+        whether the request is finished."""
         seq, params = request.seq, request.params
-        seq.append_token(token_id)
+        seq.output_token_ids[index] = token_id
+        request.num_accepted_tokens = num_generated = index + 1
         self.stats.num_generation_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         stop_string = request.detokenizer.append(token_id)
-        can_stop = seq.num_output_tokens >= params.min_tokens
+        can_stop = num_generated >= params.min_tokens
         if can_stop and not params.ignore_eos and token_id in self.eos_token_ids:
             self._finish(request, SequenceStatus.FINISHED_STOPPED, None)
         elif can_stop and token_id in params.stop_token_ids:
             self._finish(request, SequenceStatus.FINISHED_STOPPED, token_id)
         elif stop_string is not None:
             self._finish(request, SequenceStatus.FINISHED_STOPPED, stop_string)
-        elif seq.num_output_tokens >= (params.max_tokens or self.max_model_len) or seq.num_tokens >= self.max_model_len:
+        elif self._is_last_token(request, num_generated):
             self._finish(request, SequenceStatus.FINISHED_LENGTH, None)
+        else:
+            return False
+        return True
 
     @staticmethod
     def _finish(request: Request, status: SequenceStatus, stop_reason) -> None:
         request.seq.status = status
         request.stop_reason = stop_reason
 
-    def _make_output(self, request: Request) -> RequestOutput | None:
+    def _make_output(self, request: Request, finished: bool) -> RequestOutput | None:
         seq, kind = request.seq, request.params.output_kind
-        finished = seq.is_finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        text, token_ids = request.detokenizer.text, seq.output_token_ids
+        text, token_ids = request.detokenizer.text, seq.output_token_ids[: request.num_accepted_tokens]
         if kind == RequestOutputKind.DELTA:
             text, token_ids = text[request.num_reported_chars :], token_ids[request.num_reported_tokens :]
         request.num_reported_chars = len(request.detokenizer.text)
-        request.num_reported_tokens = seq.num_output_tokens
+        request.num_reported_tokens = request.num_accepted_tokens
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(token_ids),
-            finish_reason=_FINISH_REASONS.get(seq.status), stop_reason=request.stop_reason,
+            finish_reason=_FINISH_REASONS.get(seq.status) if finished else None,
+            stop_reason=request.stop_reason,
         )
         return RequestOutput(request.request_id, request.prompt, seq.prompt_token_ids, [completion], finished)

@@ -2,6 +2,9 @@
 
 The engine hands it a bucket and padded numpy arrays; it dispatches the bucket's executable, which runs
 the model over the paged KV pool (donated, so updated in place) and samples one token per sequence.
+Dispatch is asynchronous: a step may take some of its input tokens from the previous step's sampled
+tokens while they are still on the device (`feed_rows`/`feed_cols`), so the host can schedule and
+prepare step N+1 before it has read step N's tokens.
 Executables are compiled ahead of time from `ShapeDtypeStruct`s (`jit(...).lower(...).compile()`), so
 serving never compiles; `num_compiles` counts every executable built.
 """
@@ -48,6 +51,15 @@ class StepInputs:
     lengths: np.ndarray  # i32[S]
     sample_index: np.ndarray  # i32[S], which query token's logits to sample from
     sampling: SamplingTensors
+    feed_rows: np.ndarray | None = None  # i32[S], row of the previous step's tokens to feed in
+    feed_cols: np.ndarray | None = None  # i32[S], column of input_ids that token replaces; -1: none
+
+
+def feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols):
+    """input_ids [S, Q] with column `feed_cols[s]` of row s replaced by `prev_tokens[feed_rows[s]]`."""
+    fed = jnp.take(prev_tokens, feed_rows, mode="clip")[:, None]
+    column = jnp.arange(input_ids.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.where(column == feed_cols[:, None], fed, input_ids)
 
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -69,9 +81,9 @@ def num_backend_compiles() -> int:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _zeros_pool(shape: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
-    """The zeroed K and V pools, as one program: allocated on device, never staged through the host."""
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+def _zeros(shape: tuple[int, ...], dtype) -> jax.Array:
+    """A zeroed device array, allocated on the device: one named program that precompile can cache."""
+    return jnp.zeros(shape, dtype)
 
 
 class ModelRunner:
@@ -83,6 +95,7 @@ class ModelRunner:
         dtype: str,
         block_size: int,
         num_blocks: int,
+        max_rows: int,
         attention_backend: str = "auto",
         abstract: bool = False,
     ):
@@ -96,6 +109,9 @@ class ModelRunner:
         self.model = get_model_class(config.architecture)(config, self.dtype, self.backend)
         self.params = params if abstract else jax.device_put(params)
         self.kv_pool = self._abstract_pool() if abstract else self._allocate_pool()
+        self.max_rows = max_rows  # every step returns its tokens padded to this many rows
+        no_tokens = jax.ShapeDtypeStruct((max_rows,), jnp.int32)
+        self.no_tokens = no_tokens if abstract else _zeros(no_tokens.shape, no_tokens.dtype)
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0
@@ -107,19 +123,22 @@ class ModelRunner:
         return jax.ShapeDtypeStruct(shape, self.dtype), jax.ShapeDtypeStruct(shape, self.dtype)
 
     def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
-        k, _ = self._abstract_pool()
-        return _zeros_pool(k.shape, k.dtype)
+        k, v = self._abstract_pool()
+        return _zeros(k.shape, k.dtype), _zeros(v.shape, v.dtype)
 
-    def compile_pool_allocation(self) -> None:
-        """Compiles the pool's allocation program (so that precompile puts it in the persistent cache too)."""
+    def compile_allocations(self) -> None:
+        """Compiles the programs that allocate the pool and `no_tokens` (so precompile caches them too)."""
         k, _ = self._abstract_pool()
-        _zeros_pool.lower(k.shape, k.dtype).compile()
+        _zeros.lower(k.shape, k.dtype).compile()
+        _zeros.lower((self.max_rows,), jnp.int32).compile()
 
-    def _step(self, params, kv_pool, input_ids, meta, sample_index, sampling):
+    def _step(self, params, kv_pool, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows, feed_cols):
+        input_ids = feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols)
         hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
         last = jnp.take_along_axis(hidden, sample_index[:, None, None], axis=1)[:, 0]
         logits = self.model.apply(params, last, method=self.model.logits)
-        return sample(logits, sampling), logits, kv_pool
+        tokens = jnp.zeros(self.max_rows, jnp.int32).at[: input_ids.shape[0]].set(sample(logits, sampling))
+        return tokens, logits, kv_pool
 
     def _abstract_inputs(self, shape: StepShape):
         s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
@@ -134,7 +153,10 @@ class ModelRunner:
             steps=i32(s),
         )
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-        return abstract(self.params), abstract(self.kv_pool), i32(s, q), meta, i32(s), sampling
+        return (
+            abstract(self.params), abstract(self.kv_pool), i32(s, q), meta, i32(s), sampling,
+            i32(self.max_rows), i32(s), i32(s),
+        )
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """Compiles (once) the executable for one step shape. Thread-safe for different shapes."""
@@ -148,8 +170,12 @@ class ModelRunner:
                 self.num_compiles += 1
         return self.executables[shape]
 
-    def execute(self, bucket, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
-        """Dispatches one step; returns (tokens i32[S], logits f32[S, V]) as device arrays (async)."""
+    def execute(self, bucket, inputs: StepInputs, prev_tokens: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Dispatches one step without waiting for it.
+
+        Returns (tokens i32[max_rows], logits f32[S, V]) as device arrays; rows past the bucket's batch
+        are 0. `prev_tokens` is an earlier step's `tokens`, read where `inputs.feed_cols >= 0`.
+        """
         shape = step_shape(bucket, self.block_size)
         executable = self.executables.get(shape)
         if executable is None:
@@ -157,7 +183,11 @@ class ModelRunner:
         meta = AttentionMetadata(
             block_tables=inputs.block_tables, q_start=inputs.q_start, lengths=inputs.lengths
         )
+        no_feed = np.full(shape.batch_size, -1, np.int32)
+        feed_rows = no_feed if inputs.feed_rows is None else inputs.feed_rows
+        feed_cols = no_feed if inputs.feed_cols is None else inputs.feed_cols
         tokens, logits, self.kv_pool = executable(
-            self.params, self.kv_pool, inputs.input_ids, meta, inputs.sample_index, inputs.sampling
+            self.params, self.kv_pool, inputs.input_ids, meta, inputs.sample_index, inputs.sampling,
+            self.no_tokens if prev_tokens is None else prev_tokens, feed_rows, feed_cols,
         )
         return tokens, logits

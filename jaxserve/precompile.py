@@ -100,7 +100,7 @@ def precompile(
     grid = engine_bucket_grid(config, model_config, params, jax.default_backend())
     runner = ModelRunner(
         model_config, params, dtype=config.dtype, block_size=grid.block_size, num_blocks=grid.num_blocks,
-        attention_backend=config.attention_backend, abstract=True,
+        max_rows=grid.max_batch_size, attention_backend=config.attention_backend, abstract=True,
     )
     manifest = CacheManifest.current(
         model_config, config.dtype, grid, runner.backend.name, model=str(model_path), written_by="precompile"
@@ -112,6 +112,6 @@ def precompile(
     report = compile_buckets(
         runner, buckets, num_threads=num_threads, progress=progress, cache_dir=path, cache_check=check
     )
-    runner.compile_pool_allocation()  # the engine's only other program: then its start compiles nothing
+    runner.compile_allocations()  # the engine's only other programs: then its start compiles nothing
     record_manifest(path, manifest)
     return PrecompileResult(path, grid, report, check, manifest, num_cache_entries(path))

@@ -25,7 +25,18 @@ from jaxserve.buckets import BucketGrid, BucketSpec, load_bucket_spec
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = REPO.parent / "shared" / "workloads" / "mixed_lengths.jsonl"
-CPU = load_bucket_spec("cpu", "cpu")
+# A fixed base (batch sizes, block size), so the expected plans do not move when buckets/cpu.toml does.
+BASE_TOML = """
+block_size = 16
+[decode]
+batch_sizes = [1, 2, 4, 8, 16]
+[prefill]
+batch_sizes = [1]
+lengths = [512]
+[context]
+lengths = [2048]
+"""
+CPU = BucketSpec.from_toml_text(BASE_TOML, source="base.toml")
 
 
 def _simulated_padding(trace: list[TraceRequest], chunks: list[int], contexts: list[int], max_chunk: int):
@@ -55,9 +66,11 @@ def _engine_grid(spec: BucketSpec, num_blocks: int = 1024) -> BucketGrid:
 
 
 def test_planned_file_for_the_shared_trace_covers_it_fits_the_budget_and_beats_powers_of_two(tmp_path):
-    out = tmp_path / "planned.toml"
+    out, base = tmp_path / "planned.toml", tmp_path / "base.toml"
+    base.write_text(BASE_TOML)
     result = subprocess.run(
-        [sys.executable, "scripts/plan_buckets.py", str(WORKLOAD), "--budget", "24", "--out", str(out)],
+        [sys.executable, "scripts/plan_buckets.py", str(WORKLOAD), "--budget", "24", "--out", str(out),
+         "--base", str(base)],
         cwd=REPO, capture_output=True, text=True, check=True, timeout=120,
     )
     trace = read_trace(WORKLOAD)
@@ -153,7 +166,7 @@ def test_power_of_two_ladders():
 def test_errors_are_clear(tmp_path):
     trace = [TraceRequest(10, 10)]
     with pytest.raises(ValueError, match=r"^budget 5 is below the smallest grid: one chunk length and one context "
-                                         r"length already make 6 executables with the batch sizes of .*cpu.toml$"):
+                                         r"length already make 6 executables with the batch sizes of base.toml$"):
         plan_buckets(trace, 5, CPU)
     with pytest.raises(ValueError, match=r"^max_chunk_len must be a positive multiple of chunk_multiple \(8\), "
                                          r"got 100$"):

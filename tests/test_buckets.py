@@ -146,9 +146,13 @@ def test_shipped_specs_load_and_build(platform):
 def test_cpu_spec_stays_small():
     spec = load_bucket_spec("cpu", "cpu")
     grid = BucketGrid(
-        spec, block_size=16, max_model_len=8192, max_num_seqs=16, max_num_batched_tokens=2048, num_blocks=4096
+        spec, block_size=16, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4096
     )
-    assert grid.num_executables == 24
+    assert grid.num_executables == 26
+    short = BucketGrid(
+        spec, block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512, num_blocks=2048
+    )
+    assert short.num_executables == 13
 
 
 def test_tpu_spec_is_lane_aligned():

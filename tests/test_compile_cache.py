@@ -30,7 +30,7 @@ from jaxserve.compile_cache import (
     thread_compile_counts,
 )
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine, engine_bucket_grid
+from jaxserve.engine import DEFAULT_CPU_KV_BLOCKS, LLMEngine, engine_bucket_grid
 from jaxserve.entrypoints.cli import build_parser
 from jaxserve.precompile import abstract_params
 from jaxserve.sampling_params import SamplingParams
@@ -144,12 +144,12 @@ def test_precompile_compiles_every_bucket_fresh_and_records_the_manifest(precomp
     assert [r[-1] for r in rows] == ["fresh"] * 3
     assert "3 buckets in " in stdout and ": 0 from the compile cache, 3 compiled fresh, 1 thread" in stdout
     assert "no manifest (not precompiled)" in stdout
-    assert num_cache_entries(cache) == 4  # 3 buckets + the KV-pool allocation
+    assert num_cache_entries(cache) == 5  # 3 buckets + the allocations of the KV pool and of `no_tokens`
     (manifest,) = read_manifests(cache)
     assert manifest.dtype == "float32" and manifest.platform == "cpu" and manifest.device_kind == "cpu"
     assert manifest.jax_version == jax.__version__
     assert manifest.engine_limits == {
-        "block_size": 16, "num_kv_blocks": 1024, "max_model_len": 64, "max_num_seqs": 2,
+        "block_size": 16, "num_kv_blocks": DEFAULT_CPU_KV_BLOCKS, "max_model_len": 64, "max_num_seqs": 2,
         "max_num_batched_tokens": 16, "attention_backend": "reference",
     }
     assert manifest.info["num_executables"] == 3 and manifest.info["written_by"] == "precompile"
@@ -161,11 +161,11 @@ def test_second_process_starts_from_the_cache_with_zero_fresh_compiles(precompil
     assert probe["state"] == "match" and probe["differences"] == []
     assert probe["sources"] == ["cache hit"] * 3
     assert (probe["hits"], probe["fresh"]) == (3, 0)
-    # The whole process: 4 executables (3 buckets + pool allocation), all loaded, none compiled or written.
-    assert (probe["backend_compiles"], probe["cache_hits"], probe["cache_writes"]) == (4, 4, 0)
+    # The whole process: 5 executables (3 buckets + 2 allocations), all loaded, none compiled or written.
+    assert (probe["backend_compiles"], probe["cache_hits"], probe["cache_writes"]) == (5, 5, 0)
     assert probe["compiles_after_warm_up"] == 0
     assert probe["tokens"] == _hf_greedy(model_dir, PROMPT, NEW_TOKENS)  # loaded executables compute right
-    assert num_cache_entries(cache) == 4
+    assert num_cache_entries(cache) == 5
 
 
 def test_changed_bucket_file_is_reported_and_only_new_buckets_compile(precompiled, model_dir, tmp_path):
@@ -221,7 +221,7 @@ def test_manifest_detects_changed_bucket_file_model_dtype_and_limits(precompiled
     check = check_manifest(cache, _manifest(model_dir, bucket_file, dtype="bfloat16"))
     assert check.differences == ("dtype: cache has 'float32', now 'bfloat16'",)
     check = check_manifest(cache, _manifest(model_dir, bucket_file, num_kv_blocks=512))
-    assert check.differences == ("num_kv_blocks: cache has 1024, now 512",)
+    assert check.differences == (f"num_kv_blocks: cache has {DEFAULT_CPU_KV_BLOCKS}, now 512",)
 
 
 def test_manifest_reports_a_foreign_device_and_an_empty_or_corrupt_directory(precompiled, model_dir, bucket_file,
@@ -274,10 +274,10 @@ def _engine_from_cache(model_dir, bucket_file, cache, strict: bool) -> LLMEngine
 def _compile_something_new_during_each_step(engine: LLMEngine) -> None:
     execute, calls = engine.runner.execute, [0]
 
-    def execute_after_a_compile(bucket, inputs):
+    def execute_after_a_compile(*args, **kwargs):
         calls[0] += 1
         jax.jit(lambda x: x * calls[0]).lower(jax.ShapeDtypeStruct((calls[0],), jnp.float32)).compile()
-        return execute(bucket, inputs)
+        return execute(*args, **kwargs)
 
     engine.runner.execute = execute_after_a_compile
 

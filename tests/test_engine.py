@@ -65,6 +65,44 @@ def test_continuous_batching_changes_no_token(llm):
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
 
 
+def test_async_scheduling_equals_sync_with_early_stops_and_aborts(llm):
+    """Step N+1 is scheduled before step N's tokens are read: sequences that stop on a token the host
+    had not seen yet drop the extra row, aborts in flight lose nothing, and every block comes back."""
+    engine = llm.llm_engine
+    requests = workload_subset(12, 24, VOCAB, seed=3)
+    engine.async_scheduling = False
+    free_run = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p, _ in requests], [_greedy(n) for _, n in requests], use_tqdm=False
+    )]
+    stops = [tokens[len(tokens) // 2] for tokens in free_run]  # each request stops half-way
+    params = [SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=[t], ignore_eos=True)
+              for (_, n), t in zip(requests, stops, strict=True)]
+    runs = {}
+    for mode in (False, True):
+        engine.async_scheduling = mode
+        outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
+        runs[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                      for o in outputs]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    expected = [(t[: t.index(s) + 1], "stop", s) for t, s in zip(free_run, stops, strict=True)]
+    assert runs[True] == runs[False] == expected
+    # an abort while the request's next token is still on the device
+    engine.add_request("in-flight", {"prompt_token_ids": [5, 6, 7]}, _greedy(30))
+    for _ in range(4):
+        engine.step()
+    assert engine._in_flight is not None
+    aborted = engine.abort_request("in-flight")
+    assert aborted.outputs[0].finish_reason == "abort"
+    assert aborted.outputs[0].token_ids == free_run_prefix(llm, [5, 6, 7], 3)  # the 4th was still in flight
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def free_run_prefix(llm, prompt: list[int], num_tokens: int) -> list[int]:
+    tokens = llm.generate([{"prompt_token_ids": prompt}], _greedy(30), use_tqdm=False)[0].outputs[0].token_ids
+    return tokens[:num_tokens]
+
+
 def test_request_arriving_while_others_decode_joins_next_iteration(llm):
     engine = llm.llm_engine
     engine.add_request("early", {"prompt_token_ids": [5, 6, 7, 8]}, _greedy(20))

@@ -169,13 +169,14 @@ def test_admission_needs_blocks_for_the_whole_prompt_and_the_decoders_next_token
 
 
 def test_joining_sequences_keep_the_padded_bucket_within_the_budget():
-    # a 10-token chunk pads to 16: a second sequence would need the 2 x 16 bucket (> 16 tokens)
+    # a 14-token chunk pads to 16 (splitting it as 8 + 8 saves nothing): a second sequence would need
+    # the 2 x 16 bucket (> 16 tokens)
     sched = make_scheduler()
-    a, b = make_seq("a", 10, 0.0), make_seq("b", 3, 1.0)
+    a, b = make_seq("a", 14, 0.0), make_seq("b", 3, 1.0)
     sched.add(a)
     sched.add(b)
     s = sched.schedule()
-    assert [(c.seq, c.num_tokens) for c in s.prefill_chunks] == [(a, 10)]
+    assert [(c.seq, c.num_tokens) for c in s.prefill_chunks] == [(a, 14)]
     assert s.bucket == PrefillBucket(1, 16, 16)
     # the other way round, the second sequence joins with a shorter chunk that fits the 2 x 8 bucket
     sched = make_scheduler()
@@ -186,6 +187,30 @@ def test_joining_sequences_keep_the_padded_bucket_within_the_budget():
     assert [(c.seq, c.start, c.num_tokens) for c in s.prefill_chunks] == [(a, 0, 3), (b, 0, 8)]
     assert s.bucket == PrefillBucket(2, 8, 16)
     assert (s.num_batched_tokens, s.num_padded_tokens) == (11, 5)
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "chunks"),
+    [
+        (10, [8, 2]),  # 16 padded one-shot vs 8 + 4: saves 4 = the smallest chunk bucket
+        (9, [8, 1]),  # 16 vs 8 + 4
+        (12, [8, 4]),  # 16 vs 8 + 4
+        (14, [14]),
+        (6, [6]),  # 8 vs 4 + 4: saves nothing
+        (16, [16]),  # exact bucket
+        (3, [3]),
+    ],
+)
+def test_first_chunk_is_split_when_that_saves_padding(prompt_len, chunks):
+    sched = make_scheduler()
+    seq = make_seq("a", prompt_len, 0.0)
+    sched.add(seq)
+    taken = []
+    while sum(taken) < prompt_len:
+        s = sched.schedule()
+        taken.append(s.prefill_chunks[0].num_tokens if s.is_prefill else 1)  # a 1-token rest decodes
+        s.advance([1])
+    assert taken == chunks
 
 
 def test_without_chunked_prefill_short_prompts_are_not_split():
