@@ -7,8 +7,12 @@ executables from the cache instead of compiling them.
 
 - `enable_persistent_cache(dir)` sets JAX's cache directory and lowers JAX's thresholds to zero, so
   every executable is written, however small or fast to compile (JAX's default skips executables
-  compiled in under a second). JAX 0.10.2 writes and reads CPU executables too: no other setting is
-  needed. JAX's configuration is process-wide: the last directory set wins.
+  compiled in under a second). JAX 0.10.2 writes and reads CPU executables too. One more setting
+  matters: JAX's XLA side caches (`jax_persistent_cache_enable_xla_caches`, GPU autotuning by default)
+  put a path under the cache directory into the compile options, which are hashed into every key, so a
+  copied or re-mounted cache would miss everything (measured: a copy of a cache directory had 0 hits);
+  they are turned off, which makes a cache directory relocatable. JAX's configuration is
+  process-wide: the last directory set wins.
 - `CacheManifest` records what a directory was compiled for: hashes of the model configuration, the
   bucket file and the step code, the dtype, the engine limits that decide the bucket grid and the
   KV-pool shape, jax/jaxlib versions, platform and device kind. JAX keys its entries by the compiled
@@ -65,9 +69,7 @@ def enable_persistent_cache(cache_dir: str | Path) -> Path:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size floor, no override
     jax.config.update("jax_enable_compilation_cache", True)
-    # JAX's XLA side caches (GPU autotuning, on by default) put <cache_dir>/... into the compile options,
-    # which are part of every entry's key: a copied or re-mounted cache would then miss everything.
-    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")  # relocatable (see above)
     if jax.config.jax_compilation_cache_dir != str(path):
         jax.config.update("jax_compilation_cache_dir", str(path))
         # JAX opens its cache object once; forget one opened on another directory.
@@ -175,7 +177,7 @@ def step_code_hash() -> str:
     for entry in _STEP_CODE:
         path = (_PACKAGE_DIR / entry).resolve()
         files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
-        for file in files:
+        for file in (f for f in files if f.is_file()):
             digest.update(file.name.encode())
             digest.update(file.read_bytes())
     return digest.hexdigest()

@@ -21,6 +21,7 @@ from jaxserve.compile_cache import (
     CacheManifest,
     check_manifest,
     compile_counts,
+    default_cache_dir,
     disable_persistent_cache,
     enable_persistent_cache,
     manifest_path,
@@ -334,6 +335,13 @@ def test_counters_split_fresh_compiles_cache_hits_and_threads(tmp_path):
 
 
 # -- configuration and command line -----------------------------------------------------------------
+
+
+def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "jaxserve" / "compile_cache"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path.home() / ".cache" / "jaxserve" / "compile_cache"
 
 
 def test_engine_config_validates_cache_options(tmp_path):
