@@ -97,23 +97,32 @@ class AttentionBackend(Protocol):
 class ReferenceBackend:
     """Plain XLA paged attention: an online-softmax loop over chunks of each block table.
 
-    The loop runs only as far as the longest sequence of the step (a dynamic trip count), so a decode
-    step on a 2048-token context bucket whose sequences hold 200 tokens reads about 200 tokens per
-    sequence, not 2048. Each chunk gathers `chunk_pages` pages of one layer straight from the stacked pool.
+    The loop runs only as far as the longest sequence of its group of rows (a dynamic trip count), so a
+    decode step on a 2048-token context bucket whose sequences hold 200 tokens reads about 200 tokens per
+    sequence, not 2048. Large decode batches are split into groups of `group_rows` rows, each looping to
+    its own longest sequence; the engine orders decode rows by length so that groups are homogeneous.
+    Each chunk gathers `chunk_pages` pages of one layer straight from the stacked pool.
     """
 
     name = "reference"
 
-    def __init__(self, chunk_tokens: int = 256):
+    def __init__(self, chunk_tokens: int = 256, group_rows: int = 8):
         self.chunk_tokens = chunk_tokens
+        self.group_rows = group_rows
 
     def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
         block_size = k_pool.shape[3]
         chunk_pages = max(1, min(self.chunk_tokens // block_size, meta.block_tables.shape[1]))
-        return chunked_paged_attention(
+        attend_rows = lambda q, meta: chunked_paged_attention(
             q, k_pool, v_pool, layer, meta, chunk_pages=chunk_pages,
             sm_scale=sm_scale, sliding_window=sliding_window,
         )
+        num_seqs = q.shape[0]
+        if q.shape[1] > 1 or num_seqs < 2 * self.group_rows:
+            return attend_rows(q, meta)
+        groups = [slice(start, start + self.group_rows) for start in range(0, num_seqs, self.group_rows)]
+        outs = [attend_rows(q[rows], jax.tree.map(lambda x, rows=rows: x[rows], meta)) for rows in groups]
+        return jnp.concatenate(outs, axis=0)
 
 
 def chunked_paged_attention(q, k_pool, v_pool, layer, meta, *, chunk_pages, sm_scale, sliding_window=None):

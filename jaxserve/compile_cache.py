@@ -50,7 +50,7 @@ CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # JAX records it when
 
 # Files whose code is traced into the step executables: a change there changes the compiled programs.
 _PACKAGE_DIR = Path(__file__).resolve().parent
-_STEP_CODE = ["model_runner.py", "sampler.py", "attention.py", "models", "../kernels_pallas"]
+_STEP_CODE = ["model_runner.py", "sampler.py", "attention.py", "parallel.py", "models", "../kernels_pallas"]
 
 
 # -- the cache directory ----------------------------------------------------------------------------
@@ -202,7 +202,7 @@ class CacheManifest:
     @classmethod
     def current(
         cls, model_config: ModelConfig, dtype: str, grid: BucketGrid, attention_backend: str,
-        **info: Any,
+        tensor_parallel_size: int = 1, **info: Any,
     ) -> CacheManifest:
         """The manifest of this process's configuration (platform and versions of the running JAX)."""
         import jaxlib
@@ -215,6 +215,7 @@ class CacheManifest:
             "max_num_seqs": grid.max_num_seqs,
             "max_num_batched_tokens": grid.max_num_batched_tokens,
             "attention_backend": attention_backend,
+            "tensor_parallel_size": tensor_parallel_size,
         }
         info = {"bucket_file": grid.spec.source, "num_executables": grid.num_executables, **info}
         return cls(

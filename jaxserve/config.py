@@ -15,7 +15,11 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "OPTForCausalLM": "opt",
+    "GPT2LMHeadModel": "gpt2",
 }
+LEARNED_POSITION_FAMILIES = ("opt", "gpt2")  # absolute position tables instead of rotary embeddings
+SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
@@ -55,7 +59,10 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+    """Architecture of a decoder: the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2), OPT or GPT-2.
+
+    The fields after `eos_token_id` only matter to OPT and GPT-2 (LayerNorm models with learned positions).
+    """
 
     architecture: str
     vocab_size: int
@@ -74,20 +81,34 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    layer_norm_eps: float = 1e-5
+    layer_norm_affine: bool = True  # OPT's layer_norm_elementwise_affine: False means no scale and bias
+    mlp_bias: bool = False
+    pre_norm: bool = True  # OPT-350m normalises after each residual add (do_layer_norm_before=False)
+    final_norm: bool = True  # a norm after the last layer
+    word_embed_proj_dim: int | None = None  # OPT: embeddings narrower than hidden_size, projected in and out
+    scale_attn_weights: bool = True  # GPT-2: scores divided by sqrt(head_dim)
+    scale_attn_by_inverse_layer_idx: bool = False  # GPT-2: scores also divided by (layer + 1)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: 'silu'")
-        if self.head_dim % 2:
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
+        if self.uses_rope and self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
     @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    @property
+    def uses_rope(self) -> bool:
+        return self.family not in LEARNED_POSITION_FAMILIES
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -103,14 +124,16 @@ class ModelConfig:
                 f"unsupported model architecture {architectures or hf.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        if family == "opt":
+            return cls(architecture=arch, **_opt_fields(hf))
+        if family == "gpt2":
+            return cls(architecture=arch, **_gpt2_fields(hf))
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        family = SUPPORTED_ARCHITECTURES[arch]
         sliding_window = hf.get("sliding_window")
         if family == "qwen2" and not hf.get("use_sliding_window", False):
             sliding_window = None
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -128,8 +151,49 @@ class ModelConfig:
             sliding_window=sliding_window,
             hidden_act=hf.get("hidden_act", "silu"),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos_ids,
+            eos_token_id=_eos_ids(hf.get("eos_token_id")),
         )
+
+
+def _eos_ids(eos: int | list[int] | None) -> tuple[int, ...]:
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+
+
+def _opt_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """OPTConfig (transformers' defaults where a key is absent): MHA, ReLU, learned positions."""
+    hidden, num_heads = hf.get("hidden_size", 768), hf.get("num_attention_heads", 12)
+    pre_norm = bool(hf.get("do_layer_norm_before", True))
+    bias = bool(hf.get("enable_bias", True))
+    proj_dim = hf.get("word_embed_proj_dim") or hidden
+    return dict(
+        vocab_size=hf.get("vocab_size", 50272), hidden_size=hidden, intermediate_size=hf.get("ffn_dim", 3072),
+        num_layers=hf.get("num_hidden_layers", 12), num_heads=num_heads, num_kv_heads=num_heads,
+        head_dim=hidden // num_heads, max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), attention_bias=bias, mlp_bias=bias,
+        hidden_act=hf.get("activation_function", "relu"), bos_token_id=hf.get("bos_token_id", 2),
+        eos_token_id=_eos_ids(hf.get("eos_token_id", 2)),
+        layer_norm_affine=bool(hf.get("layer_norm_elementwise_affine", True)), pre_norm=pre_norm,
+        final_norm=pre_norm and not hf.get("_remove_final_layer_norm", False),
+        word_embed_proj_dim=None if proj_dim == hidden else proj_dim,
+    )
+
+
+def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """GPT2Config (its n_* names, transformers' defaults where a key is absent)."""
+    if hf.get("add_cross_attention", False):
+        raise ValueError("GPT-2 models with cross-attention (add_cross_attention=true) are not supported")
+    hidden, num_heads = hf.get("n_embd", 768), hf.get("n_head", 12)
+    return dict(
+        vocab_size=hf.get("vocab_size", 50257), hidden_size=hidden, intermediate_size=hf.get("n_inner") or 4 * hidden,
+        num_layers=hf.get("n_layer", 12), num_heads=num_heads, num_kv_heads=num_heads, head_dim=hidden // num_heads,
+        max_position_embeddings=hf.get("n_positions", 1024),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), attention_bias=True, mlp_bias=True,
+        hidden_act=hf.get("activation_function", "gelu_new"), bos_token_id=hf.get("bos_token_id", 50256),
+        eos_token_id=_eos_ids(hf.get("eos_token_id", 50256)),
+        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
+        scale_attn_by_inverse_layer_idx=bool(hf.get("scale_attn_by_inverse_layer_idx", False)),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +203,8 @@ class EngineConfig:
     `None` means "derive": `max_model_len` from the model and the largest context bucket,
     `max_num_seqs` from the largest decode bucket, `max_num_batched_tokens` from the largest prefill
     bucket, `block_size` from the bucket file, and `num_kv_blocks` from the memory budget.
+    `tensor_parallel_size` devices (of all hosts, after `distributed_init`) hold one engine, its weights and
+    KV pool split by attention heads (see `jaxserve.parallel` and `jaxserve.distributed`).
     `compile_cache_dir` (None: no persistent cache) is where warm-up loads and stores executables;
     `strict_no_compile` turns a compilation after warm-up into a RuntimeError (vLLM TPU's check).
     """
@@ -156,12 +222,19 @@ class EngineConfig:
     attention_backend: str = "auto"
     waiting_served_ratio: float | None = None
     async_scheduling: bool = True  # schedule step N+1 while step N runs; its tokens stay on the device
+    tensor_parallel_size: int = 1
+    distributed_init: bool = False
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
     compile_cache_dir: str | None = None  # JAX persistent compilation cache (see jaxserve/compile_cache.py)
     strict_no_compile: bool = False  # raise if anything compiles after warm-up
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

@@ -13,12 +13,12 @@ as their last token is dispatched.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import time
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.block_manager import BlockManager, kv_bytes_per_block, num_blocks_from_budget
 from jaxserve.buckets import BucketGrid, load_bucket_spec
@@ -32,9 +32,11 @@ from jaxserve.compile_cache import (
 )
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.distributed import distributed_init_requested, initialize_distributed
 from jaxserve.logger import init_logger
 from jaxserve.model_runner import ModelRunner, StepInputs, step_shape
 from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.parallel import engine_mesh, per_device_bytes
 from jaxserve.sampler import SamplingTensors
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.scheduler import Schedule, Scheduler
@@ -100,7 +102,9 @@ class EngineStats:
         return self.num_padded_tokens / max(self.num_real_tokens, 1)
 
 
-def engine_bucket_grid(config: EngineConfig, model_config: ModelConfig, params, platform: str) -> BucketGrid:
+def engine_bucket_grid(
+    config: EngineConfig, model_config: ModelConfig, params, platform: str, mesh: Mesh
+) -> BucketGrid:
     """The bucket grid (with block size and KV-pool size) an engine with ``config`` runs on.
 
     ``params`` (arrays or ``ShapeDtypeStruct``s) only count towards the memory budget off CPU. The
@@ -108,7 +112,7 @@ def engine_bucket_grid(config: EngineConfig, model_config: ModelConfig, params, 
     """
     spec = load_bucket_spec(config.buckets, platform)
     block_size = config.block_size or spec.block_size
-    num_blocks = _num_kv_blocks(config, model_config, params, block_size, platform)
+    num_blocks = _num_kv_blocks(config, model_config, params, block_size, platform, mesh)
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, max(spec.context_lengths))
     grid = BucketGrid(
         spec, block_size=block_size, max_model_len=max_model_len,
@@ -121,19 +125,21 @@ def engine_bucket_grid(config: EngineConfig, model_config: ModelConfig, params, 
     return grid
 
 
-def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, params, block_size: int, platform: str) -> int:
+def _num_kv_blocks(
+    config: EngineConfig, model_config: ModelConfig, params, block_size: int, platform: str, mesh: Mesh
+) -> int:
     bytes_per_block = kv_bytes_per_block(
         num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
         head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(config.dtype).itemsize,
     )
     budget = None
-    if platform != "cpu" and config.num_kv_blocks is None:
-        stats = jax.devices()[0].memory_stats() or {}
-        weights = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    if platform != "cpu" and config.num_kv_blocks is None:  # per device: pool and weights are split
+        stats = jax.local_devices()[0].memory_stats() or {}
+        weights = per_device_bytes(params, mesh)
         limit = stats.get("bytes_limit", 0) * config.gpu_memory_utilization
         budget = int(limit - stats.get("bytes_in_use", 0) - weights)
     return num_blocks_from_budget(
-        bytes_per_block, num_kv_blocks=config.num_kv_blocks,
+        bytes_per_block // mesh.size, num_kv_blocks=config.num_kv_blocks,
         memory_budget_bytes=budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS,
     )
 
@@ -141,13 +147,16 @@ def _num_kv_blocks(config: EngineConfig, model_config: ModelConfig, params, bloc
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, warm_up: bool = True):
         self.config = config
+        if distributed_init_requested(config.distributed_init):
+            initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
         if config.compile_cache_dir is not None:  # before anything compiles, so every executable is cached
             enable_persistent_cache(config.compile_cache_dir)
-        loaded = loaded or load_model(config.model, config.dtype)
+        self.mesh = engine_mesh(config.tensor_parallel_size)
+        loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh)
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
-        self.grid = engine_bucket_grid(config, loaded.config, loaded.params, jax.default_backend())
+        self.grid = engine_bucket_grid(config, loaded.config, loaded.params, jax.default_backend(), self.mesh)
         self.block_size, num_blocks = self.grid.block_size, self.grid.num_blocks
         self.block_manager = BlockManager(num_blocks, self.block_size)
         self.max_model_len = self.grid.max_model_len
@@ -159,6 +168,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
             num_blocks=num_blocks, max_rows=self.grid.max_batch_size, attention_backend=config.attention_backend,
+            mesh=self.mesh,
         )
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = config.async_scheduling
@@ -180,7 +190,7 @@ class LLMEngine:
         if self.config.compile_cache_dir is not None:
             cache_dir = enable_persistent_cache(self.config.compile_cache_dir)
             manifest = CacheManifest.current(
-                self.model_config, self.config.dtype, self.grid, self.runner.backend.name,
+                self.model_config, self.config.dtype, self.grid, self.runner.backend.name, self.mesh.size,
                 model=str(self.model_path), written_by="engine warm-up",
             )
             check = check_manifest(cache_dir, manifest)
@@ -320,7 +330,9 @@ class LLMEngine:
         """(sequence, first position, number of tokens) for every real row of the step."""
         if schedule.is_prefill:
             return [(c.seq, c.start, c.num_tokens) for c in schedule.prefill_chunks]
-        return [(seq, seq.num_computed_tokens, 1) for seq in schedule.decode_seqs]
+        # longest first: rows of similar length share the attention's row groups (see attention.py)
+        decode = sorted(schedule.decode_seqs, key=lambda seq: -seq.num_computed_tokens)
+        return [(seq, seq.num_computed_tokens, 1) for seq in decode]
 
     def _count_step(self, schedule: Schedule) -> None:
         self.stats.num_steps += 1

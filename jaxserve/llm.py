@@ -35,6 +35,7 @@ class LLM:
         buckets: str | None = None,
         seed: int = 0,
         attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
         compile_cache_dir: str | None = None,
         strict_no_compile: bool = False,
         **engine_kwargs,
@@ -44,7 +45,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             buckets=buckets, seed=seed, attention_backend=attention_backend,
-            compile_cache_dir=compile_cache_dir, strict_no_compile=strict_no_compile, **engine_kwargs,
+            tensor_parallel_size=tensor_parallel_size, compile_cache_dir=compile_cache_dir,
+            strict_no_compile=strict_no_compile, **engine_kwargs,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

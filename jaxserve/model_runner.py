@@ -6,7 +6,10 @@ Dispatch is asynchronous: a step may take some of its input tokens from the prev
 tokens while they are still on the device (`feed_rows`/`feed_cols`), so the host can schedule and
 prepare step N+1 before it has read step N's tokens.
 Executables are compiled ahead of time from `ShapeDtypeStruct`s (`jit(...).lower(...).compile()`), so
-serving never compiles; `num_compiles` counts every executable built.
+serving never compiles; `num_compiles` counts every executable built. Everything lives on a device mesh
+(`jaxserve.parallel`; one device unless tensor parallel): the structs carry the params' and pool's
+shardings and the pool's out-sharding equals its in-sharding, so warm-up and serving agree and the
+donated pool stays in place.
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ import numpy as np
 from jaxserve.attention import AttentionMetadata, get_attention_backend
 from jaxserve.config import ModelConfig
 from jaxserve.models import get_model_class
+from jaxserve.parallel import (
+    check_tensor_parallel,
+    kv_pool_sharding,
+    make_mesh,
+    param_shardings,
+    replicated,
+    shard_params,
+)
 from jaxserve.sampler import SamplingTensors, sample
 
 
@@ -80,10 +91,15 @@ def num_backend_compiles() -> int:
     return _backend_compiles
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _zeros(shape: tuple[int, ...], dtype) -> jax.Array:
-    """A zeroed device array, allocated on the device: one named program that precompile can cache."""
-    return jnp.zeros(shape, dtype)
+@functools.cache
+def _zeros_program(struct: jax.ShapeDtypeStruct):
+    """A program that allocates a zeroed array with ``struct``'s shape, dtype and sharding on the device(s):
+    one named program, so precompile can put it in the persistent cache."""
+
+    def zeros() -> jax.Array:
+        return jnp.zeros(struct.shape, struct.dtype)
+
+    return jax.jit(zeros, out_shardings=struct.sharding)
 
 
 class ModelRunner:
@@ -97,6 +113,7 @@ class ModelRunner:
         num_blocks: int,
         max_rows: int,
         attention_backend: str = "auto",
+        mesh: jax.sharding.Mesh | None = None,
         abstract: bool = False,
     ):
         """``abstract=True``: ``params`` are ``ShapeDtypeStruct``s and no KV pool is allocated; such a
@@ -106,12 +123,20 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = get_attention_backend(attention_backend)
-        self.model = get_model_class(config.architecture)(config, self.dtype, self.backend)
-        self.params = params if abstract else jax.device_put(params)
+        self.mesh = mesh if mesh is not None else make_mesh(1)
+        check_tensor_parallel(config, self.mesh.size)
+        model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
+        self.model = get_model_class(config.architecture)(config, self.dtype, self.backend, model_mesh)
+        if abstract:
+            self.params = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                param_shardings(params, self.mesh),
+            )
+        else:
+            self.params = shard_params(params, self.mesh)
         self.kv_pool = self._abstract_pool() if abstract else self._allocate_pool()
         self.max_rows = max_rows  # every step returns its tokens padded to this many rows
-        no_tokens = jax.ShapeDtypeStruct((max_rows,), jnp.int32)
-        self.no_tokens = no_tokens if abstract else _zeros(no_tokens.shape, no_tokens.dtype)
+        self.no_tokens = self._no_tokens_struct() if abstract else _zeros_program(self._no_tokens_struct())()
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0
@@ -120,17 +145,20 @@ class ModelRunner:
     def _abstract_pool(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         cfg = self.config
         shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
-        return jax.ShapeDtypeStruct(shape, self.dtype), jax.ShapeDtypeStruct(shape, self.dtype)
+        pool = jax.ShapeDtypeStruct(shape, self.dtype, sharding=kv_pool_sharding(self.mesh))
+        return pool, pool
 
     def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
-        k, v = self._abstract_pool()
-        return _zeros(k.shape, k.dtype), _zeros(v.shape, v.dtype)
+        zeros = _zeros_program(self._abstract_pool()[0])
+        return zeros(), zeros()
+
+    def _no_tokens_struct(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=replicated(self.mesh))
 
     def compile_allocations(self) -> None:
         """Compiles the programs that allocate the pool and `no_tokens` (so precompile caches them too)."""
-        k, _ = self._abstract_pool()
-        _zeros.lower(k.shape, k.dtype).compile()
-        _zeros.lower((self.max_rows,), jnp.int32).compile()
+        for struct in (self._abstract_pool()[0], self._no_tokens_struct()):
+            _zeros_program(struct).lower().compile()
 
     def _step(self, params, kv_pool, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows, feed_cols):
         input_ids = feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols)
@@ -142,17 +170,21 @@ class ModelRunner:
 
     def _abstract_inputs(self, shape: StepShape):
         s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
-        i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
+        rep = replicated(self.mesh)
+        i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32, sharding=rep)
+        f32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32, sharding=rep)
         meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s))
         sampling = SamplingTensors(
-            temperature=jax.ShapeDtypeStruct((s,), jnp.float32),
+            temperature=f32(s),
             top_k=i32(s),
-            top_p=jax.ShapeDtypeStruct((s,), jnp.float32),
-            min_p=jax.ShapeDtypeStruct((s,), jnp.float32),
-            seeds=jax.ShapeDtypeStruct((s,), jnp.uint32),
+            top_p=f32(s),
+            min_p=f32(s),
+            seeds=jax.ShapeDtypeStruct((s,), jnp.uint32, sharding=rep),
             steps=i32(s),
         )
-        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        abstract = lambda tree: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+        )
         return (
             abstract(self.params), abstract(self.kv_pool), i32(s, q), meta, i32(s), sampling,
             i32(self.max_rows), i32(s), i32(s),
@@ -162,8 +194,9 @@ class ModelRunner:
         """Compiles (once) the executable for one step shape. Thread-safe for different shapes."""
         if shape not in self.executables:
             start = time.perf_counter()
-            lowered = jax.jit(self._step, donate_argnums=(1,)).lower(*self._abstract_inputs(shape))
-            executable = lowered.compile()
+            rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
+            step = jax.jit(self._step, donate_argnums=(1,), out_shardings=(rep, rep, (pool, pool)))
+            executable = step.lower(*self._abstract_inputs(shape)).compile()
             with self._compile_lock:
                 self.executables[shape] = executable
                 self.compile_seconds += time.perf_counter() - start

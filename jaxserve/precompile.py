@@ -29,10 +29,12 @@ from jaxserve.compile_cache import (
     record_manifest,
 )
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.distributed import distributed_init_requested, initialize_distributed
 from jaxserve.engine import engine_bucket_grid
 from jaxserve.logger import init_logger
 from jaxserve.model_runner import ModelRunner
 from jaxserve.models import get_model_class
+from jaxserve.parallel import engine_mesh
 from jaxserve.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets
 from jaxserve.weights import load_config, resolve_model_path
 
@@ -93,17 +95,21 @@ def precompile(
 ) -> PrecompileResult:
     """Compiles every feasible bucket of ``config`` into ``cache_dir`` (default: ``config.compile_cache_dir``,
     else ``~/.cache/jaxserve/compile_cache``) and records the manifest."""
+    if distributed_init_requested(config.distributed_init):  # as LLMEngine does, before anything else
+        initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
     path = enable_persistent_cache(cache_dir or config.compile_cache_dir or default_cache_dir())
+    mesh = engine_mesh(config.tensor_parallel_size)
     model_path = resolve_model_path(config.model)
     model_config = load_config(model_path)
     params = abstract_params(model_config, config.dtype)
-    grid = engine_bucket_grid(config, model_config, params, jax.default_backend())
+    grid = engine_bucket_grid(config, model_config, params, jax.default_backend(), mesh)
     runner = ModelRunner(
         model_config, params, dtype=config.dtype, block_size=grid.block_size, num_blocks=grid.num_blocks,
-        max_rows=grid.max_batch_size, attention_backend=config.attention_backend, abstract=True,
+        max_rows=grid.max_batch_size, attention_backend=config.attention_backend, mesh=mesh, abstract=True,
     )
     manifest = CacheManifest.current(
-        model_config, config.dtype, grid, runner.backend.name, model=str(model_path), written_by="precompile"
+        model_config, config.dtype, grid, runner.backend.name, mesh.size, model=str(model_path),
+        written_by="precompile",
     )
     check = check_manifest(path, manifest)
     logger.info("%s", grid.format_table())

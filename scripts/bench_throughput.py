@@ -97,10 +97,10 @@ def report(results: list[dict], num_requests: int) -> str:
     ]
     for r in results:
         tps = r["output_tokens"] / r["seconds"]
-        ratio = tps / (baseline["output_tokens"] / baseline["seconds"]) if baseline else float("nan")
+        ratio = f"{tps / (baseline['output_tokens'] / baseline['seconds']):.2f}x" if baseline else "n/a"
         lines.append(
             f"| {r['engine']} | {r['seconds']:.1f} | {tps:.1f} | {num_requests / r['seconds']:.2f} | "
-            f"{ratio:.2f}x | {r['padding_waste']:.3f} |"
+            f"{ratio} | {r['padding_waste']:.3f} |"
         )
     jax_result = next(r for r in results if r["engine"] == "jaxserve")
     lines.append("")

@@ -12,6 +12,10 @@ VOCAB = 320  # 3 special tokens + 256 byte tokens + unused ids
 def tiny_hf_config(family: str, **overrides):
     import transformers
 
+    if family in LEARNED_POSITION_CONFIGS:
+        config = LEARNED_POSITION_CONFIGS[family](**overrides)
+        config._attn_implementation = "eager"
+        return config
     common = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -25,6 +29,26 @@ def tiny_hf_config(family: str, **overrides):
     config = classes[family](**{**common, **overrides})
     config._attn_implementation = "eager"
     return config
+
+
+def _tiny_opt_config(**overrides):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return transformers.OPTConfig(**{**common, **overrides})
+
+
+def _tiny_gpt2_config(**overrides):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2)
+    return transformers.GPT2Config(**{**common, **overrides})
+
+
+LEARNED_POSITION_CONFIGS = {"opt": _tiny_opt_config, "gpt2": _tiny_gpt2_config}
 
 
 def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -71,3 +95,96 @@ def hf_logits(path: Path, token_ids: list[int]) -> np.ndarray:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].numpy()
+
+
+SMALL_BUCKETS = """
+block_size = 16
+[decode]
+batch_sizes = {decode_batch_sizes}
+[prefill]
+batch_sizes = [1]
+lengths = [32]
+[context]
+lengths = [128]
+"""
+
+
+def small_bucket_file(directory: Path, decode_batch_sizes: tuple[int, ...] = (1, 4)) -> str:
+    """A small bucket grid (by default 3 executables: decode batch 1 and 4, prefill chunks of 32, context
+    128): engine tests on tiny models warm up in seconds."""
+    path = Path(directory) / "small_buckets.toml"
+    path.write_text(SMALL_BUCKETS.format(decode_batch_sizes=list(decode_batch_sizes)))
+    return str(path)
+
+
+def hf_greedy(path: Path, token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation (new tokens only) of one prompt, float32."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([token_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=0,
+        )
+    return out[0, len(token_ids):].tolist()
+
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
+    """Writes a tiny Llama HF directory (from `make_tiny_model`) as a float32 GGUF file the way llama.cpp's
+    converter does (q/k rows permuted for its rotary layout), with a byte-level BPE tokenizer (one merge)."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    tokens = [f"<unused{i}>" for i in range(cfg["vocab_size"])]
+    for token, index in byte_level_tokenizer().get_vocab().items():
+        tokens[index] = token
+    tokens[VOCAB - 1] = "he"
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i < 3 else 1 for i in range(len(tokens))])  # 3: control, 1: normal
+    writer.add_token_merges(["h e"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    for name, tensor in load_file(hf_dir / "model.safetensors").items():
+        if name in _GGUF_GLOBAL_NAMES:
+            gguf_name = _GGUF_GLOBAL_NAMES[name]
+        else:
+            parts = name.split(".")
+            gguf_name = f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+        proj = name.split(".")[-2]
+        if proj in heads:  # llama.cpp: reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2)
+            n = heads[proj]
+            tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

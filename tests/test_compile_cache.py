@@ -33,6 +33,7 @@ from jaxserve.compile_cache import (
 from jaxserve.config import EngineConfig
 from jaxserve.engine import DEFAULT_CPU_KV_BLOCKS, LLMEngine, engine_bucket_grid
 from jaxserve.entrypoints.cli import build_parser
+from jaxserve.parallel import make_mesh
 from jaxserve.precompile import abstract_params
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.weights import load_config, load_model
@@ -73,8 +74,10 @@ def no_persistent_cache_after_test():
     disable_persistent_cache()
 
 
-def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+def _run(args: list[str], timeout: int = 600, devices: int = 1) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAXSERVE_LOGGING_LEVEL": "WARNING"}
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     result = subprocess.run(
         [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -100,7 +103,8 @@ from jaxserve.compile_cache import compile_counts
 before = compile_counts()
 from jaxserve import LLM, SamplingParams
 model, buckets, cache, strict = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "strict"
-llm = LLM(model, buckets=buckets, compile_cache_dir=cache, strict_no_compile=strict)
+tp = int(sys.argv[7])
+llm = LLM(model, buckets=buckets, compile_cache_dir=cache, strict_no_compile=strict, tensor_parallel_size=tp)
 params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[6]), ignore_eos=True)
 out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[5])}], params, use_tqdm=False)[0]
 counts = compile_counts() - before
@@ -116,9 +120,9 @@ print(json.dumps({
 """
 
 
-def _probe_engine(model_dir, bucket_file, cache, mode: str) -> dict:
+def _probe_engine(model_dir, bucket_file, cache, mode: str, tensor_parallel_size: int = 1) -> dict:
     args = [str(model_dir), str(bucket_file), str(cache), mode, json.dumps(PROMPT), str(NEW_TOKENS)]
-    result = _run(["-c", ENGINE_PROBE, *args])
+    result = _run(["-c", ENGINE_PROBE, *args, str(tensor_parallel_size)], devices=tensor_parallel_size)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -151,7 +155,7 @@ def test_precompile_compiles_every_bucket_fresh_and_records_the_manifest(precomp
     assert manifest.jax_version == jax.__version__
     assert manifest.engine_limits == {
         "block_size": 16, "num_kv_blocks": DEFAULT_CPU_KV_BLOCKS, "max_model_len": 64, "max_num_seqs": 2,
-        "max_num_batched_tokens": 16, "attention_backend": "reference",
+        "max_num_batched_tokens": 16, "attention_backend": "reference", "tensor_parallel_size": 1,
     }
     assert manifest.info["num_executables"] == 3 and manifest.info["written_by"] == "precompile"
 
@@ -186,6 +190,22 @@ def test_changed_bucket_file_is_reported_and_only_new_buckets_compile(precompile
     assert [m.info["written_by"] for m in read_manifests(cache)] == ["precompile", "engine warm-up"]
 
 
+def test_tensor_parallel_precompile_starts_with_zero_fresh_compiles(model_dir, bucket_file, tmp_path):
+    """Two virtual CPU devices: the abstract params and pool carry the engine's shardings."""
+    cache = tmp_path / "cache"
+    result = _run([
+        "scripts/precompile.py", "--model", str(model_dir), "--buckets", str(bucket_file),
+        "--compile-cache-dir", str(cache), "--no-progress", "--tensor-parallel-size", "2",
+    ], devices=2)
+    assert ": 0 from the compile cache, 3 compiled fresh" in result.stdout
+    (manifest,) = read_manifests(cache)
+    assert manifest.engine_limits["tensor_parallel_size"] == 2
+    probe = _probe_engine(model_dir, bucket_file, cache, "strict", tensor_parallel_size=2)
+    assert probe["state"] == "match" and (probe["hits"], probe["fresh"]) == (3, 0)
+    assert (probe["backend_compiles"], probe["cache_hits"], probe["cache_writes"]) == (5, 5, 0)
+    assert probe["tokens"] == _hf_greedy(model_dir, PROMPT, NEW_TOKENS)
+
+
 # -- the manifest -----------------------------------------------------------------------------------
 
 
@@ -193,7 +213,7 @@ def _manifest(model_dir, bucket_file, **engine_kwargs) -> CacheManifest:
     config = EngineConfig(model=str(model_dir), buckets=str(bucket_file), **engine_kwargs)
     model_config = load_config(Path(model_dir))
     params = abstract_params(model_config, config.dtype)
-    grid = engine_bucket_grid(config, model_config, params, "cpu")
+    grid = engine_bucket_grid(config, model_config, params, "cpu", make_mesh(1))
     return CacheManifest.current(model_config, config.dtype, grid, "reference")
 
 

@@ -12,8 +12,10 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.entrypoints.cli import chat_prompt_ids
 from jaxserve.weights import embedded_model_path
 
-CHATS = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "chat_questions.jsonl"
+WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
+CHATS = WORKLOADS / "chat_questions.jsonl"
 NEW_TOKENS = 32
+BATCHING_TOKENS = 8  # outputs of the batching test are capped so that 32 requests also run alone quickly
 
 
 def _chats() -> list[list[dict]]:
@@ -34,7 +36,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=512, max_num_seqs=8)
+    return LLM(max_model_len=1024, max_num_seqs=32)
 
 
 def _hf_greedy(model, prompt_ids: list[int], eos_ids: set[int]) -> tuple[list[int], list[np.ndarray]]:
@@ -77,6 +79,29 @@ def test_greedy_tokens_match_transformers_on_every_chat(llm, hf_model):
         top2 = np.sort(logits[first])[-2:]
         assert top2[1] - top2[0] < 1e-3, (first, ours, expected)
     assert num_exact >= 30
+
+
+def _text_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    """Prompts of exactly the given lengths, cut from the chats' text (real text, not random ids)."""
+    text = " ".join(m["content"] for msgs in _chats() for m in msgs)
+    ids = tokenizer(text).input_ids
+    ids = ids * (max(lengths) // len(ids) + 2)
+    return [ids[i * 7 : i * 7 + n] for i, n in enumerate(lengths)]
+
+
+def test_continuous_batching_changes_no_token(llm):
+    rows = [json.loads(line) for line in (WORKLOADS / "mixed_lengths.jsonl").read_text().splitlines()[:32]]
+    prompts = _text_prompts(llm.get_tokenizer(), [r["prompt_len"] for r in rows])
+    assert [len(p) for p in prompts] == [r["prompt_len"] for r in rows]
+    params = [SamplingParams(temperature=0.0, max_tokens=min(r["output_len"], BATCHING_TOKENS), ignore_eos=True)
+              for r in rows]
+    alone = [llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0].outputs[0].token_ids
+             for p, sp in zip(prompts, params, strict=True)]
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batched] == alone
+    assert [len(t) for t in alone] == [sp.max_tokens for sp in params]
+    engine = llm.llm_engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_generate_returns_vllm_shaped_outputs(llm):

@@ -12,7 +12,9 @@ import sys
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: embedded)")
+    parser.add_argument(
+        "--model", default=None, help="HF directory, .gguf file, orbax checkpoint dir or hub id (default: embedded)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
@@ -23,6 +25,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--buckets", default=None, help="bucket file path or name (cpu, gpu, tpu)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="devices (of all hosts) that hold one engine, split by attention heads")
+    parser.add_argument("--distributed-init", action="store_true",
+                        help="join a multi-host run with jax.distributed.initialize (or JAXSERVE_DISTRIBUTED_INIT=1)")
+    parser.add_argument("--coordinator-address", default=None,
+                        help="host:port of process 0 (or JAXSERVE_COORDINATOR_ADDRESS; auto-detected on TPU pods)")
+    parser.add_argument("--num-processes", type=int, default=None, help="or JAXSERVE_NUM_PROCESSES")
+    parser.add_argument("--process-id", type=int, default=None, help="or JAXSERVE_PROCESS_ID")
     parser.add_argument(
         "--compile-cache-dir", default=None,
         help="JAX persistent compilation cache: warm-up loads executables from it and stores new ones",
@@ -57,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     names = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-             "gpu_memory_utilization", "buckets", "attention_backend", "seed", "compile_cache_dir",
+             "gpu_memory_utilization", "buckets", "attention_backend", "seed", "tensor_parallel_size",
+             "distributed_init", "coordinator_address", "num_processes", "process_id", "compile_cache_dir",
              "strict_no_compile")
     return {name: getattr(args, name) for name in names}
 

@@ -1,9 +1,17 @@
-"""Model families by architecture name. Every supported architecture maps to a Flax module class."""
+"""Model families by architecture name. Every supported architecture maps to a Flax module class whose
+constructor is `(config, dtype, attention_backend, mesh)`."""
 
-from jaxserve.config import SUPPORTED_ARCHITECTURES
+from jaxserve.models.gpt2 import GPT2LMHeadModel
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.opt import OPTForCausalLM
 
-MODEL_REGISTRY = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+}
 
 
 def get_model_class(architecture: str):

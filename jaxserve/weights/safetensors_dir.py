@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.weights.convert import hf_param_names, params_from_hf
+from jaxserve.weights.convert import hf_name_alternatives, hf_param_names, params_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -42,16 +42,19 @@ def load_safetensors_dir(model_dir: Path, config: ModelConfig, dtype: str) -> di
     from safetensors import safe_open
 
     files = _tensor_files(model_dir)
-    missing = [n for n in hf_param_names(config) if n not in files]
+    stored = {}  # our Hugging Face name -> the name in the files (hub checkpoints may omit a prefix)
+    for name in hf_param_names(config):
+        stored[name] = next((n for n in hf_name_alternatives(name, config) if n in files), None)
+    missing = [name for name, found in stored.items() if found is None]
     if missing:
         raise ValueError(f"model directory {model_dir} lacks tensors: {', '.join(missing[:5])}")
     handles = {}
 
     def get(name: str) -> np.ndarray:
-        file = files[name]
+        file = files[stored[name]]
         if file not in handles:
             handles[file] = safe_open(file, framework="numpy")
-        return _to_numpy(handles[file], name)
+        return _to_numpy(handles[file], stored[name])
 
     return params_from_hf(get, config, dtype)
 
