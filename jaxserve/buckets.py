@@ -21,7 +21,10 @@ import dataclasses
 import importlib.resources
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 try:
     import tomllib
@@ -162,23 +165,20 @@ def _check_context_multiple(source: str, context_lengths: tuple[int, ...], block
 # -- finding spec files -----------------------------------------------------------------------------
 
 
-def _bucket_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "buckets"
+def _shipped_dir() -> Traversable:
+    """The shipped spec files: package data (``jaxserve/_buckets``, also reachable as ``<repo>/buckets``)."""
+    return importlib.resources.files("jaxserve") / "_buckets"
 
 
 def available_bucket_specs() -> list[str]:
-    names = {p.stem for p in _bucket_dir().glob("*.toml")}
-    packaged = importlib.resources.files("jaxserve") / "_buckets"
-    if packaged.is_dir():
-        names |= {p.name[: -len(".toml")] for p in packaged.iterdir() if p.name.endswith(".toml")}
-    return sorted(names)
+    return sorted(p.name[: -len(".toml")] for p in _shipped_dir().iterdir() if p.name.endswith(".toml"))
 
 
 def load_bucket_spec(path_or_name: str | Path | None, platform: str = "cpu") -> BucketSpec:
-    """None -> the platform's shipped spec; ``"cpu"`` -> ``buckets/cpu.toml``; a path -> that file.
+    """None -> the platform's shipped spec; ``"cpu"`` -> the shipped ``cpu.toml``; a path -> that file.
 
-    Shipped specs are looked up in ``<repo>/buckets`` first, then in the installed package's
-    ``jaxserve/_buckets``.
+    Shipped specs are package data in ``jaxserve/_buckets`` (``<repo>/buckets`` links there), so an
+    installed wheel finds them as a checkout does.
     """
     name = str(path_or_name) if path_or_name is not None else PLATFORM_ALIASES.get(platform, platform)
     if name.endswith(".toml") or "/" in name or "\\" in name:
@@ -186,12 +186,9 @@ def load_bucket_spec(path_or_name: str | Path | None, platform: str = "cpu") -> 
         if not path.is_file():
             raise FileNotFoundError(f"bucket spec file {name} does not exist")
         return BucketSpec.from_toml(path)
-    path = _bucket_dir() / f"{name}.toml"
-    if path.is_file():
-        return BucketSpec.from_toml(path)
-    packaged = importlib.resources.files("jaxserve") / "_buckets" / f"{name}.toml"
-    if packaged.is_file():
-        return BucketSpec.from_toml_text(packaged.read_text(), source=f"jaxserve/_buckets/{name}.toml")
+    shipped = _shipped_dir() / f"{name}.toml"
+    if shipped.is_file():
+        return BucketSpec.from_toml_text(shipped.read_text(), source=str(shipped))
     raise ValueError(
         f"unknown bucket spec {name!r}: pass a .toml path or one of {', '.join(available_bucket_specs())}"
     )

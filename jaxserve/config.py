@@ -8,6 +8,7 @@ so that a bad value fails where it is given, with a message naming it.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {
@@ -204,8 +205,8 @@ class EngineConfig:
     bucket, `block_size` from the bucket file, and `num_kv_blocks` from the memory budget.
     `tensor_parallel_size` devices (of all hosts, after `distributed_init`) hold one engine, its weights and
     KV pool split by attention heads (see `jaxserve.parallel` and `jaxserve.distributed`).
-    `compile_cache_dir` turns on JAX's persistent compilation cache there, so a restart reuses the
-    buckets' executables instead of compiling them again.
+    `compile_cache_dir` (None: no persistent cache) is where warm-up loads and stores executables;
+    `strict_no_compile` turns a compilation after warm-up into a RuntimeError (vLLM TPU's check).
     """
 
     model: str | None = None
@@ -226,7 +227,8 @@ class EngineConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
-    compile_cache_dir: str | None = None  # JAX persistent compilation cache
+    compile_cache_dir: str | None = None  # JAX persistent compilation cache (see jaxserve/compile_cache.py)
+    strict_no_compile: bool = False  # raise if anything compiles after warm-up
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
 
     def __post_init__(self) -> None:
@@ -242,3 +244,9 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.compile_cache_dir is not None:
+            if not isinstance(self.compile_cache_dir, str | os.PathLike) or not str(self.compile_cache_dir):
+                raise ValueError(f"compile_cache_dir must be a directory path, got {self.compile_cache_dir!r}")
+            object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
+        if not isinstance(self.strict_no_compile, bool):
+            raise ValueError(f"strict_no_compile must be True or False, got {self.strict_no_compile!r}")

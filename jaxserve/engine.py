@@ -16,19 +16,27 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve.beam_search import BeamSearchGroup
 from jaxserve.block_manager import BlockManager, kv_bytes_per_block, num_blocks_from_budget
 from jaxserve.buckets import BucketGrid, load_bucket_spec
-from jaxserve.config import EngineConfig
+from jaxserve.compile_cache import (
+    CacheManifest,
+    CompileCounts,
+    check_manifest,
+    enable_persistent_cache,
+    record_manifest,
+    thread_compile_counts,
+)
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.distributed import distributed_init_requested, initialize_distributed
 from jaxserve.logger import init_logger
 from jaxserve.logprobs import TokenTexts
-from jaxserve.model_runner import ModelRunner, StepInputs, StepOutput, enable_compilation_cache, step_shape
+from jaxserve.model_runner import ModelRunner, StepInputs, StepOutput, step_shape
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel import engine_mesh, per_device_bytes
 from jaxserve.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
@@ -45,6 +53,7 @@ from jaxserve.sequence_group import (
     SampledToken,
     SamplingGroup,
 )
+from jaxserve.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets
 from jaxserve.weights import LoadedModel, load_model
 
 logger = init_logger("jaxserve.engine")
@@ -76,6 +85,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_compiles_after_warm_up: int = 0  # executables built while serving: should stay 0
 
     @property
     def padding_waste(self) -> float:
@@ -83,23 +93,72 @@ class EngineStats:
         return self.num_padded_tokens / max(self.num_real_tokens, 1)
 
 
+def engine_bucket_grid(
+    config: EngineConfig, model_config: ModelConfig, params, platform: str, mesh: Mesh
+) -> BucketGrid:
+    """The bucket grid (with block size and KV-pool size) an engine with ``config`` runs on.
+
+    ``params`` (arrays or ``ShapeDtypeStruct``s) only count towards the memory budget off CPU. The
+    precompile command calls this too, so that it compiles exactly the engine's executables.
+    """
+    spec = load_bucket_spec(config.buckets, platform)
+    block_size = config.block_size or spec.block_size
+    num_blocks = _num_kv_blocks(config, model_config, params, block_size, platform, mesh)
+    max_model_len = config.max_model_len or min(model_config.max_position_embeddings, max(spec.context_lengths))
+    grid = BucketGrid(
+        spec, block_size=block_size, max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs or max(spec.decode_batch_sizes),
+        max_num_batched_tokens=config.max_num_batched_tokens
+        or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths),
+        num_blocks=num_blocks,
+    )
+    grid.check_max_model_len(max_model_len)
+    return grid
+
+
+def runner_sampling_options(config: EngineConfig, grid: BucketGrid) -> dict:
+    """The ModelRunner's sampler sizes (one slot per possible running sequence, K = max_logprobs): the
+    engine and the precompile command pass the same, so they build the same executables."""
+    return {"num_sampler_slots": grid.max_num_seqs, "num_logprobs": config.max_logprobs}
+
+
+def _num_kv_blocks(
+    config: EngineConfig, model_config: ModelConfig, params, block_size: int, platform: str, mesh: Mesh
+) -> int:
+    bytes_per_block = kv_bytes_per_block(
+        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
+        head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(config.dtype).itemsize,
+    )
+    budget = None
+    if platform != "cpu" and config.num_kv_blocks is None:  # per device: pool and weights are split
+        stats = jax.local_devices()[0].memory_stats() or {}
+        weights = per_device_bytes(params, mesh)
+        limit = stats.get("bytes_limit", 0) * config.gpu_memory_utilization
+        spec = load_bucket_spec(config.buckets, platform)
+        num_slots = config.max_num_seqs or max(spec.decode_batch_sizes)
+        sampler_state = slot_state_bytes(num_slots, model_config.vocab_size)  # replicated on every device
+        budget = int(limit - stats.get("bytes_in_use", 0) - weights - sampler_state)
+    return num_blocks_from_budget(
+        bytes_per_block // mesh.size, num_kv_blocks=config.num_kv_blocks,
+        memory_budget_bytes=budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS,
+    )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, warm_up: bool = True):
         self.config = config
-        if config.compile_cache_dir is not None:
-            enable_compilation_cache(config.compile_cache_dir)
         if distributed_init_requested(config.distributed_init):
             initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
+        if config.compile_cache_dir is not None:  # before anything compiles, so every executable is cached
+            enable_persistent_cache(config.compile_cache_dir)
         self.mesh = engine_mesh(config.tensor_parallel_size)
         loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh)
         self.model_config = loaded.config
+        self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
-        platform = jax.default_backend()
-        spec = load_bucket_spec(config.buckets, platform)
-        self.block_size = config.block_size or spec.block_size
-        num_blocks = self._num_kv_blocks(loaded, platform)
+        self.grid = engine_bucket_grid(config, loaded.config, loaded.params, jax.default_backend(), self.mesh)
+        self.block_size, num_blocks = self.grid.block_size, self.grid.num_blocks
         self.block_manager = BlockManager(num_blocks, self.block_size)
-        self.grid = self._bucket_grid(spec, num_blocks)
         self.max_model_len = self.grid.max_model_len
         self.scheduler = Scheduler(
             self.block_manager, self.grid,
@@ -109,13 +168,14 @@ class LLMEngine:
         self.runner = ModelRunner(
             loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
             num_blocks=num_blocks, max_rows=self.grid.max_batch_size, attention_backend=config.attention_backend,
-            mesh=self.mesh, num_sampler_slots=self.grid.max_num_seqs, num_logprobs=config.max_logprobs,
+            mesh=self.mesh, **runner_sampling_options(config, self.grid),
         )
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = config.async_scheduling
         self._num_sync_groups = 0  # requests that need each step's results before the next is planned
         self.requests: dict[str, RequestGroup] = {}
         self.stats = EngineStats()
+        self.warm_up_report: WarmUpReport | None = None
         self._rng = random.Random(config.seed)
         self.eos_token_ids = set(loaded.config.eos_token_id)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -134,50 +194,27 @@ class LLMEngine:
             self.warm_up()
 
     # ----- construction -------------------------------------------------------------------------
-    def _num_kv_blocks(self, loaded: LoadedModel, platform: str) -> int:
-        cfg = loaded.config
-        bytes_per_block = kv_bytes_per_block(
-            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, block_size=self.block_size,
-            head_dim=cfg.head_dim, dtype_bytes=jax.numpy.dtype(self.config.dtype).itemsize,
-        )
-        budget = None
-        if platform != "cpu" and self.config.num_kv_blocks is None:  # per device: pool and weights are split
-            stats = jax.local_devices()[0].memory_stats() or {}
-            weights = per_device_bytes(loaded.params, self.mesh)
-            limit = stats.get("bytes_limit", 0) * self.config.gpu_memory_utilization
-            spec = load_bucket_spec(self.config.buckets, platform)
-            num_slots = self.config.max_num_seqs or max(spec.decode_batch_sizes)
-            sampler_state = slot_state_bytes(num_slots, cfg.vocab_size)  # replicated on every device
-            budget = int(limit - stats.get("bytes_in_use", 0) - weights - sampler_state)
-        return num_blocks_from_budget(
-            bytes_per_block // self.mesh.size, num_kv_blocks=self.config.num_kv_blocks,
-            memory_budget_bytes=budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS,
-        )
-
-    def _bucket_grid(self, spec, num_blocks: int) -> BucketGrid:
-        max_model_len = self.config.max_model_len or min(
-            self.model_config.max_position_embeddings, max(spec.context_lengths)
-        )
-        grid = BucketGrid(
-            spec, block_size=self.block_size, max_model_len=max_model_len,
-            max_num_seqs=self.config.max_num_seqs or max(spec.decode_batch_sizes),
-            max_num_batched_tokens=self.config.max_num_batched_tokens
-            or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths),
-            num_blocks=num_blocks,
-        )
-        grid.check_max_model_len(max_model_len)
-        return grid
-
-    def warm_up(self) -> None:
-        """Compiles every feasible bucket; after this nothing compiles while serving."""
+    def warm_up(self, num_threads: int = DEFAULT_COMPILE_THREADS) -> WarmUpReport:
+        """Compiles (or loads from the compile cache) every feasible bucket and the fork executables;
+        after this nothing compiles."""
         logger.info("%s", self.grid.format_table())
-        start = time.perf_counter()
+        cache_dir = check = manifest = None
+        if self.config.compile_cache_dir is not None:
+            cache_dir = enable_persistent_cache(self.config.compile_cache_dir)
+            manifest = CacheManifest.current(
+                self.model_config, self.config.dtype, self.grid, self.runner.backend.name, self.mesh.size,
+                max_logprobs=self.config.max_logprobs, model=str(self.model_path), written_by="engine warm-up",
+            )
+            check = check_manifest(cache_dir, manifest)
+            (logger.info if check.state in ("match", "empty") else logger.warning)("%s", check.describe())
+        self.runner.compile_helpers()
         buckets = [*self.grid.prefill_buckets, *self.grid.decode_buckets]
-        self.runner.warm_up(buckets)
-        logger.info(
-            "warmed up %d buckets (%d executables) in %.1fs", len(buckets),
-            len(self.runner.executables), time.perf_counter() - start,
-        )
+        report = compile_buckets(self.runner, buckets, num_threads=num_threads, cache_dir=cache_dir, cache_check=check)
+        if manifest is not None and not check.ok:
+            record_manifest(cache_dir, manifest)  # every bucket of this configuration is in the cache now
+        logger.info("warm-up: %s", report.summary())
+        self.warm_up_report = report
+        return report
 
     # ----- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
@@ -251,6 +288,20 @@ class LLMEngine:
             self._in_flight = None
         return outputs
 
+    def _check_no_compile(self, before: CompileCounts, schedule: Schedule) -> None:
+        """Counts executables built during a step (a bug: warm-up covers every bucket); strict mode raises."""
+        num_compiles = (thread_compile_counts() - before).backend_compiles
+        if not num_compiles:
+            return
+        self.stats.num_compiles_after_warm_up += num_compiles
+        message = (
+            f"{num_compiles} XLA compilation(s) after warm-up, during a step on bucket {schedule.bucket}: "
+            "warm-up did not cover this shape"
+        )
+        if self.config.strict_no_compile:
+            raise RuntimeError(f"strict_no_compile: {message}")
+        logger.warning("%s", message)
+
     def _finish_ignored(self, ignored: list[Sequence]) -> list[RequestOutput]:
         """Sequences the scheduler could never run (they reached max_model_len) end with "length"."""
         groups = {}
@@ -267,7 +318,9 @@ class LLMEngine:
         self._sync_device_state(rows)
         inputs = self._prepare_inputs(schedule, rows)
         prev = self._in_flight.output.tokens if self._in_flight is not None else None
+        compiles_before = thread_compile_counts()
         output = self.runner.execute(schedule.bucket, inputs, prev)
+        self._check_no_compile(compiles_before, schedule)
         flags = inputs.sampling.ints[:, _FLAGS]
         step = InFlightStep(output, flags, [], [], {})
         launched: dict[str, RequestGroup] = {}

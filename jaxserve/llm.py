@@ -1,9 +1,10 @@
 """LLM: the offline Python API (vLLM's names and defaults) on top of LLMEngine.
 
-`LLM(...)` loads the model and warms up every bucket; `generate` adds all prompts, steps the engine
-until they finish (a tqdm bar counts finished requests) and returns RequestOutputs in input order.
-`chat` renders conversations through the chat template and generates; `beam_search` runs beam search
-requests (beams share KV blocks inside the engine) and returns BeamSearchOutputs.
+`LLM(...)` loads the model and warms up every bucket (from `compile_cache_dir` when given); `generate`
+adds all prompts, steps the engine until they finish (a tqdm bar counts finished requests) and returns
+RequestOutputs in input order. `chat` renders conversations through the chat template and generates;
+`beam_search` runs beam search requests (beams share KV blocks inside the engine) and returns
+BeamSearchOutputs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class LLM:
         seed: int = 0,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
+        compile_cache_dir: str | None = None,
+        strict_no_compile: bool = False,
         **engine_kwargs,
     ):
         config = EngineConfig(
@@ -46,7 +49,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             buckets=buckets, seed=seed, attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size, **engine_kwargs,
+            tensor_parallel_size=tensor_parallel_size, compile_cache_dir=compile_cache_dir,
+            strict_no_compile=strict_no_compile, **engine_kwargs,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

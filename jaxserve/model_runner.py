@@ -18,8 +18,9 @@ in-sharding, so warm-up and serving agree and the donated buffers stay in place.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import time
-from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,14 @@ from jaxserve.attention import AttentionMetadata, get_attention_backend
 from jaxserve.config import ModelConfig
 from jaxserve.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
 from jaxserve.models import get_model_class
-from jaxserve.parallel import check_tensor_parallel, kv_pool_sharding, make_mesh, replicated, shard_params
+from jaxserve.parallel import (
+    check_tensor_parallel,
+    kv_pool_sharding,
+    make_mesh,
+    param_shardings,
+    replicated,
+    shard_params,
+)
 from jaxserve.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sample
 from jaxserve.sampler_state import SlotState, copy_slots, update_token_counts, write_slot
 
@@ -94,16 +102,20 @@ def _count_backend_compile(event: str, duration: float, **_) -> None:
 jax.monitoring.register_event_duration_secs_listener(_count_backend_compile)
 
 
-def enable_compilation_cache(cache_dir: str) -> None:
-    """JAX's persistent compilation cache in `cache_dir`, for every executable however fast it compiled."""
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def num_backend_compiles() -> int:
     """Every XLA compilation in this process so far (ours or anyone's): "no compile after warm-up" checks."""
     return _backend_compiles
+
+
+@functools.cache
+def _zeros_program(struct: jax.ShapeDtypeStruct):
+    """A program that allocates a zeroed array with ``struct``'s shape, dtype and sharding on the device(s):
+    one named program, so precompile can put it in the persistent cache."""
+
+    def zeros() -> jax.Array:
+        return jnp.zeros(struct.shape, struct.dtype)
+
+    return jax.jit(zeros, out_shardings=struct.sharding)
 
 
 class ModelRunner:
@@ -118,9 +130,13 @@ class ModelRunner:
         max_rows: int,
         attention_backend: str = "auto",
         mesh: jax.sharding.Mesh | None = None,
+        abstract: bool = False,
         num_sampler_slots: int = 1,
         num_logprobs: int = 20,
     ):
+        """``abstract=True``: ``params`` are ``ShapeDtypeStruct``s and no KV pool (nor sampler state) is
+        allocated; such a runner only compiles (precompilation into the persistent cache needs no device
+        memory)."""
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
@@ -130,25 +146,55 @@ class ModelRunner:
         check_tensor_parallel(config, self.mesh.size)
         model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
         self.model = get_model_class(config.architecture)(config, self.dtype, self.backend, model_mesh)
-        self.params = shard_params(params, self.mesh)
-        self.kv_pool = self._allocate_pool()
+        if abstract:
+            self.params = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                param_shardings(params, self.mesh),
+            )
+        else:
+            self.params = shard_params(params, self.mesh)
+        self.kv_pool = self._abstract_pool() if abstract else self._allocate_pool()
         self.max_rows = max_rows  # every step returns its tokens padded to this many rows
-        self.no_tokens = jax.jit(lambda: jnp.zeros(max_rows, jnp.int32), out_shardings=replicated(self.mesh))()
-        self.slot_state = jax.jit(lambda: SlotState.zeros(num_sampler_slots, config.vocab_size),
-                                  out_shardings=replicated(self.mesh))()
+        self.no_tokens = self._no_tokens_struct() if abstract else _zeros_program(self._no_tokens_struct())()
+        self.num_sampler_slots = num_sampler_slots
+        self.slot_state = self._abstract_slot_state()
+        if not abstract:
+            self.slot_state = jax.tree.map(lambda spec: _zeros_program(spec)(), self.slot_state)
         self.num_logprobs = max(num_logprobs, 1)  # K of the step's top-K logprobs (a static shape)
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0
+        self._compile_lock = threading.Lock()  # warm-up compiles buckets from several threads
         self._copy_executable = None
         self._write_slot_executable = None
 
-    def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
+    def _abstract_pool(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         cfg = self.config
         shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=kv_pool_sharding(self.mesh))
+        pool = jax.ShapeDtypeStruct(shape, self.dtype, sharding=kv_pool_sharding(self.mesh))
+        return pool, pool
+
+    def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
+        zeros = _zeros_program(self._abstract_pool()[0])
         return zeros(), zeros()
+
+    def _no_tokens_struct(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=replicated(self.mesh))
+
+    def _abstract_slot_state(self) -> SlotState:
+        """The sampler state's structs, replicated on the mesh (every device samples the same rows)."""
+        abstract = SlotState.abstract(self.num_sampler_slots, self.config.vocab_size)
+        rep = replicated(self.mesh)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), abstract)
+
+    def compile_allocations(self) -> None:
+        """Compiles the programs that allocate the pool, `no_tokens` and the sampler state, and the fork
+        executables (so precompile caches them too: then an engine's start compiles nothing)."""
+        structs = [self._abstract_pool()[0], self._no_tokens_struct(), *jax.tree.leaves(self._abstract_slot_state())]
+        for spec in dict.fromkeys(structs):
+            _zeros_program(spec).lower().compile()
+        self.compile_helpers()
 
     def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
               feed_cols):
@@ -195,22 +241,25 @@ class ModelRunner:
         )
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
-        """Compiles (once) the executable for one step shape."""
+        """Compiles (once) the executable for one step shape. Thread-safe for different shapes."""
         if shape not in self.executables:
             rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
             step = jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep))
-            self.executables[shape] = self._compile(step, self._abstract_inputs(shape))
+            executable = self._compile(step, self._abstract_inputs(shape))
+            with self._compile_lock:
+                self.executables[shape] = executable
         return self.executables[shape]
 
     def _compile(self, jitted, abstract_args) -> jax.stages.Compiled:
         start = time.perf_counter()
         compiled = jitted.lower(*abstract_args).compile()
-        self.compile_seconds += time.perf_counter() - start
-        self.num_compiles += 1
+        with self._compile_lock:
+            self.compile_seconds += time.perf_counter() - start
+            self.num_compiles += 1
         return compiled
 
-    def _compile_helpers(self) -> None:
-        """The fork executables: copy_blocks and write_slot (once)."""
+    def compile_helpers(self) -> None:
+        """The fork executables, copy_blocks and write_slot (once; warm-up builds them with the buckets)."""
         if self._copy_executable is not None:
             return
         m, vocab = self.max_copies, self.config.vocab_size
@@ -225,11 +274,6 @@ class ModelRunner:
             jax.jit(write_slot, donate_argnums=(0,), out_shardings=rep),
             (_abstract(self.slot_state), sds((), jnp.int32), sds((vocab,), jnp.float32), sds((vocab,), jnp.bool_)),
         )
-
-    def warm_up(self, buckets: Iterable) -> None:
-        self._compile_helpers()
-        for bucket in buckets:
-            self.compile(step_shape(bucket, self.block_size))
 
     def execute(self, bucket, inputs: StepInputs, prev_tokens: jax.Array | None = None) -> StepOutput:
         """Dispatches one step without waiting for it; returns its StepOutput as device arrays.
@@ -253,7 +297,7 @@ class ModelRunner:
 
     def copy_blocks(self, block_copies: list[tuple[int, int]], slot_copies: list[tuple[int, int]]) -> None:
         """Applies copy-on-write pairs (src, dst) of KV blocks and sampler slots before the next step."""
-        self._compile_helpers()
+        self.compile_helpers()
         m = self.max_copies
         for i in range(0, max(len(block_copies), len(slot_copies)), m):
             blocks, slots = block_copies[i : i + m], slot_copies[i : i + m]
@@ -265,7 +309,7 @@ class ModelRunner:
 
     def write_slot(self, slot: int, logit_bias: np.ndarray, min_tokens_mask: np.ndarray) -> None:
         """Sets a sampler slot's logit_bias f32[V] and min_tokens mask bool[V] rows."""
-        self._compile_helpers()
+        self.compile_helpers()
         self.slot_state = self._write_slot_executable(
             self.slot_state, np.int32(slot), logit_bias.astype(np.float32), min_tokens_mask.astype(bool)
         )

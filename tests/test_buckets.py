@@ -127,7 +127,8 @@ def test_invalid_toml_names_the_file():
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
 def test_shipped_specs_load_and_build(platform):
     spec = load_bucket_spec(None, platform)
-    assert Path(spec.source) == REPO / "buckets" / f"{platform}.toml"
+    assert Path(spec.source) == REPO / "jaxserve" / "_buckets" / f"{platform}.toml"
+    assert spec == load_bucket_spec(str(REPO / "buckets" / f"{platform}.toml"), "cpu")  # the repo-root link
     assert spec == load_bucket_spec(platform, "cpu")
     assert spec.block_size is not None
     grid = BucketGrid(

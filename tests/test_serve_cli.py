@@ -41,7 +41,8 @@ def test_serve_flags_become_the_engine_config(monkeypatch):
             "--gpu-memory-utilization", "0.5", "--buckets", "gpu", "--seed", "3", "--attention-backend", "pallas",
             "--waiting-served-ratio", "1.5", "--max-logprobs", "5", "--compile-cache-dir", "/tmp/cc",
             "--no-async-scheduling", "-tp", "2", "--distributed-init", "--coordinator-address", "h:1",
-            "--num-processes", "2", "--process-id", "1", "--host", "127.0.0.1", "--port", "9000", "--api-key", "k"]
+            "--num-processes", "2", "--process-id", "1", "--strict-no-compile", "--host", "127.0.0.1",
+            "--port", "9000", "--api-key", "k"]
     assert cli.main(argv) == 0
     args = seen["args"]
     assert engine_config_from_args(args) == EngineConfig(
@@ -49,7 +50,7 @@ def test_serve_flags_become_the_engine_config(monkeypatch):
         block_size=32, num_kv_blocks=64, gpu_memory_utilization=0.5, buckets="gpu", seed=3,
         attention_backend="pallas", waiting_served_ratio=1.5, max_logprobs=5, compile_cache_dir="/tmp/cc",
         async_scheduling=False, tensor_parallel_size=2, distributed_init=True, coordinator_address="h:1",
-        num_processes=2, process_id=1,
+        num_processes=2, process_id=1, strict_no_compile=True,
     )
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 9000, "k")
     defaults = cli.build_parser().parse_args(["serve"])

@@ -124,3 +124,22 @@ def test_embedded_model_config():
     cfg = load_config(embedded_model_path())
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 9, 3, 49152)
     assert cfg.tie_word_embeddings and cfg.head_dim == 64
+
+
+def test_gguf_tokenizer_is_converted_once_then_loaded_from_the_cache(tmp_path, monkeypatch):
+    from jaxserve.weights import embedded_model_path, load_tokenizer, tokenizer_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = embedded_model_path()
+    cached = tokenizer_cache_dir(path)
+    assert cached.parent == tmp_path / "jaxserve" / "tokenizers" and not cached.exists()
+    converted = load_tokenizer(path)
+    assert (cached / "tokenizer_config.json").is_file()
+    reloaded = load_tokenizer(path)
+    text = "Hello, world! Ünïcödé and  spaces\n<|im_start|>user"
+    assert reloaded(text).input_ids == converted(text).input_ids
+    messages = [{"role": "user", "content": "Hi"}]
+    assert reloaded.apply_chat_template(messages, tokenize=False) == converted.apply_chat_template(
+        messages, tokenize=False
+    )
+    assert (reloaded.eos_token_id, reloaded.bos_token_id) == (converted.eos_token_id, converted.bos_token_id)

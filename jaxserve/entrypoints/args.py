@@ -30,7 +30,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "coordinator_address": (str, "host:port of process 0 (or JAXSERVE_COORDINATOR_ADDRESS; auto on TPU pods)"),
     "num_processes": (int, "or JAXSERVE_NUM_PROCESSES"),
     "process_id": (int, "or JAXSERVE_PROCESS_ID"),
-    "compile_cache_dir": (str, "JAX persistent compilation cache directory (fast restarts)"),
+    "compile_cache_dir": (str, "JAX persistent compilation cache: warm-up loads executables from it and stores "
+                          "new ones (`jaxserve precompile` fills it)"),
+    "strict_no_compile": (bool, "fail if anything compiles after warm-up"),
 }
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's
 

@@ -4,6 +4,8 @@
   serves the embedded SmolLM2-135M-Instruct.
 - `jaxserve generate "prompt"` prints a greedy completion; a chat model's template is applied unless
   `--no-chat-template` is given.
+- `jaxserve precompile` compiles every bucket into the persistent compilation cache
+  (`scripts/precompile.py` runs the same); start the engine with the same flags and `--compile-cache-dir`.
 
 Engine flags map one to one onto EngineConfig fields (`args.py`).
 """
@@ -13,7 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxserve.entrypoints.args import ENGINE_FLAGS, add_engine_args, add_server_args, model_from_args
+from jaxserve.entrypoints.args import (
+    ENGINE_FLAGS,
+    add_engine_args,
+    add_server_args,
+    engine_config_from_args,
+    model_from_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +36,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     add_engine_args(gen)
     gen.set_defaults(max_model_len=2048)  # one prompt: a smaller bucket grid warms up faster
+    pre = commands.add_parser(
+        "precompile", help="compile every bucket into the persistent compilation cache",
+        description="Compiles every feasible bucket of the engine configuration given by the engine flags "
+        "into --compile-cache-dir (default ~/.cache/jaxserve/compile_cache, under $XDG_CACHE_HOME if set) "
+        "and records a manifest there. Start the engine with the same flags and --compile-cache-dir.",
+    )
+    add_engine_args(pre)
+    pre.add_argument(
+        "--num-threads", type=int, default=None, help="buckets compiled at once (default: measured best, 1)"
+    )
+    pre.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+def run_precompile(args: argparse.Namespace) -> int:
+    from jaxserve.precompile import precompile
+    from jaxserve.warm_up import DEFAULT_COMPILE_THREADS
+
+    config = engine_config_from_args(args)
+    print(f"precompiling {config.model or 'the embedded model'} ({config.dtype})", flush=True)
+    result = precompile(
+        config, num_threads=args.num_threads or DEFAULT_COMPILE_THREADS, progress=not args.no_progress
+    )
+    print(result.describe())
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -59,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_server(args)
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "precompile":
+        return run_precompile(args)
     raise AssertionError(args.command)
 
 

@@ -10,7 +10,9 @@ as host numpy arrays (the runner places them on the mesh); orbax weights come ba
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +88,34 @@ def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return _gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def tokenizer_cache_dir(path: Path) -> Path:
+    """Where the tokenizer converted from a GGUF file is kept, keyed by the file's path, size and mtime."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "tokenizers"
+    return root / f"{path.stem}-{key}"
+
+
+def _gguf_tokenizer(path: Path):
+    """transformers converts a GGUF tokenizer in seconds (parsing the whole file); the converted
+    tokenizer is saved once and loaded from the cache afterwards."""
+    from transformers import AutoTokenizer
+
+    cached = tokenizer_cache_dir(path)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        staging = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+        tokenizer.save_pretrained(str(staging))
+        os.replace(staging, cached)  # atomic: a concurrent reader never sees half a directory
+    except OSError:
+        pass  # a read-only or racing cache only costs the conversion next time
+    return tokenizer
 
 
 def load_model(model: str | None, dtype: str = "float32", mesh=None) -> LoadedModel:
