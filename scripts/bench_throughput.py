@@ -127,8 +127,10 @@ def main() -> None:
     vocab = load_config(resolve_model_path(args.model)).vocab_size
     requests = load_requests(args.workload, args.num_requests, vocab)
     results = [bench_jaxserve(args, requests)]
+    print(json.dumps(results[-1]), flush=True)  # each engine's figures as soon as they exist
     for size in filter(None, args.hf_batch_sizes.split(",")):
         results.append(bench_transformers(args, requests, int(size)))
+        print(json.dumps(results[-1]), flush=True)
     print(report(results, len(requests)))
 
 
