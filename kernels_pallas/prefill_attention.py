@@ -376,24 +376,10 @@ def causal_paged_attention(
     sliding_window: int | None = None,
 ) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
     """The reference math without the kernels' shape limits: any page size and head_dim, and an optional
-    sliding window (a query at position p sees keys p - window < j <= p)."""
+    sliding window (a query at position p sees keys p - window < j <= p). Float32 math."""
     k, v = gather_pages(k_pages, page_indices), gather_pages(v_pages, page_indices)  # [s, kvh, T, d]
-    return causal_attention(q, k, v, q_start, lengths, sm_scale=sm_scale, sliding_window=sliding_window)
-
-
-def causal_attention(
-    q: jax.Array,  # [num_seqs, chunk_len, num_q_heads, head_dim]
-    k: jax.Array,  # [num_seqs, num_kv_heads, context, head_dim], position j of each sequence at index j
-    v: jax.Array,  # [num_seqs, num_kv_heads, context, head_dim]
-    q_start: jax.Array,  # i32[num_seqs]
-    lengths: jax.Array,  # i32[num_seqs]
-    *,
-    sm_scale: float | None = None,
-    sliding_window: int | None = None,
-) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
-    """Chunked causal attention over already gathered context, float32 math (the engine's XLA backend)."""
     num_seqs, chunk_len, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads = k_pages.shape[0]
     sm_scale = cm.default_scale(sm_scale, head_dim)
     key = jnp.arange(k.shape[2])[None, None, :]  # [1, 1, T]
     row = (q_start[:, None] + jnp.arange(chunk_len)[None, :])[:, :, None]  # [s, C, 1]
@@ -401,8 +387,8 @@ def causal_attention(
     if sliding_window is not None:
         mask &= key > row - sliding_window
     token_ok = key[:, 0, :, None] < lengths[:, None, None]  # [s, T, 1]
-    k = jnp.where(token_ok[:, None], k.astype(jnp.float32), 0.0)
-    v = jnp.where(token_ok[:, None], v.astype(jnp.float32), 0.0)
+    k = jnp.where(token_ok[:, None], k, 0.0)
+    v = jnp.where(token_ok[:, None], v, 0.0)
     qg = q.astype(jnp.float32).reshape(
         num_seqs, chunk_len, num_kv_heads, num_q_heads // num_kv_heads, head_dim
     )
