@@ -34,6 +34,7 @@ from jaxserve.compile_cache import (
 )
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.distributed import distributed_init_requested, initialize_distributed
+from jaxserve.executable_store import ExecutableStore
 from jaxserve.logger import init_logger
 from jaxserve.logprobs import TokenTexts
 from jaxserve.model_runner import ModelRunner, StepInputs, StepOutput, step_shape
@@ -207,6 +208,7 @@ class LLMEngine:
             )
             check = check_manifest(cache_dir, manifest)
             (logger.info if check.state in ("match", "empty") else logger.warning)("%s", check.describe())
+            self.runner.executable_store = ExecutableStore(cache_dir, manifest)
         self.runner.compile_helpers()
         buckets = [*self.grid.prefill_buckets, *self.grid.decode_buckets]
         report = compile_buckets(self.runner, buckets, num_threads=num_threads, cache_dir=cache_dir, cache_check=check)

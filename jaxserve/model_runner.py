@@ -29,6 +29,7 @@ from flax import struct
 
 from jaxserve.attention import AttentionMetadata, get_attention_backend
 from jaxserve.config import ModelConfig
+from jaxserve.executable_store import ExecutableStore
 from jaxserve.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
 from jaxserve.models import get_model_class
 from jaxserve.parallel import (
@@ -56,6 +57,11 @@ def step_shape(bucket, block_size: int) -> StepShape:
     """Prefill buckets have `chunk_len` query tokens per sequence; decode buckets have one."""
     num_query_tokens = getattr(bucket, "chunk_len", 1)
     return StepShape(bucket.batch_size, num_query_tokens, -(-bucket.context_len // block_size))
+
+
+def executable_name(shape: StepShape) -> str:
+    """The step executable's name in an `ExecutableStore`."""
+    return f"step-s{shape.batch_size}-q{shape.num_query_tokens}-p{shape.pages_per_seq}"
 
 
 @dataclasses.dataclass
@@ -163,6 +169,8 @@ class ModelRunner:
         self.num_logprobs = max(num_logprobs, 1)  # K of the step's top-K logprobs (a static shape)
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
+        self.executable_store: ExecutableStore | None = None  # set by warm-up when there is a compile cache
+        self.loaded_from_store: set[str] = set()  # names of executables the store gave (not compiled)
         self.num_compiles = 0
         self.compile_seconds = 0.0
         self._compile_lock = threading.Lock()  # warm-up compiles buckets from several threads
@@ -245,17 +253,27 @@ class ModelRunner:
         if shape not in self.executables:
             rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
             step = jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep))
-            executable = self._compile(step, self._abstract_inputs(shape))
+            executable = self._compile(step, self._abstract_inputs(shape), executable_name(shape))
             with self._compile_lock:
                 self.executables[shape] = executable
         return self.executables[shape]
 
-    def _compile(self, jitted, abstract_args) -> jax.stages.Compiled:
+    def _compile(self, jitted, abstract_args, name: str) -> jax.stages.Compiled:
+        """The executable of ``jitted`` on ``abstract_args``: from the executable store when it has it (no
+        tracing, no lowering), else lowered and compiled (and then stored)."""
+        store = self.executable_store
         start = time.perf_counter()
-        compiled = jitted.lower(*abstract_args).compile()
+        compiled = store.load(name, abstract_args) if store is not None else None
+        loaded = compiled is not None
+        if not loaded:
+            compiled = jitted.lower(*abstract_args).compile()
+            if store is not None:
+                store.save(name, compiled)
         with self._compile_lock:
             self.compile_seconds += time.perf_counter() - start
             self.num_compiles += 1
+            if loaded:
+                self.loaded_from_store.add(name)
         return compiled
 
     def compile_helpers(self) -> None:
@@ -268,11 +286,12 @@ class ModelRunner:
         idx = sds((m,), jnp.int32)
         self._copy_executable = self._compile(
             jax.jit(self._copy_blocks, donate_argnums=(0, 1), out_shardings=((pool, pool), rep)),
-            (_abstract(self.kv_pool), _abstract(self.slot_state), idx, idx, idx, idx),
+            (_abstract(self.kv_pool), _abstract(self.slot_state), idx, idx, idx, idx), "copy_blocks",
         )
         self._write_slot_executable = self._compile(
             jax.jit(write_slot, donate_argnums=(0,), out_shardings=rep),
             (_abstract(self.slot_state), sds((), jnp.int32), sds((vocab,), jnp.float32), sds((vocab,), jnp.bool_)),
+            "write_slot",
         )
 
     def execute(self, bucket, inputs: StepInputs, prev_tokens: jax.Array | None = None) -> StepOutput:

@@ -31,6 +31,7 @@ from jaxserve.compile_cache import (
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.distributed import distributed_init_requested, initialize_distributed
 from jaxserve.engine import engine_bucket_grid, runner_sampling_options
+from jaxserve.executable_store import ExecutableStore
 from jaxserve.logger import init_logger
 from jaxserve.model_runner import ModelRunner
 from jaxserve.models import get_model_class
@@ -113,6 +114,7 @@ def precompile(
         model=str(model_path), written_by="precompile",
     )
     check = check_manifest(path, manifest)
+    runner.executable_store = ExecutableStore(path, manifest)
     logger.info("%s", grid.format_table())
     (logger.info if check.state in ("match", "empty") else logger.warning)("%s", check.describe())
     buckets = [*grid.prefill_buckets, *grid.decode_buckets]

@@ -1,10 +1,12 @@
-"""Warm-up: build every bucket's executable, from JAX's persistent cache where it has them, and report.
+"""Warm-up: build every bucket's executable, from the compile cache directory where it has them, and report.
 
 Place in the data flow: `LLMEngine.warm_up()` and the precompile command both call `compile_buckets`
 with the `ModelRunner` (a real one, or an abstract one that holds no device memory) and the grid's
-buckets. Each bucket is lowered from `ShapeDtypeStruct`s and compiled; the per-thread compile counters
-of `jaxserve.compile_cache` tell whether its executable came from the persistent cache or was compiled
-fresh. The `WarmUpReport` is what start-up logs and what the precompile command prints as its table.
+buckets. Each bucket's executable is loaded from the runner's `ExecutableStore` (serialized executables
+in the compile cache directory) or lowered from `ShapeDtypeStruct`s and compiled; the per-thread compile
+counters of `jaxserve.compile_cache` tell whether a compiled one came from JAX's persistent cache or was
+compiled fresh. Both kinds of load count as "cache hit". The `WarmUpReport` is what start-up logs and
+what the precompile command prints as its table.
 
 Buckets may compile in several threads (`num_threads`): tracing and lowering hold the GIL, XLA's
 compilation releases it. Whether that helps depends on the host (see docs/benchmarks.md).
@@ -22,7 +24,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.buckets import Bucket
 from jaxserve.compile_cache import CacheCheck, thread_compile_counts
-from jaxserve.model_runner import ModelRunner, StepShape, step_shape
+from jaxserve.model_runner import ModelRunner, StepShape, executable_name, step_shape
 
 FROM_CACHE, FRESH, IN_MEMORY = "cache hit", "fresh", "in memory"
 # Measured (docs/benchmarks.md): on a 2-core CPU host two threads compiled 26 buckets no faster than one.
@@ -88,13 +90,16 @@ def _bucket_name(bucket: Bucket) -> str:
 
 
 def _compile_one(runner: ModelRunner, shape: StepShape) -> tuple[float, str]:
+    already_built = shape in runner.executables
     before = thread_compile_counts()
     start = time.perf_counter()
     runner.compile(shape)
     seconds = time.perf_counter() - start
     counts = thread_compile_counts() - before
-    if counts.backend_compiles == 0:
+    if already_built:
         return seconds, IN_MEMORY
+    if executable_name(shape) in runner.loaded_from_store:
+        return seconds, FROM_CACHE  # deserialized: no lowering, no XLA compile event
     return seconds, FROM_CACHE if counts.fresh_compiles == 0 else FRESH
 
 

@@ -33,6 +33,7 @@ from jaxserve.compile_cache import (
 from jaxserve.config import EngineConfig
 from jaxserve.engine import DEFAULT_CPU_KV_BLOCKS, LLMEngine, engine_bucket_grid
 from jaxserve.entrypoints.cli import build_parser
+from jaxserve.executable_store import STORE_DIR_NAME, ExecutableStore, store_key
 from jaxserve.parallel import make_mesh
 from jaxserve.precompile import abstract_params
 from jaxserve.sampling_params import SamplingParams
@@ -116,6 +117,8 @@ print(json.dumps({
     "backend_compiles": counts.backend_compiles, "cache_hits": counts.cache_hits,
     "cache_writes": counts.cache_writes, "tokens": out.outputs[0].token_ids,
     "compiles_after_warm_up": engine.stats.num_compiles_after_warm_up,
+    "store_loaded": engine.runner.executable_store.num_loaded,
+    "store_saved": engine.runner.executable_store.num_saved,
 }))
 """
 
@@ -152,7 +155,14 @@ def test_precompile_compiles_every_bucket_fresh_and_records_the_manifest(precomp
     # 3 buckets, the allocations of the KV pool, of `no_tokens` and of the sampler state (3 distinct arrays),
     # and the 2 fork executables (copy_blocks, write_slot)
     assert num_cache_entries(cache) == 10
+    # The 3 buckets and 2 fork executables are also stored serialized, under the configuration's key.
+    (store_dir,) = (cache / STORE_DIR_NAME).iterdir()
+    assert sorted(p.name for p in store_dir.iterdir()) == [
+        "copy_blocks.executable", "step-s1-q1-p4.executable", "step-s1-q16-p4.executable",
+        "step-s2-q1-p4.executable", "write_slot.executable",
+    ]
     (manifest,) = read_manifests(cache)
+    assert store_dir.name == store_key(manifest)
     assert manifest.dtype == "float32" and manifest.platform == "cpu" and manifest.device_kind == "cpu"
     assert manifest.jax_version == jax.__version__
     assert manifest.engine_limits == {
@@ -169,9 +179,10 @@ def test_second_process_starts_from_the_cache_with_zero_fresh_compiles(precompil
     assert probe["state"] == "match" and probe["differences"] == []
     assert probe["sources"] == ["cache hit"] * 3
     assert (probe["hits"], probe["fresh"]) == (3, 0)
-    # The whole process: 10 executables (3 buckets, 5 allocations, 2 fork executables), all loaded, none
-    # compiled or written.
-    assert (probe["backend_compiles"], probe["cache_hits"], probe["cache_writes"]) == (10, 10, 0)
+    # The 3 buckets and 2 fork executables are deserialized from the store: neither lowered nor compiled.
+    # The process's only XLA compilations are the 5 allocation programs, all loaded from JAX's cache.
+    assert (probe["store_loaded"], probe["store_saved"]) == (5, 0)
+    assert (probe["backend_compiles"], probe["cache_hits"], probe["cache_writes"]) == (5, 5, 0)
     assert probe["compiles_after_warm_up"] == 0
     assert probe["tokens"] == _hf_greedy(model_dir, PROMPT, NEW_TOKENS)  # loaded executables compute right
     assert num_cache_entries(cache) == 10
@@ -189,6 +200,8 @@ def test_changed_bucket_file_is_reported_and_only_new_buckets_compile(precompile
     assert probe["differences"][1] == "max_num_batched_tokens: cache has 16, now 32"
     assert probe["sources"] == ["cache hit", "fresh", "cache hit", "cache hit"]  # the new 1x32 prefill
     assert (probe["hits"], probe["fresh"]) == (3, 1)
+    # Another configuration, another store key: its buckets come from JAX's cache and are then stored.
+    assert (probe["store_loaded"], probe["store_saved"]) == (0, 6)
     assert probe["tokens"] == _hf_greedy(model_dir, PROMPT, NEW_TOKENS)
     # The engine recorded its configuration next to the precompiled one: both now start warm.
     assert [m.info["written_by"] for m in read_manifests(cache)] == ["precompile", "engine warm-up"]
@@ -206,7 +219,7 @@ def test_tensor_parallel_precompile_starts_with_zero_fresh_compiles(model_dir, b
     assert manifest.engine_limits["tensor_parallel_size"] == 2
     probe = _probe_engine(model_dir, bucket_file, cache, "strict", tensor_parallel_size=2)
     assert probe["state"] == "match" and (probe["hits"], probe["fresh"]) == (3, 0)
-    assert (probe["backend_compiles"], probe["cache_hits"], probe["cache_writes"]) == (10, 10, 0)
+    assert (probe["store_loaded"], probe["backend_compiles"], probe["cache_hits"]) == (5, 5, 5)
     assert probe["tokens"] == _hf_greedy(model_dir, PROMPT, NEW_TOKENS)
 
 
@@ -269,6 +282,36 @@ def test_manifest_reports_a_foreign_device_and_an_empty_or_corrupt_directory(pre
     manifest_path(foreign).write_text("{not json")
     with pytest.raises(ValueError, match=r"^unreadable compile cache manifest .*jaxserve_manifest.json: "):
         check_manifest(foreign, current)
+
+
+def test_executable_store_loads_only_matching_intact_executables(model_dir, bucket_file, tmp_path):
+    store = ExecutableStore(tmp_path, _manifest(model_dir, bucket_file))
+    args = (jax.ShapeDtypeStruct((3,), jnp.float32),)
+    store.save("square", jax.jit(lambda x: x * x).lower(*args).compile())
+    assert store.load("square", args)(np.arange(3, dtype=np.float32)).tolist() == [0.0, 1.0, 4.0]
+    assert store.load("square", (jax.ShapeDtypeStruct((4,), jnp.float32),)) is None  # other shape
+    assert store.load("square", (jax.ShapeDtypeStruct((3,), jnp.int32),)) is None  # other dtype
+    assert store.load("square", (args[0], args[0])) is None  # other argument tree
+    assert store.load("cube", args) is None  # never stored
+    (store.directory / "square.executable").write_bytes(b"not an executable")
+    assert store.load("square", args) is None  # damaged: the runner compiles instead
+    assert (store.num_loaded, store.num_saved) == (1, 1)
+
+
+def test_store_key_covers_the_manifest_and_the_lowering_environment(model_dir, bucket_file, monkeypatch):
+    manifest = _manifest(model_dir, bucket_file)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
+    key = store_key(manifest)
+    assert store_key(_manifest(model_dir, bucket_file)) == key  # deterministic
+    assert store_key(_manifest(model_dir, bucket_file, dtype="bfloat16")) != key
+    assert store_key(_manifest(model_dir, bucket_file, num_kv_blocks=512)) != key
+    assert store_key(CacheManifest(**{**manifest.__dict__, "step_code_hash": "0" * 64})) != key
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=false")
+    assert store_key(manifest) != key
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
+    with jax.default_matmul_precision("highest"):
+        assert store_key(manifest) != key
+    assert store_key(manifest) == key
 
 
 @pytest.mark.parametrize(
