@@ -2,8 +2,9 @@
 
 The model calls `write_kv` to scatter a step's new keys and values into its layer of the pool, then
 `backend.attend(...)` to attend each query token over its sequence's cached context. Backends:
-"reference" (plain XLA, gathers pages through the block table) and "pallas" (the kernels in
-`kernels_pallas`, imported lazily).
+"reference" (plain XLA, gathers pages through the block table), "pallas" (the kernels in
+`kernels_pallas`, imported lazily) and "cpu" (decode through the native XLA:CPU kernel of `kernels_cpu`,
+prefill as "reference"; the default on CPU).
 
 The pool is one array per K and V for all layers, `[num_layers, num_kv_heads, num_blocks, block_size,
 head_dim]`; a layer's slice is the kernels' page layout. The layers' scan carries the whole pool and
@@ -19,6 +20,10 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from jaxserve.logger import init_logger
+
+logger = init_logger("jaxserve.attention")
 
 
 @struct.dataclass
@@ -200,16 +205,54 @@ class PallasBackend:
         )
 
 
-ATTENTION_BACKENDS = ("reference", "pallas")
+class CpuBackend(ReferenceBackend):
+    """XLA:CPU: decode steps call the native kernel of `kernels_cpu`, which reads the pages in place (plain
+    XLA first copies every page through a slow gather); prefill chunks, and pools that are not float32,
+    take the plain-XLA path of `ReferenceBackend`."""
+
+    name = "cpu"
+
+    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
+        import kernels_cpu
+
+        if q.shape[1] != 1 or k_pool.dtype != jnp.float32:
+            return super().attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
+        out = kernels_cpu.paged_decode_attention(
+            q[:, 0], k_pool, v_pool, layer, meta.block_tables, meta.lengths,
+            sm_scale=sm_scale, sliding_window=sliding_window,
+        )
+        return out[:, None].astype(q.dtype)
+
+
+ATTENTION_BACKENDS = ("reference", "pallas", "cpu")
+
+
+def _cpu_kernel_available() -> bool:
+    import kernels_cpu
+
+    if kernels_cpu.load() is not None:
+        return True
+    logger.warning("the native CPU attention kernel is unavailable (%s); using plain XLA", kernels_cpu.build_error())
+    return False
 
 
 @functools.cache
 def get_attention_backend(name: str, *, interpret: bool = False) -> AttentionBackend:
-    """Backend by name; "auto" is pallas on GPU/TPU and reference on CPU."""
+    """Backend by name; "auto" is pallas on GPU/TPU, and on CPU the native kernel ("cpu") when it builds,
+    else plain XLA ("reference")."""
     if name == "auto":
-        name = "reference" if jax.default_backend() == "cpu" else "pallas"
+        if jax.default_backend() != "cpu":
+            name = "pallas"
+        else:
+            name = "cpu" if _cpu_kernel_available() else "reference"
     if name == "reference":
         return ReferenceBackend()
     if name == "pallas":
         return PallasBackend(interpret=interpret or jax.default_backend() == "cpu")
+    if name == "cpu":
+        import kernels_cpu
+
+        if kernels_cpu.load() is None:
+            raise RuntimeError(f"the cpu attention backend's kernel could not be built: {kernels_cpu.build_error()}")
+        return CpuBackend()
     raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}")

@@ -52,7 +52,7 @@ CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # JAX records it when
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _STEP_CODE = [
     "model_runner.py", "sampler.py", "sampler_state.py", "logprobs.py", "attention.py", "parallel.py", "models",
-    "../kernels_pallas",
+    "../kernels_pallas", "../kernels_cpu",
 ]
 
 
@@ -179,7 +179,7 @@ def step_code_hash() -> str:
     digest = hashlib.sha256()
     for entry in _STEP_CODE:
         path = (_PACKAGE_DIR / entry).resolve()
-        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        files = sorted([*path.rglob("*.py"), *path.rglob("*.cc")]) if path.is_dir() else [path]
         for file in (f for f in files if f.is_file()):
             digest.update(file.name.encode())
             digest.update(file.read_bytes())

@@ -167,7 +167,7 @@ def test_precompile_compiles_every_bucket_fresh_and_records_the_manifest(precomp
     assert manifest.jax_version == jax.__version__
     assert manifest.engine_limits == {
         "block_size": 16, "num_kv_blocks": DEFAULT_CPU_KV_BLOCKS, "max_model_len": 64, "max_num_seqs": 2,
-        "max_num_batched_tokens": 16, "attention_backend": "reference", "tensor_parallel_size": 1,
+        "max_num_batched_tokens": 16, "attention_backend": "cpu", "tensor_parallel_size": 1,
         "max_logprobs": 20,
     }
     assert manifest.info["num_executables"] == 3 and manifest.info["written_by"] == "precompile"
@@ -231,7 +231,7 @@ def _manifest(model_dir, bucket_file, **engine_kwargs) -> CacheManifest:
     model_config = load_config(Path(model_dir))
     params = abstract_params(model_config, config.dtype)
     grid = engine_bucket_grid(config, model_config, params, "cpu", make_mesh(1))
-    return CacheManifest.current(model_config, config.dtype, grid, "reference")
+    return CacheManifest.current(model_config, config.dtype, grid, "cpu")  # what "auto" picks on CPU
 
 
 def test_manifest_detects_changed_bucket_file_model_dtype_and_limits(precompiled, model_dir, bucket_file, tmp_path):

@@ -21,7 +21,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "gpu_memory_utilization": (float, "fraction of accelerator memory for weights and KV cache"),
     "buckets": (str, "bucket file path or name (cpu, gpu, tpu; default: the platform's)"),
     "seed": (int, "seed of requests that give none"),
-    "attention_backend": (str, "auto, reference or pallas"),
+    "attention_backend": (str, "auto, reference, pallas or cpu"),
     "waiting_served_ratio": (float, "prefill new requests once waiting >= this ratio x decoding (TGI's; default 0)"),
     "async_scheduling": (bool, "plan step N+1 while step N runs (--no-async-scheduling reads every step first)"),
     "max_logprobs": (int, "the most logprobs or prompt_logprobs a request may ask for"),
@@ -54,7 +54,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         if name == "dtype":
             kwargs["choices"] = list(SUPPORTED_DTYPES)
         elif name == "attention_backend":
-            kwargs["choices"] = ["auto", "reference", "pallas"]
+            kwargs["choices"] = ["auto", "reference", "pallas", "cpu"]
         parser.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, []), **kwargs)
 
 

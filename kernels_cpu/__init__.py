@@ -1,0 +1,124 @@
+"""A native XLA:CPU kernel for jaxserve: decode-step paged attention over the stacked KV pool.
+
+Place in the data flow: the "cpu" attention backend (`jaxserve.attention.CpuBackend`, chosen by "auto"
+on CPU) calls `paged_decode_attention` once per layer of a decode step; prefill chunks keep the XLA path.
+The plain-XLA decode attention gathers every page of every row into a copy before its dot products,
+and XLA:CPU's gather moves about 2.4 GB/s where a copy moves 8 (docs/benchmarks.md), so it is bound by
+that copy. This kernel (`paged_decode_attention.cc`, an XLA FFI custom call) reads the pages in place.
+
+The C++ source ships with the package and is compiled on first use with the system C++ compiler
+against jaxlib's FFI headers, into ``$XDG_CACHE_HOME/jaxserve/kernels_cpu/<hash>/`` (hash of the
+source, the jaxlib version, the compiler command and this CPU's model and flags, since it is built for
+the native instruction set). `load()` returns None, with the reason in `build_error()`, when there is no
+compiler or the build fails; the backend then falls back to plain XLA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET_NAME = "jaxserve_paged_decode_attention"
+SOURCE = Path(__file__).with_name("paged_decode_attention.cc")
+CXX_FLAGS = [
+    "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+    # lets the dot products vectorize (reassociated sums); infinities keep their meaning (no -ffast-math)
+    "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+]
+_build_error: str | None = None
+
+
+def _cache_root() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "jaxserve" / "kernels_cpu"
+
+
+def _cpu_description() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def library_path(compiler: str) -> Path:
+    """Where the shared library for this source, jaxlib, compiler and CPU lives."""
+    import jaxlib
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), compiler.encode(), " ".join(CXX_FLAGS).encode(),
+                 _cpu_description().encode()):
+        key.update(part)
+    return _cache_root() / key.hexdigest()[:24] / "libjaxserve_kernels_cpu.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        command = [compiler, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+        built.replace(target)  # atomic: a concurrent build of the same key writes the same bytes
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """Builds (once per machine and source) and registers the kernel; None if it cannot be built."""
+    global _build_error
+    compiler = _compiler()
+    if compiler is None:
+        _build_error = "no C++ compiler found (set CXX, or install g++)"
+        return None
+    target = library_path(compiler)
+    try:
+        if not target.is_file():
+            _build(compiler, target)
+        library = ctypes.CDLL(str(target))
+    except (RuntimeError, OSError) as err:
+        _build_error = str(err)
+        return None
+    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.PagedDecodeAttention), platform="cpu")
+    return library
+
+
+def build_error() -> str | None:
+    """Why `load()` returned None (None if it has not failed)."""
+    return _build_error
+
+
+def paged_decode_attention(
+    q: jax.Array,  # f32[S, Hq, D], one query token per sequence
+    k_pool: jax.Array,  # f32[L, Hkv, num_blocks, block_size, D]
+    v_pool: jax.Array,
+    layer: jax.Array,  # i32[]
+    block_tables: jax.Array,  # i32[S, P]
+    lengths: jax.Array,  # i32[S]; the query is the token at lengths - 1; rows of length 0 give zeros
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Each row's query attends over its first ``lengths[s]`` cached tokens (the last ``sliding_window`` of
+    them if set); returns f32[S, Hq, D]. Call `load()` first."""
+    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(
+        q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1),
+        block_tables.astype(jnp.int32), lengths.astype(jnp.int32),
+        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+    )
