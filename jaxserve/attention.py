@@ -212,6 +212,13 @@ class CpuBackend(ReferenceBackend):
 
     name = "cpu"
 
+    def __init__(self, **chunking):
+        import kernels_cpu
+
+        super().__init__(**chunking)
+        if kernels_cpu.load() is None:  # builds and registers the kernel (once per process)
+            raise RuntimeError(f"the cpu attention backend's kernel could not be built: {kernels_cpu.build_error()}")
+
     def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
         import kernels_cpu
 
@@ -250,9 +257,5 @@ def get_attention_backend(name: str, *, interpret: bool = False) -> AttentionBac
     if name == "pallas":
         return PallasBackend(interpret=interpret or jax.default_backend() == "cpu")
     if name == "cpu":
-        import kernels_cpu
-
-        if kernels_cpu.load() is None:
-            raise RuntimeError(f"the cpu attention backend's kernel could not be built: {kernels_cpu.build_error()}")
         return CpuBackend()
     raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}")
