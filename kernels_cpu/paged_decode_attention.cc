@@ -82,7 +82,8 @@ void AttendOne(const Problem& p, int64_t s, int64_t h) {
   }
   const int64_t layer_head = (p.layer * p.num_kv_heads + h) * p.num_blocks;
   for (int64_t page_index = first / bs; page_index * bs < length; ++page_index) {
-    const int64_t block = p.block_tables[s * p.pages_per_seq + page_index];
+    // Out-of-range entries are clamped, as XLA clamps gather indices: a bad table never reads outside the pool.
+    const int64_t block = std::clamp<int64_t>(p.block_tables[s * p.pages_per_seq + page_index], 0, p.num_blocks - 1);
     const float* keys = p.k_pool + (layer_head + block) * bs * dim;
     const float* values = p.v_pool + (layer_head + block) * bs * dim;
     const int64_t start = std::max<int64_t>(first - page_index * bs, 0);

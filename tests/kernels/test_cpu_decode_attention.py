@@ -90,3 +90,14 @@ def test_auto_picks_the_cpu_kernel_and_a_failed_build_reports_why(monkeypatch, t
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built is left to be loaded later
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert kernels_cpu.load.__wrapped__() is None and "failed" not in kernels_cpu.build_error()
+
+
+def test_out_of_range_block_ids_are_clamped_like_xla_gathers():
+    q, k_pool, v_pool, block_tables, lengths = _inputs(np.random.default_rng(3), 9, 3, 64, 16, 6)
+    bad = block_tables.copy()
+    bad[5, 0], bad[6, 1] = NUM_BLOCKS + 7, -3
+    clamped = np.clip(bad, 0, NUM_BLOCKS - 1)
+    run = jax.jit(lambda tables: kernels_cpu.paged_decode_attention(
+        q, k_pool, v_pool, jnp.int32(LAYER), tables, lengths, sm_scale=0.125))
+    np.testing.assert_array_equal(run(bad), run(clamped))
+    np.testing.assert_allclose(run(bad), _naive(q, k_pool, v_pool, clamped, lengths, 0.125), rtol=2e-5, atol=2e-6)
