@@ -151,6 +151,11 @@ def compile_counts() -> CompileCounts:
         return CompileCounts(**_process_counts)
 
 
+def num_backend_compiles() -> int:
+    """Every XLA compilation in this process so far (ours or anyone's): "no compile after warm-up" checks."""
+    return compile_counts().backend_compiles
+
+
 def thread_compile_counts() -> CompileCounts:
     """Counts of compilations run by the calling thread since import."""
     counts = getattr(_thread_state, "counts", None)

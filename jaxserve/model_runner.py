@@ -95,24 +95,6 @@ class StepOutput:
     prompt_logprobs: TokenLogprobs | None  # [S, Q(, K)]: prefill steps only; each position's next token
 
 
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_backend_compiles = 0
-
-
-def _count_backend_compile(event: str, duration: float, **_) -> None:
-    global _backend_compiles
-    if event == BACKEND_COMPILE_EVENT:
-        _backend_compiles += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_backend_compile)
-
-
-def num_backend_compiles() -> int:
-    """Every XLA compilation in this process so far (ours or anyone's): "no compile after warm-up" checks."""
-    return _backend_compiles
-
-
 @functools.cache
 def _zeros_program(struct: jax.ShapeDtypeStruct):
     """A program that allocates a zeroed array with ``struct``'s shape, dtype and sharding on the device(s):

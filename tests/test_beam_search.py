@@ -11,7 +11,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.beam_search import BeamSearchGroup
-from jaxserve.model_runner import num_backend_compiles
+from jaxserve.compile_cache import num_backend_compiles
 from jaxserve.sampling_params import BeamSearchParams
 from tests.generation_fixtures import BUCKETS, EOS, MAX_MODEL_LEN, NUM_KV_BLOCKS, HFReference, tokens_prompt
 from tests.hf_tiny import make_tiny_model

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model_runner import num_backend_compiles
+from jaxserve.compile_cache import num_backend_compiles
 from tests.hf_tiny import VOCAB, make_tiny_model
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "mixed_lengths.jsonl"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.model_runner import num_backend_compiles
+from jaxserve.compile_cache import num_backend_compiles
 from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind
 from tests.generation_fixtures import EOS, LETTERS, HFReference, build_llm, tokens_prompt
 

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
 from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.compile_cache import num_backend_compiles
 from jaxserve.engine import LLMEngine
 from jaxserve.entrypoints.args import add_engine_args, add_server_args, engine_config_from_args, model_from_args
 from jaxserve.entrypoints.openai_protocol import (
@@ -47,7 +48,6 @@ from jaxserve.entrypoints.serving_generate import GenerateServing
 from jaxserve.entrypoints.serving_tokenization import OpenAIServingTokenization
 from jaxserve.logger import init_logger
 from jaxserve.metrics import ServingMetrics
-from jaxserve.model_runner import num_backend_compiles
 
 logger = init_logger("jaxserve.api_server")
 

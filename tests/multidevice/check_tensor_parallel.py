@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, BeamSearchParams, SamplingParams
-from jaxserve.model_runner import StepInputs, num_backend_compiles, step_shape
+from jaxserve.compile_cache import num_backend_compiles
+from jaxserve.model_runner import StepInputs, step_shape
 from jaxserve.sampler import PAD_FLOATS, SamplingRow, SamplingTensors
 from tests.hf_tiny import hf_greedy, make_tiny_model, small_bucket_file
 
