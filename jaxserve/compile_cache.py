@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from jax.experimental.compilation_cache import compilation_cache as jax_compilat
 
 from jaxserve.buckets import BucketGrid, BucketSpec
 from jaxserve.config import ModelConfig
+from jaxserve.user_cache import cache_root
 
 MANIFEST_NAME = "jaxserve_manifest.json"
 MANIFEST_VERSION = 1
@@ -61,8 +61,7 @@ _STEP_CODE = [
 
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/jaxserve/compile_cache`` (``~/.cache/jaxserve/compile_cache``)."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "jaxserve" / "compile_cache"
+    return cache_root() / "compile_cache"
 
 
 def enable_persistent_cache(cache_dir: str | Path) -> Path:

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.user_cache import cache_root
+
 TARGET_NAME = "jaxserve_paged_decode_attention"
 SOURCE = Path(__file__).with_name("paged_decode_attention.cc")
 CXX_FLAGS = [
@@ -37,11 +39,6 @@ CXX_FLAGS = [
     "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
 ]
 _build_error: str | None = None
-
-
-def _cache_root() -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "jaxserve" / "kernels_cpu"
 
 
 def _cpu_description() -> str:
@@ -64,7 +61,7 @@ def library_path(compiler: str) -> Path:
     for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), compiler.encode(), " ".join(CXX_FLAGS).encode(),
                  _cpu_description().encode()):
         key.update(part)
-    return _cache_root() / key.hexdigest()[:24] / "libjaxserve_kernels_cpu.so"
+    return cache_root() / "kernels_cpu" / key.hexdigest()[:24] / "libjaxserve_kernels_cpu.so"
 
 
 def _build(compiler: str, target: Path) -> None:

