@@ -70,8 +70,12 @@ class ExecutableStore:
 
     def __init__(self, cache_dir: str | Path, manifest: CacheManifest):
         self.directory = Path(cache_dir) / STORE_DIR_NAME / store_key(manifest)
-        self.num_loaded = 0
+        self.loaded: set[str] = set()  # names this store gave out (their callers compiled nothing)
         self.num_saved = 0
+
+    @property
+    def num_loaded(self) -> int:
+        return len(self.loaded)
 
     def _path(self, name: str) -> Path:
         return self.directory / f"{name}.executable"
@@ -91,7 +95,7 @@ class ExecutableStore:
         if _signature(stored_args) != _signature(abstract_args):
             logger.warning("ignoring stored executable %s: it takes other argument shapes", path)
             return None
-        self.num_loaded += 1
+        self.loaded.add(name)
         return compiled
 
     def save(self, name: str, compiled: jax.stages.Compiled) -> None:

@@ -152,7 +152,6 @@ class ModelRunner:
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.executable_store: ExecutableStore | None = None  # set by warm-up when there is a compile cache
-        self.loaded_from_store: set[str] = set()  # names of executables the store gave (not compiled)
         self.num_compiles = 0
         self.compile_seconds = 0.0
         self._compile_lock = threading.Lock()  # warm-up compiles buckets from several threads
@@ -246,16 +245,13 @@ class ModelRunner:
         store = self.executable_store
         start = time.perf_counter()
         compiled = store.load(name, abstract_args) if store is not None else None
-        loaded = compiled is not None
-        if not loaded:
+        if compiled is None:
             compiled = jitted.lower(*abstract_args).compile()
             if store is not None:
                 store.save(name, compiled)
         with self._compile_lock:
             self.compile_seconds += time.perf_counter() - start
             self.num_compiles += 1
-            if loaded:
-                self.loaded_from_store.add(name)
         return compiled
 
     def compile_helpers(self) -> None:

@@ -98,7 +98,8 @@ def _compile_one(runner: ModelRunner, shape: StepShape) -> tuple[float, str]:
     counts = thread_compile_counts() - before
     if already_built:
         return seconds, IN_MEMORY
-    if executable_name(shape) in runner.loaded_from_store:
+    store = runner.executable_store
+    if store is not None and executable_name(shape) in store.loaded:
         return seconds, FROM_CACHE  # deserialized: no lowering, no XLA compile event
     return seconds, FROM_CACHE if counts.fresh_compiles == 0 else FRESH
 
