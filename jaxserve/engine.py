@@ -27,14 +27,12 @@ from jaxserve.buckets import BucketGrid, load_bucket_spec
 from jaxserve.compile_cache import (
     CacheManifest,
     CompileCounts,
-    check_manifest,
     enable_persistent_cache,
     record_manifest,
     thread_compile_counts,
 )
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.distributed import distributed_init_requested, initialize_distributed
-from jaxserve.executable_store import ExecutableStore
 from jaxserve.logger import init_logger
 from jaxserve.logprobs import TokenTexts
 from jaxserve.model_runner import ModelRunner, StepInputs, StepOutput, step_shape
@@ -54,7 +52,7 @@ from jaxserve.sequence_group import (
     SampledToken,
     SamplingGroup,
 )
-from jaxserve.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets
+from jaxserve.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
 from jaxserve.weights import LoadedModel, load_model
 
 logger = init_logger("jaxserve.engine")
@@ -206,9 +204,7 @@ class LLMEngine:
                 self.model_config, self.config.dtype, self.grid, self.runner.backend.name, self.mesh.size,
                 max_logprobs=self.config.max_logprobs, model=str(self.model_path), written_by="engine warm-up",
             )
-            check = check_manifest(cache_dir, manifest)
-            (logger.info if check.state in ("match", "empty") else logger.warning)("%s", check.describe())
-            self.runner.executable_store = ExecutableStore(cache_dir, manifest)
+            check = use_compile_cache(self.runner, cache_dir, manifest)
         self.runner.compile_helpers()
         buckets = [*self.grid.prefill_buckets, *self.grid.decode_buckets]
         report = compile_buckets(self.runner, buckets, num_threads=num_threads, cache_dir=cache_dir, cache_check=check)

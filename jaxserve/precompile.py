@@ -22,7 +22,6 @@ from jaxserve.buckets import BucketGrid
 from jaxserve.compile_cache import (
     CacheCheck,
     CacheManifest,
-    check_manifest,
     default_cache_dir,
     enable_persistent_cache,
     num_cache_entries,
@@ -31,12 +30,11 @@ from jaxserve.compile_cache import (
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.distributed import distributed_init_requested, initialize_distributed
 from jaxserve.engine import engine_bucket_grid, runner_sampling_options
-from jaxserve.executable_store import ExecutableStore
 from jaxserve.logger import init_logger
 from jaxserve.model_runner import ModelRunner
 from jaxserve.models import get_model_class
 from jaxserve.parallel import engine_mesh
-from jaxserve.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets
+from jaxserve.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
 from jaxserve.weights import load_config, resolve_model_path
 
 logger = init_logger("jaxserve.precompile")
@@ -113,10 +111,8 @@ def precompile(
         model_config, config.dtype, grid, runner.backend.name, mesh.size, max_logprobs=config.max_logprobs,
         model=str(model_path), written_by="precompile",
     )
-    check = check_manifest(path, manifest)
-    runner.executable_store = ExecutableStore(path, manifest)
     logger.info("%s", grid.format_table())
-    (logger.info if check.state in ("match", "empty") else logger.warning)("%s", check.describe())
+    check = use_compile_cache(runner, path, manifest)
     buckets = [*grid.prefill_buckets, *grid.decode_buckets]
     report = compile_buckets(
         runner, buckets, num_threads=num_threads, progress=progress, cache_dir=path, cache_check=check

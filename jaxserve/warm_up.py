@@ -23,8 +23,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from jaxserve.buckets import Bucket
-from jaxserve.compile_cache import CacheCheck, thread_compile_counts
+from jaxserve.compile_cache import CacheCheck, CacheManifest, check_manifest, thread_compile_counts
+from jaxserve.executable_store import ExecutableStore
+from jaxserve.logger import init_logger
 from jaxserve.model_runner import ModelRunner, StepShape, executable_name, step_shape
+
+logger = init_logger("jaxserve.warm_up")
 
 FROM_CACHE, FRESH, IN_MEMORY = "cache hit", "fresh", "in memory"
 # Measured (docs/benchmarks.md): on a 2-core CPU host two threads compiled 26 buckets no faster than one.
@@ -87,6 +91,15 @@ def _bucket_name(bucket: Bucket) -> str:
     if hasattr(bucket, "chunk_len"):
         return f"prefill b={bucket.batch_size} chunk={bucket.chunk_len} ctx={bucket.context_len}"
     return f"decode  b={bucket.batch_size} ctx={bucket.context_len}"
+
+
+def use_compile_cache(runner: ModelRunner, cache_dir: Path, manifest: CacheManifest) -> CacheCheck:
+    """Checks (and logs) what ``cache_dir`` holds for ``manifest`` and gives ``runner`` the directory's
+    executable store for that configuration; the engine's warm-up and precompile both start here."""
+    check = check_manifest(cache_dir, manifest)
+    (logger.info if check.state in ("match", "empty") else logger.warning)("%s", check.describe())
+    runner.executable_store = ExecutableStore(cache_dir, manifest)
+    return check
 
 
 def _compile_one(runner: ModelRunner, shape: StepShape) -> tuple[float, str]:
