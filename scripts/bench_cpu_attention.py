@@ -15,16 +15,16 @@ divided by the kernel's time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_kernels import time_call  # noqa: E402
 
 from jaxserve.attention import AttentionMetadata, CpuBackend, ReferenceBackend  # noqa: E402
 
@@ -45,16 +45,6 @@ def make_batch(rng, lengths: np.ndarray) -> AttentionMetadata:
         offset += count
     lengths = lengths.astype(np.int32)
     return AttentionMetadata(jnp.asarray(tables), jnp.asarray(lengths - 1), jnp.asarray(lengths))
-
-
-def median_ms(fn, args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main(argv=None) -> None:
@@ -82,7 +72,8 @@ def main(argv=None) -> None:
         q = jnp.asarray(rng.standard_normal((batch, 1, Q_HEADS, HEAD_DIM), np.float32))
         outs = {name: step(q, k_pool, v_pool, meta) for name, step in steps.items()}
         np.testing.assert_allclose(outs["cpu"], outs["reference"], rtol=1e-4, atol=1e-5)
-        xla, native = (median_ms(steps[name], (q, k_pool, v_pool, meta), args.iters) for name in ("reference", "cpu"))
+        xla, native = (1e3 * time_call(steps[name], q, k_pool, v_pool, meta, iters=args.iters)
+                       for name in ("reference", "cpu"))
         kv_bytes = 2 * int(lengths.sum()) * KV_HEADS * HEAD_DIM * 4
         print(f"| {batch} | {label} | {xla:.2f} | {native:.2f} | {xla / native:.2f}x | {kv_bytes / native / 1e6:.1f} |")
 

@@ -26,20 +26,26 @@ def load_requests(path: Path, num_requests: int, vocab_size: int, seed: int = 0)
     return [(rng.integers(100, vocab_size, size=r["prompt_len"]).tolist(), r["output_len"]) for r in lines]
 
 
+def add_requests(engine, requests: list[tuple[list[int], int]]) -> None:
+    """Queues each (prompt tokens, output length) as a greedy request of exactly that many tokens."""
+    from jaxserve import SamplingParams
+
+    for i, (prompt, num_tokens) in enumerate(requests):
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
+
+
 def bench_jaxserve(args, requests) -> dict:
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM
 
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, buckets=args.buckets)
     startup = time.perf_counter() - start
-    prompts = [{"prompt_token_ids": p} for p, _ in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
     engine = llm.llm_engine
     peak_usage = 0.0
 
     start = time.perf_counter()
-    for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"bench-{i}", prompt, param)
+    add_requests(engine, requests)
     num_out = 0
     while engine.has_unfinished_requests():
         for out in engine.step():

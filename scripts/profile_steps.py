@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_throughput import DEFAULT_WORKLOAD, load_requests  # noqa: E402
+from bench_throughput import DEFAULT_WORKLOAD, add_requests, load_requests  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -34,16 +34,14 @@ def main(argv=None) -> None:
 
     import jax
 
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM
 
     llm = LLM(args.model, max_model_len=args.max_model_len, buckets=args.buckets,
               attention_backend=args.attention_backend)
     engine = llm.llm_engine
     engine.async_scheduling = False
     requests = load_requests(args.workload, args.num_requests, engine.model_config.vocab_size)
-    for i, (prompt, num_tokens) in enumerate(requests):
-        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
-        engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt}, params)
+    add_requests(engine, requests)
 
     per_bucket = collections.defaultdict(lambda: [0, 0.0, 0])  # steps, seconds, real rows
     execute = engine.runner.execute
