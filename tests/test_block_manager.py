@@ -9,6 +9,17 @@ def make_seq(num_prompt_tokens: int, request_id: str = "r") -> Sequence:
     return Sequence(request_id, list(range(num_prompt_tokens)), arrival_time=0.0)
 
 
+def forked_six_token_prompt() -> tuple[BlockManager, Sequence, Sequence]:
+    """A 6-token prompt computed in a 6-block pool of 4-token blocks (blocks 0 and 1), then forked."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    parent = make_seq(6)
+    bm.allocate(parent, 6)
+    parent.num_computed_tokens = 6
+    child = parent.fork()
+    bm.fork(parent, child)
+    return bm, parent, child
+
+
 def test_allocate_prefill_then_decode_across_block_boundaries():
     bm = BlockManager(num_blocks=8, block_size=4)
     seq = make_seq(6)
@@ -78,12 +89,7 @@ def test_free_returns_everything_in_order():
 
 
 def test_fork_shares_blocks_with_ref_counts():
-    bm = BlockManager(num_blocks=6, block_size=4)
-    parent = make_seq(6)
-    bm.allocate(parent, 6)
-    parent.num_computed_tokens = 6
-    child = parent.fork()
-    bm.fork(parent, child)
+    bm, parent, child = forked_six_token_prompt()
     assert child.block_table == [0, 1]
     assert child.seq_id != parent.seq_id and child.num_computed_tokens == 6
     assert bm.ref_counts.tolist() == [2, 2, 0, 0, 0, 0]
@@ -106,12 +112,7 @@ def test_fork_into_a_sequence_with_blocks_raises():
 
 
 def test_copy_on_write_of_a_shared_last_block():
-    bm = BlockManager(num_blocks=6, block_size=4)
-    parent = make_seq(6)
-    bm.allocate(parent, 6)
-    parent.num_computed_tokens = 6
-    child = parent.fork()
-    bm.fork(parent, child)
+    bm, parent, child = forked_six_token_prompt()
     # the next token (index 6) goes into block 1, shared: the child gets a private copy
     assert bm.copy_on_write(child) == (1, 2)
     assert child.block_table == [0, 2] and parent.block_table == [0, 1]
@@ -120,12 +121,7 @@ def test_copy_on_write_of_a_shared_last_block():
 
 
 def test_allocate_copies_a_shared_block_before_it_is_written():
-    bm = BlockManager(num_blocks=6, block_size=4)
-    parent = make_seq(6)
-    bm.allocate(parent, 6)
-    parent.num_computed_tokens = 6
-    child = parent.fork()
-    bm.fork(parent, child)
+    bm, parent, child = forked_six_token_prompt()
     assert bm.num_new_blocks(child, 1) == 1  # token 6 goes into block 1, shared: a private copy is needed
     assert bm.can_allocate(child, 1, reserve=3) and not bm.can_allocate(child, 1, reserve=4)
     bm.allocate(child, 1)
