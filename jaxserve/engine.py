@@ -38,6 +38,7 @@ from jaxserve.logprobs import TokenTexts
 from jaxserve.model_runner import ModelRunner, StepInputs, StepOutput, step_shape
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel import engine_mesh, per_device_bytes
+from jaxserve.precision import resolve_engine_dtype
 from jaxserve.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
 from jaxserve.sampler import FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
 from jaxserve.sampler_state import SlotTable, slot_state_bytes
@@ -151,6 +152,7 @@ class LLMEngine:
         if config.compile_cache_dir is not None:  # before anything compiles, so every executable is cached
             enable_persistent_cache(config.compile_cache_dir)
         self.mesh = engine_mesh(config.tensor_parallel_size)
+        self.config = config = resolve_engine_dtype(config, self.mesh.devices.flat[0])
         loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh)
         self.model_config = loaded.config
         self.model_path = loaded.path

@@ -32,6 +32,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
 from jaxserve.models import get_model_class
+from jaxserve.models.common import unstack_layers
 from jaxserve.parallel import (
     check_tensor_parallel,
     kv_pool_sharding,
@@ -133,7 +134,15 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None else make_mesh(1)
         check_tensor_parallel(config, self.mesh.size)
         model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
-        self.model = get_model_class(config.architecture)(config, self.dtype, self.backend, model_mesh)
+        # XLA:CPU runs bf16 matmuls on AMX only with one weight array per layer (common.layer_stack); in
+        # float32 the scan is as fast and compiles faster
+        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+        self.scan_layers = not (on_cpu and self.dtype == jnp.bfloat16)
+        self.model = get_model_class(config.architecture)(
+            config, self.dtype, self.backend, model_mesh, scan_layers=self.scan_layers
+        )
+        if not self.scan_layers:
+            params = unstack_layers(params, config.num_layers)
         if abstract:
             self.params = jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,

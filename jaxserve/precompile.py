@@ -34,6 +34,7 @@ from jaxserve.logger import init_logger
 from jaxserve.model_runner import ModelRunner
 from jaxserve.models import get_model_class
 from jaxserve.parallel import engine_mesh
+from jaxserve.precision import resolve_engine_dtype
 from jaxserve.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
 from jaxserve.weights import load_config, resolve_model_path
 
@@ -98,6 +99,7 @@ def precompile(
         initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
     path = enable_persistent_cache(cache_dir or config.compile_cache_dir or default_cache_dir())
     mesh = engine_mesh(config.tensor_parallel_size)
+    config = resolve_engine_dtype(config, mesh.devices.flat[0])
     model_path = resolve_model_path(config.model)
     model_config = load_config(model_path)
     params = abstract_params(model_config, config.dtype)

@@ -7,6 +7,7 @@ share, and per bucket: steps, seconds, milliseconds per step and the average num
 
     python scripts/profile_steps.py --num-requests 64
     python scripts/profile_steps.py --num-requests 64 --attention-backend reference   # plain-XLA attention
+    python scripts/profile_steps.py --num-requests 64 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ def main(argv=None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--buckets", default=None)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     args = parser.parse_args(argv)
 
     import jax
 
     from jaxserve import LLM
 
-    llm = LLM(args.model, max_model_len=args.max_model_len, buckets=args.buckets,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, buckets=args.buckets,
               attention_backend=args.attention_backend)
     engine = llm.llm_engine
     engine.async_scheduling = False
@@ -62,7 +64,8 @@ def main(argv=None) -> None:
         engine.step()
     total = time.perf_counter() - start
     device = sum(seconds for _, seconds, _ in per_bucket.values())
-    print(f"{len(requests)} requests, attention backend {engine.runner.backend.name}: {total:.1f}s, "
+    print(f"{len(requests)} requests, {engine.config.dtype}, attention backend {engine.runner.backend.name}: "
+          f"{total:.1f}s, "
           f"{sum(steps for steps, _, _ in per_bucket.values())} steps, host {total - device:.1f}s")
     print("| bucket | steps | seconds | ms/step | real rows/step |")
     print("|---|---|---|---|---|")

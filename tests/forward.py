@@ -8,12 +8,17 @@ import numpy as np
 
 from jaxserve.attention import AttentionMetadata, get_attention_backend
 from jaxserve.models import get_model_class
+from jaxserve.models.common import unstack_layers
 
 
 class PagedForward:
-    def __init__(self, config, params, *, dtype="float32", block_size=4, num_blocks=32, backend="reference"):
-        self.config, self.params, self.block_size = config, params, block_size
-        self.model = get_model_class(config.architecture)(config, jnp.dtype(dtype), get_attention_backend(backend))
+    def __init__(self, config, params, *, dtype="float32", block_size=4, num_blocks=32, backend="reference",
+                 scan_layers=True):
+        self.config, self.block_size = config, block_size
+        self.params = params if scan_layers else unstack_layers(params, config.num_layers)
+        self.model = get_model_class(config.architecture)(
+            config, jnp.dtype(dtype), get_attention_backend(backend), scan_layers=scan_layers
+        )
         shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
         nan = jnp.full(shape, jnp.nan, jnp.dtype(dtype))  # unwritten slots are NaN: a stray read shows
         self.pool = (nan, nan)

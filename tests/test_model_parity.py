@@ -51,10 +51,12 @@ def test_config_reads_family_features(tiny):
     assert got == EXPECTED_CONFIG[path.name[:-1]]
 
 
-def test_prefill_logits_match_transformers(tiny):
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_prefill_logits_match_transformers(tiny, scan_layers):
     path, loaded = tiny
     expected = hf_logits(path, TOKENS)
-    got = PagedForward(loaded.config, loaded.params).run(TOKENS, [0, 1, 2, 3], [len(TOKENS)])
+    forward = PagedForward(loaded.config, loaded.params, scan_layers=scan_layers)
+    got = forward.run(TOKENS, [0, 1, 2, 3], [len(TOKENS)])
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
     assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero numbers
 
@@ -67,11 +69,13 @@ def test_scattered_blocks_and_chunks_match_contiguous(tiny):
     np.testing.assert_allclose(chunked, contiguous, atol=2e-5, rtol=0)
 
 
-def test_bfloat16_tracks_float32(tmp_path):
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_bfloat16_tracks_float32(tmp_path, scan_layers):
     path = make_tiny_model(tmp_path / "m", "llama")
     expected = hf_logits(path, TOKENS)
     loaded = load_model(str(path), "bfloat16")
-    got = PagedForward(loaded.config, loaded.params, dtype="bfloat16").run(TOKENS, [0, 1, 2, 3], [9, 5])
+    forward = PagedForward(loaded.config, loaded.params, dtype="bfloat16", scan_layers=scan_layers)
+    got = forward.run(TOKENS, [0, 1, 2, 3], [9, 5])
     assert got.dtype == np.float32
     scale = np.abs(expected).max()
     assert np.abs(got - expected).max() < 0.05 * scale

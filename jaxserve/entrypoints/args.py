@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxserve.config import SUPPORTED_DTYPES, EngineConfig
+from jaxserve.config import DTYPE_CHOICES, EngineConfig
 
 # EngineConfig field -> (type, help); `model` is the positional MODEL of `serve` and `--model` elsewhere.
 ENGINE_FLAGS: dict[str, tuple[type, str]] = {
-    "dtype": (str, "weights and KV cache dtype"),
+    "dtype": (str, "weights and KV cache dtype; auto: bfloat16 (f32 accumulation) where the device has a bf16 "
+              "matrix unit (AMX/AVX512-BF16 CPUs, TPU, sm80+ GPUs), else float32"),
     "max_model_len": (int, "longest prompt + output (default: the model's, up to the largest context bucket)"),
     "max_num_seqs": (int, "most sequences per decode step (default: the largest decode bucket)"),
     "max_num_batched_tokens": (int, "most tokens per step (default: the largest prefill bucket)"),
@@ -52,7 +53,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         else:
             kwargs["type"] = kind
         if name == "dtype":
-            kwargs["choices"] = list(SUPPORTED_DTYPES)
+            kwargs["choices"] = list(DTYPE_CHOICES)
         elif name == "attention_backend":
             kwargs["choices"] = ["auto", "reference", "pallas", "cpu"]
         parser.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, []), **kwargs)

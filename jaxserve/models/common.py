@@ -1,5 +1,11 @@
-"""Building blocks every model family shares: dense layers, activations, paged self-attention and the
-layer scan.
+"""Building blocks every model family shares: the precision policy's dense layers and embeddings,
+activations, paged self-attention and the layer stack (scanned or unrolled).
+
+Precision policy: parameters are stored in the model's `dtype` (float32 or bfloat16); every matmul takes
+its inputs in that dtype and accumulates in float32 (`matmul`), and everything between the matmuls (the
+residual stream, norms, rotary, softmax, logits) is float32. With float32 weights that is plain float32;
+with bfloat16 weights the matmuls run on the matrix units (TPU MXU, GPU tensor cores, CPU AMX) and the
+numerically delicate parts keep float32.
 
 Place in the data flow: a family's decoder layer (llama.py, opt.py) projects q/k/v and hands them to
 `Attention`, which writes k/v into the layer's pages of the pool (`write_kv`) and attends through the
@@ -36,8 +42,45 @@ ACTIVATIONS = {
 }
 
 
-def dense(features: int, name: str, dtype, use_bias: bool = False) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name)
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w with x cast to w's dtype and float32 accumulation: float32 out, whatever the weights' dtype."""
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+class Linear(nn.Module):
+    """A dense layer under the precision policy: `kernel [in, out]` (and `bias [out]`) stored in
+    `param_dtype`, float32 output. Parameter names and initializers are `nn.Dense`'s."""
+
+    features: int
+    param_dtype: jnp.dtype
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
+        y = matmul(x, kernel)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(jnp.float32)
+        return y
+
+
+def dense(features: int, name: str, dtype, use_bias: bool = False) -> Linear:
+    return Linear(features, dtype, use_bias, name=name)
+
+
+class Embedding(nn.Embed):
+    """`nn.Embed` under the precision policy: looks rows up in the stored dtype and returns them as float32
+    (never converts the whole table), and `attend` (tied LM heads) is a `matmul` with float32 logits."""
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding, inputs, axis=0).astype(jnp.float32)
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        return matmul(query, self.embedding.T)
+
+
+def embedding(num_embeddings: int, features: int, dtype, name: str | None = None) -> Embedding:
+    return Embedding(num_embeddings, features, dtype=jnp.float32, param_dtype=dtype, name=name)
 
 
 def paged_attention(
@@ -108,14 +151,50 @@ class Attention(nn.Module):
         return dense(cfg.hidden_size, "o_proj", self.dtype, self.out_bias)(out), kv_pool
 
 
-def scan_layers(layer_cls: type[nn.Module], num_layers: int, num_broadcast_inputs: int, *args, **kwargs):
-    """`layer_cls(*args)` repeated `num_layers` times under `nn.scan` over stacked weights: the scanned
-    input is the layer number, the carry is (hidden, kv pool), and the remaining inputs are broadcast."""
-    scanned = nn.scan(
-        layer_cls,
-        variable_axes={"params": 0},
-        split_rngs={"params": True},
-        in_axes=(0,) + (nn.broadcast,) * num_broadcast_inputs,
-        length=num_layers,
-    )
-    return scanned(*args, **kwargs)
+def layer_stack(layer_cls: type[nn.Module], num_layers: int, num_broadcast_inputs: int, *args, scan: bool):
+    """`layer_cls(*args)` repeated `num_layers` times. Called as `stack((hidden, kv_pool), layer_ids,
+    *broadcast_inputs)`; returns `((hidden, kv_pool), None)`.
+
+    `scan=True`: one `nn.scan` over stacked weights (`params["layers"]` with a leading layer axis), so
+    compile time does not grow with depth (TPU, GPU). `scan=False`: one module per layer
+    (`params["layers"]["0"]`, ...; `unstack_layers` converts), which XLA:CPU needs to run bf16 matmuls on
+    AMX: inside a scan over stacked weights they lose that path and run slower than float32
+    (shared/notes/cpu-bf16.md: 2-3x for the 30-layer embedded model)."""
+    if scan:
+        scanned = nn.scan(
+            layer_cls,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0,) + (nn.broadcast,) * num_broadcast_inputs,
+            length=num_layers,
+        )
+        return scanned(*args)
+    return UnrolledLayers(layer_cls, num_layers, args)
+
+
+class UnrolledLayers(nn.Module):
+    """The layers as separate modules named "0", "1", ..., called in order: the unrolled twin of the scan."""
+
+    layer_cls: type[nn.Module]
+    num_layers: int
+    layer_args: tuple
+
+    @nn.compact
+    def __call__(self, carry, layer_ids, *broadcast_inputs):
+        for i in range(self.num_layers):
+            carry, _ = self.layer_cls(*self.layer_args, name=str(i))(carry, layer_ids[i], *broadcast_inputs)
+        return carry, None
+
+
+def unstack_layers(params: dict, num_layers: int) -> dict:
+    """The weight loaders' tree (`params["params"]["layers"]` stacked on a leading layer axis) as the
+    unrolled stack's tree (`params["params"]["layers"][str(i)]`). Works on arrays and ShapeDtypeStructs."""
+
+    def layer_slice(x, i: int):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        return x[i]
+
+    stacked = params["params"]["layers"]
+    layers = {str(i): jax.tree.map(lambda x, i=i: layer_slice(x, i), stacked) for i in range(num_layers)}
+    return {**params, "params": {**params["params"], "layers": layers}}

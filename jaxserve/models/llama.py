@@ -4,7 +4,8 @@ Place in the data flow: the model runner calls `LlamaForCausalLM.apply` inside a
 padded batch of token ids `[S, Q]`, the stacked KV pool and the step's `AttentionMetadata`; each layer
 writes its new K/V into its slice of the pool and attends through the chosen attention backend
 (`common.Attention`). Layers run under `nn.scan` over stacked weights, so compile time does not grow with
-depth.
+depth, or unrolled (`scan_layers=False`, on CPU; see `common.layer_stack`). Weights are stored in `dtype`;
+activations are float32 between bf16-or-f32 matmuls (the precision policy of `common`).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from jax.sharding import Mesh
 
 from jaxserve.attention import AttentionBackend, AttentionMetadata, token_positions
 from jaxserve.config import ModelConfig
-from jaxserve.models.common import ACTIVATIONS, Attention, dense, scan_layers
+from jaxserve.models.common import ACTIVATIONS, Attention, dense, embedding, layer_stack
 from jaxserve.models.rotary import rope_inv_freq, rotary_cos_sin
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm in float32 (weight stored in `dtype`); returns float32."""
+
     eps: float
     dtype: jnp.dtype
 
@@ -29,7 +32,7 @@ class RMSNorm(nn.Module):
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return weight * normed.astype(self.dtype)
+        return weight.astype(jnp.float32) * normed
 
 
 class GatedMLP(nn.Module):
@@ -74,11 +77,14 @@ class LlamaForCausalLM(nn.Module):
     dtype: jnp.dtype = jnp.float32
     backend: AttentionBackend | None = None
     mesh: Mesh | None = None
+    scan_layers: bool = True
 
     def setup(self):
         cfg = self.config
-        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
-        self.layers = scan_layers(DecoderLayer, cfg.num_layers, 2, cfg, self.dtype, self.backend, self.mesh)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, self.dtype)
+        self.layers = layer_stack(
+            DecoderLayer, cfg.num_layers, 2, cfg, self.dtype, self.backend, self.mesh, scan=self.scan_layers
+        )
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = dense(cfg.vocab_size, "lm_head", self.dtype)
@@ -94,7 +100,5 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden):
         if self.config.tie_word_embeddings:
-            out = self.embed_tokens.attend(hidden)
-        else:
-            out = self.lm_head(hidden)
-        return out.astype(jnp.float32)
+            return self.embed_tokens.attend(hidden)
+        return self.lm_head(hidden)

@@ -3,9 +3,9 @@ everywhere, pre-norm (125m and most sizes) or post-norm (350m) blocks, and optio
 a narrower word embedding and the hidden size (350m: 512 -> 1024).
 
 Place in the data flow: the same interface and paged KV pool as the Llama family (see llama.py); layers
-run under `nn.scan` and attend through `common.Attention`. GPT-2 (gpt2.py) is this decoder with position
-offset 0. Parameter names follow this package's common names, not Hugging Face's (fc1 -> up_proj,
-out_proj -> o_proj); `jaxserve.weights` converts.
+run under `nn.scan` (or unrolled, `scan_layers=False`) and attend through `common.Attention`. GPT-2
+(gpt2.py) is this decoder with position offset 0. Parameter names follow this package's common names,
+not Hugging Face's (fc1 -> up_proj, out_proj -> o_proj); `jaxserve.weights` converts.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from jax.sharding import Mesh
 
 from jaxserve.attention import AttentionBackend, AttentionMetadata, token_positions
 from jaxserve.config import ModelConfig
-from jaxserve.models.common import ACTIVATIONS, Attention, dense, scan_layers
+from jaxserve.models.common import ACTIVATIONS, Attention, dense, embedding, layer_stack
 
 
 def layer_norm(config: ModelConfig, dtype, name: str | None = None) -> nn.LayerNorm:
     affine = config.layer_norm_affine
-    return nn.LayerNorm(
-        epsilon=config.layer_norm_eps, dtype=dtype, param_dtype=dtype, use_bias=affine, use_scale=affine, name=name
+    return nn.LayerNorm(  # float32 math and output; scale and bias stored in `dtype`
+        epsilon=config.layer_norm_eps, dtype=jnp.float32, param_dtype=dtype, use_bias=affine, use_scale=affine,
+        name=name,
     )
 
 
@@ -76,19 +77,20 @@ class OPTForCausalLM(nn.Module):
     dtype: jnp.dtype = jnp.float32
     backend: AttentionBackend | None = None
     mesh: Mesh | None = None
+    scan_layers: bool = True
 
     def setup(self):
         cfg = self.config
         embed_dim = cfg.word_embed_proj_dim or cfg.hidden_size
-        self.embed_tokens = nn.Embed(cfg.vocab_size, embed_dim, dtype=self.dtype, param_dtype=self.dtype)
-        self.embed_positions = nn.Embed(
-            cfg.max_position_embeddings + self.position_offset, cfg.hidden_size,
-            dtype=self.dtype, param_dtype=self.dtype,
-        )
+        self.embed_tokens = embedding(cfg.vocab_size, embed_dim, self.dtype)
+        num_positions = cfg.max_position_embeddings + self.position_offset
+        self.embed_positions = embedding(num_positions, cfg.hidden_size, self.dtype)
         if cfg.word_embed_proj_dim is not None:
             self.project_in = dense(cfg.hidden_size, "project_in", self.dtype)
             self.project_out = dense(embed_dim, "project_out", self.dtype)
-        self.layers = scan_layers(LayerNormDecoderLayer, cfg.num_layers, 1, cfg, self.dtype, self.backend, self.mesh)
+        self.layers = layer_stack(
+            LayerNormDecoderLayer, cfg.num_layers, 1, cfg, self.dtype, self.backend, self.mesh, scan=self.scan_layers
+        )
         if cfg.final_norm:
             self.norm = layer_norm(cfg, self.dtype)
         if not cfg.tie_word_embeddings:
@@ -112,7 +114,5 @@ class OPTForCausalLM(nn.Module):
 
     def logits(self, hidden):
         if self.config.tie_word_embeddings:
-            out = self.embed_tokens.attend(hidden)
-        else:
-            out = self.lm_head(hidden)
-        return out.astype(jnp.float32)
+            return self.embed_tokens.attend(hidden)
+        return self.lm_head(hidden)
