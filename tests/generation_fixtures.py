@@ -29,7 +29,7 @@ def build_llm(tmp_path: Path, seed: int = 1) -> tuple[Path, LLM]:
     model_dir = make_tiny_model(tmp_path / "model", "llama", seed=seed)
     buckets = tmp_path / "buckets.toml"
     buckets.write_text(BUCKETS)
-    return model_dir, LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, buckets=str(buckets),
+    return model_dir, LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, buckets=str(buckets),
                           num_kv_blocks=NUM_KV_BLOCKS)
 
 

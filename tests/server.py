@@ -31,7 +31,7 @@ lengths = [512]
 def tiny_async_engine(model_dir, **config) -> AsyncLLMEngine:
     buckets = Path(model_dir).parent / "server_buckets.toml"
     buckets.write_text(SERVER_BUCKETS)
-    config = {"max_model_len": 512, "buckets": str(buckets), **config}
+    config = {"dtype": "float32", "max_model_len": 512, "buckets": str(buckets), **config}
     return AsyncLLMEngine(LLMEngine(EngineConfig(model=str(model_dir), **config)))
 
 

@@ -14,7 +14,7 @@ from tests.hf_tiny import make_tiny_model
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=2)
-    return AsyncLLMEngine.from_config(EngineConfig(model=str(path), max_model_len=512, buckets="cpu"))
+    return AsyncLLMEngine.from_config(EngineConfig(dtype="float32", model=str(path), max_model_len=512, buckets="cpu"))
 
 
 def _params(n: int) -> SamplingParams:

@@ -36,7 +36,7 @@ def setup(tmp_path_factory):
     model_dir = make_tiny_model(path / "model", "llama", seed=4)
     boost_eos(model_dir)
     (path / "buckets.toml").write_text(BUCKETS)
-    llm = LLM(str(model_dir), max_model_len=MAX_MODEL_LEN, buckets=str(path / "buckets.toml"),
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, buckets=str(path / "buckets.toml"),
               num_kv_blocks=NUM_KV_BLOCKS)
     return llm, HFReference(model_dir), num_backend_compiles()
 

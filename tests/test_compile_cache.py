@@ -91,7 +91,7 @@ def precompiled(model_dir, bucket_file, tmp_path_factory):
     """(cache dir, stdout) of `scripts/precompile.py` run on the tiny model in its own process."""
     cache = tmp_path_factory.mktemp("cache") / "jax"
     result = _run([
-        "scripts/precompile.py", "--model", str(model_dir), "--buckets", str(bucket_file),
+        "scripts/precompile.py", "--model", str(model_dir), "--dtype", "float32", "--buckets", str(bucket_file),
         "--compile-cache-dir", str(cache), "--no-progress",
     ])
     return cache, result.stdout
@@ -105,7 +105,8 @@ before = compile_counts()
 from jaxserve import LLM, SamplingParams
 model, buckets, cache, strict = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "strict"
 tp = int(sys.argv[7])
-llm = LLM(model, buckets=buckets, compile_cache_dir=cache, strict_no_compile=strict, tensor_parallel_size=tp)
+llm = LLM(model, dtype="float32", buckets=buckets, compile_cache_dir=cache, strict_no_compile=strict,
+          tensor_parallel_size=tp)
 params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[6]), ignore_eos=True)
 out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[5])}], params, use_tqdm=False)[0]
 counts = compile_counts() - before
@@ -227,6 +228,7 @@ def test_tensor_parallel_precompile_starts_with_zero_fresh_compiles(model_dir, b
 
 
 def _manifest(model_dir, bucket_file, **engine_kwargs) -> CacheManifest:
+    engine_kwargs = {"dtype": "float32", **engine_kwargs}
     config = EngineConfig(model=str(model_dir), buckets=str(bucket_file), **engine_kwargs)
     model_config = load_config(Path(model_dir))
     params = abstract_params(model_config, config.dtype)
@@ -332,7 +334,8 @@ def test_abstract_params_are_the_loaded_tree(tmp_path, family, dtype, overrides)
 
 def _engine_from_cache(model_dir, bucket_file, cache, strict: bool) -> LLMEngine:
     config = EngineConfig(
-        model=str(model_dir), buckets=str(bucket_file), compile_cache_dir=str(cache), strict_no_compile=strict
+        model=str(model_dir), dtype="float32", buckets=str(bucket_file), compile_cache_dir=str(cache),
+        strict_no_compile=strict,
     )
     engine = LLMEngine(config)
     assert (engine.warm_up_report.num_cache_hits, engine.warm_up_report.num_fresh) == (3, 0)

@@ -36,7 +36,7 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=1024, max_num_seqs=32)
+    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=32)
 
 
 def _hf_greedy(model, prompt_ids: list[int], eos_ids: set[int]) -> tuple[list[int], list[np.ndarray]]:

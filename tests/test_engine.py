@@ -36,7 +36,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(str(model_dir), max_model_len=1024, buckets="cpu")
+    return LLM(str(model_dir), dtype="float32", max_model_len=1024, buckets="cpu")
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -123,7 +123,7 @@ def test_request_arriving_while_others_decode_joins_next_iteration(llm):
 def test_preemption_under_a_tiny_pool_keeps_every_token(model_dir, llm):
     requests = [(list(range(10 + i, 40 + i)), 50) for i in range(6)]  # 80 tokens each: 5 blocks of 16
     expected = _generate_alone(llm, requests)
-    small = LLM(str(model_dir), max_model_len=128, num_kv_blocks=12, buckets="cpu")
+    small = LLM(str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=12, buckets="cpu")
     outputs = small.generate([{"prompt_token_ids": p} for p, _ in requests], _greedy(50), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert small.llm_engine.stats.num_preemptions > 0

@@ -63,7 +63,7 @@ def test_two_process_engine_matches_single_device(tmp_path):
     results = _run_workers(model_dir, tmp_path / "orbax", buckets, tmp_path)
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    single = LLM(str(model_dir), buckets=buckets, max_model_len=128)
+    single = LLM(str(model_dir), dtype="float32", buckets=buckets, max_model_len=128)
     expected = [o.outputs[0].token_ids for o in single.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
 

@@ -125,7 +125,7 @@ def test_engine_greedy_tokens_equal_transformers_generate(tmp_path, variant):
     family, overrides = VARIANTS[variant]
     path = make_tiny_model(tmp_path / "m", family, seed=3, **overrides)
     prompts = [TOKENS, [1, 5, 9, 250, 33], list(range(3, 40))]
-    llm = LLM(str(path), buckets=small_bucket_file(tmp_path), max_model_len=128)
+    llm = LLM(str(path), dtype="float32", buckets=small_bucket_file(tmp_path), max_model_len=128)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, 12) for p in prompts]

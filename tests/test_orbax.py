@@ -79,7 +79,7 @@ def test_llm_serves_the_checkpoint_with_the_same_greedy_tokens(llama_dirs, tmp_p
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     prompts = ["hello there", "paged attention"]
     outputs = [
-        [o.outputs[0].token_ids for o in LLM(str(d), buckets=buckets, max_model_len=128).generate(
+        [o.outputs[0].token_ids for o in LLM(str(d), dtype="float32", buckets=buckets, max_model_len=128).generate(
             prompts, params, use_tqdm=False)]
         for d in (hf_dir, orbax_dir)
     ]

@@ -18,7 +18,7 @@ def model_dir(tmp_path_factory):
 
 def _run(model_dir, backend: str) -> list[list[int]]:
     llm = LLM(
-        str(model_dir), max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128,
+        str(model_dir), dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128,
         attention_backend=backend, buckets="cpu",
     )
     assert llm.llm_engine.runner.backend.name == backend

@@ -70,7 +70,7 @@ def server_process(tmp_path):
     cache_dir = tmp_path / "xla-cache"
     buckets = tmp_path / "buckets.toml"
     buckets.write_text(SERVER_BUCKETS)
-    command = [sys.executable, "-m", "jaxserve.entrypoints.api_server", "--model", str(model_dir),
+    command = [sys.executable, "-m", "jaxserve.entrypoints.api_server", "--model", str(model_dir), "--dtype", "float32",
                "--host", "127.0.0.1", "--port", "0", "--max-model-len", "512", "--buckets", str(buckets),
                "--api-key", "secret", "--compile-cache-dir", str(cache_dir), "--served-model-name", "tiny",
                "--uvicorn-log-level", "warning"]

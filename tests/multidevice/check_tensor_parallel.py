@@ -39,7 +39,10 @@ def buckets(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llms(model_dir, buckets):
-    return {tp: LLM(str(model_dir), buckets=buckets, max_model_len=128, tensor_parallel_size=tp) for tp in (1, 2, 4)}
+    return {
+        tp: LLM(str(model_dir), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=tp)
+        for tp in (1, 2, 4)
+    }
 
 
 def _generate(llm) -> list[list[int]]:
@@ -149,7 +152,8 @@ def test_pallas_backend_under_tensor_parallelism_matches_transformers(tmp_path, 
     """The Pallas kernels (interpret mode on CPU) run per device inside the head shard_map."""
     path = make_tiny_model(tmp_path / "hd64", "llama", seed=3, hidden_size=256, num_attention_heads=4,
                            num_key_value_heads=2)  # head_dim 64, a layout the kernels support
-    llm = LLM(str(path), buckets=buckets, max_model_len=128, tensor_parallel_size=2, attention_backend="pallas")
+    llm = LLM(str(path), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=2,
+              attention_backend="pallas")
     assert llm.llm_engine.runner.backend.name == "pallas"
     assert _generate(llm) == [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
 
@@ -161,7 +165,7 @@ def test_pallas_backend_under_tensor_parallelism_matches_transformers(tmp_path, 
 )
 def test_opt_and_gpt2_under_tensor_parallelism_match_transformers(tmp_path, buckets, family, overrides):
     path = make_tiny_model(tmp_path / family, family, seed=6, **overrides)
-    llm = LLM(str(path), buckets=buckets, max_model_len=128, tensor_parallel_size=4)
+    llm = LLM(str(path), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=4)
     assert _generate(llm) == [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
@@ -177,22 +181,22 @@ def test_orbax_checkpoint_restores_into_the_mesh_sharding(model_dir, llms, tmp_p
     assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, restored)) == jax.tree.leaves(expected)
     q = restored["params"]["layers"]["self_attn"]["q_proj"]["kernel"]
     assert {s.data.shape for s in q.addressable_shards} == {(2, 64, 16)}
-    llm = LLM(str(tmp_path / "orbax"), buckets=buckets, max_model_len=128, tensor_parallel_size=4)
+    llm = LLM(str(tmp_path / "orbax"), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=4)
     assert _generate(llm) == _generate(llms[1])
 
 
 def test_heads_not_divisible_by_the_mesh_size_are_a_clear_error(model_dir, buckets):
     with pytest.raises(ValueError, match=r"the model's num_heads \(8\) is not divisible by tensor_parallel_size \(3\)"):
-        LLM(str(model_dir), buckets=buckets, max_model_len=128, tensor_parallel_size=3)
+        LLM(str(model_dir), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=3)
 
 
 def test_fewer_kv_heads_than_devices_is_a_clear_error(tmp_path, buckets):
     path = make_tiny_model(tmp_path / "gqa", "llama", num_attention_heads=8, num_key_value_heads=2)
     message = r"the model's num_kv_heads \(2\) is not divisible by tensor_parallel_size \(4\)"
     with pytest.raises(ValueError, match=message):
-        LLM(str(path), buckets=buckets, max_model_len=128, tensor_parallel_size=4)
+        LLM(str(path), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=4)
 
 
 def test_more_devices_than_exist_is_a_clear_error(model_dir, buckets):
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(16\) exceeds the 8 available cpu devices"):
-        LLM(str(model_dir), buckets=buckets, max_model_len=128, tensor_parallel_size=16)
+        LLM(str(model_dir), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=16)

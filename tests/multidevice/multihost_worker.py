@@ -39,7 +39,7 @@ def main(model_dir: str, orbax_dir: str, buckets: str, out_json: str) -> None:
 
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(model_dir, buckets=buckets, max_model_len=128, tensor_parallel_size=4)
+    llm = LLM(model_dir, dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=4)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     pool = llm.llm_engine.runner.kv_pool[0]
