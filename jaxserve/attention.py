@@ -207,8 +207,8 @@ class PallasBackend:
 
 class CpuBackend(ReferenceBackend):
     """XLA:CPU: decode steps call the native kernel of `kernels_cpu`, which reads the pages in place (plain
-    XLA first copies every page through a slow gather); prefill chunks, and pools that are not float32,
-    take the plain-XLA path of `ReferenceBackend`."""
+    XLA first copies every page through a slow gather) when the pool is float32 or bfloat16; prefill chunks,
+    and pools of other dtypes, take the plain-XLA path of `ReferenceBackend`."""
 
     name = "cpu"
 
@@ -222,7 +222,7 @@ class CpuBackend(ReferenceBackend):
     def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
         import kernels_cpu
 
-        if q.shape[1] != 1 or k_pool.dtype != jnp.float32:
+        if q.shape[1] != 1 or k_pool.dtype not in kernels_cpu.POOL_DTYPES or v_pool.dtype != k_pool.dtype:
             return super().attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
         out = kernels_cpu.paged_decode_attention(
             q[:, 0], k_pool, v_pool, layer, meta.block_tables, meta.lengths,

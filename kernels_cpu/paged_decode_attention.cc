@@ -4,6 +4,8 @@
 // straight from one layer of the stacked KV pool [layers, kv_heads, blocks, block_size, head_dim]
 // through the block table: nothing is gathered into a copy first, which is what makes the plain-XLA
 // path memory-bound on CPU. Softmax is computed online, one page at a time, in float32.
+// The pool is float32 or bfloat16 (both pools the same); bfloat16 elements are widened to float32 as
+// they are loaded (AttendOne<uint16_t>), so the math is float32 either way.
 // Work items are (sequence, kv head) pairs, shared between the calling thread and XLA's intra-op
 // thread pool through an atomic counter: the caller never waits on a task that has not started.
 
@@ -30,8 +32,8 @@ constexpr int64_t kMaxBlockSize = 256;
 
 struct Problem {
   const float* q;             // [S, Hq, D]
-  const float* k_pool;        // [L, Hkv, NB, BS, D]
-  const float* v_pool;
+  const void* k_pool;         // [L, Hkv, NB, BS, D], float32 or bfloat16 (as uint16_t)
+  const void* v_pool;
   const int32_t* block_tables;  // [S, P]
   const int32_t* lengths;       // [S]
   float* out;                   // [S, Hq, D]
@@ -62,7 +64,18 @@ inline float ExpNonPositive(float x) {
   return poly * scale;
 }
 
-// Attention of the `group` query heads of kv head `h` of sequence `s`.
+// A pool element as float32. A bfloat16 is the upper half of the float32 with the same value: widening is
+// a 16-bit shift of its bits, which vectorizes (zero-extend, shift) in the loops below.
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t bfloat16_bits) {
+  const uint32_t bits = static_cast<uint32_t>(bfloat16_bits) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+// Attention of the `group` query heads of kv head `h` of sequence `s`; T is the pool's element type.
+template <typename T>
 void AttendOne(const Problem& p, int64_t s, int64_t h) {
   const int64_t group = p.num_q_heads / p.num_kv_heads, dim = p.head_dim, bs = p.block_size;
   const float* q = p.q + (s * p.num_q_heads + h * group) * dim;
@@ -84,8 +97,8 @@ void AttendOne(const Problem& p, int64_t s, int64_t h) {
   for (int64_t page_index = first / bs; page_index * bs < length; ++page_index) {
     // Out-of-range entries are clamped, as XLA clamps gather indices: a bad table never reads outside the pool.
     const int64_t block = std::clamp<int64_t>(p.block_tables[s * p.pages_per_seq + page_index], 0, p.num_blocks - 1);
-    const float* keys = p.k_pool + (layer_head + block) * bs * dim;
-    const float* values = p.v_pool + (layer_head + block) * bs * dim;
+    const T* keys = static_cast<const T*>(p.k_pool) + (layer_head + block) * bs * dim;
+    const T* values = static_cast<const T*>(p.v_pool) + (layer_head + block) * bs * dim;
     const int64_t start = std::max<int64_t>(first - page_index * bs, 0);
     const int64_t stop = std::min<int64_t>(bs, length - page_index * bs);
     for (int64_t g = 0; g < group; ++g) {
@@ -93,9 +106,9 @@ void AttendOne(const Problem& p, int64_t s, int64_t h) {
       float* score = scores[g];
       float page_max = max_score[g];
       for (int64_t t = start; t < stop; ++t) {
-        const float* k = keys + t * dim;
+        const T* k = keys + t * dim;
         float dot = 0.0f;
-        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * k[d];
+        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * ToFloat(k[d]);
         score[t] = dot * p.sm_scale;
         page_max = std::max(page_max, score[t]);
       }
@@ -111,8 +124,8 @@ void AttendOne(const Problem& p, int64_t s, int64_t h) {
       for (int64_t d = 0; d < dim; ++d) a[d] *= correction;
       for (int64_t t = start; t < stop; ++t) {
         const float weight = score[t];
-        const float* v = values + t * dim;
-        for (int64_t d = 0; d < dim; ++d) a[d] += weight * v[d];
+        const T* v = values + t * dim;
+        for (int64_t d = 0; d < dim; ++d) a[d] += weight * ToFloat(v[d]);
       }
       max_score[g] = page_max;
     }
@@ -126,6 +139,7 @@ void AttendOne(const Problem& p, int64_t s, int64_t h) {
 // Work shared by the caller and pool tasks; kept alive by whichever finishes last.
 struct SharedWork {
   Problem problem;
+  void (*attend_one)(const Problem&, int64_t, int64_t);  // AttendOne<the pool's element type>
   int64_t num_items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -135,7 +149,7 @@ struct SharedWork {
   void Drain() {
     int64_t finished = 0;
     for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
-      AttendOne(problem, item / problem.num_kv_heads, item % problem.num_kv_heads);
+      attend_one(problem, item / problem.num_kv_heads, item % problem.num_kv_heads);
       ++finished;
     }
     if (finished && done.fetch_add(finished) + finished == num_items) {
@@ -145,15 +159,19 @@ struct SharedWork {
   }
 };
 
-ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
-                                    ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> layer,
+ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
+                                    ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> layer,
                                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> lengths,
                                     ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window) {
   auto q_dims = q.dimensions(), pool_dims = k_pool.dimensions(), table_dims = block_tables.dimensions();
   if (q_dims.size() != 3 || pool_dims.size() != 5 || table_dims.size() != 2) {
     return ffi::Error::InvalidArgument("expected q [S, Hq, D], pools [L, Hkv, NB, BS, D], tables [S, P]");
   }
-  Problem p{q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), block_tables.typed_data(),
+  const ffi::DataType dtype = k_pool.element_type();
+  if ((dtype != ffi::F32 && dtype != ffi::BF16) || v_pool.element_type() != dtype) {
+    return ffi::Error::InvalidArgument("the KV pools must both be float32 or both bfloat16");
+  }
+  Problem p{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(), block_tables.typed_data(),
             lengths.typed_data(), out->typed_data(), layer.typed_data()[0], q_dims[0], q_dims[1], pool_dims[1],
             pool_dims[2], pool_dims[3], pool_dims[4], table_dims[1], sliding_window, sm_scale};
   if (p.num_kv_heads == 0 || p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > kMaxGroup ||
@@ -163,6 +181,7 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
   if (p.layer < 0 || p.layer >= pool_dims[0]) return ffi::Error::InvalidArgument("layer out of range");
   auto work = std::make_shared<SharedWork>();
   work->problem = p;
+  work->attend_one = dtype == ffi::F32 ? &AttendOne<float> : &AttendOne<uint16_t>;
   work->num_items = p.num_seqs * p.num_kv_heads;
   if (work->num_items == 0) return ffi::Error::Success();
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_items - 1);
@@ -179,8 +198,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttention, PagedDecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pool
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pool
+                                  .Arg<ffi::AnyBuffer>()         // k_pool: F32 or BF16
+                                  .Arg<ffi::AnyBuffer>()         // v_pool: the same
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths

@@ -6,10 +6,10 @@ blocks (twice the engine's CPU default, so that 64 rows of 1024 tokens fit), pag
 the table is a batch of decode rows at one context length (or the
 "mixed" batch: lengths uniform in 100..1300, the spread of shared/workloads/mixed_lengths.jsonl); it
 prints the median milliseconds per layer of each backend, the ratio, and the K/V bytes each row reads
-divided by the kernel's time.
+divided by the kernel's time. ``--dtype bfloat16`` stores the pool in bfloat16 (the math stays float32).
 
     python scripts/bench_cpu_attention.py
-    python scripts/bench_cpu_attention.py --batches 1 16 64 --contexts 256 1024 --iters 20
+    python scripts/bench_cpu_attention.py --batches 1 16 64 --contexts 256 1024 --iters 20 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -52,11 +52,12 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the KV pool's dtype")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     shape = (LAYERS, KV_HEADS, BLOCKS, BLOCK, HEAD_DIM)
-    k_pool = jnp.asarray(rng.standard_normal(shape, np.float32))
-    v_pool = jnp.asarray(rng.standard_normal(shape, np.float32))
+    k_pool = jnp.asarray(rng.standard_normal(shape, np.float32), args.dtype)
+    v_pool = jnp.asarray(rng.standard_normal(shape, np.float32), args.dtype)
     backends = {"reference": ReferenceBackend(), "cpu": CpuBackend()}
     steps = {
         name: jax.jit(lambda q, k, v, meta, b=backend: b.attend(q, k, v, jnp.int32(LAYER), meta, sm_scale=0.125))
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
     }
     cases = [(b, f"{c}", np.full(b, c)) for b in args.batches for c in args.contexts]
     cases += [(64, "mixed 100..1300", np.sort(rng.integers(100, 1300, 64))[::-1])]
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, median of {args.iters} per layer")
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {args.dtype} pool, median of {args.iters} per layer")
     print("| decode rows | context | plain XLA ms | native kernel ms | speed-up | kernel K/V GB/s |")
     print("|---|---|---|---|---|---|")
     for batch, label, lengths in cases:
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
         np.testing.assert_allclose(outs["cpu"], outs["reference"], rtol=1e-4, atol=1e-5)
         xla, native = (1e3 * time_call(steps[name], q, k_pool, v_pool, meta, iters=args.iters)
                        for name in ("reference", "cpu"))
-        kv_bytes = 2 * int(lengths.sum()) * KV_HEADS * HEAD_DIM * 4
+        kv_bytes = 2 * int(lengths.sum()) * KV_HEADS * HEAD_DIM * k_pool.dtype.itemsize
         print(f"| {batch} | {label} | {xla:.2f} | {native:.2f} | {xla / native:.2f}x | {kv_bytes / native / 1e6:.1f} |")
 
 

@@ -1,5 +1,10 @@
 """The native XLA:CPU decode attention (`kernels_cpu`) against a naive numpy attention and the engine's
-plain-XLA attention, on the stacked pool with shuffled pages; the build's failure path; the backend choice."""
+plain-XLA attention, on the stacked pool with shuffled pages, float32 and bfloat16 pools (every slot the
+kernel must not read is NaN); the pool dtype check; the build's failure path; the backend choice.
+
+Tolerance: rtol 2e-5, atol 2e-6 for both pool dtypes. A bfloat16 pool is compared with the naive attention
+over the same bfloat16 values upcast (exactly) to float64, and the kernel computes in float32 on those
+exact values, so its error is the float32 path's: about 5e-7 absolute at most on these cases."""
 
 from __future__ import annotations
 
@@ -11,22 +16,36 @@ import pytest
 import kernels_cpu
 from jaxserve.attention import AttentionMetadata, CpuBackend, ReferenceBackend, get_attention_backend
 
+POOL_DTYPES = pytest.mark.parametrize("pool_dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
+
 # (num_q_heads, num_kv_heads, head_dim, block_size, pages_per_seq)
 CASES = [(9, 3, 64, 16, 6), (4, 4, 32, 8, 5), (8, 2, 128, 32, 3), (16, 1, 64, 4, 9)]
 NUM_LAYERS, NUM_BLOCKS, LAYER = 3, 64, 2
 
 
-def _inputs(rng, num_q_heads, num_kv_heads, head_dim, block_size, pages_per_seq):
+def _inputs(rng, num_q_heads, num_kv_heads, head_dim, block_size, pages_per_seq, pool_dtype=np.float32):
     capacity = block_size * pages_per_seq
     # lengths: 0 (a padding row), 1, one short of a page, a page, one past it, the full table, random
     lengths = np.array([0, 1, block_size - 1, block_size, block_size + 1, capacity, rng.integers(2, capacity)])
     pool_shape = (NUM_LAYERS, num_kv_heads, NUM_BLOCKS, block_size, head_dim)
-    k_pool = rng.standard_normal(pool_shape).astype(np.float32)
-    v_pool = rng.standard_normal(pool_shape).astype(np.float32)
+    k_pool = rng.standard_normal(pool_shape).astype(pool_dtype)
+    v_pool = rng.standard_normal(pool_shape).astype(pool_dtype)
     pages = rng.permutation(NUM_BLOCKS)[: len(lengths) * pages_per_seq]
     block_tables = pages.reshape(len(lengths), pages_per_seq).astype(np.int32)
     q = rng.standard_normal((len(lengths), num_q_heads, head_dim)).astype(np.float32)
     return q, k_pool, v_pool, block_tables, lengths.astype(np.int32)
+
+
+def _poison_unread(k_pool, v_pool, block_tables, lengths, window=None):
+    """NaN in every slot no row attends to: other layers, unused pages, the slots past each row's length and
+    those before its window. A kernel that reads one of them (or lets a masked one through) returns NaN."""
+    block_size = k_pool.shape[3]
+    read = np.zeros((k_pool.shape[0], k_pool.shape[2], block_size), bool)  # [L, num_blocks, block_size]
+    for s, length in enumerate(lengths):
+        positions = np.arange(0 if window is None else max(0, length - window), length)
+        read[LAYER, block_tables[s, positions // block_size], positions % block_size] = True
+    for pool in (k_pool, v_pool):
+        pool.transpose(0, 2, 3, 1, 4)[~read] = np.nan
 
 
 def _naive(q, k_pool, v_pool, block_tables, lengths, sm_scale, window=None):
@@ -50,9 +69,11 @@ def _naive(q, k_pool, v_pool, block_tables, lengths, sm_scale, window=None):
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}q{c[1]}kv-d{c[2]}-bs{c[3]}" for c in CASES])
 @pytest.mark.parametrize("window", [None, 5])
-def test_kernel_matches_naive_attention(case, window):
+@POOL_DTYPES
+def test_kernel_matches_naive_attention(case, window, pool_dtype):
     assert kernels_cpu.load() is not None, kernels_cpu.build_error()
-    q, k_pool, v_pool, block_tables, lengths = _inputs(np.random.default_rng(sum(case)), *case)
+    q, k_pool, v_pool, block_tables, lengths = _inputs(np.random.default_rng(sum(case)), *case, pool_dtype)
+    _poison_unread(k_pool, v_pool, block_tables, lengths, window)
     sm_scale = case[2] ** -0.5
     run = jax.jit(lambda *args: kernels_cpu.paged_decode_attention(*args, sm_scale=sm_scale, sliding_window=window))
     out = run(q, k_pool, v_pool, jnp.int32(LAYER), block_tables, lengths)
@@ -61,9 +82,11 @@ def test_kernel_matches_naive_attention(case, window):
     assert not np.asarray(out)[0].any()  # the padding row (length 0) is zeros
 
 
-def test_cpu_backend_equals_the_plain_xla_backend_on_decode_and_prefill():
+@POOL_DTYPES
+def test_cpu_backend_equals_the_plain_xla_backend_on_decode_and_prefill(pool_dtype):
     rng = np.random.default_rng(7)
-    q, k_pool, v_pool, block_tables, lengths = _inputs(rng, 9, 3, 64, 16, 6)
+    q, k_pool, v_pool, block_tables, lengths = _inputs(rng, 9, 3, 64, 16, 6, pool_dtype)
+    _poison_unread(k_pool, v_pool, block_tables, lengths)
     meta = AttentionMetadata(block_tables=jnp.asarray(block_tables), q_start=jnp.asarray(np.maximum(lengths - 1, 0)),
                              lengths=jnp.asarray(lengths))
     attend = lambda backend, q, meta: jax.jit(
@@ -92,12 +115,36 @@ def test_auto_picks_the_cpu_kernel_and_a_failed_build_reports_why(monkeypatch, t
     assert kernels_cpu.load.__wrapped__() is None and "failed" not in kernels_cpu.build_error()
 
 
-def test_out_of_range_block_ids_are_clamped_like_xla_gathers():
-    q, k_pool, v_pool, block_tables, lengths = _inputs(np.random.default_rng(3), 9, 3, 64, 16, 6)
+@POOL_DTYPES
+def test_out_of_range_block_ids_are_clamped_like_xla_gathers(pool_dtype):
+    q, k_pool, v_pool, block_tables, lengths = _inputs(np.random.default_rng(3), 9, 3, 64, 16, 6, pool_dtype)
     bad = block_tables.copy()
     bad[5, 0], bad[6, 1] = NUM_BLOCKS + 7, -3
     clamped = np.clip(bad, 0, NUM_BLOCKS - 1)
+    _poison_unread(k_pool, v_pool, clamped, lengths)
     run = jax.jit(lambda tables: kernels_cpu.paged_decode_attention(
         q, k_pool, v_pool, jnp.int32(LAYER), tables, lengths, sm_scale=0.125))
     np.testing.assert_array_equal(run(bad), run(clamped))
     np.testing.assert_allclose(run(bad), _naive(q, k_pool, v_pool, clamped, lengths, 0.125), rtol=2e-5, atol=2e-6)
+
+
+def test_other_pool_dtypes_are_refused_with_a_clear_error():
+    assert kernels_cpu.load() is not None, kernels_cpu.build_error()
+    q, k_pool, v_pool, block_tables, lengths = _inputs(np.random.default_rng(5), 4, 4, 32, 8, 5)
+    args = lambda k, v: (q, k, v, jnp.int32(LAYER), block_tables, lengths)
+    half = jnp.asarray(k_pool, jnp.float16), jnp.asarray(v_pool, jnp.float16)
+    mixed = k_pool, v_pool.astype(jnp.bfloat16)
+    for k, v in (half, mixed):  # the wrapper refuses them before the call...
+        with pytest.raises(ValueError, match="reads float32 or bfloat16 KV pools .both the same dtype., not k_pool"):
+            kernels_cpu.paged_decode_attention(*args(k, v), sm_scale=0.125)
+    # ... and so does the FFI handler, for a caller that goes around the wrapper
+    call = jax.ffi.ffi_call(kernels_cpu.TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    for k, v in (half, mixed):
+        with pytest.raises(jax.errors.JaxRuntimeError, match="the KV pools must both be float32 or both bfloat16"):
+            call(q, k, v, np.array([LAYER], np.int32), block_tables, lengths,
+                 sm_scale=np.float32(0.125), sliding_window=np.int64(0)).block_until_ready()
+    # The cpu backend sends a float16 pool to the plain-XLA path instead.
+    meta = AttentionMetadata(jnp.asarray(block_tables), jnp.asarray(np.maximum(lengths - 1, 0)), jnp.asarray(lengths))
+    decode_q = jnp.asarray(q[:, None])
+    np.testing.assert_array_equal(CpuBackend().attend(decode_q, *half, jnp.int32(LAYER), meta, sm_scale=0.125),
+                                  ReferenceBackend().attend(decode_q, *half, jnp.int32(LAYER), meta, sm_scale=0.125))
