@@ -69,17 +69,38 @@ def write_kv(
 
     def scatter(pool: jax.Array, new: jax.Array) -> jax.Array:
         flat = pool.reshape(num_layers, num_kv_heads, num_slots, head_dim)
-        new = new.reshape(-1, num_kv_heads, head_dim).astype(pool.dtype)  # [S*Q, Hkv, D], index order
+        new = to_pool_dtype(new.reshape(-1, num_kv_heads, head_dim), pool.dtype)  # [S*Q, Hkv, D], index order
         return flat.at[layer, :, slots].set(new, mode="drop").reshape(pool.shape)
 
     return scatter(k_pool, k), scatter(v_pool, v)
+
+
+def kv_storage_dtype(kv_dtype, platform: str) -> jnp.dtype:
+    """The dtype the pool is stored in for K/V values of ``kv_dtype``. On XLA:CPU a bfloat16 pool is stored as
+    its raw bits (uint16): XLA:CPU has no bfloat16 scatter, and rewrites the K/V write into a bf16 pool as a
+    float32 scatter into a converted copy of the whole pool (every layer's pages, every layer, every step),
+    while an integer scatter updates the donated pool in place. Readers widen pages with `pool_values`."""
+    kv_dtype = jnp.dtype(kv_dtype)
+    return jnp.dtype(jnp.uint16) if platform == "cpu" and kv_dtype == jnp.bfloat16 else kv_dtype
+
+
+def to_pool_dtype(values: jax.Array, pool_dtype) -> jax.Array:
+    """K/V values as the pool stores them (bfloat16 bits for a uint16 pool)."""
+    if pool_dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+    return values.astype(pool_dtype)
+
+
+def pool_values(pages: jax.Array) -> jax.Array:
+    """Pages read from the pool as K/V values (uint16 storage is bfloat16 bits)."""
+    return jax.lax.bitcast_convert_type(pages, jnp.bfloat16) if pages.dtype == jnp.uint16 else pages
 
 
 def gather_context(pool: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
     """[S, Hkv, P * block_size, D]: one layer's pages of every sequence's block table, in position order."""
     _, num_kv_heads, _, block_size, head_dim = pool.shape
     num_seqs, pages_per_seq = block_tables.shape
-    pages = pool[layer, :, block_tables]  # one gather: [S, P, Hkv, block_size, D]
+    pages = pool_values(pool[layer, :, block_tables])  # one gather: [S, P, Hkv, block_size, D]
     return pages.transpose(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, pages_per_seq * block_size, head_dim)
 
 
@@ -191,7 +212,7 @@ class PallasBackend:
 
         if sliding_window is not None:
             raise ValueError("the pallas attention backend does not support sliding-window attention")
-        k_pages, v_pages = k_pool[layer], v_pool[layer]
+        k_pages, v_pages = pool_values(k_pool[layer]), pool_values(v_pool[layer])
         if q.shape[1] == 1:
             lengths = jnp.maximum(meta.lengths, 1)  # padding rows (length 0) read one harmless slot
             out = kernels_pallas.paged_attention(

@@ -27,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxserve.attention import AttentionMetadata, get_attention_backend
+from jaxserve.attention import AttentionMetadata, get_attention_backend, kv_storage_dtype
 from jaxserve.config import ModelConfig
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
 from jaxserve.models import get_model_class
-from jaxserve.models.common import unstack_layers
+from jaxserve.models.common import unstack_layers, untie_lm_head
 from jaxserve.parallel import (
     check_tensor_parallel,
     kv_pool_sharding,
@@ -136,13 +136,19 @@ class ModelRunner:
         model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
         # XLA:CPU runs bf16 matmuls on AMX only with one weight array per layer (common.layer_stack); in
         # float32 the scan is as fast and compiles faster
-        on_cpu = self.mesh.devices.flat[0].platform == "cpu"
-        self.scan_layers = not (on_cpu and self.dtype == jnp.bfloat16)
+        platform = self.mesh.devices.flat[0].platform
+        self.kv_storage_dtype = kv_storage_dtype(self.dtype, platform)
+        # XLA:CPU keeps bf16 matmuls on its fast path only with one weight array per layer and with
+        # untransposed weights (common.layer_stack, common.untie_lm_head); in float32 the scan is as fast
+        cpu_bf16 = platform == "cpu" and self.dtype == jnp.bfloat16
         self.model = get_model_class(config.architecture)(
-            config, self.dtype, self.backend, model_mesh, scan_layers=self.scan_layers
+            config, self.dtype, self.backend, model_mesh, scan_layers=not cpu_bf16,
+            untie_lm_head=cpu_bf16 and config.tie_word_embeddings,
         )
-        if not self.scan_layers:
+        if cpu_bf16:
             params = unstack_layers(params, config.num_layers)
+        if self.model.untie_lm_head:
+            params = untie_lm_head(params)
         if abstract:
             self.params = jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
@@ -170,7 +176,7 @@ class ModelRunner:
     def _abstract_pool(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         cfg = self.config
         shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
-        pool = jax.ShapeDtypeStruct(shape, self.dtype, sharding=kv_pool_sharding(self.mesh))
+        pool = jax.ShapeDtypeStruct(shape, self.kv_storage_dtype, sharding=kv_pool_sharding(self.mesh))
         return pool, pool
 
     def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:

@@ -5,7 +5,8 @@ on CPU) calls `paged_decode_attention` once per layer of a decode step; prefill 
 The plain-XLA decode attention gathers every page of every row into a copy before its dot products,
 and XLA:CPU's gather moves about 2.4 GB/s where a copy moves 8 (docs/benchmarks.md), so it is bound by
 that copy. This kernel (`paged_decode_attention.cc`, an XLA FFI custom call) reads the pages in place.
-The pool may be float32 or bfloat16 (`POOL_DTYPES`): one FFI target reads either, widening bfloat16
+The pool may be float32 or bfloat16 (`POOL_DTYPES`; bfloat16 also as its uint16 bits, the engine's CPU
+storage, see `jaxserve.attention.kv_storage_dtype`): one FFI target reads either, widening bfloat16
 elements to float32 as it loads them, and computes in float32.
 
 The C++ source ships with the package and is compiled on first use with the system C++ compiler
@@ -40,7 +41,8 @@ CXX_FLAGS = [
     # lets the dot products vectorize (reassociated sums); infinities keep their meaning (no -ffast-math)
     "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
 ]
-POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel reads the KV pool as
+# what the kernel reads the KV pool as: float32, bfloat16, or bfloat16 stored as its bits (uint16)
+POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
 _build_error: str | None = None
 
 
@@ -105,7 +107,7 @@ def build_error() -> str | None:
 
 def paged_decode_attention(
     q: jax.Array,  # f32[S, Hq, D], one query token per sequence (other float dtypes are cast to f32)
-    k_pool: jax.Array,  # f32 or bf16 [L, Hkv, num_blocks, block_size, D]
+    k_pool: jax.Array,  # f32, bf16 or u16 (bf16 bits) [L, Hkv, num_blocks, block_size, D]
     v_pool: jax.Array,  # the same shape and dtype as k_pool
     layer: jax.Array,  # i32[]
     block_tables: jax.Array,  # i32[S, P]
@@ -118,7 +120,8 @@ def paged_decode_attention(
     them if set); returns f32[S, Hq, D], computed in float32 whatever the pool dtype. Raises ValueError for a
     pool dtype other than float32 and bfloat16 (`POOL_DTYPES`). Call `load()` first."""
     if k_pool.dtype not in POOL_DTYPES or v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"the CPU paged decode attention reads float32 or bfloat16 KV pools (both the same dtype), "
+        raise ValueError(f"the CPU paged decode attention reads float32 or bfloat16 (or uint16 bits of bfloat16) "
+                         f"KV pools (both the same dtype), "
                          f"not k_pool {k_pool.dtype} and v_pool {v_pool.dtype}")
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(

@@ -4,8 +4,9 @@
 // straight from one layer of the stacked KV pool [layers, kv_heads, blocks, block_size, head_dim]
 // through the block table: nothing is gathered into a copy first, which is what makes the plain-XLA
 // path memory-bound on CPU. Softmax is computed online, one page at a time, in float32.
-// The pool is float32 or bfloat16 (both pools the same); bfloat16 elements are widened to float32 as
-// they are loaded (AttendOne<uint16_t>), so the math is float32 either way.
+// The pool is float32 or bfloat16 (both pools the same; bfloat16 also as its raw bits, uint16, which is
+// how the engine stores it on CPU); bfloat16 elements are widened to float32 as they are loaded
+// (AttendOne<uint16_t>), so the math is float32 either way.
 // Work items are (sequence, kv head) pairs, shared between the calling thread and XLA's intra-op
 // thread pool through an atomic counter: the caller never waits on a task that has not started.
 
@@ -168,8 +169,8 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     return ffi::Error::InvalidArgument("expected q [S, Hq, D], pools [L, Hkv, NB, BS, D], tables [S, P]");
   }
   const ffi::DataType dtype = k_pool.element_type();
-  if ((dtype != ffi::F32 && dtype != ffi::BF16) || v_pool.element_type() != dtype) {
-    return ffi::Error::InvalidArgument("the KV pools must both be float32 or both bfloat16");
+  if ((dtype != ffi::F32 && dtype != ffi::BF16 && dtype != ffi::U16) || v_pool.element_type() != dtype) {
+    return ffi::Error::InvalidArgument("the KV pools must both be float32 or both bfloat16 (or its uint16 bits)");
   }
   Problem p{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(), block_tables.typed_data(),
             lengths.typed_data(), out->typed_data(), layer.typed_data()[0], q_dims[0], q_dims[1], pool_dims[1],
@@ -198,7 +199,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttention, PagedDecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()         // k_pool: F32 or BF16
+                                  .Arg<ffi::AnyBuffer>()         // k_pool: F32, BF16 or U16 (bf16 bits)
                                   .Arg<ffi::AnyBuffer>()         // v_pool: the same
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables

@@ -186,6 +186,21 @@ class UnrolledLayers(nn.Module):
         return carry, None
 
 
+def untie_lm_head(params: dict) -> dict:
+    """A tied model's tree with its LM head as its own `[hidden, vocab]` kernel, the embedding table
+    transposed (`params["params"]["lm_head"]["kernel"]`), for models built with `untie_lm_head=True`.
+    XLA:CPU runs a bf16 matmul against the transposed table by converting the whole table to float32 first
+    (113 MB per step for the embedded model, 74 ms vs 6 ms at 32 rows on 2 cores)."""
+
+    def transposed(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape[::-1], x.dtype)
+        return x.T
+
+    table = params["params"]["embed_tokens"]["embedding"]
+    return {**params, "params": {**params["params"], "lm_head": {"kernel": transposed(table)}}}
+
+
 def unstack_layers(params: dict, num_layers: int) -> dict:
     """The weight loaders' tree (`params["params"]["layers"]` stacked on a leading layer axis) as the
     unrolled stack's tree (`params["params"]["layers"][str(i)]`). Works on arrays and ShapeDtypeStructs."""

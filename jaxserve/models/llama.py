@@ -78,6 +78,7 @@ class LlamaForCausalLM(nn.Module):
     backend: AttentionBackend | None = None
     mesh: Mesh | None = None
     scan_layers: bool = True
+    untie_lm_head: bool = False  # a tied model's head as its own [hidden, vocab] kernel (common.untie_lm_head)
 
     def setup(self):
         cfg = self.config
@@ -86,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer, cfg.num_layers, 2, cfg, self.dtype, self.backend, self.mesh, scan=self.scan_layers
         )
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings or self.untie_lm_head:
             self.lm_head = dense(cfg.vocab_size, "lm_head", self.dtype)
         self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
 
@@ -99,6 +100,6 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden), kv_pool
 
     def logits(self, hidden):
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and not self.untie_lm_head:
             return self.embed_tokens.attend(hidden)
         return self.lm_head(hidden)

@@ -78,6 +78,7 @@ class OPTForCausalLM(nn.Module):
     backend: AttentionBackend | None = None
     mesh: Mesh | None = None
     scan_layers: bool = True
+    untie_lm_head: bool = False  # a tied model's head as its own [hidden, vocab] kernel (common.untie_lm_head)
 
     def setup(self):
         cfg = self.config
@@ -93,7 +94,7 @@ class OPTForCausalLM(nn.Module):
         )
         if cfg.final_norm:
             self.norm = layer_norm(cfg, self.dtype)
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings or self.untie_lm_head:
             self.lm_head = dense(cfg.vocab_size, "lm_head", self.dtype)
 
     def __call__(self, input_ids, kv_pool, meta: AttentionMetadata):
@@ -113,6 +114,6 @@ class OPTForCausalLM(nn.Module):
         return hidden, kv_pool
 
     def logits(self, hidden):
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and not self.untie_lm_head:
             return self.embed_tokens.attend(hidden)
         return self.lm_head(hidden)

@@ -103,6 +103,25 @@ def test_cpu_backend_equals_the_plain_xla_backend_on_decode_and_prefill(pool_dty
                                   attend(ReferenceBackend(), chunk_q, chunk_meta))
 
 
+def test_a_bfloat16_pool_stored_as_its_bits_reads_the_same_values():
+    """The engine stores a bf16 pool as uint16 on CPU (attention.kv_storage_dtype): the kernel and the plain-XLA
+    path read those bits as the bf16 values, bit for bit."""
+    rng = np.random.default_rng(11)
+    q, k_pool, v_pool, block_tables, lengths = _inputs(rng, 9, 3, 64, 16, 6, jnp.bfloat16)
+    _poison_unread(k_pool, v_pool, block_tables, lengths)
+    bits = k_pool.view(np.uint16), v_pool.view(np.uint16)
+    meta = AttentionMetadata(block_tables=jnp.asarray(block_tables), q_start=jnp.asarray(np.maximum(lengths - 4, 0)),
+                             lengths=jnp.asarray(lengths))
+    decode_meta = meta.replace(q_start=jnp.asarray(np.maximum(lengths - 1, 0)))
+    chunk_q = jnp.asarray(rng.standard_normal((len(lengths), 4, 9, 64)).astype(np.float32))
+    calls = ((CpuBackend(), jnp.asarray(q[:, None]), decode_meta), (ReferenceBackend(), chunk_q, meta))
+    for backend, step_q, step_meta in calls:
+        attend = jax.jit(lambda q, k, v, meta, b=backend: b.attend(q, k, v, jnp.int32(LAYER), meta, sm_scale=0.125))
+        out = attend(step_q, *bits, step_meta)
+        assert not np.isnan(np.asarray(out)).any()
+        np.testing.assert_array_equal(out, attend(step_q, k_pool, v_pool, step_meta))
+
+
 def test_auto_picks_the_cpu_kernel_and_a_failed_build_reports_why(monkeypatch, tmp_path):
     assert get_attention_backend("auto").name == "cpu"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -135,12 +154,14 @@ def test_other_pool_dtypes_are_refused_with_a_clear_error():
     half = jnp.asarray(k_pool, jnp.float16), jnp.asarray(v_pool, jnp.float16)
     mixed = k_pool, v_pool.astype(jnp.bfloat16)
     for k, v in (half, mixed):  # the wrapper refuses them before the call...
-        with pytest.raises(ValueError, match="reads float32 or bfloat16 KV pools .both the same dtype., not k_pool"):
+        with pytest.raises(ValueError, match=r"reads float32 or bfloat16 \(or uint16 bits of bfloat16\) KV pools "
+                           r"\(both the same dtype\), not k_pool"):
             kernels_cpu.paged_decode_attention(*args(k, v), sm_scale=0.125)
     # ... and so does the FFI handler, for a caller that goes around the wrapper
     call = jax.ffi.ffi_call(kernels_cpu.TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     for k, v in (half, mixed):
-        with pytest.raises(jax.errors.JaxRuntimeError, match="the KV pools must both be float32 or both bfloat16"):
+        with pytest.raises(jax.errors.JaxRuntimeError,
+                           match=r"the KV pools must both be float32 or both bfloat16 \(or its uint16 bits\)"):
             call(q, k, v, np.array([LAYER], np.int32), block_tables, lengths,
                  sm_scale=np.float32(0.125), sliding_window=np.int64(0)).block_until_ready()
     # The cpu backend sends a float16 pool to the plain-XLA path instead.
