@@ -66,6 +66,9 @@ def write_kv(
     num_layers, num_kv_heads, num_blocks, block_size, head_dim = k_pool.shape
     num_slots = num_blocks * block_size
     slots = slot_mapping(meta, k.shape[1], block_size, num_slots)
+    if slots.shape[0] == 1:  # XLA turns a one-row scatter into a dynamic-update-slice that copies the pool
+        slots = jnp.concatenate([slots, jnp.full((1,), num_slots, jnp.int32)])  # a second row, dropped
+        k, v = (jnp.concatenate([x.reshape(1, *x.shape[2:])] * 2) for x in (k, v))
 
     def scatter(pool: jax.Array, new: jax.Array) -> jax.Array:
         flat = pool.reshape(num_layers, num_kv_heads, num_slots, head_dim)

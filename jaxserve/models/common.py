@@ -44,6 +44,10 @@ ACTIVATIONS = {
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w with x cast to w's dtype and float32 accumulation: float32 out, whatever the weights' dtype."""
+    if w.dtype != jnp.float32 and math.prod(x.shape[:-1]) == 1:
+        # one row: XLA:CPU has no bf16 matrix-vector product and would convert all of w to float32 first
+        two_rows = jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1]))
+        return matmul(two_rows, w)[:1].reshape(*x.shape[:-1], w.shape[-1])
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
