@@ -3,35 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.entrypoints.cli import chat_prompt_ids
-from jaxserve.weights import embedded_model_path
+from tests.embedded_reference import NEW_TOKENS, WORKLOADS, chats, hf_greedy, top2_gap
 
-WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
-CHATS = WORKLOADS / "chat_questions.jsonl"
-NEW_TOKENS = 32
 BATCHING_TOKENS = 8  # outputs of the batching test are capped so that 32 requests also run alone quickly
-
-
-def _chats() -> list[list[dict]]:
-    return [json.loads(line)["messages"] for line in CHATS.read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    import torch
-    import transformers
-
-    path = embedded_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -39,51 +18,28 @@ def llm():
     return LLM(dtype="float32", max_model_len=1024, max_num_seqs=32)
 
 
-def _hf_greedy(model, prompt_ids: list[int], eos_ids: set[int]) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy decoding with transformers, keeping each step's logits (no KV cache tricks: full recompute)."""
-    import torch
-
-    ids, out, step_logits = list(prompt_ids), [], []
-    past = None
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            feed = torch.tensor([ids[-1:]] if past is not None else [ids])
-            result = model(feed, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            logits = result.logits[0, -1].numpy()
-            token = int(logits.argmax())
-            step_logits.append(logits)
-            out.append(token)
-            ids.append(token)
-            if token in eos_ids:
-                break
-    return out, step_logits
-
-
-def test_greedy_tokens_match_transformers_on_every_chat(llm, hf_model):
+def test_greedy_tokens_match_transformers_on_every_chat(llm):
     tokenizer = llm.get_tokenizer()
-    conversations = _chats()
+    conversations = chats()
     assert len(conversations) == 32
     prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, msgs)} for msgs in conversations]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
-    eos = {tokenizer.eos_token_id}
     num_exact = 0
     for prompt, output in zip(prompts, outputs, strict=True):
         ours = output.outputs[0].token_ids
-        expected, logits = _hf_greedy(hf_model, prompt["prompt_token_ids"], eos)
+        expected, logits = hf_greedy(tuple(prompt["prompt_token_ids"]), tokenizer.eos_token_id)
         if ours == expected:
             num_exact += 1
             continue
         # the only excuse for a different token is a near tie in the reference logits at that point
         first = next(i for i, (a, b) in enumerate(zip(ours, expected, strict=False)) if a != b)
-        top2 = np.sort(logits[first])[-2:]
-        assert top2[1] - top2[0] < 1e-3, (first, ours, expected)
+        assert top2_gap(logits[first]) < 1e-3, (first, ours, expected)
     assert num_exact >= 30
 
 
 def _text_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
     """Prompts of exactly the given lengths, cut from the chats' text (real text, not random ids)."""
-    text = " ".join(m["content"] for msgs in _chats() for m in msgs)
+    text = " ".join(m["content"] for msgs in chats() for m in msgs)
     ids = tokenizer(text).input_ids
     ids = ids * (max(lengths) // len(ids) + 2)
     return [ids[i * 7 : i * 7 + n] for i, n in enumerate(lengths)]
