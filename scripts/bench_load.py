@@ -5,8 +5,9 @@ safetensors directory read on the host and then placed on the mesh (what `LLM(mo
     python scripts/bench_load.py --hf-dir path/to/model --repeats 5 --dtype bfloat16
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python scripts/bench_load.py --tensor-parallel-size 4
 
-With no `--hf-dir`, the embedded GGUF is dequantized by transformers and saved as a safetensors directory
-(float32), which is then converted to orbax with scripts/convert_checkpoint.py, both under `--work-dir`.
+With no `--hf-dir`, the embedded GGUF dequantized by transformers as a float32 safetensors directory is used
+(`baselines.embedded_hf_dir()`, made once under ~/.cache/jaxserve-baselines/); it is converted to orbax with
+scripts/convert_checkpoint.py under `--work-dir`.
 Each load is timed from the files to device arrays that are ready (`block_until_ready`), weights only
 (the tokenizer is the same for both); the median of `--repeats` runs is reported, files in the page cache.
 """
@@ -21,30 +22,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def embedded_as_hf_dir(out: Path) -> Path:
-    """The embedded GGUF, dequantized by transformers, as a float32 safetensors directory (transformers
-    refuses `save_pretrained` for GGUF-loaded models, so the state dict and config are written directly)."""
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-
-    from jaxserve.weights import embedded_model_path
-
-    gguf = embedded_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    state = model.state_dict()
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # shared with the embeddings
-    out.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    model.config.architectures = [type(model).__name__]
-    model.config.save_pretrained(out)
-    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
-    return out
 
 
 def load_safetensors(hf_dir: Path, dtype: str, mesh):
@@ -85,15 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import jax
+    from baselines import embedded_hf_dir
     from convert_checkpoint import convert
 
     from jaxserve.parallel import make_mesh
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_load_"))
     work.mkdir(parents=True, exist_ok=True)
-    hf_dir = Path(args.hf_dir) if args.hf_dir else work / "hf"
-    if not hf_dir.exists():
-        embedded_as_hf_dir(hf_dir)
+    hf_dir = Path(args.hf_dir) if args.hf_dir else embedded_hf_dir()
     orbax_dir = work / f"orbax-{args.dtype}"
     if not orbax_dir.exists():
         convert(str(hf_dir), orbax_dir, args.dtype)

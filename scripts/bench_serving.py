@@ -10,20 +10,46 @@ latency (E2EL), in milliseconds.
 
     jaxserve serve --max-model-len 2048 &                       # the embedded SmolLM2
     python scripts/bench_serving.py --num-prompts 16 --request-rate inf
+
+With `--servers jaxserve,vllm` the script instead starts each server itself, one at a time on 127.0.0.1
+(jaxserve serving the embedded SmolLM2 GGUF; vLLM's CPU build, from its own virtualenv, serving the same
+weights dequantized to a float32 safetensors directory: see scripts/baselines.py), waits until it answers
+/health and /v1/models (`--server-timeout`), measures it with vLLM's own client, `vllm bench serve`
+(random dataset of `--random-input-len` / `--random-output-len` tokens, seed 0 so both servers get the same
+prompts, greedy, ignore_eos, `--num-prompts` at `--request-rate`), stops it, and goes on to the next. It
+then prints one table from the clients' saved JSON results: output tok/s, mean/median/P99 TTFT, mean TPOT,
+mean/P99 ITL, and jaxserve's figure over vLLM's ("jaxserve / vllm": above 1 is better for throughput,
+below 1 is better for the latencies). The servers' logs and the client's results stay in `--result-dir`.
+
+    python scripts/bench_serving.py --servers jaxserve,vllm      # 64 prompts, 256 in, 128 out, 2 req/s
+    python scripts/bench_serving.py --servers jaxserve,vllm --num-prompts 4 --random-output-len 16
+    python scripts/bench_serving.py --servers jaxserve,vllm --dtype bfloat16 --vllm-dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baselines  # noqa: E402  (standard library only: vLLM's location and settings)
+
+REPO = Path(__file__).resolve().parents[1]
+SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the name both servers answer to in --servers mode
 DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "mixed_lengths.jsonl"
 SOURCE_TEXT = (
     "The history of computing is a story of abstraction layered on abstraction: switches became gates, "
@@ -161,18 +187,183 @@ def print_summary(s: dict) -> None:
         print("error:", error)
 
 
+# ----- --servers: start each server, measure it with `vllm bench serve`, compare -----------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(args, server: str, port: int) -> tuple[list[str], dict]:
+    """The command line and environment that serve the embedded model on 127.0.0.1:port."""
+    common = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.max_model_len),
+              "--served-model-name", SERVED_MODEL_NAME]
+    if server == "jaxserve":
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--dtype", args.dtype, *common,
+               "--uvicorn-log-level", "warning"]
+        return cmd, env
+    if server == "vllm":
+        cmd = [str(baselines.vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(baselines.embedded_hf_dir()), "--dtype", args.vllm_dtype, "--seed", "0", *common]
+        return cmd, vllm_env(args)
+    raise ValueError(f"unknown server {server!r} (jaxserve or vllm)")
+
+
+def vllm_env(args) -> dict:
+    return baselines.vllm_env(args.vllm_kv_cache_gib, args.vllm_omp_bind, args.vllm_reserved_cpus)
+
+
+def client_command(args, port: int, result_dir: Path, result_file: str) -> list[str]:
+    """`vllm bench serve` against 127.0.0.1:port, its JSON result (with per-request lengths) saved."""
+    return [
+        str(baselines.vllm_bin()), "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+        "--model", SERVED_MODEL_NAME, "--tokenizer", str(baselines.embedded_hf_dir()),
+        "--dataset-name", "random", "--random-input-len", str(args.random_input_len),
+        "--random-output-len", str(args.random_output_len), "--ignore-eos", "--temperature", "0",
+        "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate), "--seed", str(args.seed),
+        *(["--max-concurrency", str(args.max_concurrency)] if args.max_concurrency else []),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+        "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", result_file,
+    ]
+
+
+def wait_ready(proc: subprocess.Popen, base_url: str, timeout: float) -> float:
+    """Seconds until the server answers /health and /v1/models; raises if it exits or takes too long."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            if (httpx.get(base_url + "/health", timeout=5).status_code == 200
+                    and httpx.get(base_url + "/v1/models", timeout=5).status_code == 200):
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"the server at {base_url} was not ready after {timeout:.0f}s")
+
+
+def stop_server(proc: subprocess.Popen, grace: float = 60) -> None:
+    """SIGTERM to the server (it shuts down the engine processes it forked), then SIGKILL to whatever of
+    its process group is left."""
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session (start_new_session): only what it started
+    proc.wait()
+
+
+def measure_server(args, server: str, result_dir: Path) -> dict:
+    """Starts `server`, runs the client against it, stops it; the client's saved result."""
+    port = free_port()
+    cmd, env = server_command(args, server, port)
+    result_file = f"{server}.json"
+    with open(result_dir / f"{server}-server.log", "w") as log:
+        print(f"starting {server}: {' '.join(cmd)}", flush=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        try:
+            ready = wait_ready(proc, f"http://127.0.0.1:{port}", args.server_timeout)
+            print(f"{server} ready after {ready:.0f}s; running vllm bench serve", flush=True)
+            with open(result_dir / f"{server}-client.log", "w") as client_log:
+                subprocess.run(client_command(args, port, result_dir, result_file), env=vllm_env(args),
+                               stdout=client_log, stderr=subprocess.STDOUT, check=True, cwd=result_dir,
+                               timeout=args.client_timeout)
+        finally:
+            stop_server(proc)
+    result = json.loads((result_dir / result_file).read_text())
+    result["startup_s"] = ready
+    return result
+
+
+def summarize_client_result(server: str, result: dict, output_len: int) -> dict:
+    """One table row from `vllm bench serve`'s saved JSON (saved with --save-detailed)."""
+    lens = result.get("output_lens") or []
+    short = sum(1 for n in lens if n != output_len)
+    return {
+        "server": server, "completed": result["completed"], "failed": result["failed"],
+        "wrong_length": short, "output_throughput": result["output_throughput"],
+        **{key: result[key] for key in SERVING_METRICS},
+    }
+
+
+SERVING_METRICS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_itl_ms")
+
+
+def comparison_table(rows: list[dict]) -> str:
+    """Markdown: one row per server, then jaxserve's figures over vLLM's when both ran."""
+    columns = ["output_throughput", *SERVING_METRICS]
+    titles = ["output tok/s", "mean TTFT ms", "median TTFT ms", "P99 TTFT ms", "mean TPOT ms", "mean ITL ms",
+              "P99 ITL ms"]
+    lines = [f"| server | ok / failed / wrong length | {' | '.join(titles)} |",
+             "|---|---|" + "---|" * len(titles)]
+    for r in rows:
+        figures = " | ".join(f"{r[c]:.1f}" for c in columns)
+        lines.append(f"| {r['server']} | {r['completed']} / {r['failed']} / {r['wrong_length']} | {figures} |")
+    by_name = {r["server"]: r for r in rows}
+    if {"jaxserve", "vllm"} <= by_name.keys():
+        jax, vllm = by_name["jaxserve"], by_name["vllm"]
+        ratios = " | ".join(f"{jax[c] / vllm[c]:.2f}x" if vllm[c] else "n/a" for c in columns)
+        lines.append(f"| jaxserve / vllm | | {ratios} |")
+    return "\n".join(lines)
+
+
+def compare_servers(args) -> None:
+    result_dir = Path(args.result_dir or tempfile.mkdtemp(prefix="bench_serving_"))
+    result_dir.mkdir(parents=True, exist_ok=True)
+    baselines.embedded_hf_dir()  # converted before any server starts (vLLM's model, the client's tokenizer)
+    rows, startups = [], []
+    for server in filter(None, args.servers.split(",")):
+        result = measure_server(args, server, result_dir)
+        rows.append(summarize_client_result(server, result, args.random_output_len))
+        startups.append(f"{server} {result['startup_s']:.0f}s")
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{args.num_prompts} prompts of {args.random_input_len} tokens, {args.random_output_len} out "
+          f"(ignore_eos, greedy), {args.request_rate} req/s, `vllm bench serve`; jaxserve {args.dtype}, "
+          f"vLLM {args.vllm_dtype}; time to ready (not measured): {', '.join(startups)}; "
+          f"logs and results in {result_dir}\n")
+    print(comparison_table(rows))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's)")
     parser.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="requests per second, Poisson arrivals; inf sends all at once")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default 256; 64 with --servers")
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="requests per second, Poisson arrivals; inf sends all at once (default inf; 2 with "
+                        "--servers)")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", default=None, help="also write the summary here")
+    group = parser.add_argument_group("--servers: start and measure each server with `vllm bench serve`")
+    group.add_argument("--servers", default=None, help="comma-separated, run in this order: jaxserve, vllm")
+    group.add_argument("--random-input-len", type=int, default=256)
+    group.add_argument("--random-output-len", type=int, default=128)
+    group.add_argument("--max-model-len", type=int, default=2048, help="both servers'")
+    group.add_argument("--dtype", default="float32", help="jaxserve's")
+    group.add_argument("--vllm-dtype", default="bfloat16")
+    group.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    group.add_argument("--vllm-omp-bind", default=baselines.VLLM_OMP_BIND,
+                       help="VLLM_CPU_OMP_THREADS_BIND: cores for vLLM's OpenMP threads, auto or nobind")
+    group.add_argument("--vllm-reserved-cpus", type=int, default=baselines.VLLM_RESERVED_CPUS,
+                       help="VLLM_CPU_NUM_OF_RESERVED_CPU: cores kept back from the model by --vllm-omp-bind auto")
+    group.add_argument("--server-timeout", type=float, default=900, help="seconds for a server to become ready")
+    group.add_argument("--client-timeout", type=float, default=3600, help="seconds for one client run")
+    group.add_argument("--result-dir", default=None, help="servers' logs and clients' results (default: a temp dir)")
     args = parser.parse_args()
+    if args.servers:
+        args.num_prompts = args.num_prompts or 64
+        args.request_rate = 2.0 if args.request_rate is None else args.request_rate
+        compare_servers(args)
+        return
+    args.num_prompts = args.num_prompts or 256
+    args.request_rate = float("inf") if args.request_rate is None else args.request_rate
     summary = asyncio.run(run(args))
     print_summary(summary)
     if args.result_json:

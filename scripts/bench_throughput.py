@@ -1,21 +1,40 @@
-"""Offline throughput: jaxserve's continuous batching against transformers' static batching, same run.
+"""Offline throughput: jaxserve's continuous batching against baselines on the same requests, same run:
+transformers' static batching and vLLM's CPU build (`LLM.generate`).
 
 Requests come from shared/workloads/mixed_lengths.jsonl: prompts of exactly `prompt_len` seeded random
-token ids and exactly `output_len` new tokens (ignore_eos), so both engines do the same work. Prints
-output tokens/s, requests/s, the ratio, padding waste and KV usage, as a markdown table.
+token ids and exactly `output_len` new tokens (greedy, ignore_eos), so every engine does the same work;
+each engine is checked to have produced exactly `output_len` tokens for every request. Each engine is
+measured in a fresh process of its own; start-up (load, warm-up, compilation) is not counted, only the
+generation. Prints a markdown table: seconds, output tokens/s, requests/s, jaxserve's throughput over
+each engine's ("jaxserve / it", above 1 means jaxserve is faster), padding waste, and jaxserve's KV usage.
 
-    python scripts/bench_throughput.py                      # all 256 requests, embedded model
+    python scripts/bench_throughput.py                      # all 256 requests, embedded model, transformers
     python scripts/bench_throughput.py --num-requests 64 --hf-batch-sizes 16
+    python scripts/bench_throughput.py --baseline vllm      # vLLM bfloat16 on the same requests
+    python scripts/bench_throughput.py --baseline transformers,vllm --vllm-dtype bfloat16,float32
+
+`--baseline` is a comma-separated list of transformers (static batches of each `--hf-batch-sizes`) and
+vllm (one run per `--vllm-dtype`); default transformers, empty for jaxserve alone. vLLM runs from its own
+virtualenv (shared/tools/install_vllm_cpu.sh; see scripts/baselines.py), fed the embedded model
+dequantized to a float32 safetensors directory (cached under ~/.cache/jaxserve-baselines/), with
+`--max-model-len`, a KV cache of `--vllm-kv-cache-gib` GiB and its OpenMP threads bound as
+`--vllm-omp-bind` says. Only the embedded model is supported with vllm (`--model` must be left out).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baselines  # noqa: E402  (standard library only: vLLM's location and settings)
 
 DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "mixed_lengths.jsonl"
 
@@ -46,15 +65,16 @@ def bench_jaxserve(args, requests) -> dict:
 
     start = time.perf_counter()
     add_requests(engine, requests)
-    num_out = 0
+    counts: dict[int, int] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            num_out += len(out.outputs[0].token_ids) if out.finished else 0
+            if out.finished:
+                counts[int(out.request_id.removeprefix("bench-"))] = len(out.outputs[0].token_ids)
         peak_usage = max(peak_usage, engine.block_manager.usage)
     elapsed = time.perf_counter() - start
-    assert num_out == sum(n for _, n in requests), "jaxserve produced the wrong number of tokens"
+    check_token_counts("jaxserve", [counts.get(i, 0) for i in range(len(requests))], requests)
     return {
-        "engine": "jaxserve", "seconds": elapsed, "startup_s": startup, "output_tokens": num_out,
+        "engine": "jaxserve", "seconds": elapsed, "startup_s": startup, "output_tokens": sum(counts.values()),
         "padding_waste": engine.stats.padding_waste, "peak_kv_usage": peak_usage,
         "preemptions": engine.stats.num_preemptions,
     }
@@ -80,10 +100,12 @@ def bench_transformers(args, requests, batch_size: int) -> dict:
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
         with torch.no_grad():
-            model.generate(
+            out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                 do_sample=False, pad_token_id=pad_id,
             )
+        # every row runs to the batch's longest output: each request gets at least the tokens it asked for
+        check_token_counts("transformers", [out.shape[1] - width] * len(batch), [(p, new_tokens) for p, _ in batch])
         num_out += sum(n for _, n in batch)  # useful tokens: what each request asked for
         padded += len(batch) * (width + new_tokens)
     elapsed = time.perf_counter() - start
@@ -94,49 +116,88 @@ def bench_transformers(args, requests, batch_size: int) -> dict:
     }
 
 
+def bench_vllm(args, requests, dtype: str) -> dict:
+    env = baselines.vllm_env(args.vllm_kv_cache_gib, args.vllm_omp_bind, args.vllm_reserved_cpus)
+    return baselines.run_vllm_offline(requests, dtype=dtype, max_model_len=args.max_model_len, env=env)
+
+
+def check_token_counts(engine: str, counts: list[int], requests: list[tuple[list[int], int]]) -> None:
+    """Every request produced exactly the tokens it asked for."""
+    wrong = [(i, got, n) for i, (got, (_, n)) in enumerate(zip(counts, requests, strict=True)) if got != n]
+    assert not wrong, f"{engine} produced the wrong number of tokens (request, got, asked): {wrong[:5]}"
+
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new Python process: each engine starts from nothing (no jax, torch or caches of
+    the one before) and gives all its memory back when done."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def report(results: list[dict], num_requests: int) -> str:
-    baseline = max((r for r in results if r["engine"].startswith("transformers")),
-                   key=lambda r: r["output_tokens"] / r["seconds"], default=None)
+    jax_result = next(r for r in results if r["engine"] == "jaxserve")
+    jax_tps = jax_result["output_tokens"] / jax_result["seconds"]
     lines = [
-        "| engine | seconds | output tok/s | requests/s | ratio to best transformers | padding waste |",
+        "| engine | seconds | output tok/s | requests/s | jaxserve / it | padding waste |",
         "|---|---|---|---|---|---|",
     ]
     for r in results:
         tps = r["output_tokens"] / r["seconds"]
-        ratio = f"{tps / (baseline['output_tokens'] / baseline['seconds']):.2f}x" if baseline else "n/a"
+        waste = f"{r['padding_waste']:.3f}" if "padding_waste" in r else "n/a"
         lines.append(
             f"| {r['engine']} | {r['seconds']:.1f} | {tps:.1f} | {num_requests / r['seconds']:.2f} | "
-            f"{ratio} | {r['padding_waste']:.3f} |"
+            f"{jax_tps / tps:.2f}x | {waste} |"
         )
-    jax_result = next(r for r in results if r["engine"] == "jaxserve")
     lines.append("")
     lines.append(
         f"jaxserve: start-up (load + warm-up) {jax_result['startup_s']:.1f}s, peak KV usage "
         f"{jax_result['peak_kv_usage']:.1%}, preemptions {jax_result['preemptions']}"
     )
+    for r in results:
+        if r["engine"].startswith("vllm"):
+            lines.append(f"{r['engine']}: start-up (load + compile + warm-up) {r['startup_s']:.1f}s")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", help="jaxserve's")
     parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--buckets", default=None)
-    parser.add_argument("--hf-batch-sizes", default="8,16,32", help="comma-separated; empty to skip")
+    parser.add_argument("--baseline", default="transformers",
+                        help="comma-separated: transformers, vllm (default transformers; empty for none)")
+    parser.add_argument("--hf-batch-sizes", default="8,16,32", help="transformers': comma-separated; empty to skip")
+    parser.add_argument("--vllm-dtype", default="bfloat16", help="comma-separated: one vLLM run for each")
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--vllm-omp-bind", default=baselines.VLLM_OMP_BIND,
+                        help="VLLM_CPU_OMP_THREADS_BIND: cores for vLLM's OpenMP threads, auto or nobind")
+    parser.add_argument("--vllm-reserved-cpus", type=int, default=baselines.VLLM_RESERVED_CPUS,
+                        help="VLLM_CPU_NUM_OF_RESERVED_CPU: cores kept back from the model by --vllm-omp-bind auto")
     args = parser.parse_args()
+    chosen = set(filter(None, args.baseline.split(",")))
+    if chosen - {"transformers", "vllm"}:
+        parser.error(f"unknown --baseline {sorted(chosen - {'transformers', 'vllm'})}")
+    if "vllm" in chosen and args.model is not None:
+        parser.error("--baseline vllm runs the embedded model only: leave out --model")
 
     from jaxserve.weights import load_config, resolve_model_path
 
     vocab = load_config(resolve_model_path(args.model)).vocab_size
     requests = load_requests(args.workload, args.num_requests, vocab)
-    results = [bench_jaxserve(args, requests)]
-    print(json.dumps(results[-1]), flush=True)  # each engine's figures as soon as they exist
-    for size in filter(None, args.hf_batch_sizes.split(",")):
-        results.append(bench_transformers(args, requests, int(size)))
-        print(json.dumps(results[-1]), flush=True)
+    runs = [(bench_jaxserve, args, requests)]
+    if "transformers" in chosen:
+        sizes = [int(size) for size in filter(None, args.hf_batch_sizes.split(","))]
+        runs += [(bench_transformers, args, requests, size) for size in sizes]
+    if "vllm" in chosen:
+        runs += [(bench_vllm, args, requests, dtype) for dtype in filter(None, args.vllm_dtype.split(","))]
+    results = []
+    for fn, *fn_args in runs:
+        results.append(in_fresh_process(fn, *fn_args))
+        print(json.dumps(results[-1]), flush=True)  # each engine's figures as soon as they exist
     print(report(results, len(requests)))
 
 
