@@ -346,7 +346,7 @@ def main() -> None:
     group.add_argument("--random-input-len", type=int, default=256)
     group.add_argument("--random-output-len", type=int, default=128)
     group.add_argument("--max-model-len", type=int, default=2048, help="both servers'")
-    group.add_argument("--dtype", default="float32", help="jaxserve's")
+    group.add_argument("--dtype", default="auto", help="jaxserve's (default: its default, auto)")
     group.add_argument("--vllm-dtype", default="bfloat16")
     group.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     group.add_argument("--vllm-omp-bind", default=baselines.VLLM_OMP_BIND,

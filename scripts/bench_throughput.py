@@ -163,7 +163,7 @@ def report(results: list[dict], num_requests: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--dtype", default="float32", help="jaxserve's")
+    parser.add_argument("--dtype", default="auto", help="jaxserve's (default: its default, auto)")
     parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
