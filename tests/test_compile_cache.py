@@ -212,7 +212,7 @@ def test_tensor_parallel_precompile_starts_with_zero_fresh_compiles(model_dir, b
     """Two virtual CPU devices: the abstract params and pool carry the engine's shardings."""
     cache = tmp_path / "cache"
     result = _run([
-        "scripts/precompile.py", "--model", str(model_dir), "--buckets", str(bucket_file),
+        "scripts/precompile.py", "--model", str(model_dir), "--dtype", "float32", "--buckets", str(bucket_file),
         "--compile-cache-dir", str(cache), "--no-progress", "--tensor-parallel-size", "2",
     ], devices=2)
     assert ": 0 from the compile cache, 3 compiled fresh" in result.stdout
