@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.compile_cache import num_backend_compiles
 from jaxserve.entrypoints.cli import chat_prompt_ids
 from tests.embedded_reference import NEW_TOKENS, chats, hf_greedy, top2_gap
 
@@ -48,7 +49,9 @@ def references(llm):
 def test_teacher_forced_argmax_agrees_with_float32_transformers(llm, references):
     prompts = [{"prompt_token_ids": prompt + tokens} for prompt, tokens, _ in references]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    compiles_before = num_backend_compiles()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert num_backend_compiles() == compiles_before  # nothing compiles after warm-up in bfloat16 either
     agree = total = 0
     disagreements = []
     for (prompt, tokens, logits), output in zip(references, outputs, strict=True):
@@ -65,7 +68,9 @@ def test_teacher_forced_argmax_agrees_with_float32_transformers(llm, references)
 
 def test_greedy_divergences_only_at_near_ties(llm, references):
     prompts = [{"prompt_token_ids": prompt} for prompt, _, _ in references]
+    compiles_before = num_backend_compiles()
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    assert num_backend_compiles() == compiles_before
     exact, gaps = 0, []
     for (_, expected, logits), output in zip(references, outputs, strict=True):
         ours = output.outputs[0].token_ids
