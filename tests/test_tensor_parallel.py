@@ -8,7 +8,8 @@ pool's per-device bytes shrink by the mesh size; weights are split column- and r
 keep their warm-up shardings and nothing compiles while serving; the compiled steps communicate only the
 two row-parallel all-reduces per layer and update the pool and the sampler state in place; the Pallas
 kernels work per device (tp 2); OPT and GPT-2 under tp 4 equal transformers' tokens; an orbax checkpoint
-restores straight into the mesh sharding; clear errors for indivisible heads, too few kv heads and too
+restores straight into the mesh sharding; the CPU bfloat16 layout (unrolled layers, uint16 KV
+storage) gives tp 1's tokens under tp 2; clear errors for indivisible heads, too few kv heads and too
 many devices.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ROOT / "tests" / "multidevice" / "check_tensor_parallel.py"
-NUM_CHECKS = 14
+NUM_CHECKS = 15
 
 
 def test_tensor_parallel_checks_pass_on_8_cpu_devices():

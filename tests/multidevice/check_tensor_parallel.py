@@ -200,3 +200,16 @@ def test_fewer_kv_heads_than_devices_is_a_clear_error(tmp_path, buckets):
 def test_more_devices_than_exist_is_a_clear_error(model_dir, buckets):
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(16\) exceeds the 8 available cpu devices"):
         LLM(str(model_dir), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=16)
+
+
+def test_bfloat16_layout_splits_too(model_dir, buckets):
+    """The CPU bfloat16 layout (unrolled layers, uint16 KV storage) under tp 2: the same greedy tokens as tp 1,
+    the pool split by kv heads, nothing compiled while serving."""
+    bf16 = {tp: LLM(str(model_dir), dtype="bfloat16", buckets=buckets, max_model_len=128, tensor_parallel_size=tp)
+            for tp in (1, 2)}
+    runner = bf16[2].llm_engine.runner
+    assert runner.kv_pool[0].dtype == np.uint16 and runner.kv_pool[0].sharding.spec == P(None, "tp")
+    assert "0" in runner.params["params"]["layers"]  # one module per layer
+    compiles_before = num_backend_compiles()
+    assert _generate(bf16[2]) == _generate(bf16[1])
+    assert num_backend_compiles() == compiles_before
