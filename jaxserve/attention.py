@@ -231,8 +231,8 @@ class PallasBackend:
 
 class CpuBackend(ReferenceBackend):
     """XLA:CPU: decode steps call the native kernel of `kernels_cpu`, which reads the pages in place (plain
-    XLA first copies every page through a slow gather) when the pool is float32 or bfloat16; prefill chunks,
-    and pools of other dtypes, take the plain-XLA path of `ReferenceBackend`."""
+    XLA first copies every page through a slow gather) when the pool is float32 or bfloat16 (or its uint16
+    bits); prefill chunks, and pools of other dtypes, take the plain-XLA path of `ReferenceBackend`."""
 
     name = "cpu"
 

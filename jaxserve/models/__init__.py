@@ -1,5 +1,6 @@
 """Model families by architecture name. Every supported architecture maps to a Flax module class whose
-constructor is `(config, dtype, attention_backend, mesh)`."""
+constructor is `(config, dtype, attention_backend, mesh, *, scan_layers=True, untie_lm_head=False)` (the
+layouts of `common.layer_stack` and `common.untie_lm_head`)."""
 
 from jaxserve.models.gpt2 import GPT2LMHeadModel
 from jaxserve.models.llama import LlamaForCausalLM
