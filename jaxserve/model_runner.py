@@ -144,7 +144,7 @@ class ModelRunner:
             config, self.dtype, self.backend, model_mesh, scan_layers=not cpu_bf16,
             untie_lm_head=cpu_bf16 and config.tie_word_embeddings,
         )
-        if cpu_bf16:
+        if not self.model.scan_layers:
             params = unstack_layers(params, config.num_layers)
         if self.model.untie_lm_head:
             params = untie_lm_head(params)

@@ -40,9 +40,9 @@ def bf16_matrix_unit(device, flags: frozenset[str] | None = None) -> str | None:
     platform = device.platform
     if platform == "tpu":
         return "TPU MXU"
-    if platform in ("gpu", "cuda", "rocm"):
+    if platform in ("gpu", "cuda"):
         capability = getattr(device, "compute_capability", None)
-        if platform != "rocm" and capability is not None and float(capability) >= 8.0:
+        if capability is not None and float(capability) >= 8.0:
             return f"GPU tensor cores (compute capability {capability})"
         return None
     if platform == "cpu":

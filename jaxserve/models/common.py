@@ -162,8 +162,8 @@ def layer_stack(layer_cls: type[nn.Module], num_layers: int, num_broadcast_input
     `scan=True`: one `nn.scan` over stacked weights (`params["layers"]` with a leading layer axis), so
     compile time does not grow with depth (TPU, GPU). `scan=False`: one module per layer
     (`params["layers"]["0"]`, ...; `unstack_layers` converts), which XLA:CPU needs to run bf16 matmuls on
-    AMX: inside a scan over stacked weights they lose that path and run slower than float32
-    (shared/notes/cpu-bf16.md: 2-3x for the 30-layer embedded model)."""
+    its fast path (AMX or AVX512-BF16): inside a scan over stacked weights they lose it and run slower than
+    float32 (shared/notes/cpu-bf16.md: 2-3x for the 30-layer embedded model)."""
     if scan:
         scanned = nn.scan(
             layer_cls,
