@@ -37,7 +37,7 @@ from jaxserve.user_cache import cache_root
 TARGET_NAME = "jaxserve_paged_decode_attention"
 SOURCE = Path(__file__).with_name("paged_decode_attention.cc")
 CXX_FLAGS = [
-    "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+    "-O3", "-march=native", "-mprefer-vector-width=512", "-std=c++17", "-shared", "-fPIC",
     # lets the dot products vectorize (reassociated sums); infinities keep their meaning (no -ffast-math)
     "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
 ]

@@ -75,10 +75,105 @@ inline float ToFloat(uint16_t bfloat16_bits) {
   return x;
 }
 
+// 16 float32 lanes: one AVX-512 register, two AVX2 ones; GCC's and Clang's vector extension, so the code
+// below states the vector algorithm once and the compiler picks the instructions for the native ISA.
+constexpr int64_t kLanes = 16;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+#if defined(__clang__) || __GNUC__ >= 12
+#define JAXSERVE_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t VecIndex __attribute__((vector_size(kLanes * sizeof(int32_t))));
+#define JAXSERVE_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, VecIndex{__VA_ARGS__})
+#endif
+
+// Lane i of the result is the sum of v[i]'s lanes (v is overwritten). Pairwise: each round adds the even
+// and odd lanes of two neighbours, halving the vectors, so 16 sums cost 15 adds and 30 shuffles instead
+// of a horizontal reduction each.
+inline Vec SumEach(Vec v[kLanes]) {
+  for (int64_t count = kLanes; count > 1; count /= 2) {
+    for (int64_t i = 0; i < count / 2; ++i) {
+      const Vec a = v[2 * i], b = v[2 * i + 1];
+      v[i] = JAXSERVE_SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+             JAXSERVE_SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    }
+  }
+  return v[0];
+}
+
+inline Vec Broadcast(float x) { return Vec{} + x; }
+
+inline Vec ExpNonPositive(Vec x) {
+  for (int64_t l = 0; l < kLanes; ++l) x[l] = ExpNonPositive(x[l]);
+  return x;
+}
+
+inline float Max(Vec x) {
+  float m = x[0];
+  for (int64_t l = 1; l < kLanes; ++l) m = std::max(m, x[l]);
+  return m;
+}
+
+// Up to 16 consecutive cached tokens of one page, widened to float32 into [kLanes, padded_dim] tiles; rows
+// past `count` and columns past `dim` are zeros, so every lane computes on finite numbers and the unread
+// slots of the pool (other sequences' data, or garbage) never enter the arithmetic.
+template <typename T>
+void LoadTile(const T* rows, int64_t count, int64_t dim, int64_t padded_dim, float* tile) {
+  for (int64_t t = 0; t < count; ++t) {
+    for (int64_t d = 0; d < dim; ++d) tile[t * padded_dim + d] = ToFloat(rows[t * dim + d]);
+    std::fill(tile + t * padded_dim + dim, tile + (t + 1) * padded_dim, 0.0f);
+  }
+  std::fill(tile + count * padded_dim, tile + kLanes * padded_dim, 0.0f);
+}
+
+// Asks for a page's rows ahead of use: pages are scattered through the pool, so the hardware prefetcher
+// cannot guess the next one, and each page switch would otherwise wait on memory.
+inline void PrefetchPage(const void* page, int64_t bytes) {
+  const char* first_byte = static_cast<const char*>(page);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first_byte + offset);
+}
+
+// Online-softmax state of one query head: its (pre-scaled) query, running maximum, denominator and
+// weighted sum of values, each [padded_dim / kLanes] vectors.
+struct HeadState {
+  Vec q[kMaxHeadDim / kLanes];
+  Vec acc[kMaxHeadDim / kLanes];
+  float max_score, denom;
+};
+
+// Folds one tile of `count` tokens into a head's state: 16 scores at once (a dot product per lane, summed
+// by SumEach), the running maximum and denominator rescaled, then the values weighted into acc.
+void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t count, int64_t chunks) {
+  Vec partial[kLanes];
+  for (int64_t t = 0; t < kLanes; ++t) {
+    Vec dot = head.q[0] * keys[t * chunks];
+    for (int64_t c = 1; c < chunks; ++c) dot += head.q[c] * keys[t * chunks + c];
+    partial[t] = dot;
+  }
+  Vec scores = SumEach(partial);
+  for (int64_t t = count; t < kLanes; ++t) scores[t] = -std::numeric_limits<float>::infinity();
+  const float tile_max = std::max(head.max_score, Max(scores));
+  const Vec weights = ExpNonPositive(scores - Broadcast(tile_max));  // zero in the masked lanes
+  const float correction = head.max_score == -std::numeric_limits<float>::infinity()
+                               ? 0.0f : ExpNonPositive(head.max_score - tile_max);
+  float tile_sum = 0.0f;
+  for (int64_t t = 0; t < count; ++t) tile_sum += weights[t];
+  head.denom = head.denom * correction + tile_sum;
+  head.max_score = tile_max;
+  for (int64_t c = 0; c < chunks; ++c) {
+    Vec acc = head.acc[c] * correction;
+    for (int64_t t = 0; t < count; ++t) acc += weights[t] * values[t * chunks + c];
+    head.acc[c] = acc;
+  }
+}
+
 // Attention of the `group` query heads of kv head `h` of sequence `s`; T is the pool's element type.
+// The cached tokens are taken 16 at a time (never crossing a page): each K and V row is read from the pool
+// and widened once, then used by every query head of the group.
 template <typename T>
 void AttendOne(const Problem& p, int64_t s, int64_t h) {
   const int64_t group = p.num_q_heads / p.num_kv_heads, dim = p.head_dim, bs = p.block_size;
+  const int64_t chunks = (dim + kLanes - 1) / kLanes, padded_dim = chunks * kLanes;
   const float* q = p.q + (s * p.num_q_heads + h * group) * dim;
   float* out = p.out + (s * p.num_q_heads + h * group) * dim;
   const int64_t length = std::min<int64_t>(p.lengths[s], p.pages_per_seq * bs);
@@ -87,53 +182,41 @@ void AttendOne(const Problem& p, int64_t s, int64_t h) {
     std::memset(out, 0, sizeof(float) * group * dim);
     return;
   }
-  float max_score[kMaxGroup], denom[kMaxGroup], scores[kMaxGroup][kMaxBlockSize];
-  float acc[kMaxGroup][kMaxHeadDim];
+  HeadState heads[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
-    max_score[g] = -std::numeric_limits<float>::infinity();
-    denom[g] = 0.0f;
-    std::fill(acc[g], acc[g] + dim, 0.0f);
+    float* head_q = reinterpret_cast<float*>(heads[g].q);
+    for (int64_t d = 0; d < padded_dim; ++d) head_q[d] = d < dim ? q[g * dim + d] * p.sm_scale : 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) heads[g].acc[c] = Vec{};
+    heads[g].max_score = -std::numeric_limits<float>::infinity();
+    heads[g].denom = 0.0f;
   }
+  Vec keys[kLanes * kMaxHeadDim / kLanes], values[kLanes * kMaxHeadDim / kLanes];
   const int64_t layer_head = (p.layer * p.num_kv_heads + h) * p.num_blocks;
-  for (int64_t page_index = first / bs; page_index * bs < length; ++page_index) {
-    // Out-of-range entries are clamped, as XLA clamps gather indices: a bad table never reads outside the pool.
-    const int64_t block = std::clamp<int64_t>(p.block_tables[s * p.pages_per_seq + page_index], 0, p.num_blocks - 1);
-    const T* keys = static_cast<const T*>(p.k_pool) + (layer_head + block) * bs * dim;
-    const T* values = static_cast<const T*>(p.v_pool) + (layer_head + block) * bs * dim;
-    const int64_t start = std::max<int64_t>(first - page_index * bs, 0);
+  const int32_t* table = p.block_tables + s * p.pages_per_seq;
+  // Out-of-range entries are clamped, as XLA clamps gather indices: a bad table never reads outside the pool.
+  auto page_offset = [&](int64_t page_index) {
+    return (layer_head + std::clamp<int64_t>(table[page_index], 0, p.num_blocks - 1)) * bs * dim;
+  };
+  const T* k_pool = static_cast<const T*>(p.k_pool);
+  const T* v_pool = static_cast<const T*>(p.v_pool);
+  const int64_t last_page = (length - 1) / bs;
+  for (int64_t page_index = first / bs; page_index <= last_page; ++page_index) {
+    if (page_index + 1 <= last_page) {
+      PrefetchPage(k_pool + page_offset(page_index + 1), bs * dim * static_cast<int64_t>(sizeof(T)));
+      PrefetchPage(v_pool + page_offset(page_index + 1), bs * dim * static_cast<int64_t>(sizeof(T)));
+    }
     const int64_t stop = std::min<int64_t>(bs, length - page_index * bs);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * dim;
-      float* score = scores[g];
-      float page_max = max_score[g];
-      for (int64_t t = start; t < stop; ++t) {
-        const T* k = keys + t * dim;
-        float dot = 0.0f;
-        for (int64_t d = 0; d < dim; ++d) dot += qg[d] * ToFloat(k[d]);
-        score[t] = dot * p.sm_scale;
-        page_max = std::max(page_max, score[t]);
-      }
-      float page_sum = 0.0f;
-      for (int64_t t = start; t < stop; ++t) {
-        score[t] = ExpNonPositive(score[t] - page_max);  // now the softmax weight
-        page_sum += score[t];
-      }
-      const float correction = max_score[g] == -std::numeric_limits<float>::infinity()
-                                   ? 0.0f : ExpNonPositive(max_score[g] - page_max);
-      denom[g] = denom[g] * correction + page_sum;
-      float* a = acc[g];
-      for (int64_t d = 0; d < dim; ++d) a[d] *= correction;
-      for (int64_t t = start; t < stop; ++t) {
-        const float weight = score[t];
-        const T* v = values + t * dim;
-        for (int64_t d = 0; d < dim; ++d) a[d] += weight * ToFloat(v[d]);
-      }
-      max_score[g] = page_max;
+    for (int64_t t = std::max<int64_t>(first - page_index * bs, 0); t < stop; t += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, stop - t), row = page_offset(page_index) + t * dim;
+      LoadTile(k_pool + row, count, dim, padded_dim, reinterpret_cast<float*>(keys));
+      LoadTile(v_pool + row, count, dim, padded_dim, reinterpret_cast<float*>(values));
+      for (int64_t g = 0; g < group; ++g) AttendTile(heads[g], keys, values, count, chunks);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.0f / denom[g];
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = acc[g][d] * inv;
+    const float inv = 1.0f / heads[g].denom;
+    const float* acc = reinterpret_cast<const float*>(heads[g].acc);
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = acc[d] * inv;
   }
 }
 
