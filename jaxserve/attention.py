@@ -230,9 +230,10 @@ class PallasBackend:
 
 
 class CpuBackend(ReferenceBackend):
-    """XLA:CPU: decode steps call the native kernel of `kernels_cpu`, which reads the pages in place (plain
-    XLA first copies every page through a slow gather) when the pool is float32 or bfloat16 (or its uint16
-    bits); prefill chunks, and pools of other dtypes, take the plain-XLA path of `ReferenceBackend`."""
+    """XLA:CPU: decode steps and prefill chunks call the native kernel of `kernels_cpu`, which reads the pages
+    in place (plain XLA first copies every page through a slow gather) and attends only up to each token's
+    position, when the pool is float32 or bfloat16 (or its uint16 bits); pools of other dtypes take the
+    plain-XLA path of `ReferenceBackend`."""
 
     name = "cpu"
 
@@ -246,13 +247,13 @@ class CpuBackend(ReferenceBackend):
     def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
         import kernels_cpu
 
-        if q.shape[1] != 1 or k_pool.dtype not in kernels_cpu.POOL_DTYPES or v_pool.dtype != k_pool.dtype:
+        if k_pool.dtype not in kernels_cpu.POOL_DTYPES or v_pool.dtype != k_pool.dtype:
             return super().attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
-        out = kernels_cpu.paged_decode_attention(
-            q[:, 0], k_pool, v_pool, layer, meta.block_tables, meta.lengths,
+        out = kernels_cpu.padded_paged_attention(
+            q, k_pool, v_pool, layer, meta.block_tables, meta.q_start, meta.lengths,
             sm_scale=sm_scale, sliding_window=sliding_window,
         )
-        return out[:, None].astype(q.dtype)
+        return out.astype(q.dtype)
 
 
 ATTENTION_BACKENDS = ("reference", "pallas", "cpu")

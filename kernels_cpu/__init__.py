@@ -1,10 +1,15 @@
-"""A native XLA:CPU kernel for jaxserve: decode-step paged attention over the stacked KV pool.
+"""A native XLA:CPU kernel for jaxserve: paged attention over the stacked KV pool, decode rows and
+prefill chunks alike.
 
 Place in the data flow: the "cpu" attention backend (`jaxserve.attention.CpuBackend`, chosen by "auto"
-on CPU) calls `paged_decode_attention` once per layer of a decode step; prefill chunks keep the XLA path.
-The plain-XLA decode attention gathers every page of every row into a copy before its dot products,
-and XLA:CPU's gather moves about 2.4 GB/s where a copy moves 8 (docs/benchmarks.md), so it is bound by
-that copy. This kernel (`paged_decode_attention.cc`, an XLA FFI custom call) reads the pages in place.
+on CPU) calls `paged_attention` once per layer of every step. The plain-XLA attention gathers every page
+of every row into a copy before its dot products, and XLA:CPU's gather moves about 2.4 GB/s where a copy
+moves 8 (docs/benchmarks.md), so it is bound by that copy; for prefill it also computes the masked half
+of each causal square. This kernel (`paged_attention.cc`, an XLA FFI custom call) reads the pages in
+place and stops at each token's own position. Its rows are ragged: row s is `query_lens[s]` tokens of q
+from `query_starts[s]`, at positions `positions[s]` onwards, seeing the first `lengths[s]` tokens of its
+sequence, so one call takes a padded [rows, chunk] batch (the engine's steps today) or a flat mix of
+decode rows and prefill chunks.
 The pool may be float32 or bfloat16 (`POOL_DTYPES`; bfloat16 also as its uint16 bits, the engine's CPU
 storage, see `jaxserve.attention.kv_storage_dtype`): one FFI target reads either, widening bfloat16
 elements to float32 as it loads them, and computes in float32.
@@ -34,8 +39,8 @@ import numpy as np
 
 from jaxserve.user_cache import cache_root
 
-TARGET_NAME = "jaxserve_paged_decode_attention"
-SOURCE = Path(__file__).with_name("paged_decode_attention.cc")
+TARGET_NAME = "jaxserve_paged_attention"
+SOURCE = Path(__file__).with_name("paged_attention.cc")
 CXX_FLAGS = [
     "-O3", "-march=native", "-mprefer-vector-width=512", "-std=c++17", "-shared", "-fPIC",
     # lets the dot products vectorize (reassociated sums); infinities keep their meaning (no -ffast-math)
@@ -96,7 +101,7 @@ def load() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as err:
         _build_error = str(err)
         return None
-    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.PagedDecodeAttention), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.PagedAttention), platform="cpu")
     return library
 
 
@@ -105,27 +110,58 @@ def build_error() -> str | None:
     return _build_error
 
 
-def paged_decode_attention(
-    q: jax.Array,  # f32[S, Hq, D], one query token per sequence (other float dtypes are cast to f32)
+def _check_pool_dtypes(k_pool: jax.Array, v_pool: jax.Array) -> None:
+    if k_pool.dtype not in POOL_DTYPES or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"the CPU paged attention reads float32 or bfloat16 (or uint16 bits of bfloat16) "
+                         f"KV pools (both the same dtype), "
+                         f"not k_pool {k_pool.dtype} and v_pool {v_pool.dtype}")
+
+
+def paged_attention(
+    q: jax.Array,  # f32[T, Hq, D]: every row's query tokens, back to back (other float dtypes are cast to f32)
     k_pool: jax.Array,  # f32, bf16 or u16 (bf16 bits) [L, Hkv, num_blocks, block_size, D]
     v_pool: jax.Array,  # the same shape and dtype as k_pool
     layer: jax.Array,  # i32[]
     block_tables: jax.Array,  # i32[S, P]
-    lengths: jax.Array,  # i32[S]; the query is the token at lengths - 1; rows of length 0 give zeros
+    query_starts: jax.Array,  # i32[S]: row s's first token in q
+    query_lens: jax.Array,  # i32[S]: row s's tokens in q
+    positions: jax.Array,  # i32[S]: the position of row s's first token in its sequence
+    lengths: jax.Array,  # i32[S]: tokens of row s's sequence it may see (those of its own tokens included)
     *,
     sm_scale: float,
     sliding_window: int | None = None,
 ) -> jax.Array:
-    """Each row's query attends over its first ``lengths[s]`` cached tokens (the last ``sliding_window`` of
-    them if set); returns f32[S, Hq, D], computed in float32 whatever the pool dtype. Raises ValueError for a
-    pool dtype other than float32 and bfloat16 (`POOL_DTYPES`). Call `load()` first."""
-    if k_pool.dtype not in POOL_DTYPES or v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"the CPU paged decode attention reads float32 or bfloat16 (or uint16 bits of bfloat16) "
-                         f"KV pools (both the same dtype), "
-                         f"not k_pool {k_pool.dtype} and v_pool {v_pool.dtype}")
+    """Token i of row s, at position ``positions[s] + i``, attends causally over its sequence's cached tokens
+    up to itself (the last ``sliding_window`` of them if set); tokens at or past ``lengths[s]``, and tokens of q
+    that belong to no row, give zeros. Returns f32[T, Hq, D], computed in float32 whatever the pool dtype.
+    Raises ValueError for a pool dtype other than float32 and bfloat16 (`POOL_DTYPES`). Call `load()` first."""
+    _check_pool_dtypes(k_pool, v_pool)
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    rows = [jnp.asarray(x).astype(jnp.int32) for x in (block_tables, query_starts, query_lens, positions, lengths)]
     return call(
-        q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1),
-        block_tables.astype(jnp.int32), lengths.astype(jnp.int32),
+        q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1), *rows,
         sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
     )
+
+
+def padded_paged_attention(
+    q: jax.Array,  # [S, Q, Hq, D]: Q query tokens per row, the first at q_start[s]
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    layer: jax.Array,
+    block_tables: jax.Array,  # i32[S, P]
+    q_start: jax.Array,  # i32[S]
+    lengths: jax.Array,  # i32[S]: tokens of the sequence after this step; query tokens at or past it are padding
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """`paged_attention` on the engine's padded layout (a decode step is Q = 1, q_start = lengths - 1);
+    returns f32[S, Q, Hq, D], zeros for padding tokens and rows."""
+    num_rows, num_query = q.shape[:2]
+    out = paged_attention(
+        q.reshape(num_rows * num_query, *q.shape[2:]), k_pool, v_pool, layer, block_tables,
+        jnp.arange(num_rows, dtype=jnp.int32) * num_query, jnp.full((num_rows,), num_query, jnp.int32),
+        q_start, lengths, sm_scale=sm_scale, sliding_window=sliding_window,
+    )
+    return out.reshape(q.shape)

@@ -1,6 +1,8 @@
-"""The native XLA:CPU decode attention (`kernels_cpu`) against a naive numpy attention and the engine's
+"""The native XLA:CPU paged attention (`kernels_cpu`) against a naive numpy attention and the engine's
 plain-XLA attention, on the stacked pool with shuffled pages, float32 and bfloat16 pools (every slot the
-kernel must not read is NaN); the pool dtype check; the build's failure path; the backend choice.
+kernel must not read is NaN): decode rows, prefill chunks, and ragged batches mixing both (chunks of 0, 1,
+page-edge and query-block-edge lengths, at page-edge positions, with and without a sliding window); the
+pool dtype and row checks; the build's failure path; the backend choice.
 
 Tolerance: rtol 2e-5, atol 2e-6 for both pool dtypes. A bfloat16 pool is compared with the naive attention
 over the same bfloat16 values upcast (exactly) to float64, and the kernel computes in float32 on those
@@ -67,15 +69,116 @@ def _naive(q, k_pool, v_pool, block_tables, lengths, sm_scale, window=None):
     return out
 
 
+def _decode(q, k_pool, v_pool, layer, block_tables, lengths, **kwargs):
+    """One query token per row, the row's last: the kernel on a decode step's layout."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    return kernels_cpu.padded_paged_attention(q[:, None], k_pool, v_pool, layer, block_tables, lengths - 1, lengths,
+                                              **kwargs)[:, 0]
+
+
+def _decode_rows(lengths):
+    """query_starts, query_lens, positions, lengths of a decode step: row s is token s, its sequence's last."""
+    lengths = np.asarray(lengths, np.int32)
+    return np.arange(len(lengths), dtype=np.int32), np.ones_like(lengths), lengths - 1, lengths
+
+
+# Ragged rows (query tokens, position of the first, length seen): a decode row, padding, a chunk from 0 of
+# one page and one query block (16), one past both, a chunk starting mid-page, one ending on a page edge, a
+# long chunk over several query blocks, a row of 0 query tokens, tokens past the length (padding in a row).
+RAGGED_ROWS = [(1, 40, 41), (1, -1, 0), (16, 0, 16), (17, 0, 17), (5, 13, 18), (9, 23, 32), (40, 7, 47),
+               (0, 30, 30), (6, 20, 23)]
+
+
+def _ragged_inputs(rng, num_q_heads, num_kv_heads, head_dim, block_size, pool_dtype):
+    query_lens = np.array([n for n, _, _ in RAGGED_ROWS], np.int32)
+    positions = np.array([pos for _, pos, _ in RAGGED_ROWS], np.int32)
+    lengths = np.array([length for _, _, length in RAGGED_ROWS], np.int32)
+    query_starts = np.concatenate([[3], 3 + np.cumsum(query_lens)[:-1]]).astype(np.int32)  # tokens 0-2 in no row
+    num_tokens = int(query_starts[-1] + query_lens[-1] + 2)  # and two more at the end
+    pages_per_seq = -(-int(lengths.max()) // block_size)
+    pool_shape = (NUM_LAYERS, num_kv_heads, len(RAGGED_ROWS) * pages_per_seq + 4, block_size, head_dim)
+    k_pool = rng.standard_normal(pool_shape).astype(pool_dtype)
+    v_pool = rng.standard_normal(pool_shape).astype(pool_dtype)
+    block_tables = rng.permutation(pool_shape[2])[: len(RAGGED_ROWS) * pages_per_seq]
+    block_tables = block_tables.reshape(len(RAGGED_ROWS), pages_per_seq).astype(np.int32)
+    q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(np.float32)
+    return q, k_pool, v_pool, block_tables, (query_starts, query_lens, positions, lengths)
+
+
+def _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window=None):
+    """Token i of row s at position positions[s] + i sees positions (position - window, position]."""
+    num_kv_heads, block_size = k_pool.shape[1], k_pool.shape[3]
+    group = q.shape[1] // num_kv_heads
+    out = np.zeros_like(q, dtype=np.float64)
+    for s, (start, count, first, length) in enumerate(zip(*rows)):
+        for i in range(count):
+            position = first + i
+            if not 0 <= position < length:
+                continue
+            seen = np.arange(0 if window is None else max(0, position - window + 1), position + 1)
+            blocks, slots = block_tables[s, seen // block_size], seen % block_size
+            for h in range(q.shape[1]):
+                keys = k_pool[LAYER, h // group, blocks, slots].astype(np.float64)
+                values = v_pool[LAYER, h // group, blocks, slots].astype(np.float64)
+                scores = keys @ q[start + i, h] * sm_scale
+                weights = np.exp(scores - scores.max())
+                out[start + i, h] = weights @ values / weights.sum()
+    return out
+
+
+def _poison_unseen(k_pool, v_pool, block_tables, rows, window=None):
+    """NaN in every slot no token of any row sees."""
+    block_size = k_pool.shape[3]
+    seen = np.zeros((k_pool.shape[0], k_pool.shape[2], block_size), bool)
+    for s, (_, count, first, length) in enumerate(zip(*rows)):
+        for position in range(max(first, 0), min(first + count, length)):
+            positions = np.arange(0 if window is None else max(0, position - window + 1), position + 1)
+            seen[LAYER, block_tables[s, positions // block_size], positions % block_size] = True
+    for pool in (k_pool, v_pool):
+        pool.transpose(0, 2, 3, 1, 4)[~seen] = np.nan
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=[f"{c[0]}q{c[1]}kv-d{c[2]}-bs{c[3]}" for c in CASES[:3]])
+@pytest.mark.parametrize("window", [None, 5, 20])
+@POOL_DTYPES
+def test_ragged_rows_of_decode_tokens_and_prefill_chunks_match_naive_attention(case, window, pool_dtype):
+    assert kernels_cpu.load() is not None, kernels_cpu.build_error()
+    num_q_heads, num_kv_heads, head_dim, block_size, _ = case
+    q, k_pool, v_pool, block_tables, rows = _ragged_inputs(
+        np.random.default_rng(sum(case)), num_q_heads, num_kv_heads, head_dim, block_size, pool_dtype)
+    _poison_unseen(k_pool, v_pool, block_tables, rows, window)
+    sm_scale = head_dim ** -0.5
+    out = jax.jit(lambda *args: kernels_cpu.paged_attention(*args, sm_scale=sm_scale, sliding_window=window))(
+        q, k_pool, v_pool, jnp.int32(LAYER), block_tables, *rows)
+    expected = _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-6)
+    query_starts, query_lens, positions, lengths = rows
+    answered = np.zeros(len(q), bool)  # tokens of a row at a position in [0, length)
+    for start, count, first, length in zip(*rows):
+        answered[start : start + count] = (first + np.arange(count) >= 0) & (first + np.arange(count) < length)
+    assert answered.sum() == 1 + 16 + 17 + 5 + 9 + 40 + 3
+    assert not np.asarray(out)[~answered].any()  # tokens in no row, padding rows and padding tokens: zeros
+
+
+def test_rows_whose_tokens_lie_outside_q_are_refused():
+    assert kernels_cpu.load() is not None, kernels_cpu.build_error()
+    q, k_pool, v_pool, block_tables, rows = _ragged_inputs(np.random.default_rng(1), 9, 3, 64, 16, np.float32)
+    query_starts, query_lens, positions, lengths = rows
+    for starts, lens in ((query_starts, query_lens + 3), (query_starts - 4, query_lens), (query_starts, -query_lens)):
+        with pytest.raises(jax.errors.JaxRuntimeError, match="a row's query tokens lie outside q"):
+            kernels_cpu.paged_attention(q, k_pool, v_pool, jnp.int32(LAYER), block_tables, starts, lens, positions,
+                                        lengths, sm_scale=0.125).block_until_ready()
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}q{c[1]}kv-d{c[2]}-bs{c[3]}" for c in CASES])
 @pytest.mark.parametrize("window", [None, 5])
 @POOL_DTYPES
-def test_kernel_matches_naive_attention(case, window, pool_dtype):
+def test_decode_rows_match_naive_attention(case, window, pool_dtype):
     assert kernels_cpu.load() is not None, kernels_cpu.build_error()
     q, k_pool, v_pool, block_tables, lengths = _inputs(np.random.default_rng(sum(case)), *case, pool_dtype)
     _poison_unread(k_pool, v_pool, block_tables, lengths, window)
     sm_scale = case[2] ** -0.5
-    run = jax.jit(lambda *args: kernels_cpu.paged_decode_attention(*args, sm_scale=sm_scale, sliding_window=window))
+    run = jax.jit(lambda *args: _decode(*args, sm_scale=sm_scale, sliding_window=window))
     out = run(q, k_pool, v_pool, jnp.int32(LAYER), block_tables, lengths)
     np.testing.assert_allclose(np.asarray(out), _naive(q, k_pool, v_pool, block_tables, lengths, sm_scale, window),
                                rtol=2e-5, atol=2e-6)
@@ -95,12 +198,12 @@ def test_cpu_backend_equals_the_plain_xla_backend_on_decode_and_prefill(pool_dty
     decode_q = jnp.asarray(q[:, None])
     np.testing.assert_allclose(attend(CpuBackend(), decode_q, meta), attend(ReferenceBackend(), decode_q, meta),
                                rtol=2e-5, atol=2e-6)
-    # A prefill chunk (4 query tokens ending at each length) takes the plain-XLA path: identical results.
-    chunk_meta = AttentionMetadata(block_tables=meta.block_tables, q_start=jnp.maximum(meta.lengths - 4, 0),
+    # Prefill chunks of 20 query tokens ending at each length (rows shorter than 20 start at 0 and pad the rest)
+    chunk_meta = AttentionMetadata(block_tables=meta.block_tables, q_start=jnp.maximum(meta.lengths - 20, 0),
                                    lengths=meta.lengths)
-    chunk_q = jnp.asarray(rng.standard_normal((len(lengths), 4, 9, 64)).astype(np.float32))
-    np.testing.assert_array_equal(attend(CpuBackend(), chunk_q, chunk_meta),
-                                  attend(ReferenceBackend(), chunk_q, chunk_meta))
+    chunk_q = jnp.asarray(rng.standard_normal((len(lengths), 20, 9, 64)).astype(np.float32))
+    np.testing.assert_allclose(attend(CpuBackend(), chunk_q, chunk_meta),
+                               attend(ReferenceBackend(), chunk_q, chunk_meta), rtol=2e-5, atol=2e-6)
 
 
 def test_a_bfloat16_pool_stored_as_its_bits_reads_the_same_values():
@@ -114,7 +217,8 @@ def test_a_bfloat16_pool_stored_as_its_bits_reads_the_same_values():
                              lengths=jnp.asarray(lengths))
     decode_meta = meta.replace(q_start=jnp.asarray(np.maximum(lengths - 1, 0)))
     chunk_q = jnp.asarray(rng.standard_normal((len(lengths), 4, 9, 64)).astype(np.float32))
-    calls = ((CpuBackend(), jnp.asarray(q[:, None]), decode_meta), (ReferenceBackend(), chunk_q, meta))
+    calls = ((CpuBackend(), jnp.asarray(q[:, None]), decode_meta), (CpuBackend(), chunk_q, meta),
+             (ReferenceBackend(), chunk_q, meta))
     for backend, step_q, step_meta in calls:
         attend = jax.jit(lambda q, k, v, meta, b=backend: b.attend(q, k, v, jnp.int32(LAYER), meta, sm_scale=0.125))
         out = attend(step_q, *bits, step_meta)
@@ -141,8 +245,7 @@ def test_out_of_range_block_ids_are_clamped_like_xla_gathers(pool_dtype):
     bad[5, 0], bad[6, 1] = NUM_BLOCKS + 7, -3
     clamped = np.clip(bad, 0, NUM_BLOCKS - 1)
     _poison_unread(k_pool, v_pool, clamped, lengths)
-    run = jax.jit(lambda tables: kernels_cpu.paged_decode_attention(
-        q, k_pool, v_pool, jnp.int32(LAYER), tables, lengths, sm_scale=0.125))
+    run = jax.jit(lambda tables: _decode(q, k_pool, v_pool, jnp.int32(LAYER), tables, lengths, sm_scale=0.125))
     np.testing.assert_array_equal(run(bad), run(clamped))
     np.testing.assert_allclose(run(bad), _naive(q, k_pool, v_pool, clamped, lengths, 0.125), rtol=2e-5, atol=2e-6)
 
@@ -156,13 +259,13 @@ def test_other_pool_dtypes_are_refused_with_a_clear_error():
     for k, v in (half, mixed):  # the wrapper refuses them before the call...
         with pytest.raises(ValueError, match=r"reads float32 or bfloat16 \(or uint16 bits of bfloat16\) KV pools "
                            r"\(both the same dtype\), not k_pool"):
-            kernels_cpu.paged_decode_attention(*args(k, v), sm_scale=0.125)
+            _decode(*args(k, v), sm_scale=0.125)
     # ... and so does the FFI handler, for a caller that goes around the wrapper
     call = jax.ffi.ffi_call(kernels_cpu.TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     for k, v in (half, mixed):
         with pytest.raises(jax.errors.JaxRuntimeError,
                            match=r"the KV pools must both be float32 or both bfloat16 \(or its uint16 bits\)"):
-            call(q, k, v, np.array([LAYER], np.int32), block_tables, lengths,
+            call(q, k, v, np.array([LAYER], np.int32), block_tables, *_decode_rows(lengths),
                  sm_scale=np.float32(0.125), sliding_window=np.int64(0)).block_until_ready()
     # The cpu backend sends a float16 pool to the plain-XLA path instead.
     meta = AttentionMetadata(jnp.asarray(block_tables), jnp.asarray(np.maximum(lengths - 1, 0)), jnp.asarray(lengths))

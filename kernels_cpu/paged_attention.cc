@@ -1,14 +1,17 @@
-// Decode-step paged attention for XLA:CPU, as an XLA FFI custom call.
+// Paged attention for XLA:CPU, as an XLA FFI custom call: decode rows and prefill chunks alike.
 //
-// One query token per sequence attends over that sequence's cached keys and values, read page by page
-// straight from one layer of the stacked KV pool [layers, kv_heads, blocks, block_size, head_dim]
-// through the block table: nothing is gathered into a copy first, which is what makes the plain-XLA
-// path memory-bound on CPU. Softmax is computed online, one page at a time, in float32.
+// Each row of the batch is a run of query tokens of one sequence (one token for a decode row, a chunk
+// for a prefill row) at consecutive positions; each token attends causally over that sequence's cached
+// keys and values, read page by page straight from one layer of the stacked KV pool
+// [layers, kv_heads, blocks, block_size, head_dim] through the block table: nothing is gathered into a
+// copy first, which is what makes the plain-XLA path slow on CPU. Softmax is computed online in float32.
 // The pool is float32 or bfloat16 (both pools the same; bfloat16 also as its raw bits, uint16, which is
-// how the engine stores it on CPU); bfloat16 elements are widened to float32 as they are loaded
-// (AttendOne<uint16_t>), so the math is float32 either way.
-// Work items are (sequence, kv head) pairs, shared between the calling thread and XLA's intra-op
-// thread pool through an atomic counter: the caller never waits on a task that has not started.
+// how the engine stores it on CPU); bfloat16 elements are widened to float32 as they are loaded, so the
+// math is float32 either way.
+// Work items are (row, kv head, block of up to 16 query tokens): each loads a tile of 16 cached tokens
+// once and uses it for every query token of the block and every query head of the group. Items are
+// shared between the calling thread and XLA's intra-op thread pool through an atomic counter: the
+// caller never waits on a task that has not started.
 
 #include <algorithm>
 #include <atomic>
@@ -29,16 +32,19 @@ namespace {
 
 constexpr int64_t kMaxGroup = 16;     // query heads per kv head
 constexpr int64_t kMaxHeadDim = 256;
-constexpr int64_t kMaxBlockSize = 256;
+constexpr int64_t kQueryBlock = 16;   // query tokens per work item
 
 struct Problem {
-  const float* q;             // [S, Hq, D]
+  const float* q;             // [T, Hq, D]: the rows' query tokens, back to back
   const void* k_pool;         // [L, Hkv, NB, BS, D], float32 or bfloat16 (as uint16_t)
   const void* v_pool;
   const int32_t* block_tables;  // [S, P]
-  const int32_t* lengths;       // [S]
-  float* out;                   // [S, Hq, D]
-  int64_t layer, num_seqs, num_q_heads, num_kv_heads, num_blocks, block_size, head_dim, pages_per_seq;
+  const int32_t* query_starts;  // [S]: row s's first token in q
+  const int32_t* query_lens;    // [S]: row s's tokens in q
+  const int32_t* positions;     // [S]: the position of row s's first token in its sequence
+  const int32_t* lengths;       // [S]: tokens of the sequence visible to row s (its cached context)
+  float* out;                   // [T, Hq, D]
+  int64_t layer, num_tokens, num_q_heads, num_kv_heads, num_blocks, block_size, head_dim, pages_per_seq;
   int64_t sliding_window;  // 0: none
   float sm_scale;
 };
@@ -133,17 +139,18 @@ inline void PrefetchPage(const void* page, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first_byte + offset);
 }
 
-// Online-softmax state of one query head: its (pre-scaled) query, running maximum, denominator and
-// weighted sum of values, each [padded_dim / kLanes] vectors.
+// Online-softmax state of one query head of one token: its (pre-scaled) query, running maximum,
+// denominator and weighted sum of values, each [padded_dim / kLanes] vectors.
 struct HeadState {
   Vec q[kMaxHeadDim / kLanes];
   Vec acc[kMaxHeadDim / kLanes];
   float max_score, denom;
 };
 
-// Folds one tile of `count` tokens into a head's state: 16 scores at once (a dot product per lane, summed
-// by SumEach), the running maximum and denominator rescaled, then the values weighted into acc.
-void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t count, int64_t chunks) {
+// Folds lanes [lo, hi) of a tile of cached tokens into a head's state: 16 scores at once (a dot product
+// per lane, summed by SumEach), the running maximum and denominator rescaled, then the values weighted
+// into acc. Lanes outside [lo, hi) are masked (their tile rows are zeros, never NaN).
+void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t lo, int64_t hi, int64_t chunks) {
   Vec partial[kLanes];
   for (int64_t t = 0; t < kLanes; ++t) {
     Vec dot = head.q[0] * keys[t * chunks];
@@ -151,45 +158,58 @@ void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t cou
     partial[t] = dot;
   }
   Vec scores = SumEach(partial);
-  for (int64_t t = count; t < kLanes; ++t) scores[t] = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < kLanes; ++t) {
+    if (t < lo || t >= hi) scores[t] = -std::numeric_limits<float>::infinity();
+  }
   const float tile_max = std::max(head.max_score, Max(scores));
   const Vec weights = ExpNonPositive(scores - Broadcast(tile_max));  // zero in the masked lanes
   const float correction = head.max_score == -std::numeric_limits<float>::infinity()
                                ? 0.0f : ExpNonPositive(head.max_score - tile_max);
   float tile_sum = 0.0f;
-  for (int64_t t = 0; t < count; ++t) tile_sum += weights[t];
+  for (int64_t t = lo; t < hi; ++t) tile_sum += weights[t];
   head.denom = head.denom * correction + tile_sum;
   head.max_score = tile_max;
   for (int64_t c = 0; c < chunks; ++c) {
     Vec acc = head.acc[c] * correction;
-    for (int64_t t = 0; t < count; ++t) acc += weights[t] * values[t * chunks + c];
+    for (int64_t t = lo; t < hi; ++t) acc += weights[t] * values[t * chunks + c];
     head.acc[c] = acc;
   }
 }
 
-// Attention of the `group` query heads of kv head `h` of sequence `s`; T is the pool's element type.
-// The cached tokens are taken 16 at a time (never crossing a page): each K and V row is read from the pool
-// and widened once, then used by every query head of the group.
+// One work item: up to kQueryBlock query tokens of row s, starting at its token `first_query`, under kv
+// head h (the `group` query heads that share it); T is the pool's element type. The item walks the pages
+// from the first key any of its tokens sees to its last token's position, 16 cached tokens at a time
+// (never crossing a page); each tile is read from the pool and widened once, then used by every token and
+// query head of the item. Tokens at or past the row's length (padding) are left as the handler's zeros.
 template <typename T>
-void AttendOne(const Problem& p, int64_t s, int64_t h) {
+void AttendBlock(const Problem& p, int64_t s, int64_t first_query, int64_t h) {
   const int64_t group = p.num_q_heads / p.num_kv_heads, dim = p.head_dim, bs = p.block_size;
   const int64_t chunks = (dim + kLanes - 1) / kLanes, padded_dim = chunks * kLanes;
-  const float* q = p.q + (s * p.num_q_heads + h * group) * dim;
-  float* out = p.out + (s * p.num_q_heads + h * group) * dim;
   const int64_t length = std::min<int64_t>(p.lengths[s], p.pages_per_seq * bs);
-  const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, length - p.sliding_window) : 0;
-  if (length <= first) {
-    std::memset(out, 0, sizeof(float) * group * dim);
-    return;
+  const int64_t block_queries = std::min<int64_t>(kQueryBlock, p.query_lens[s] - first_query);
+  const int64_t first_position = p.positions[s] + first_query;
+  // the tokens of the block that have a query: position in [0, length)
+  const int64_t lo_query = std::clamp<int64_t>(-first_position, 0, block_queries);
+  const int64_t hi_query = std::clamp<int64_t>(length - first_position, lo_query, block_queries);
+  auto window_start = [&](int64_t position) {
+    return p.sliding_window > 0 ? std::max<int64_t>(0, position - p.sliding_window + 1) : 0;
+  };
+  if (lo_query == hi_query) return;  // padding only: the handler zeroed its output
+
+  thread_local std::vector<HeadState> states;
+  states.resize(kQueryBlock * kMaxGroup);
+  for (int64_t i = lo_query; i < hi_query; ++i) {
+    const float* q = p.q + ((p.query_starts[s] + first_query + i) * p.num_q_heads + h * group) * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      HeadState& head = states[i * group + g];
+      float* head_q = reinterpret_cast<float*>(head.q);
+      for (int64_t d = 0; d < padded_dim; ++d) head_q[d] = d < dim ? q[g * dim + d] * p.sm_scale : 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) head.acc[c] = Vec{};
+      head.max_score = -std::numeric_limits<float>::infinity();
+      head.denom = 0.0f;
+    }
   }
-  HeadState heads[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    float* head_q = reinterpret_cast<float*>(heads[g].q);
-    for (int64_t d = 0; d < padded_dim; ++d) head_q[d] = d < dim ? q[g * dim + d] * p.sm_scale : 0.0f;
-    for (int64_t c = 0; c < chunks; ++c) heads[g].acc[c] = Vec{};
-    heads[g].max_score = -std::numeric_limits<float>::infinity();
-    heads[g].denom = 0.0f;
-  }
+
   Vec keys[kLanes * kMaxHeadDim / kLanes], values[kLanes * kMaxHeadDim / kLanes];
   const int64_t layer_head = (p.layer * p.num_kv_heads + h) * p.num_blocks;
   const int32_t* table = p.block_tables + s * p.pages_per_seq;
@@ -199,32 +219,52 @@ void AttendOne(const Problem& p, int64_t s, int64_t h) {
   };
   const T* k_pool = static_cast<const T*>(p.k_pool);
   const T* v_pool = static_cast<const T*>(p.v_pool);
-  const int64_t last_page = (length - 1) / bs;
-  for (int64_t page_index = first / bs; page_index <= last_page; ++page_index) {
-    if (page_index + 1 <= last_page) {
+  const int64_t first_key = window_start(first_position + lo_query);
+  const int64_t last_key = first_position + hi_query - 1;  // the block's last query attends up to itself
+  const int64_t last_page = last_key / bs;
+  for (int64_t page_index = first_key / bs; page_index <= last_page; ++page_index) {
+    if (page_index < last_page) {
       PrefetchPage(k_pool + page_offset(page_index + 1), bs * dim * static_cast<int64_t>(sizeof(T)));
       PrefetchPage(v_pool + page_offset(page_index + 1), bs * dim * static_cast<int64_t>(sizeof(T)));
     }
-    const int64_t stop = std::min<int64_t>(bs, length - page_index * bs);
-    for (int64_t t = std::max<int64_t>(first - page_index * bs, 0); t < stop; t += kLanes) {
+    const int64_t page_start = page_index * bs;
+    const int64_t stop = std::min<int64_t>(bs, last_key + 1 - page_start);
+    for (int64_t t = std::max<int64_t>(first_key - page_start, 0); t < stop; t += kLanes) {
       const int64_t count = std::min<int64_t>(kLanes, stop - t), row = page_offset(page_index) + t * dim;
       LoadTile(k_pool + row, count, dim, padded_dim, reinterpret_cast<float*>(keys));
       LoadTile(v_pool + row, count, dim, padded_dim, reinterpret_cast<float*>(values));
-      for (int64_t g = 0; g < group; ++g) AttendTile(heads[g], keys, values, count, chunks);
+      const int64_t tile_position = page_start + t;
+      for (int64_t i = lo_query; i < hi_query; ++i) {  // token i sees positions [window_start, its own]
+        const int64_t position = first_position + i;
+        const int64_t lo = std::max<int64_t>(window_start(position) - tile_position, 0);
+        const int64_t hi = std::min<int64_t>(position + 1 - tile_position, count);
+        if (lo >= hi) continue;
+        for (int64_t g = 0; g < group; ++g) AttendTile(states[i * group + g], keys, values, lo, hi, chunks);
+      }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.0f / heads[g].denom;
-    const float* acc = reinterpret_cast<const float*>(heads[g].acc);
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = acc[d] * inv;
+  for (int64_t i = lo_query; i < hi_query; ++i) {
+    float* out = p.out + ((p.query_starts[s] + first_query + i) * p.num_q_heads + h * group) * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const HeadState& head = states[i * group + g];
+      const float inv = 1.0f / head.denom;
+      const float* acc = reinterpret_cast<const float*>(head.acc);
+      for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = acc[d] * inv;
+    }
   }
 }
+
+// A work item: a block of a row's query tokens under one kv head.
+struct Item {
+  int32_t row, first_query;
+};
 
 // Work shared by the caller and pool tasks; kept alive by whichever finishes last.
 struct SharedWork {
   Problem problem;
-  void (*attend_one)(const Problem&, int64_t, int64_t);  // AttendOne<the pool's element type>
-  int64_t num_items;
+  void (*attend_block)(const Problem&, int64_t, int64_t, int64_t);  // AttendBlock<the pool's element type>
+  std::vector<Item> blocks;  // every (row, query block); each is an item per kv head
+  int64_t num_items = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::mutex mutex;
@@ -233,7 +273,8 @@ struct SharedWork {
   void Drain() {
     int64_t finished = 0;
     for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
-      attend_one(problem, item / problem.num_kv_heads, item % problem.num_kv_heads);
+      const Item& block = blocks[item / problem.num_kv_heads];
+      attend_block(problem, block.row, block.first_query, item % problem.num_kv_heads);
       ++finished;
     }
     if (finished && done.fetch_add(finished) + finished == num_items) {
@@ -243,30 +284,53 @@ struct SharedWork {
   }
 };
 
-ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
-                                    ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> layer,
-                                    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> lengths,
-                                    ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window) {
+// The rows' query ranges must lie inside q: a bad range is an error, not a write outside the output.
+ffi::Error CheckRows(const Problem& p, int64_t num_rows) {
+  for (int64_t s = 0; s < num_rows; ++s) {
+    if (p.query_lens[s] < 0 || p.query_starts[s] < 0 || p.query_starts[s] + int64_t{p.query_lens[s]} > p.num_tokens) {
+      return ffi::Error::InvalidArgument("a row's query tokens lie outside q");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
+                              ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
+                              ffi::Buffer<ffi::S32> query_starts, ffi::Buffer<ffi::S32> query_lens,
+                              ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> lengths,
+                              ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window) {
   auto q_dims = q.dimensions(), pool_dims = k_pool.dimensions(), table_dims = block_tables.dimensions();
-  if (q_dims.size() != 3 || pool_dims.size() != 5 || table_dims.size() != 2) {
-    return ffi::Error::InvalidArgument("expected q [S, Hq, D], pools [L, Hkv, NB, BS, D], tables [S, P]");
+  if (q_dims.size() != 3 || pool_dims.size() != 5 || table_dims.size() != 2 ||
+      v_pool.dimensions().size() != 5 || !std::equal(pool_dims.begin(), pool_dims.end(), v_pool.dimensions().begin())) {
+    return ffi::Error::InvalidArgument("expected q [T, Hq, D], pools [L, Hkv, NB, BS, D] (both the same), tables [S, P]");
+  }
+  const int64_t num_rows = table_dims[0];
+  for (auto* row_array : {&query_starts, &query_lens, &positions, &lengths}) {
+    if (row_array->element_count() != num_rows) return ffi::Error::InvalidArgument("expected one entry per row");
   }
   const ffi::DataType dtype = k_pool.element_type();
   if ((dtype != ffi::F32 && dtype != ffi::BF16 && dtype != ffi::U16) || v_pool.element_type() != dtype) {
     return ffi::Error::InvalidArgument("the KV pools must both be float32 or both bfloat16 (or its uint16 bits)");
   }
   Problem p{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(), block_tables.typed_data(),
-            lengths.typed_data(), out->typed_data(), layer.typed_data()[0], q_dims[0], q_dims[1], pool_dims[1],
-            pool_dims[2], pool_dims[3], pool_dims[4], table_dims[1], sliding_window, sm_scale};
+            query_starts.typed_data(), query_lens.typed_data(), positions.typed_data(), lengths.typed_data(),
+            out->typed_data(), layer.typed_data()[0], q_dims[0], q_dims[1], pool_dims[1], pool_dims[2],
+            pool_dims[3], pool_dims[4], table_dims[1], sliding_window, sm_scale};
   if (p.num_kv_heads == 0 || p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > kMaxGroup ||
-      p.head_dim > kMaxHeadDim || p.block_size > kMaxBlockSize || q_dims[2] != p.head_dim) {
-    return ffi::Error::InvalidArgument("unsupported head layout for the CPU paged decode attention");
+      p.head_dim > kMaxHeadDim || q_dims[2] != p.head_dim) {
+    return ffi::Error::InvalidArgument("unsupported head layout for the CPU paged attention");
   }
   if (p.layer < 0 || p.layer >= pool_dims[0]) return ffi::Error::InvalidArgument("layer out of range");
+  if (ffi::Error error = CheckRows(p, num_rows); error.failure()) return error;
+  // Tokens outside every row are zeros, like padding tokens inside a row.
+  std::memset(p.out, 0, sizeof(float) * p.num_tokens * p.num_q_heads * p.head_dim);
   auto work = std::make_shared<SharedWork>();
   work->problem = p;
-  work->attend_one = dtype == ffi::F32 ? &AttendOne<float> : &AttendOne<uint16_t>;
-  work->num_items = p.num_seqs * p.num_kv_heads;
+  work->attend_block = dtype == ffi::F32 ? &AttendBlock<float> : &AttendBlock<uint16_t>;
+  for (int32_t s = 0; s < num_rows; ++s) {
+    for (int32_t first = 0; first < p.query_lens[s]; first += kQueryBlock) work->blocks.push_back({s, first});
+  }
+  work->num_items = static_cast<int64_t>(work->blocks.size()) * p.num_kv_heads;
   if (work->num_items == 0) return ffi::Error::Success();
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->num_items - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
@@ -278,7 +342,7 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttention, PagedDecodeAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
@@ -286,6 +350,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeAttention, PagedDecodeAttentionImpl,
                                   .Arg<ffi::AnyBuffer>()         // v_pool: the same
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_starts
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("sm_scale")
