@@ -110,7 +110,7 @@ def _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window=None):
     num_kv_heads, block_size = k_pool.shape[1], k_pool.shape[3]
     group = q.shape[1] // num_kv_heads
     out = np.zeros_like(q, dtype=np.float64)
-    for s, (start, count, first, length) in enumerate(zip(*rows)):
+    for s, (start, count, first, length) in enumerate(zip(*rows, strict=True)):
         for i in range(count):
             position = first + i
             if not 0 <= position < length:
@@ -130,7 +130,7 @@ def _poison_unseen(k_pool, v_pool, block_tables, rows, window=None):
     """NaN in every slot no token of any row sees."""
     block_size = k_pool.shape[3]
     seen = np.zeros((k_pool.shape[0], k_pool.shape[2], block_size), bool)
-    for s, (_, count, first, length) in enumerate(zip(*rows)):
+    for s, (_, count, first, length) in enumerate(zip(*rows, strict=True)):
         for position in range(max(first, 0), min(first + count, length)):
             positions = np.arange(0 if window is None else max(0, position - window + 1), position + 1)
             seen[LAYER, block_tables[s, positions // block_size], positions % block_size] = True
@@ -154,7 +154,7 @@ def test_ragged_rows_of_decode_tokens_and_prefill_chunks_match_naive_attention(c
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-6)
     query_starts, query_lens, positions, lengths = rows
     answered = np.zeros(len(q), bool)  # tokens of a row at a position in [0, length)
-    for start, count, first, length in zip(*rows):
+    for start, count, first, length in zip(*rows, strict=True):
         answered[start : start + count] = (first + np.arange(count) >= 0) & (first + np.arange(count) < length)
     assert answered.sum() == 1 + 16 + 17 + 5 + 9 + 40 + 3
     assert not np.asarray(out)[~answered].any()  # tokens in no row, padding rows and padding tokens: zeros
