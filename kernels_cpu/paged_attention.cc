@@ -107,17 +107,45 @@ inline Vec SumEach(Vec v[kLanes]) {
   return v[0];
 }
 
+typedef int32_t VecInt __attribute__((vector_size(kLanes * sizeof(int32_t))));
+constexpr VecInt kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
 inline Vec Broadcast(float x) { return Vec{} + x; }
 
+// ExpNonPositive on every lane, as vector arithmetic: for x <= -0.5 / ln 2 ... 0, trunc(x / ln2 - 0.5) is
+// round-to-nearest, and 2^n is built from its bits as in the scalar version.
 inline Vec ExpNonPositive(Vec x) {
-  for (int64_t l = 0; l < kLanes; ++l) x[l] = ExpNonPositive(x[l]);
-  return x;
+  x = x < Broadcast(-87.0f) ? Broadcast(-87.0f) : x;
+  const VecInt n_int = __builtin_convertvector(x * 1.4426950408889634f - 0.5f, VecInt);
+  const Vec n = __builtin_convertvector(n_int, Vec);
+  const Vec r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  Vec poly = Broadcast(1.0f / 5040.0f);
+  poly = poly * r + 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  return poly * (Vec)((n_int + 127) << 23);  // the cast reinterprets the bits: 2^n
 }
 
+// The largest and the sum of a vector's lanes, by halving (4 shuffles each).
 inline float Max(Vec x) {
-  float m = x[0];
-  for (int64_t l = 1; l < kLanes; ++l) m = std::max(m, x[l]);
-  return m;
+  x = x > JAXSERVE_SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) ? x
+      : JAXSERVE_SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x = x > JAXSERVE_SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3) ? x
+      : JAXSERVE_SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  x = x > JAXSERVE_SHUFFLE(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1) ? x
+      : JAXSERVE_SHUFFLE(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  return std::max(x[0], x[1]);
+}
+
+inline float Sum(Vec x) {
+  x += JAXSERVE_SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += JAXSERVE_SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  x += JAXSERVE_SHUFFLE(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  return x[0] + x[1];
 }
 
 // Up to 16 consecutive cached tokens of one page, widened to float32 into [kLanes, padded_dim] tiles; rows
@@ -157,21 +185,17 @@ void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t lo,
     for (int64_t c = 1; c < chunks; ++c) dot += head.q[c] * keys[t * chunks + c];
     partial[t] = dot;
   }
-  Vec scores = SumEach(partial);
-  for (int64_t t = 0; t < kLanes; ++t) {
-    if (t < lo || t >= hi) scores[t] = -std::numeric_limits<float>::infinity();
-  }
+  const VecInt in_range = (kLaneIndex >= static_cast<int32_t>(lo)) & (kLaneIndex < static_cast<int32_t>(hi));
+  const Vec scores = in_range ? SumEach(partial) : Broadcast(-std::numeric_limits<float>::infinity());
   const float tile_max = std::max(head.max_score, Max(scores));
-  const Vec weights = ExpNonPositive(scores - Broadcast(tile_max));  // zero in the masked lanes
+  const Vec weights = in_range ? ExpNonPositive(scores - tile_max) : Vec{};  // exactly zero when masked
   const float correction = head.max_score == -std::numeric_limits<float>::infinity()
                                ? 0.0f : ExpNonPositive(head.max_score - tile_max);
-  float tile_sum = 0.0f;
-  for (int64_t t = lo; t < hi; ++t) tile_sum += weights[t];
-  head.denom = head.denom * correction + tile_sum;
+  head.denom = head.denom * correction + Sum(weights);
   head.max_score = tile_max;
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = 0; c < chunks; ++c) {  // masked lanes add 0 x (a zero or finite row): nothing
     Vec acc = head.acc[c] * correction;
-    for (int64_t t = lo; t < hi; ++t) acc += weights[t] * values[t * chunks + c];
+    for (int64_t t = 0; t < kLanes; ++t) acc += weights[t] * values[t * chunks + c];
     head.acc[c] = acc;
   }
 }
