@@ -1,5 +1,6 @@
-"""Decode attention on CPU: the native kernel (`kernels_cpu`, the "cpu" backend) against plain XLA (the
-"reference" backend), one layer of the embedded model's KV pool, same inputs, same run.
+"""Paged attention on CPU: the native kernel (`kernels_cpu`, the "cpu" backend) against plain XLA (the
+"reference" backend), one layer of the embedded model's KV pool, same inputs, same run: decode rows, then
+prefill chunks (one row of `--chunks` query tokens after `--cached` tokens already in the cache).
 
 Shapes are SmolLM2-135M's: 9 query heads over 3 KV heads of 64, block size 16, a 30-layer pool of 4096
 blocks (twice the engine's CPU default, so that 64 rows of 1024 tokens fit), pages shuffled. Each row of
@@ -10,6 +11,7 @@ divided by the kernel's time. ``--dtype bfloat16`` stores the pool in bfloat16 (
 
     python scripts/bench_cpu_attention.py
     python scripts/bench_cpu_attention.py --batches 1 16 64 --contexts 256 1024 --iters 20 --dtype bfloat16
+    python scripts/bench_cpu_attention.py --chunks 128 512 --cached 0 1024
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[128, 512], help="prefill chunk lengths")
+    parser.add_argument("--cached", type=int, nargs="+", default=[0, 1024], help="tokens cached before a chunk")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the KV pool's dtype")
     args = parser.parse_args(argv)
@@ -71,13 +75,25 @@ def main(argv=None) -> None:
     for batch, label, lengths in cases:
         meta = make_batch(rng, lengths)
         q = jnp.asarray(rng.standard_normal((batch, 1, Q_HEADS, HEAD_DIM), np.float32))
-        outs = {name: step(q, k_pool, v_pool, meta) for name, step in steps.items()}
-        np.testing.assert_allclose(outs["cpu"], outs["reference"], rtol=1e-4, atol=1e-5)
-        xla, native = (1e3 * time_call(steps[name], q, k_pool, v_pool, meta, iters=args.iters)
-                       for name in ("reference", "cpu"))
+        xla, native = compare(steps, q, k_pool, v_pool, meta, args.iters)
         kv_bytes = 2 * int(lengths.sum()) * KV_HEADS * HEAD_DIM * k_pool.dtype.itemsize
         print(f"| {batch} | {label} | {xla:.2f} | {native:.2f} | {xla / native:.2f}x | {kv_bytes / native / 1e6:.1f} |")
+    print()
+    print("| prefill chunk | cached before | plain XLA ms | native kernel ms | speed-up |")
+    print("|---|---|---|---|---|")
+    for chunk in args.chunks:
+        for cached in args.cached:
+            meta = make_batch(rng, np.array([cached + chunk])).replace(q_start=jnp.array([cached], jnp.int32))
+            q = jnp.asarray(rng.standard_normal((1, chunk, Q_HEADS, HEAD_DIM), np.float32))
+            xla, native = compare(steps, q, k_pool, v_pool, meta, args.iters)
+            print(f"| {chunk} | {cached} | {xla:.2f} | {native:.2f} | {xla / native:.2f}x |")
 
+
+def compare(steps, q, k_pool, v_pool, meta, iters: int) -> tuple[float, float]:
+    """Milliseconds of the plain-XLA and the native step on the same inputs, after checking they agree."""
+    outs = {name: step(q, k_pool, v_pool, meta) for name, step in steps.items()}
+    np.testing.assert_allclose(outs["cpu"], outs["reference"], rtol=1e-4, atol=1e-5)
+    return tuple(1e3 * time_call(steps[name], q, k_pool, v_pool, meta, iters=iters) for name in ("reference", "cpu"))
 
 if __name__ == "__main__":
     main()

@@ -13,9 +13,9 @@ each engine's ("jaxserve / it", above 1 means jaxserve is faster), padding waste
     python scripts/bench_throughput.py --baseline vllm      # vLLM bfloat16 on the same requests
     python scripts/bench_throughput.py --baseline transformers,vllm --vllm-dtype bfloat16,float32
 
-`--baseline` is a comma-separated list of transformers (static batches of each `--hf-batch-sizes`) and
-vllm (one run per `--vllm-dtype`); default transformers, empty for jaxserve alone. vLLM runs from its own
-virtualenv (shared/tools/install_vllm_cpu.sh; see scripts/baselines.py), fed the embedded model
+`--baseline` is a comma-separated list of transformers (static batches of each `--hf-batch-sizes`, in each
+`--hf-dtype`) and vllm (one run per `--vllm-dtype`); default transformers, empty for jaxserve alone. vLLM
+runs from its own virtualenv (shared/tools/install_vllm_cpu.sh; see scripts/baselines.py), fed the embedded model
 dequantized to a float32 safetensors directory (cached under ~/.cache/jaxserve-baselines/), with
 `--max-model-len`, a KV cache of `--vllm-kv-cache-gib` GiB and its OpenMP threads bound as
 `--vllm-omp-bind` says. Only the embedded model is supported with vllm (`--model` must be left out).
@@ -80,7 +80,7 @@ def bench_jaxserve(args, requests) -> dict:
     }
 
 
-def bench_transformers(args, requests, batch_size: int) -> dict:
+def bench_transformers(args, requests, batch_size: int, dtype: str) -> dict:
     import torch
     import transformers
 
@@ -89,7 +89,7 @@ def bench_transformers(args, requests, batch_size: int) -> dict:
     path = resolve_model_path(args.model)
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     root = path.parent if path.suffix == ".gguf" else path
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32, **kwargs).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(root), dtype=getattr(torch, dtype), **kwargs).eval()
     pad_id = 0
     num_out, padded = 0, 0
     start = time.perf_counter()
@@ -111,7 +111,7 @@ def bench_transformers(args, requests, batch_size: int) -> dict:
     elapsed = time.perf_counter() - start
     real = sum(len(p) + n for p, n in requests)
     return {
-        "engine": f"transformers (static batch {batch_size})", "seconds": elapsed, "output_tokens": num_out,
+        "engine": f"transformers {dtype} (static batch {batch_size})", "seconds": elapsed, "output_tokens": num_out,
         "padding_waste": (padded - real) / real,
     }
 
@@ -171,6 +171,7 @@ def main() -> None:
     parser.add_argument("--baseline", default="transformers",
                         help="comma-separated: transformers, vllm (default transformers; empty for none)")
     parser.add_argument("--hf-batch-sizes", default="8,16,32", help="transformers': comma-separated; empty to skip")
+    parser.add_argument("--hf-dtype", default="float32", help="transformers': comma-separated torch dtypes")
     parser.add_argument("--vllm-dtype", default="bfloat16", help="comma-separated: one vLLM run for each")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-omp-bind", default=baselines.VLLM_OMP_BIND,
@@ -191,7 +192,8 @@ def main() -> None:
     runs = [(bench_jaxserve, args, requests)]
     if "transformers" in chosen:
         sizes = [int(size) for size in filter(None, args.hf_batch_sizes.split(","))]
-        runs += [(bench_transformers, args, requests, size) for size in sizes]
+        dtypes = filter(None, args.hf_dtype.split(","))
+        runs += [(bench_transformers, args, requests, size, dtype) for dtype in dtypes for size in sizes]
     if "vllm" in chosen:
         runs += [(bench_vllm, args, requests, dtype) for dtype in filter(None, args.vllm_dtype.split(","))]
     results = []
