@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -48,28 +47,6 @@ struct Problem {
   int64_t sliding_window;  // 0: none
   float sm_scale;
 };
-
-// exp(x) for x <= 0 in float32 (relative error about 1e-7, as libm's), branch-free so that a loop of it
-// vectorizes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact product), exp(r) by its
-// degree-7 Taylor polynomial, times 2^n. x below -87 (and -inf) gives about 1e-38 instead of 0, which
-// only ever multiplies zeros or is negligible next to the other weights.
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.4426950408889634f + 0.5f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  float poly = 1.0f / 5040.0f;
-  poly = poly * r + 1.0f / 720.0f;
-  poly = poly * r + 1.0f / 120.0f;
-  poly = poly * r + 1.0f / 24.0f;
-  poly = poly * r + 1.0f / 6.0f;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.0f;
-  poly = poly * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return poly * scale;
-}
 
 // A pool element as float32. A bfloat16 is the upper half of the float32 with the same value: widening is
 // a 16-bit shift of its bits, which vectorizes (zero-extend, shift) in the loops below.
@@ -112,8 +89,11 @@ constexpr VecInt kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
 
 inline Vec Broadcast(float x) { return Vec{} + x; }
 
-// ExpNonPositive on every lane, as vector arithmetic: for x <= -0.5 / ln 2 ... 0, trunc(x / ln2 - 0.5) is
-// round-to-nearest, and 2^n is built from its bits as in the scalar version.
+// exp(x) on every lane for x <= 0, in float32 (relative error about 1e-7, as libm's), branch-free:
+// x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact product; for x in [-87, 0],
+// trunc(x / ln2 - 0.5) rounds x / ln2 to nearest), exp(r) by its degree-7 Taylor polynomial, times 2^n
+// built from its bits. x below -87 (and -inf) gives about 1e-38 instead of 0; callers that need an exact
+// zero select it.
 inline Vec ExpNonPositive(Vec x) {
   x = x < Broadcast(-87.0f) ? Broadcast(-87.0f) : x;
   const VecInt n_int = __builtin_convertvector(x * 1.4426950408889634f - 0.5f, VecInt);
@@ -130,22 +110,22 @@ inline Vec ExpNonPositive(Vec x) {
   return poly * (Vec)((n_int + 127) << 23);  // the cast reinterprets the bits: 2^n
 }
 
-// The largest and the sum of a vector's lanes, by halving (4 shuffles each).
+// Folds a vector's 16 lanes into one with `combine` (elementwise on vectors), by halving: 4 shuffles.
+template <typename Combine>
+inline float ReduceLanes(Vec x, Combine combine) {
+  x = combine(x, JAXSERVE_SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = combine(x, JAXSERVE_SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+  x = combine(x, JAXSERVE_SHUFFLE(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+  x = combine(x, JAXSERVE_SHUFFLE(x, x, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
+  return x[0];
+}
+
 inline float Max(Vec x) {
-  x = x > JAXSERVE_SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) ? x
-      : JAXSERVE_SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x = x > JAXSERVE_SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3) ? x
-      : JAXSERVE_SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  x = x > JAXSERVE_SHUFFLE(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1) ? x
-      : JAXSERVE_SHUFFLE(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-  return std::max(x[0], x[1]);
+  return ReduceLanes(x, [](Vec a, Vec b) { return a > b ? a : b; });
 }
 
 inline float Sum(Vec x) {
-  x += JAXSERVE_SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += JAXSERVE_SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  x += JAXSERVE_SHUFFLE(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-  return x[0] + x[1];
+  return ReduceLanes(x, [](Vec a, Vec b) { return a + b; });
 }
 
 // Up to 16 consecutive cached tokens of one page, widened to float32 into [kLanes, padded_dim] tiles; rows
@@ -177,7 +157,8 @@ struct HeadState {
 
 // Folds lanes [lo, hi) of a tile of cached tokens into a head's state: 16 scores at once (a dot product
 // per lane, summed by SumEach), the running maximum and denominator rescaled, then the values weighted
-// into acc. Lanes outside [lo, hi) are masked (their tile rows are zeros, never NaN).
+// into acc. Lanes outside [lo, hi) get exactly zero weight; their tile rows are finite (rows the item
+// loaded, or the zeros past them), so they add nothing.
 void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t lo, int64_t hi, int64_t chunks) {
   Vec partial[kLanes];
   for (int64_t t = 0; t < kLanes; ++t) {
@@ -190,7 +171,7 @@ void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t lo,
   const float tile_max = std::max(head.max_score, Max(scores));
   const Vec weights = in_range ? ExpNonPositive(scores - tile_max) : Vec{};  // exactly zero when masked
   const float correction = head.max_score == -std::numeric_limits<float>::infinity()
-                               ? 0.0f : ExpNonPositive(head.max_score - tile_max);
+                               ? 0.0f : ExpNonPositive(Broadcast(head.max_score - tile_max))[0];
   head.denom = head.denom * correction + Sum(weights);
   head.max_score = tile_max;
   for (int64_t c = 0; c < chunks; ++c) {  // masked lanes add 0 x (a zero or finite row): nothing
@@ -220,10 +201,14 @@ void AttendBlock(const Problem& p, int64_t s, int64_t first_query, int64_t h) {
   };
   if (lo_query == hi_query) return;  // padding only: the handler zeroed its output
 
+  // where token i's `group` query heads (of kv head h) start in q and out
+  auto heads_offset = [&](int64_t i) {
+    return ((p.query_starts[s] + first_query + i) * p.num_q_heads + h * group) * dim;
+  };
   thread_local std::vector<HeadState> states;
   states.resize(kQueryBlock * kMaxGroup);
   for (int64_t i = lo_query; i < hi_query; ++i) {
-    const float* q = p.q + ((p.query_starts[s] + first_query + i) * p.num_q_heads + h * group) * dim;
+    const float* q = p.q + heads_offset(i);
     for (int64_t g = 0; g < group; ++g) {
       HeadState& head = states[i * group + g];
       float* head_q = reinterpret_cast<float*>(head.q);
@@ -248,13 +233,14 @@ void AttendBlock(const Problem& p, int64_t s, int64_t first_query, int64_t h) {
   const int64_t last_page = last_key / bs;
   for (int64_t page_index = first_key / bs; page_index <= last_page; ++page_index) {
     if (page_index < last_page) {
-      PrefetchPage(k_pool + page_offset(page_index + 1), bs * dim * static_cast<int64_t>(sizeof(T)));
-      PrefetchPage(v_pool + page_offset(page_index + 1), bs * dim * static_cast<int64_t>(sizeof(T)));
+      const int64_t next = page_offset(page_index + 1);
+      PrefetchPage(k_pool + next, bs * dim * static_cast<int64_t>(sizeof(T)));
+      PrefetchPage(v_pool + next, bs * dim * static_cast<int64_t>(sizeof(T)));
     }
-    const int64_t page_start = page_index * bs;
+    const int64_t page = page_offset(page_index), page_start = page_index * bs;
     const int64_t stop = std::min<int64_t>(bs, last_key + 1 - page_start);
     for (int64_t t = std::max<int64_t>(first_key - page_start, 0); t < stop; t += kLanes) {
-      const int64_t count = std::min<int64_t>(kLanes, stop - t), row = page_offset(page_index) + t * dim;
+      const int64_t count = std::min<int64_t>(kLanes, stop - t), row = page + t * dim;
       LoadTile(k_pool + row, count, dim, padded_dim, reinterpret_cast<float*>(keys));
       LoadTile(v_pool + row, count, dim, padded_dim, reinterpret_cast<float*>(values));
       const int64_t tile_position = page_start + t;
@@ -268,7 +254,7 @@ void AttendBlock(const Problem& p, int64_t s, int64_t first_query, int64_t h) {
     }
   }
   for (int64_t i = lo_query; i < hi_query; ++i) {
-    float* out = p.out + ((p.query_starts[s] + first_query + i) * p.num_q_heads + h * group) * dim;
+    float* out = p.out + heads_offset(i);
     for (int64_t g = 0; g < group; ++g) {
       const HeadState& head = states[i * group + g];
       const float inv = 1.0f / head.denom;
@@ -311,7 +297,8 @@ struct SharedWork {
 // The rows' query ranges must lie inside q: a bad range is an error, not a write outside the output.
 ffi::Error CheckRows(const Problem& p, int64_t num_rows) {
   for (int64_t s = 0; s < num_rows; ++s) {
-    if (p.query_lens[s] < 0 || p.query_starts[s] < 0 || p.query_starts[s] + int64_t{p.query_lens[s]} > p.num_tokens) {
+    const int64_t start = p.query_starts[s], count = p.query_lens[s];
+    if (count < 0 || start < 0 || start + count > p.num_tokens) {
       return ffi::Error::InvalidArgument("a row's query tokens lie outside q");
     }
   }
@@ -326,7 +313,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   auto q_dims = q.dimensions(), pool_dims = k_pool.dimensions(), table_dims = block_tables.dimensions();
   if (q_dims.size() != 3 || pool_dims.size() != 5 || table_dims.size() != 2 ||
       v_pool.dimensions().size() != 5 || !std::equal(pool_dims.begin(), pool_dims.end(), v_pool.dimensions().begin())) {
-    return ffi::Error::InvalidArgument("expected q [T, Hq, D], pools [L, Hkv, NB, BS, D] (both the same), tables [S, P]");
+    return ffi::Error::InvalidArgument(
+        "expected q [T, Hq, D], pools [L, Hkv, NB, BS, D] (both the same), tables [S, P]");
   }
   const int64_t num_rows = table_dims[0];
   for (auto* row_array : {&query_starts, &query_lens, &positions, &lengths}) {
