@@ -38,37 +38,6 @@ def _inputs(rng, num_q_heads, num_kv_heads, head_dim, block_size, pages_per_seq,
     return q, k_pool, v_pool, block_tables, lengths.astype(np.int32)
 
 
-def _poison_unread(k_pool, v_pool, block_tables, lengths, window=None):
-    """NaN in every slot no row attends to: other layers, unused pages, the slots past each row's length and
-    those before its window. A kernel that reads one of them (or lets a masked one through) returns NaN."""
-    block_size = k_pool.shape[3]
-    read = np.zeros((k_pool.shape[0], k_pool.shape[2], block_size), bool)  # [L, num_blocks, block_size]
-    for s, length in enumerate(lengths):
-        positions = np.arange(0 if window is None else max(0, length - window), length)
-        read[LAYER, block_tables[s, positions // block_size], positions % block_size] = True
-    for pool in (k_pool, v_pool):
-        pool.transpose(0, 2, 3, 1, 4)[~read] = np.nan
-
-
-def _naive(q, k_pool, v_pool, block_tables, lengths, sm_scale, window=None):
-    num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_pool.shape[1], k_pool.shape[3]
-    out = np.zeros_like(q, dtype=np.float64)
-    for s in range(num_seqs):
-        first = 0 if window is None else max(0, lengths[s] - window)
-        positions = np.arange(first, lengths[s])
-        blocks = block_tables[s, positions // block_size]
-        for h in range(num_q_heads):
-            kv = h // (num_q_heads // num_kv_heads)
-            keys = k_pool[LAYER, kv, blocks, positions % block_size].astype(np.float64)
-            values = v_pool[LAYER, kv, blocks, positions % block_size].astype(np.float64)
-            if len(positions):
-                scores = keys @ q[s, h] * sm_scale
-                weights = np.exp(scores - scores.max())
-                out[s, h] = weights @ values / weights.sum()
-    return out
-
-
 def _decode(q, k_pool, v_pool, layer, block_tables, lengths, **kwargs):
     """One query token per row, the row's last: the kernel on a decode step's layout."""
     lengths = jnp.asarray(lengths, jnp.int32)
@@ -127,7 +96,9 @@ def _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window=None):
 
 
 def _poison_unseen(k_pool, v_pool, block_tables, rows, window=None):
-    """NaN in every slot no token of any row sees."""
+    """NaN in every slot no token of any row sees: other layers, unused pages, the slots past each token's
+    position and those before its window. A kernel that reads one of them (or lets a masked one through)
+    returns NaN."""
     block_size = k_pool.shape[3]
     seen = np.zeros((k_pool.shape[0], k_pool.shape[2], block_size), bool)
     for s, (_, count, first, length) in enumerate(zip(*rows, strict=True)):
@@ -177,11 +148,12 @@ def test_rows_whose_tokens_lie_outside_q_are_refused():
 def test_decode_rows_match_naive_attention(case, window, pool_dtype):
     assert kernels_cpu.load() is not None, kernels_cpu.build_error()
     q, k_pool, v_pool, block_tables, lengths = _inputs(np.random.default_rng(sum(case)), *case, pool_dtype)
-    _poison_unread(k_pool, v_pool, block_tables, lengths, window)
+    rows = _decode_rows(lengths)
+    _poison_unseen(k_pool, v_pool, block_tables, rows, window)
     sm_scale = case[2] ** -0.5
     run = jax.jit(lambda *args: _decode(*args, sm_scale=sm_scale, sliding_window=window))
     out = run(q, k_pool, v_pool, jnp.int32(LAYER), block_tables, lengths)
-    np.testing.assert_allclose(np.asarray(out), _naive(q, k_pool, v_pool, block_tables, lengths, sm_scale, window),
+    np.testing.assert_allclose(np.asarray(out), _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window),
                                rtol=2e-5, atol=2e-6)
     assert not np.asarray(out)[0].any()  # the padding row (length 0) is zeros
 
@@ -190,7 +162,7 @@ def test_decode_rows_match_naive_attention(case, window, pool_dtype):
 def test_cpu_backend_equals_the_plain_xla_backend_on_decode_and_prefill(pool_dtype):
     rng = np.random.default_rng(7)
     q, k_pool, v_pool, block_tables, lengths = _inputs(rng, 9, 3, 64, 16, 6, pool_dtype)
-    _poison_unread(k_pool, v_pool, block_tables, lengths)
+    _poison_unseen(k_pool, v_pool, block_tables, _decode_rows(lengths))
     meta = AttentionMetadata(block_tables=jnp.asarray(block_tables), q_start=jnp.asarray(np.maximum(lengths - 1, 0)),
                              lengths=jnp.asarray(lengths))
     attend = lambda backend, q, meta: jax.jit(
@@ -212,7 +184,7 @@ def test_a_bfloat16_pool_stored_as_its_bits_reads_the_same_values():
     path read those bits as the bf16 values, bit for bit."""
     rng = np.random.default_rng(11)
     q, k_pool, v_pool, block_tables, lengths = _inputs(rng, 9, 3, 64, 16, 6, jnp.bfloat16)
-    _poison_unread(k_pool, v_pool, block_tables, lengths)
+    _poison_unseen(k_pool, v_pool, block_tables, _decode_rows(lengths))
     bits = k_pool.view(np.uint16), v_pool.view(np.uint16)
     meta = AttentionMetadata(block_tables=jnp.asarray(block_tables), q_start=jnp.asarray(np.maximum(lengths - 4, 0)),
                              lengths=jnp.asarray(lengths))
@@ -245,10 +217,11 @@ def test_out_of_range_block_ids_are_clamped_like_xla_gathers(pool_dtype):
     bad = block_tables.copy()
     bad[5, 0], bad[6, 1] = NUM_BLOCKS + 7, -3
     clamped = np.clip(bad, 0, NUM_BLOCKS - 1)
-    _poison_unread(k_pool, v_pool, clamped, lengths)
+    rows = _decode_rows(lengths)
+    _poison_unseen(k_pool, v_pool, clamped, rows)
     run = jax.jit(lambda tables: _decode(q, k_pool, v_pool, jnp.int32(LAYER), tables, lengths, sm_scale=0.125))
     np.testing.assert_array_equal(run(bad), run(clamped))
-    np.testing.assert_allclose(run(bad), _naive(q, k_pool, v_pool, clamped, lengths, 0.125), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(run(bad), _naive_ragged(q, k_pool, v_pool, clamped, rows, 0.125), rtol=2e-5, atol=2e-6)
 
 
 def test_other_pool_dtypes_are_refused_with_a_clear_error():
