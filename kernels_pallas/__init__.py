@@ -1,10 +1,19 @@
 """Pallas paged-attention kernels for jaxserve (TPU via Mosaic, GPU via Triton).
 
 The engine's attention backend calls these once per layer with that layer's slice of the KV pool:
-``paged_attention`` for decode steps, ``prefill_attention`` for (chunked) prefill.
+``paged_attention`` for decode steps, ``prefill_attention`` for (chunked) prefill, and
+``ragged_paged_attention`` for mixed steps whose flat batch holds decode rows and prefill chunks together.
 """
 
 from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
 from kernels_pallas.prefill_attention import prefill_attention, prefill_attention_reference
+from kernels_pallas.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 
-__all__ = ["paged_attention", "paged_attention_reference", "prefill_attention", "prefill_attention_reference"]
+__all__ = [
+    "paged_attention",
+    "paged_attention_reference",
+    "prefill_attention",
+    "prefill_attention_reference",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+]

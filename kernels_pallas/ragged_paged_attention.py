@@ -1,0 +1,448 @@
+"""Ragged paged attention: decode rows (one query token) and prefill chunks (many) in one flat batch.
+
+Place in the data flow: for a "mixed" engine step the attention backend writes the step's K/V into the
+pool, then calls ``ragged_paged_attention`` once per layer with that layer's slice of the KV pool
+(``k_pages[layer]``, ``v_pages[layer]``) and the step's rows. It is the accelerator counterpart of the
+native CPU kernel (``kernels_cpu.paged_attention``) and has the same semantics:
+
+Row s is ``query_lens[s]`` tokens of q from ``query_starts[s]``; its token i sits at position
+``positions[s] + i`` and attends causally over its sequence's cached tokens at positions <= its own and
+< ``lengths[s]``. Tokens at positions outside [0, lengths[s]), tokens of q that belong to no row, and rows
+of 0 tokens give zeros. ``lengths`` above pages_per_seq * page_size are clamped to it; block-table entries
+past what a row sees are never dereferenced, and out-of-range entries below it are clamped into the pool
+(as XLA clamps gather indices). The rows' query ranges must lie inside q and must not overlap (the CPU
+kernel raises otherwise; here tokens outside q are dropped, and a token in two rows gets one of them).
+
+Work items. The wrapper (plain jnp, inside the same jit) cuts every row into items of at most ``block_q``
+consecutive tokens of that one row: row s gives cdiv(query_lens[s], block_q) items. An item never
+straddles rows, so the kernel body is the plain one-sequence causal block of the prefill kernel, with one
+block table, one length and one position range. Items are numbered row by row, item w belonging to the
+row whose running item count first exceeds w (a ``searchsorted``). Their number is data-dependent, so
+the grid takes the static bound
+
+    num_items = (num_tokens + num_rows * (block_q - 1)) // block_q
+
+(sum_s cdiv(n_s, B) <= (sum_s n_s + S (B - 1)) / B and sum_s n_s <= num_tokens for rows inside q that do
+not overlap). An all-decode step (num_tokens == num_rows) gets exactly num_rows items; the unused items
+at the end have no tokens, copy no pages and write nothing. The wrapper gathers each item's tokens from q
+into a padded [items, kv heads, group * block_q, head_dim] block (rows head-major: row = head * block_q
++ token, so one K/V page read serves every query head of the group) and scatters the items' outputs
+back to their tokens. That is a copy of q and of the output, never of the KV cache.
+
+Per item the kernel needs three scalars, computed by the wrapper: its row (for the block table), the
+position of its first token, and ``kv_end``, the exclusive key limit
+min(lengths[row], last token's position + 1) (0 for an empty item). A token of the item is real exactly
+when 0 <= its position < kv_end, and it attends keys k <= its position (and < kv_end).
+
+Two Pallas variants, both on grid (kv head, item) with a float32 online softmax over blocks of
+``pages_per_compute_block`` pages, walking the item's pages only up to kv_end:
+* TPU (Mosaic): the items' rows, first positions, kv_end and the (flattened) block tables are
+  scalar-prefetched into SMEM; pages stay in HBM and are DMA'd into double-buffered VMEM slots
+  (``_tpu_paging``). On CPU it runs in the TPU interpreter (``interpret=True``).
+* GPU (Triton): each program gathers its item's pages through the item's block table (the wrapper hands
+  every item its row's table, an [items, pages_per_seq] int gather) and reads them from the pool in HBM.
+
+Cost trade-off of fixed-size items: every item of a prefill chunk streams its row's context up to its own
+last token, so a chunk of n tokens reads the context about n / block_q times (per kv head); a decode row
+fills 1 of the item's block_q token slots (free on the TPU MXU while group * block_q <= 128, and the step
+is bound by the page reads anyway). ``block_q`` is the knob between the two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas import _common as cm
+from kernels_pallas._tpu_paging import PageStream, fold_pages
+from kernels_pallas.paged_attention import gather_pages
+
+# Knobs per backend, the KV block sized to ~128 tokens; starting points, not yet measured on hardware.
+TUNED_BLOCK_SIZES: dict[tuple[str, int, int], dict[str, int]] = {
+    **{
+        ("tpu", page_size, head_dim): {"block_q": 16, "pages_per_compute_block": max(1, 128 // page_size)}
+        for page_size in cm.SUPPORTED_PAGE_SIZES
+        for head_dim in cm.SUPPORTED_HEAD_DIMS
+    },
+    **{
+        ("gpu", page_size, head_dim): {
+            "block_q": 16,
+            "pages_per_compute_block": max(1, 64 // page_size),
+            "num_warps": 4 if head_dim <= 128 else 8,
+            "num_stages": 2,
+        }
+        for page_size in cm.SUPPORTED_PAGE_SIZES
+        for head_dim in cm.SUPPORTED_HEAD_DIMS
+    },
+}
+DEFAULT_BLOCK_SIZES = {
+    "tpu": {"block_q": 16, "pages_per_compute_block": 2},
+    "gpu": {"block_q": 16, "pages_per_compute_block": 1, "num_warps": 4, "num_stages": 2},
+}
+MIN_GPU_ROWS = 16  # Triton dots need >= 16 rows: the GPU variant pads the query-head group up to it
+
+
+# ------------------------------------------------------------------------------------------ items
+
+
+class _Items:
+    """The work list: item w is tokens first_token[w].. (at most block_q) of row rows[w]."""
+
+    def __init__(self, query_starts, query_lens, positions, lengths, *, num_tokens, block_q, num_items):
+        num_rows = query_lens.shape[0]
+        query_lens = jnp.clip(query_lens, 0, num_tokens)
+        per_row = (query_lens + block_q - 1) // block_q  # items of each row
+        ends = jnp.cumsum(per_row)  # items of rows 0..s
+        item = jnp.arange(num_items, dtype=jnp.int32)
+        row = jnp.searchsorted(ends, item, side="right").astype(jnp.int32)  # num_rows past the last item
+        live = row < num_rows
+        row = jnp.where(live, row, 0)
+        first_token = (item - (ends[row] - per_row[row])) * block_q  # within the row
+        count = jnp.where(live, jnp.clip(query_lens[row] - first_token, 0, block_q), 0)
+        first_pos = positions[row] + first_token
+        self.rows = row  # i32[items]
+        self.first_pos = jnp.where(live, first_pos, 0)  # i32[items], position of the item's first token
+        # exclusive key limit: the last token's position + 1, at most the row's length; 0 if no token is real
+        self.kv_end = jnp.where(live, jnp.clip(jnp.minimum(lengths[row], first_pos + count), 0, None), 0)
+        slot = jnp.arange(block_q, dtype=jnp.int32)[None, :]
+        token = query_starts[row][:, None] + first_token[:, None] + slot  # i32[items, block_q], index in q
+        in_q = (slot < count[:, None]) & (token >= 0) & (token < num_tokens)
+        self.token = jnp.where(in_q, token, num_tokens)  # num_tokens = no token (dropped by the scatter)
+
+
+def _gather_items(q, items: _Items, num_kv_heads: int, group_p: int, block_q: int) -> jax.Array:
+    """q [T, Hq, D] -> [items, kvh, group_p * block_q, D]: the items' tokens, zeros where an item has none,
+    rows head-major within an item."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    x = jnp.take(q, items.token, axis=0, mode="fill", fill_value=0)  # [items, block_q, Hq, D]
+    num_items = x.shape[0]
+    x = x.reshape(num_items, block_q, num_kv_heads, group, head_dim)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, group_p - group), (0, 0)))
+    x = x.transpose(0, 2, 3, 1, 4)  # [items, kvh, group_p, block_q, D]
+    return x.reshape(num_items, num_kv_heads, group_p * block_q, head_dim)
+
+
+def _scatter_items(x, items: _Items, q_shape, group_p: int, block_q: int) -> jax.Array:
+    """Inverse of ``_gather_items``: [items, kvh, group_p * block_q, D] -> [T, Hq, D], zeros for tokens in
+    no item."""
+    num_tokens, num_q_heads, head_dim = q_shape
+    num_items, num_kv_heads = x.shape[:2]
+    group = num_q_heads // num_kv_heads
+    x = x.reshape(num_items, num_kv_heads, group_p, block_q, head_dim)[:, :, :group]
+    x = x.transpose(0, 3, 1, 2, 4).reshape(num_items * block_q, num_q_heads, head_dim)
+    out = jnp.zeros(q_shape, x.dtype)
+    return out.at[items.token.reshape(-1)].set(x, mode="drop")
+
+
+def _row_positions(first_pos, rows: int, block_q: int) -> jax.Array:
+    """i32[rows, 1] positions of head-major rows (row = head * block_q + token; block_q a power of 2)."""
+    return first_pos + (jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
+
+
+def _block_step(state, q, k, v, *, first_key, row_pos, kv_end, sm_scale):
+    """Online-softmax update of an item's rows with one KV block of tokens first_key.. (causal, < kv_end)."""
+    s = cm.logits(q, k, sm_scale)  # f32[rows, block_tokens]
+    key = first_key + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    mask = (key <= row_pos) & (key < kv_end)
+    key_ok = first_key + jax.lax.broadcasted_iota(jnp.int32, (k.shape[0], 1), 0) < kv_end
+    return cm.online_softmax_step(state, s, mask, cm.zero_invalid_rows(v, key_ok))
+
+
+# --------------------------------------------------------------------------------------------- TPU
+
+
+def _tpu_kernel(
+    rows_ref,  # SMEM i32[items], each item's row
+    first_pos_ref,  # SMEM i32[items], position of each item's first token
+    kv_end_ref,  # SMEM i32[items], exclusive key limit
+    table_ref,  # SMEM i32[num_rows * pages_per_seq], flattened block tables
+    q_ref,  # VMEM [group * block_q, head_dim]
+    k_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
+    v_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
+    o_ref,  # VMEM [group * block_q, head_dim]
+    k_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
+    v_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
+    sems,  # DMA semaphores [2, 2]
+    *,
+    sm_scale: float,
+    pages_per_seq: int,
+    block_q: int,
+):
+    head, item = pl.program_id(0), pl.program_id(1)
+    kv_end = kv_end_ref[item]
+    _, pages_per_block, page_size, head_dim = k_buf.shape
+    rows = q_ref.shape[0]
+    row_pos = _row_positions(first_pos_ref[item], rows, block_q)
+    real = (row_pos >= 0) & (row_pos < kv_end)  # [rows, 1]: a token of the row with something to attend
+    stream = PageStream(
+        k_hbm,
+        v_hbm,
+        k_buf,
+        v_buf,
+        sems,
+        table_ref,
+        table_offset=rows_ref[item] * pages_per_seq,
+        head=head,
+        num_pages=pl.cdiv(kv_end, page_size),
+    )
+    q = q_ref[...]  # rows of padding tokens may hold anything; they only reach their own (zeroed) rows
+    step = functools.partial(_block_step, row_pos=row_pos, kv_end=kv_end, sm_scale=sm_scale)
+
+    def body(block, k, v, state):
+        return step(state, q, k, v, first_key=block * pages_per_block * page_size)
+
+    num_blocks = pl.cdiv(kv_end, pages_per_block * page_size)
+    state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(rows, head_dim))
+    o_ref[...] = jnp.where(real, cm.finalize(state), 0.0).astype(o_ref.dtype)
+
+
+def _tpu_call(q_items, k_pages, v_pages, block_tables, items: _Items, *, block_q, sm_scale, pages_per_block,
+              interpret):
+    """q_items [items, kvh, group * block_q, D] from ``_gather_items`` -> an array shaped like it."""
+    num_items, num_kv_heads, rows, head_dim = q_items.shape
+    page_size = k_pages.shape[2]
+    pages_per_seq = block_tables.shape[1]
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (w, h, 0, 0))
+    kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, block_q=block_q)
+    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(num_kv_heads, num_items),
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=q_spec,
+            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=cm.interpret_arg("tpu", interpret),
+        name="ragged_paged_attention_tpu",
+    )(items.rows, items.first_pos, items.kv_end, block_tables.reshape(-1), q_items, k_pages, v_pages)
+
+
+# --------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_kernel(
+    q_ref,  # [group_p * block_q, head_dim]
+    k_ref,  # [total_pages, page_size, head_dim], this kv head's pages
+    v_ref,  # [total_pages, page_size, head_dim]
+    table_ref,  # i32[padded_pages_per_seq], the item's row's block table
+    meta_ref,  # i32[2]: the item's first position, kv_end
+    o_ref,  # [group_p * block_q, head_dim]
+    *,
+    sm_scale: float,
+    pages_per_block: int,
+    block_q: int,
+):
+    page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    block_tokens = pages_per_block * page_size
+    kv_end = meta_ref[1]
+    rows = q_ref.shape[0]
+    row_pos = _row_positions(meta_ref[0], rows, block_q)
+    real = (row_pos >= 0) & (row_pos < kv_end)
+    q = q_ref[...]
+    step = functools.partial(_block_step, row_pos=row_pos, kv_end=kv_end, sm_scale=sm_scale)
+
+    def body(block, state):
+        pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
+        pages = cm.live_pages_only(pages, block * pages_per_block, pl.cdiv(kv_end, page_size))
+        k = k_ref[pages].reshape(block_tokens, head_dim)
+        v = v_ref[pages].reshape(block_tokens, head_dim)
+        return step(state, q, k, v, first_key=block * block_tokens)
+
+    state = jax.lax.fori_loop(0, pl.cdiv(kv_end, block_tokens), body, cm.init_softmax_state(rows, head_dim))
+    o_ref[...] = jnp.where(real, cm.finalize(state), 0.0).astype(o_ref.dtype)
+
+
+def _gpu_call(q_items, k_pages, v_pages, block_tables, items: _Items, *, block_q, sm_scale, pages_per_block,
+              num_warps, num_stages, interpret):
+    """q_items [items, kvh, group_p * block_q, D] from ``_gather_items`` -> an array shaped like it."""
+    num_items, num_kv_heads, rows, head_dim = q_items.shape
+    _, total_pages, page_size, _ = k_pages.shape
+    pages_per_seq = block_tables.shape[1]
+    # Each item's row's table, padded to whole compute blocks (page 0: past kv_end, never read).
+    table = jnp.pad(block_tables[items.rows], ((0, 0), (0, -pages_per_seq % pages_per_block)))
+    meta = jnp.stack([items.first_pos, items.kv_end], axis=1)  # i32[items, 2]
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w: (w, h, 0, 0))
+    pool_spec = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda h, w: (h, 0, 0, 0))
+    kernel = functools.partial(_gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, block_q=block_q)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_kv_heads, num_items),
+        in_specs=[
+            q_spec,
+            pool_spec,
+            pool_spec,
+            pl.BlockSpec((None, table.shape[1]), lambda h, w: (w, 0)),
+            pl.BlockSpec((None, 2), lambda h, w: (w, 0)),
+        ],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=cm.interpret_arg("gpu", interpret),
+        name="ragged_paged_attention_gpu",
+    )(q_items, k_pages, v_pages, table, meta)
+
+
+# ------------------------------------------------------------------------------------------ public
+
+
+def _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths) -> None:
+    num_kv_heads, _, _, head_dim = cm.check_kv_pages(k_pages, v_pages)
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    cm.check_query(q, k_pages.dtype, num_kv_heads, head_dim, "[num_tokens, num_q_heads, head_dim]")
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must have shape (num_rows, pages_per_seq), got {block_tables.shape}")
+    if block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
+    num_rows = block_tables.shape[0]
+    for name, x in (("query_starts", query_starts), ("query_lens", query_lens), ("positions", positions),
+                    ("lengths", lengths)):
+        if x.shape != (num_rows,):
+            raise ValueError(f"{name} must have shape (num_rows,) = ({num_rows},) like block_tables' first "
+                             f"dim, got {x.shape}")
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale",
+        "backend",
+        "interpret",
+        "block_q",
+        "pages_per_compute_block",
+        "num_warps",
+        "num_stages",
+    ),
+)
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]: every row's query tokens, back to back
+    k_pages: jax.Array,  # [Hkv, num_blocks, block_size, D], one layer's pages
+    v_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+    block_tables: jax.Array,  # i32[S, P]
+    query_starts: jax.Array,  # i32[S]: row s's first token in q
+    query_lens: jax.Array,  # i32[S]: row s's tokens in q (0: an empty row)
+    positions: jax.Array,  # i32[S]: position of row s's first token in its sequence
+    lengths: jax.Array,  # i32[S]: tokens of row s's sequence it may see (its own tokens included)
+    *,
+    sm_scale: float,
+    interpret: bool = False,
+    block_q: int | None = None,
+    pages_per_compute_block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    backend: str = "auto",
+) -> jax.Array:  # [T, Hq, D], q.dtype; zeros for tokens in no row and tokens outside [0, length)
+    """Causal attention of ragged rows (decode tokens and prefill chunks) over the paged KV cache.
+
+    Args:
+      q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths: see the shape
+        comments and the module docstring. The step's K/V must already be in the pages.
+      sm_scale: softmax scale (e.g. 1/sqrt(D)).
+      interpret: run in the Pallas interpreter (CPU testing); TPU also accepts ``pltpu.InterpretParams``.
+      block_q: query tokens per work item (power of two). Default from ``TUNED_BLOCK_SIZES``.
+      pages_per_compute_block: pages per KV block (power of two); capped at the block table width.
+      num_warps, num_stages: GPU only, Triton launch parameters.
+      backend: "tpu", "gpu" or "auto" (as in ``paged_attention``).
+    """
+    _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths)
+    backend = cm.resolve_backend(backend, interpret)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, total_pages, page_size, _ = k_pages.shape
+    num_rows, pages_per_seq = block_tables.shape
+    knobs = cm.tuned_knobs(
+        TUNED_BLOCK_SIZES,
+        (backend, page_size, head_dim),
+        DEFAULT_BLOCK_SIZES[backend],
+        block_q=block_q,
+        pages_per_compute_block=pages_per_compute_block,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    cm.check_positive_power_of_2("block_q", knobs["block_q"])
+    cm.check_positive_power_of_2("pages_per_compute_block", knobs["pages_per_compute_block"])
+    if backend == "tpu":
+        cm.reject_knobs("tpu", num_warps=num_warps, num_stages=num_stages)
+    if num_tokens == 0 or num_rows == 0 or pages_per_seq == 0 or total_pages == 0:
+        return jnp.zeros_like(q)
+    block_q = knobs["block_q"]
+    num_items = max(1, (num_tokens + num_rows * (block_q - 1)) // block_q)
+    lengths = jnp.clip(lengths, 0, pages_per_seq * page_size)  # never walk past the block table
+    block_tables = jnp.clip(block_tables, 0, total_pages - 1)  # like an XLA gather (and the CPU kernel)
+    items = _Items(query_starts, query_lens, positions, lengths, num_tokens=num_tokens, block_q=block_q,
+                   num_items=num_items)
+    common = dict(
+        block_q=block_q,
+        sm_scale=float(sm_scale),
+        pages_per_block=cm.fit_pages_per_block(knobs["pages_per_compute_block"], pages_per_seq),
+        interpret=interpret,
+    )
+    group = num_q_heads // num_kv_heads
+    if backend == "tpu":
+        group_p, call = group, _tpu_call
+    else:
+        # Triton tensors need power-of-two sizes and dots >= 16 rows: pad the group with zero heads
+        group_p = max(cm.next_power_of_2(group), -(-MIN_GPU_ROWS // block_q))
+        call = functools.partial(_gpu_call, num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
+    q_items = _gather_items(q, items, num_kv_heads, group_p, block_q)
+    out = call(q_items, k_pages, v_pages, block_tables, items, **common)
+    return _scatter_items(out, items, q.shape, group_p, block_q)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+    v_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+    block_tables: jax.Array,  # i32[S, P]
+    query_starts: jax.Array,  # i32[S]
+    query_lens: jax.Array,  # i32[S]
+    positions: jax.Array,  # i32[S]
+    lengths: jax.Array,  # i32[S]
+    *,
+    sm_scale: float,
+) -> jax.Array:  # [T, Hq, D], q.dtype
+    """Plain-jnp ragged attention (float32 math): every token gathers its row's pages through the block
+    table (an [T, Hkv, P * block_size, D] copy, so for tests and small batches) and takes a masked softmax.
+    Same semantics as ``ragged_paged_attention``."""
+    _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, total_pages, page_size, _ = k_pages.shape
+    num_rows, pages_per_seq = block_tables.shape
+    if num_tokens == 0 or num_rows == 0 or pages_per_seq == 0:
+        return jnp.zeros_like(q)
+    lengths = jnp.clip(lengths, 0, pages_per_seq * page_size)
+    block_tables = jnp.clip(block_tables, 0, total_pages - 1)
+    # Each token's row: the last row whose query range holds it (-1: none).
+    token = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+    in_row = (token >= query_starts[None, :]) & (token < query_starts[None, :] + query_lens[None, :])  # [T, S]
+    row = jnp.where(in_row.any(axis=1), num_rows - 1 - jnp.argmax(in_row[:, ::-1], axis=1), -1)
+    safe_row = jnp.maximum(row, 0)
+    position = positions[safe_row] + token[:, 0] - query_starts[safe_row]  # [T]
+    length = jnp.where(row >= 0, lengths[safe_row], 0)
+    real = (row >= 0) & (position >= 0) & (position < length)  # [T]
+    k = gather_pages(k_pages, block_tables[safe_row])  # f32[T, kvh, P * page_size, D]
+    v = gather_pages(v_pages, block_tables[safe_row])
+    key = jnp.arange(k.shape[2])[None, :]
+    seen = (key <= position[:, None]) & (key < length[:, None]) & real[:, None]  # [T, keys]
+    k = jnp.where(seen[:, None, :, None], k, 0.0)
+    v = jnp.where(seen[:, None, :, None], v, 0.0)
+    qg = jnp.where(real[:, None, None], q.astype(jnp.float32), 0.0)
+    qg = qg.reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    s = jnp.einsum("thgd,thkd->thgk", qg, k) * sm_scale
+    s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True, initial=cm.MASK_VALUE))
+    out = jnp.einsum("thgk,thkd->thgd", p, v) / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    out = jnp.where(real[:, None, None, None], out, 0.0)
+    return out.reshape(q.shape).astype(q.dtype)
