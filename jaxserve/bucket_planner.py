@@ -2,8 +2,9 @@
 minimises expected padding (``scripts/plan_buckets.py`` is its command line).
 
 Place in the data flow: offline, before `precompile`. Its output is a ``buckets/*.toml`` file that
-``load_bucket_spec`` reads; batch sizes and ``block_size`` come from a base spec (batch sizes follow
-concurrency, not lengths), and the planner chooses the two length lists:
+``load_bucket_spec`` reads; batch sizes, ``block_size`` and the optional ``[mixed]`` table come from a
+base spec unchanged (batch sizes follow concurrency, not lengths; mixed steps follow the token budget),
+and the planner chooses the two length lists:
 
 - ``[prefill] lengths`` (chunk buckets): every prompt runs as chunks of at most the largest chunk
   length (by default the longest prompt, so each prompt is one chunk); a chunk of ``n`` tokens is
@@ -19,8 +20,9 @@ share of chunk query tokens, ``context`` the padded share of attended context to
 minimises their sum. For ``k`` chunk lengths (or ``m`` context lengths) the optimal set is a weighted
 one-dimensional ``k``-quantisation solved exactly by dynamic programming over the observed lengths
 (an optimal bucket boundary always sits on an observed length, rounded up to the alignment). Every
-``(k, m)`` whose exact pruned grid (`BucketGrid`) fits the budget is scored; the best is kept. The
-baseline is the best power-of-two ladder under the same budget; the plan is never worse than it.
+``(k, m)`` whose exact pruned grid (`BucketGrid`, mixed buckets included) fits the budget is scored;
+the best is kept. The baseline is the best power-of-two ladder under the same budget; the plan is
+never worse than it.
 
 No JAX here.
 """
@@ -218,6 +220,13 @@ class Plan:
             f"lengths = {fmt(spec.context_lengths)}",
             "",
         ]
+        if spec.mixed_batch_sizes:
+            lines += [
+                "[mixed]",
+                f"batch_sizes = {fmt(spec.mixed_batch_sizes)}",
+                f"token_counts = {fmt(spec.mixed_token_counts)}",
+                "",
+            ]
         return "\n".join(lines)
 
     def format_table(self) -> str:
@@ -247,7 +256,7 @@ def _candidate(base: BucketSpec, chunks: list[int], contexts: list[int], profile
     spec = BucketSpec(
         decode_batch_sizes=base.decode_batch_sizes, prefill_batch_sizes=base.prefill_batch_sizes,
         prefill_lengths=tuple(chunks), context_lengths=tuple(contexts), block_size=base.block_size,
-        source=source,
+        mixed_batch_sizes=base.mixed_batch_sizes, mixed_token_counts=base.mixed_token_counts, source=source,
     )
     num_blocks = limits.num_kv_blocks or limits.max_num_seqs * (contexts[-1] // base.block_size)
     grid = BucketGrid(

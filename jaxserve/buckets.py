@@ -4,7 +4,10 @@ XLA compiles one program per input shape, so every model step runs on a precompi
 
 - decode  ``DecodeBucket(batch_size, context_len)``: ``batch_size`` rows of one query token each;
 - prefill ``PrefillBucket(batch_size, chunk_len, context_len)``: ``batch_size`` rows of
-  ``chunk_len`` query tokens each.
+  ``chunk_len`` query tokens each;
+- mixed   ``MixedBucket(num_tokens, batch_size, context_len)``: decode rows (one query token each)
+  and prefill chunks in one step, as a flat ragged batch of ``num_tokens`` query tokens over at most
+  ``batch_size`` rows (optional: only specs with a ``[mixed]`` table have them).
 
 ``context_len`` bounds the tokens a row attends to (the cache after the step), hence the block-table
 width (``context_len // block_size`` pages) and the attention work. A real batch is padded up to the
@@ -38,7 +41,10 @@ _SPEC_KEYS = {
     "decode": {"batch_sizes": "decode_batch_sizes"},
     "prefill": {"batch_sizes": "prefill_batch_sizes", "lengths": "prefill_lengths"},
     "context": {"lengths": "context_lengths"},
+    "mixed": {"batch_sizes": "mixed_batch_sizes", "token_counts": "mixed_token_counts"},
 }
+# Tables a spec may leave out: then all their fields are () and the grid has none of those buckets.
+_OPTIONAL_TABLES = ("mixed",)
 _FIELD_NAMES = {f: f"[{table}] {key}" for table, keys in _SPEC_KEYS.items() for key, f in keys.items()}
 
 
@@ -75,7 +81,20 @@ class PrefillBucket:
         return self.context_len // block_size
 
 
-Bucket = DecodeBucket | PrefillBucket
+@dataclass(frozen=True, order=True)
+class MixedBucket:
+    """A flat ragged batch: ``num_tokens`` query tokens over at most ``batch_size`` rows, where a decode
+    row has one token and a prefill chunk several."""
+
+    num_tokens: int
+    batch_size: int
+    context_len: int
+
+    def num_pages(self, block_size: int) -> int:
+        return self.context_len // block_size
+
+
+Bucket = DecodeBucket | PrefillBucket | MixedBucket
 
 
 # -- spec -------------------------------------------------------------------------------------------
@@ -83,18 +102,24 @@ Bucket = DecodeBucket | PrefillBucket
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """The bucket sizes of one target, as written in a ``buckets/*.toml`` file."""
+    """The bucket sizes of one target, as written in a ``buckets/*.toml`` file (its ``[mixed]`` table is
+    optional: without one, the grid has no mixed buckets)."""
 
     decode_batch_sizes: tuple[int, ...]
     prefill_batch_sizes: tuple[int, ...]
     prefill_lengths: tuple[int, ...]
     context_lengths: tuple[int, ...]
+    # the optional [mixed] table; keyword-only, so positional construction is as before
+    mixed_batch_sizes: tuple[int, ...] = field(default=(), kw_only=True)
+    mixed_token_counts: tuple[int, ...] = field(default=(), kw_only=True)
     block_size: int | None = None
     source: str = field(default="<spec>", compare=False)
 
     def __post_init__(self) -> None:
+        absent = _absent_fields(self)
         for name in _FIELD_NAMES:
-            object.__setattr__(self, name, _check_sizes(self.source, name, getattr(self, name)))
+            if name not in absent:
+                object.__setattr__(self, name, _check_sizes(self.source, name, getattr(self, name)))
         if self.block_size is not None:
             if not _is_int(self.block_size) or self.block_size < 1:
                 raise ValueError(
@@ -108,17 +133,10 @@ class BucketSpec:
         for table in data:
             if table != "block_size" and table not in _SPEC_KEYS:
                 raise ValueError(f"{source}: unknown table [{table}] (known: {', '.join(_SPEC_KEYS)})")
-        for table, keys in _SPEC_KEYS.items():
-            values = data.get(table)
-            if not isinstance(values, dict):
-                raise ValueError(f"{source}: missing table [{table}]")
-            for key in values:
-                if key not in keys:
-                    raise ValueError(f"{source}: unknown key [{table}] {key} (known: {', '.join(keys)})")
-            for key, name in keys.items():
-                if key not in values:
-                    raise ValueError(f"{source}: missing [{table}] {key}")
-                kwargs[name] = values[key]
+        for table in _SPEC_KEYS:
+            if table in _OPTIONAL_TABLES and data.get(table) is None:
+                continue
+            kwargs.update(_read_table(source, table, data.get(table)))
         return cls(**kwargs)
 
     @classmethod
@@ -136,6 +154,35 @@ class BucketSpec:
 
     def replace(self, **changes: Any) -> BucketSpec:
         return dataclasses.replace(self, **changes)
+
+
+def _read_table(source: str, table: str, values: Any) -> dict[str, Any]:
+    """The ``BucketSpec`` fields of one TOML table, its keys checked (an optional table's values too,
+    since written with empty lists it would read as absent)."""
+    keys = _SPEC_KEYS[table]
+    if not isinstance(values, dict):
+        if table in _OPTIONAL_TABLES:
+            raise ValueError(f"{source}: [{table}] must be a table, got {values!r}")
+        raise ValueError(f"{source}: missing table [{table}]")
+    for key in values:
+        if key not in keys:
+            raise ValueError(f"{source}: unknown key [{table}] {key} (known: {', '.join(keys)})")
+    fields = {}
+    for key, name in keys.items():
+        if key not in values:
+            raise ValueError(f"{source}: missing [{table}] {key}")
+        fields[name] = _check_sizes(source, name, values[key]) if table in _OPTIONAL_TABLES else values[key]
+    return fields
+
+
+def _absent_fields(spec: BucketSpec) -> set[str]:
+    """The fields of the optional tables ``spec`` leaves out (every field of the table empty)."""
+    absent = set()
+    for table in _OPTIONAL_TABLES:
+        names = _SPEC_KEYS[table].values()
+        if all(getattr(spec, name) in ((), []) for name in names):
+            absent.update(names)
+    return absent
 
 
 def _is_int(value: Any) -> bool:
@@ -232,8 +279,19 @@ class BucketGrid:
       P4. ``b⁻ + ceil((max(c⁻, L⁻) + 1) / block_size) <= num_blocks``.
       P5. ``L⁻ < c``: the chunk (longer than ``L⁻``) must fit in the context.
 
+    Mixed ``(T, R, C)``: ``T`` query tokens over ``R`` rows (none unless the spec has ``[mixed]``)
+      M1. ``R⁻ < max_num_seqs`` (rows are running sequences) and ``R >= 2``: a mixed step has at least
+          one decode row and one chunk, so a spec batch size of 1 is never kept.
+      M2. ``T⁻ < max_num_batched_tokens`` (the step's real tokens are within the token budget; the
+          padding may go beyond it) and ``R⁻ + 1 <= T`` (every row has at least one token).
+      M3. ``C⁻ < max_model_len``.
+      M4. ``R⁻ + ceil((C⁻ + 1) / block_size) <= num_blocks``.
+      M5. ``T⁻ < R * C``: a row's query tokens fit its context, so ``R`` rows at context ``C`` hold
+          at most ``R * C`` tokens.
+
     The kept sets are closed under "smallest fitting bucket" for every batch the ``Scheduler`` forms,
-    so ``select_decode`` / ``select_prefill`` never fail for a batch within the limits.
+    so ``select_decode`` / ``select_prefill`` / ``select_mixed`` never fail for a batch within the
+    limits (a mixed batch also within the spec's largest mixed sizes).
     """
 
     def __init__(
@@ -282,6 +340,13 @@ class BucketGrid:
             for c in spec.context_lengths
             if self._prefill_feasible(b, n, c)
         ]
+        self.mixed_buckets = [
+            MixedBucket(t, r, c)
+            for r in spec.mixed_batch_sizes
+            for t in spec.mixed_token_counts
+            for c in spec.context_lengths
+            if self._mixed_feasible(t, r, c)
+        ]
 
     # -- pruning ------------------------------------------------------------------------------------
 
@@ -307,6 +372,17 @@ class BucketGrid:
             and n0 < c  # P5
         )
 
+    def _mixed_feasible(self, t: int, r: int, c: int) -> bool:
+        t0, r0 = _prev(self.spec.mixed_token_counts, t), _prev(self.spec.mixed_batch_sizes, r)
+        c0 = _prev(self.spec.context_lengths, c)
+        return (
+            r0 < self.max_num_seqs and r >= 2  # M1
+            and t0 < self.max_num_batched_tokens and r0 + 1 <= t  # M2
+            and c0 < self.max_model_len  # M3
+            and r0 + _cdiv(c0 + 1, self.block_size) <= self.num_blocks  # M4
+            and t0 < r * c  # M5
+        )
+
     # -- limits -------------------------------------------------------------------------------------
 
     @property
@@ -327,9 +403,23 @@ class BucketGrid:
         return max(b.batch_size for b in self.prefill_buckets)
 
     @property
+    def max_mixed_batch_size(self) -> int:
+        """The most rows of a mixed bucket; 0 without mixed buckets."""
+        return max((b.batch_size for b in self.mixed_buckets), default=0)
+
+    @property
+    def max_mixed_tokens(self) -> int:
+        """The most query tokens of a mixed bucket; 0 without mixed buckets."""
+        return max((b.num_tokens for b in self.mixed_buckets), default=0)
+
+    @property
+    def has_mixed(self) -> bool:
+        return bool(self.mixed_buckets)
+
+    @property
     def max_batch_size(self) -> int:
         """The most rows any executable of the grid has."""
-        return max(self.max_decode_batch_size, self.max_prefill_batch_size)
+        return max(self.max_decode_batch_size, self.max_prefill_batch_size, self.max_mixed_batch_size)
 
     @property
     def max_chunk_len(self) -> int:
@@ -337,7 +427,7 @@ class BucketGrid:
 
     @property
     def num_executables(self) -> int:
-        return len(self.decode_buckets) + len(self.prefill_buckets)
+        return len(self.decode_buckets) + len(self.prefill_buckets) + len(self.mixed_buckets)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         largest = self.spec.context_lengths[-1]
@@ -423,6 +513,43 @@ class BucketGrid:
             )
         return bucket
 
+    def find_mixed(self, num_rows: int, num_tokens: int, max_context_len: int) -> MixedBucket | None:
+        fits = [
+            b
+            for b in self.mixed_buckets
+            if b.batch_size >= num_rows and b.num_tokens >= num_tokens and b.context_len >= max_context_len
+        ]
+        return min(fits, key=lambda b: (b.num_tokens, b.context_len, b.batch_size), default=None)
+
+    def select_mixed(self, num_rows: int, num_tokens: int, max_context_len: int) -> MixedBucket:
+        """The mixed bucket with the fewest padded tokens, then the smallest context, then the fewest rows,
+        for ``num_rows`` rows (decode rows and chunks) of ``num_tokens`` query tokens in all; ValueError
+        if none."""
+        if num_rows < 2 or num_tokens < num_rows or max_context_len < 1:
+            raise ValueError(
+                "select_mixed needs num_rows >= 2, num_tokens >= num_rows and max_context_len >= 1, got "
+                f"{num_rows}, {num_tokens}, {max_context_len}"
+            )
+        bucket = self.find_mixed(num_rows, num_tokens, max_context_len)
+        if bucket is None:
+            raise ValueError(
+                f"no mixed bucket fits {num_rows} rows with {num_tokens} tokens at context {max_context_len} "
+                f"({self._largest_mixed()})"
+            )
+        return bucket
+
+    def _largest_mixed(self) -> str:
+        """What the grid's mixed buckets hold at most, for ``select_mixed``'s error."""
+        if not self.spec.mixed_batch_sizes:
+            return f"{self.spec.source} has no [mixed] table"
+        if not self.mixed_buckets:
+            return f"every mixed bucket of {self.spec.source} is pruned at these limits"
+        largest_context = max(b.context_len for b in self.mixed_buckets)
+        return (
+            f"largest: batch {self.max_mixed_batch_size}, tokens {self.max_mixed_tokens}, "
+            f"context {largest_context}"
+        )
+
     # -- start-up print -----------------------------------------------------------------------------
 
     def format_table(self) -> str:
@@ -448,11 +575,27 @@ class BucketGrid:
                     f"{'x' if PrefillBucket(b, n, c) in prefill else '-':>{width}}" for c in contexts
                 )
                 lines.append(f"  {f'{b} x {n}':>12}" + cells)
+        if self.spec.mixed_batch_sizes:
+            lines += self._format_mixed(width)
         lines.append(
             f"total: {self.num_executables} executables (columns: context length; x = compiled, "
             "- = pruned, no admissible batch selects it)"
         )
         return "\n".join(lines)
+
+    def _format_mixed(self, width: int) -> list[str]:
+        """The mixed section of ``format_table``: a row per ``batch x tokens``, a column per context."""
+        contexts, header = self.spec.context_lengths, "batch x tokens"
+        mixed = set(self.mixed_buckets)
+        lines = [
+            f"mixed: {len(self.mixed_buckets)} executables",
+            f"  {header}" + "".join(f"{c:>{width}}" for c in contexts),
+        ]
+        for r in self.spec.mixed_batch_sizes:
+            for t in self.spec.mixed_token_counts:
+                cells = "".join(f"{'x' if MixedBucket(t, r, c) in mixed else '-':>{width}}" for c in contexts)
+                lines.append(f"  {f'{r} x {t}':>{len(header)}}" + cells)
+        return lines
 
 
 # -- padding accounting -----------------------------------------------------------------------------
@@ -471,6 +614,8 @@ class PaddingStats:
     prefill_padded_tokens: int = 0
     decode_real_tokens: int = 0
     decode_padded_tokens: int = 0
+    mixed_real_tokens: int = 0
+    mixed_padded_tokens: int = 0
     real_context_tokens: int = 0  # sum over rows of the real context length
     padded_context_tokens: int = 0  # batch_size * context_len of the buckets
 
@@ -478,6 +623,9 @@ class PaddingStats:
         if isinstance(bucket, PrefillBucket):
             self.prefill_real_tokens += num_real_tokens
             self.prefill_padded_tokens += bucket.num_tokens
+        elif isinstance(bucket, MixedBucket):
+            self.mixed_real_tokens += num_real_tokens
+            self.mixed_padded_tokens += bucket.num_tokens
         else:
             self.decode_real_tokens += num_real_tokens
             self.decode_padded_tokens += bucket.num_tokens
@@ -491,6 +639,10 @@ class PaddingStats:
     @property
     def decode_waste(self) -> float:
         return _waste(self.decode_real_tokens, self.decode_padded_tokens)
+
+    @property
+    def mixed_waste(self) -> float:
+        return _waste(self.mixed_real_tokens, self.mixed_padded_tokens)
 
     @property
     def context_waste(self) -> float:

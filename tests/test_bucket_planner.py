@@ -178,3 +178,26 @@ def test_errors_are_clear(tmp_path):
     bad.write_text(json.dumps({"prompt_len": 5, "output_len": 0}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: output_len must be a positive integer, got 0$"):
         read_trace(bad)
+
+
+def test_plan_carries_the_base_mixed_table_and_counts_its_buckets():
+    trace = [TraceRequest(100, 50), TraceRequest(300, 20), TraceRequest(40, 400), TraceRequest(700, 100)]
+    mixed_base = BucketSpec.from_toml_text(
+        BASE_TOML + "[mixed]\nbatch_sizes = [4, 16]\ntoken_counts = [64, 256]\n", source="base.toml"
+    )
+    plain = plan_buckets(trace, 24, CPU).planned
+    assert (plain.spec.context_lengths, plain.num_executables) == ((208, 432, 800), 23)
+    assert "[mixed]" not in plan_buckets(trace, 24, CPU).to_toml()
+    plan = plan_buckets(trace, 24, mixed_base)
+    spec = plan.planned.spec
+    # the 8 mixed buckets count against the budget: one context length fewer than without them
+    assert (spec.prefill_lengths, spec.context_lengths) == ((100, 300, 700), (384, 800))
+    assert (spec.mixed_batch_sizes, spec.mixed_token_counts) == ((4, 16), (64, 256))
+    grid = _engine_grid(spec, num_blocks=10**6)
+    assert len(grid.mixed_buckets) == 8
+    assert plan.planned.num_executables == grid.num_executables == 24
+    text = plan.to_toml()
+    assert text.endswith(
+        "[context]\nlengths = [384, 800]\n\n[mixed]\nbatch_sizes = [4, 16]\ntoken_counts = [64, 256]\n"
+    )
+    assert BucketSpec.from_toml_text(text) == spec
