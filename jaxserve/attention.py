@@ -1,10 +1,12 @@
 """Attention over the paged KV pool: batch metadata, K/V writes, and the backend registry.
 
 The model calls `write_kv` to scatter a step's new keys and values into its layer of the pool, then
-`backend.attend(...)` to attend each query token over its sequence's cached context. Backends:
-"reference" (plain XLA, gathers pages through the block table), "pallas" (the kernels in
-`kernels_pallas`, imported lazily) and "cpu" (decode through the native XLA:CPU kernel of `kernels_cpu`,
-prefill as "reference"; the default on CPU).
+`backend.attend(...)` to attend each query token over its sequence's cached context. A step's tokens are
+laid out padded (`[S, Q]`: prefill and decode buckets) or ragged (`[1, T]`: a mixed step of decode rows
+and prefill chunks); `AttentionMetadata` says which and `token_layout` maps every query slot to its row
+and position. Backends: "reference" (plain XLA, gathers pages through the block table), "pallas" (the
+kernels in `kernels_pallas`, imported lazily) and "cpu" (the native XLA:CPU kernel of `kernels_cpu`,
+ragged itself; the default on CPU).
 
 The pool is one array per K and V for all layers, `[num_layers, num_kv_heads, num_blocks, block_size,
 head_dim]`; a layer's slice is the kernels' page layout. The layers' scan carries the whole pool and
@@ -30,14 +32,33 @@ logger = init_logger("jaxserve.attention")
 class AttentionMetadata:
     """Per-step batch layout, passed into the jitted step as an explicit pytree.
 
-    A step is a padded batch of `S` sequences with `Q` query tokens each (Q == 1 for decode).
-    Query token `i` of sequence `s` sits at position `q_start[s] + i`; tokens at positions
-    `>= lengths[s]` are padding (not written to the pool, their outputs are garbage).
+    Padded layout (``query_starts`` None): a batch of `S` rows with `Q` query tokens each (Q == 1 for
+    decode), the model's input `[S, Q]`. Query token `i` of row `s` sits at position `q_start[s] + i`;
+    tokens at positions `>= lengths[s]` are padding (not written to the pool, their outputs are garbage).
+
+    Ragged layout (``query_starts`` given, a mixed step): the model's input is `[1, T]`, every row's query
+    tokens back to back; row `s` is the `lengths[s] - q_start[s]` tokens from flat index `query_starts[s]`
+    (non-decreasing; padding rows have no tokens: `q_start = lengths = 0`), at positions `q_start[s]`
+    onwards. Flat tokens past every row are padding.
     """
 
     block_tables: jax.Array  # i32[S, pages_per_seq]
     q_start: jax.Array  # i32[S], position of each sequence's first query token
     lengths: jax.Array  # i32[S], context length after this step (q_start + real query tokens)
+    query_starts: jax.Array | None = None  # i32[S], ragged layout only: flat index of each row's first token
+
+    @property
+    def is_ragged(self) -> bool:
+        return self.query_starts is not None
+
+
+@struct.dataclass
+class TokenLayout:
+    """Where every query slot of a step's input (`[S, Q]` or `[1, T]`) belongs: arrays of the input's shape."""
+
+    rows: jax.Array  # i32: the row (sequence) of the slot
+    positions: jax.Array  # i32: its position in that sequence
+    valid: jax.Array  # bool: a real token (False: padding)
 
 
 def token_positions(q_start: jax.Array, num_query_tokens: int) -> jax.Array:
@@ -45,13 +66,46 @@ def token_positions(q_start: jax.Array, num_query_tokens: int) -> jax.Array:
     return q_start[:, None] + jnp.arange(num_query_tokens, dtype=jnp.int32)[None, :]
 
 
-def slot_mapping(meta: AttentionMetadata, num_query_tokens: int, block_size: int, num_slots: int) -> jax.Array:
-    """i32[S*Q]: flat pool slot of each query token; padding tokens map to `num_slots` (dropped)."""
-    positions = token_positions(meta.q_start, num_query_tokens)
-    block_idx = jnp.take_along_axis(meta.block_tables, positions // block_size, axis=1, mode="clip")
-    slots = block_idx * block_size + positions % block_size
-    valid = positions < meta.lengths[:, None]
-    return jnp.where(valid, slots, num_slots).reshape(-1)
+def token_layout(meta: AttentionMetadata, query_shape: tuple[int, int]) -> TokenLayout:
+    """The row, position and validity of every slot of an input of ``query_shape`` laid out as ``meta`` says."""
+    if not meta.is_ragged:
+        num_rows, num_query = query_shape
+        positions = token_positions(meta.q_start, num_query)
+        rows = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], query_shape)
+        return TokenLayout(rows, positions, positions < meta.lengths[:, None])
+    flat = jnp.arange(query_shape[1], dtype=jnp.int32)
+    rows = jnp.sum(flat[:, None] >= meta.query_starts[None, :], axis=1, dtype=jnp.int32) - 1
+    rows = jnp.maximum(rows, 0)
+    positions = meta.q_start[rows] + flat - meta.query_starts[rows]
+    valid = positions < meta.lengths[rows]
+    return TokenLayout(*(x.reshape(query_shape) for x in (rows, positions, valid)))
+
+
+def row_offsets(meta: AttentionMetadata, query_shape: tuple[int, int]) -> jax.Array:
+    """i32[S]: the flat index (in the input reshaped to one dimension) of each row's first query slot."""
+    if meta.is_ragged:
+        return meta.query_starts
+    num_rows, num_query = query_shape
+    return jnp.arange(num_rows, dtype=jnp.int32) * num_query
+
+
+def slot_mapping(meta: AttentionMetadata, query_shape: tuple[int, int], block_size: int, num_slots: int) -> jax.Array:
+    """i32[N]: flat pool slot of each query slot (flattened); padding maps to `num_slots` (dropped)."""
+    layout = token_layout(meta, query_shape)
+    tables = meta.block_tables[layout.rows]  # [..., pages_per_seq]
+    block_idx = jnp.take_along_axis(tables, (layout.positions // block_size)[..., None], axis=-1, mode="clip")[..., 0]
+    slots = block_idx * block_size + layout.positions % block_size
+    return jnp.where(layout.valid, slots, num_slots).reshape(-1)
+
+
+def per_token_rows(meta: AttentionMetadata, query_shape: tuple[int, int]) -> AttentionMetadata:
+    """Padded metadata with every query slot as its own one-token row (`[N, 1]`): a token at position p is a
+    decode row of length p + 1 with its sequence's block table, which is exactly causal attention. Lets a
+    decode-only attention serve a ragged step (more page reads than a ragged kernel: one row per token)."""
+    layout = token_layout(meta, query_shape)
+    rows, positions, valid = (x.reshape(-1) for x in (layout.rows, layout.positions, layout.valid))
+    lengths = jnp.where(valid, positions + 1, 0)
+    return AttentionMetadata(meta.block_tables[rows], jnp.where(valid, positions, 0), lengths)
 
 
 def write_kv(
@@ -65,7 +119,7 @@ def write_kv(
     """Scatters the step's new K/V into one layer of the pool, in place; padding tokens are dropped."""
     num_layers, num_kv_heads, num_blocks, block_size, head_dim = k_pool.shape
     num_slots = num_blocks * block_size
-    slots = slot_mapping(meta, k.shape[1], block_size, num_slots)
+    slots = slot_mapping(meta, k.shape[:2], block_size, num_slots)
     if slots.shape[0] == 1:  # XLA turns a one-row scatter into a dynamic-update-slice that copies the pool
         slots = jnp.concatenate([slots, jnp.full((1,), num_slots, jnp.int32)])  # a second row, dropped
         k, v = (jnp.concatenate([x.reshape(1, *x.shape[2:])] * 2) for x in (k, v))
@@ -112,7 +166,7 @@ class AttentionBackend(Protocol):
 
     def attend(
         self,
-        q: jax.Array,  # [S, Q, Hq, D]
+        q: jax.Array,  # [S, Q, Hq, D] (a ragged step: [1, T, Hq, D])
         k_pool: jax.Array,  # [L, Hkv, num_blocks, block_size, D]
         v_pool: jax.Array,  # [L, Hkv, num_blocks, block_size, D]
         layer: jax.Array,  # i32[]
@@ -120,7 +174,7 @@ class AttentionBackend(Protocol):
         *,
         sm_scale: float,
         sliding_window: int | None,
-    ) -> jax.Array: ...  # [S, Q, Hq, D]
+    ) -> jax.Array: ...  # q's shape
 
 
 class ReferenceBackend:
@@ -146,6 +200,9 @@ class ReferenceBackend:
             q, k_pool, v_pool, layer, meta, chunk_pages=chunk_pages,
             sm_scale=sm_scale, sliding_window=sliding_window,
         )
+        if meta.is_ragged:  # every token as a decode row of its sequence (see per_token_rows)
+            tokens = q.reshape(-1, 1, *q.shape[2:])
+            return attend_rows(tokens, per_token_rows(meta, q.shape[:2])).reshape(q.shape)
         num_seqs = q.shape[0]
         if q.shape[1] > 1 or num_seqs < 2 * self.group_rows:
             return attend_rows(q, meta)
@@ -216,6 +273,8 @@ class PallasBackend:
         if sliding_window is not None:
             raise ValueError("the pallas attention backend does not support sliding-window attention")
         k_pages, v_pages = pool_values(k_pool[layer]), pool_values(v_pool[layer])
+        if meta.is_ragged:
+            return self._attend_ragged(q, k_pages, v_pages, meta, sm_scale)
         if q.shape[1] == 1:
             lengths = jnp.maximum(meta.lengths, 1)  # padding rows (length 0) read one harmless slot
             out = kernels_pallas.paged_attention(
@@ -227,6 +286,17 @@ class PallasBackend:
             q, k_pages, v_pages, meta.block_tables, meta.q_start, meta.lengths,
             sm_scale=sm_scale, interpret=self.interpret,
         )
+
+    def _attend_ragged(self, q, k_pages, v_pages, meta, sm_scale):
+        """A mixed step ([1, T] tokens of ragged rows): the ragged kernel over the flat tokens."""
+        import kernels_pallas
+
+        out = kernels_pallas.ragged_paged_attention(
+            q[0], k_pages, v_pages, meta.block_tables, meta.query_starts,
+            jnp.maximum(meta.lengths - meta.q_start, 0), meta.q_start, meta.lengths,
+            sm_scale=sm_scale, interpret=self.interpret,
+        )
+        return out[None]
 
 
 class CpuBackend(ReferenceBackend):
@@ -249,10 +319,17 @@ class CpuBackend(ReferenceBackend):
 
         if k_pool.dtype not in kernels_cpu.POOL_DTYPES or v_pool.dtype != k_pool.dtype:
             return super().attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
-        out = kernels_cpu.padded_paged_attention(
-            q, k_pool, v_pool, layer, meta.block_tables, meta.q_start, meta.lengths,
-            sm_scale=sm_scale, sliding_window=sliding_window,
-        )
+        if meta.is_ragged:
+            out = kernels_cpu.paged_attention(
+                q[0], k_pool, v_pool, layer, meta.block_tables, meta.query_starts,
+                jnp.maximum(meta.lengths - meta.q_start, 0), meta.q_start, meta.lengths,
+                sm_scale=sm_scale, sliding_window=sliding_window,
+            )[None]
+        else:
+            out = kernels_cpu.padded_paged_attention(
+                q, k_pool, v_pool, layer, meta.block_tables, meta.q_start, meta.lengths,
+                sm_scale=sm_scale, sliding_window=sliding_window,
+            )
         return out.astype(q.dtype)
 
 

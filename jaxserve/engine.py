@@ -69,7 +69,8 @@ class InFlightStep:
     output: StepOutput  # on the device
     flags: np.ndarray  # i32[S], the rows' sampling flags (which rows want logprobs)
     samples: list[tuple[RequestGroup, Sequence, int, int]]  # (group, seq, row, output index; -1: a beam)
-    prompt_rows: list[tuple[RequestGroup, int, int, int]]  # (group, row, first position, number of tokens)
+    # (group, (index, column) of the row's first token in the step's prompt logprobs, first position, tokens)
+    prompt_rows: list[tuple[RequestGroup, tuple[int, int], int, int]]
     rows_by_seq: dict[int, int]  # seq_id -> row, for feeding the tokens into the next step
 
 
@@ -80,6 +81,7 @@ class EngineStats:
     num_steps: int = 0
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
+    num_mixed_steps: int = 0  # decode rows and prefill chunks in one step
     num_real_tokens: int = 0
     num_padded_tokens: int = 0
     num_preemptions: int = 0
@@ -166,6 +168,7 @@ class LLMEngine:
             max_num_seqs=self.grid.max_num_seqs, max_num_batched_tokens=self.grid.max_num_batched_tokens,
             **({} if config.waiting_served_ratio is None else {"waiting_served_ratio": config.waiting_served_ratio}),
         )
+        logger.info("%s", _scheduling_summary(self.scheduler))
         self.runner = ModelRunner(
             loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
             num_blocks=num_blocks, max_rows=self.grid.max_batch_size, attention_backend=config.attention_backend,
@@ -208,7 +211,7 @@ class LLMEngine:
             )
             check = use_compile_cache(self.runner, cache_dir, manifest)
         self.runner.compile_helpers()
-        buckets = [*self.grid.prefill_buckets, *self.grid.decode_buckets]
+        buckets = [*self.grid.prefill_buckets, *self.grid.decode_buckets, *self.grid.mixed_buckets]
         report = compile_buckets(self.runner, buckets, num_threads=num_threads, cache_dir=cache_dir, cache_check=check)
         if manifest is not None and not check.ok:
             record_manifest(cache_dir, manifest)  # every bucket of this configuration is in the cache now
@@ -314,7 +317,7 @@ class LLMEngine:
 
     def _launch(self, schedule: Schedule) -> InFlightStep:
         """Dispatches the step and advances host state as if its tokens were known (placeholders)."""
-        rows = self._rows(schedule)
+        rows = schedule.rows
         self._sync_device_state(rows)
         inputs = self._prepare_inputs(schedule, rows)
         prev = self._in_flight.output.tokens if self._in_flight is not None else None
@@ -328,7 +331,8 @@ class LLMEngine:
             seq.num_computed_tokens += num_tokens
             group = self.requests[seq.request_id]
             if flags[row] & FLAG_PROMPT_LOGPROBS:
-                step.prompt_rows.append((group, row, start, num_tokens))
+                first = (0, int(inputs.query_starts[row])) if inputs.query_starts is not None else (row, 0)
+                step.prompt_rows.append((group, first, start, num_tokens))
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt samples nothing
             step.samples.append((group, seq, row, group.on_launch(seq)))
@@ -359,39 +363,42 @@ class LLMEngine:
 
     def _prepare_inputs(self, schedule: Schedule, rows: list[tuple[Sequence, int, int]]) -> StepInputs:
         shape = step_shape(schedule.bucket, self.block_size)
-        s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
-        input_ids = np.zeros((s, q), np.int32)
+        s, p = shape.batch_size, shape.pages_per_seq
+        input_ids = np.zeros(shape.input_shape, np.int32)
         block_tables = np.zeros((s, p), np.int32)
         q_start = np.zeros(s, np.int32)
         lengths = np.zeros(s, np.int32)
         sample_index = np.zeros(s, np.int32)
         feed_rows = np.zeros(s, np.int32)
         feed_cols = np.full(s, -1, np.int32)
+        # ragged: row i's tokens start where row i-1's end; padding rows start past the last token
+        query_starts = np.full(s, shape.num_query_tokens, np.int32) if shape.ragged else None
+        flat = input_ids.reshape(-1)
         sampling_rows = []
+        offset = 0
         for i, (seq, start, num_tokens) in enumerate(rows):
-            input_ids[i, :num_tokens] = seq.all_token_ids[start : start + num_tokens]
-            if input_ids[i, num_tokens - 1] == PLACEHOLDER_TOKEN:  # only ever a sequence's last token
+            if query_starts is not None:
+                query_starts[i] = offset
+            else:
+                offset = i * shape.num_query_tokens
+            flat[offset : offset + num_tokens] = seq.all_token_ids[start : start + num_tokens]
+            if flat[offset + num_tokens - 1] == PLACEHOLDER_TOKEN:  # only ever a sequence's last token
                 feed_rows[i], feed_cols[i] = self._in_flight.rows_by_seq[seq.seq_id], num_tokens - 1
+            offset += num_tokens
             table = seq.block_table[:p]  # blocks past this step's context (reserved ahead) are not read
             block_tables[i, : len(table)] = table
             q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
             group = self.requests[seq.request_id]
             sampling_rows.append(group.sampling_row(seq, start, num_tokens, self.slots.get(seq.seq_id)))
         sampling = SamplingTensors.from_rows(sampling_rows, s, self.slots.no_slot)
-        return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling, feed_rows, feed_cols)
-
-    @staticmethod
-    def _rows(schedule: Schedule) -> list[tuple[Sequence, int, int]]:
-        """(sequence, first position, number of tokens) for every real row of the step."""
-        if schedule.is_prefill:
-            return [(c.seq, c.start, c.num_tokens) for c in schedule.prefill_chunks]
-        # longest first: rows of similar length share the attention's row groups (see attention.py)
-        decode = sorted(schedule.decode_seqs, key=lambda seq: -seq.num_computed_tokens)
-        return [(seq, seq.num_computed_tokens, 1) for seq in decode]
+        return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling, feed_rows, feed_cols,
+                          query_starts)
 
     def _count_step(self, schedule: Schedule) -> None:
         self.stats.num_steps += 1
-        if schedule.is_prefill:
+        if schedule.is_mixed:
+            self.stats.num_mixed_steps += 1
+        elif schedule.is_prefill:
             self.stats.num_prefill_steps += 1
         else:
             self.stats.num_decode_steps += 1
@@ -403,9 +410,9 @@ class LLMEngine:
         tokens = np.asarray(step.output.tokens)
         logprobs = _host(step.output.logprobs) if np.any(step.flags & FLAG_LOGPROBS) else None
         prompt_logprobs = _host(step.output.prompt_logprobs) if step.prompt_rows else None
-        for group, row, start, num_tokens in step.prompt_rows:
+        for group, (index, column), start, num_tokens in step.prompt_rows:
             if self.requests.get(group.request_id) is group:
-                group.add_prompt_logprobs(start, num_tokens, [x[row] for x in prompt_logprobs])
+                group.add_prompt_logprobs(start, num_tokens, [x[index, column:] for x in prompt_logprobs])
         touched: dict[str, RequestGroup] = {}
         for group, seq, row, index in step.samples:
             if self.requests.get(group.request_id) is not group:
@@ -443,6 +450,17 @@ class LLMEngine:
     def _remove(self, group: RequestGroup) -> None:
         del self.requests[group.request_id]
         self._num_sync_groups -= group.needs_host_sync
+
+
+def _scheduling_summary(scheduler: Scheduler) -> str:
+    """The start-up line that says how steps are formed and their token budget."""
+    grid = scheduler.bucket_grid
+    if not grid.has_mixed:
+        return (f"scheduling: prefill-or-decode steps (no [mixed] buckets in {grid.spec.source}), "
+                f"max_num_batched_tokens={scheduler.max_num_batched_tokens}")
+    return (f"scheduling: mixed steps (decode rows first, then prefill chunks) of up to {scheduler.max_mixed_tokens} "
+            f"tokens and {grid.max_mixed_batch_size} rows; prefill-only steps up to max_num_batched_tokens="
+            f"{scheduler.max_num_batched_tokens}")
 
 
 def _host(logprobs) -> tuple[np.ndarray, ...]:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxserve.attention import TokenLayout
 from jaxserve.outputs import Logprob
 
 PROMPT_LOGPROBS_CHUNK = 32  # prompt positions whose logits exist at once
@@ -48,14 +49,16 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> TokenLogprob
 
 
 def prompt_targets(
-    input_ids: jax.Array,  # i32[S, Q]
-    num_tokens: jax.Array,  # i32[S], real tokens of each row
+    input_ids: jax.Array,  # i32[S, Q] (or [1, T], ragged)
+    layout: TokenLayout,  # each input slot's row, position and validity (`attention.token_layout`)
+    lengths: jax.Array,  # i32[S], each row's context after the step (its last real token's position + 1)
     next_token: jax.Array,  # i32[S], the token after the row's chunk
 ) -> jax.Array:
-    """i32[S, Q]: the token each position predicts (the next input, or the token after the chunk)."""
-    shifted = jnp.concatenate([input_ids[:, 1:], jnp.zeros_like(input_ids[:, :1])], axis=1)
-    j = jnp.arange(input_ids.shape[1])[None, :]
-    return jnp.where(j + 1 < num_tokens[:, None], shifted, next_token[:, None])
+    """The token each input slot predicts, in the input's shape: the next input token of its row, or for the
+    row's last token the token after the chunk."""
+    flat = input_ids.reshape(-1)
+    shifted = jnp.concatenate([flat[1:], jnp.zeros_like(flat[:1])]).reshape(input_ids.shape)
+    return jnp.where(layout.positions + 1 < lengths[layout.rows], shifted, next_token[layout.rows])
 
 
 def prompt_logprobs(

@@ -1,6 +1,7 @@
 """The only owner of device state: parameters, the KV pool and one compiled executable per bucket.
 
-The engine hands it a bucket and padded numpy arrays; it dispatches the bucket's executable, which runs
+The engine hands it a bucket and numpy arrays padded to it (rows of equal length, or for a mixed step
+the rows' tokens back to back: `StepShape.ragged`); it dispatches the bucket's executable, which runs
 the model over the paged KV pool and the per-sequence sampler state (both donated, so updated in place)
 and samples one token per sequence (`sampler.py`), with logprobs and prompt logprobs when a row asks.
 Dispatch is asynchronous: a step may take some of its input tokens from the previous step's sampled
@@ -27,7 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxserve.attention import AttentionMetadata, get_attention_backend, kv_storage_dtype
+from jaxserve.attention import (
+    AttentionMetadata,
+    get_attention_backend,
+    kv_storage_dtype,
+    row_offsets,
+    token_layout,
+)
+from jaxserve.buckets import MixedBucket
 from jaxserve.config import ModelConfig
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
@@ -47,43 +55,56 @@ from jaxserve.sampler_state import SlotState, copy_slots, update_token_counts, w
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    """The static shape of one executable: S sequences × Q query tokens, P pages of block table."""
+    """The static shape of one executable: S sequences, P pages of block table, and either Q query tokens per
+    sequence (padded: input `[S, Q]`) or Q query tokens in all, rows back to back (ragged: input `[1, Q]`)."""
 
     batch_size: int
     num_query_tokens: int
     pages_per_seq: int
+    ragged: bool = False
+
+    @property
+    def input_shape(self) -> tuple[int, int]:
+        return (1, self.num_query_tokens) if self.ragged else (self.batch_size, self.num_query_tokens)
 
 
 def step_shape(bucket, block_size: int) -> StepShape:
-    """Prefill buckets have `chunk_len` query tokens per sequence; decode buckets have one."""
-    num_query_tokens = getattr(bucket, "chunk_len", 1)
-    return StepShape(bucket.batch_size, num_query_tokens, -(-bucket.context_len // block_size))
+    """Prefill buckets have `chunk_len` query tokens per sequence, decode buckets one; a mixed bucket has
+    `num_tokens` in all, laid out ragged."""
+    pages = -(-bucket.context_len // block_size)
+    if isinstance(bucket, MixedBucket):
+        return StepShape(bucket.batch_size, bucket.num_tokens, pages, ragged=True)
+    return StepShape(bucket.batch_size, getattr(bucket, "chunk_len", 1), pages)
 
 
 def executable_name(shape: StepShape) -> str:
     """The step executable's name in an `ExecutableStore`."""
-    return f"step-s{shape.batch_size}-q{shape.num_query_tokens}-p{shape.pages_per_seq}"
+    kind = "t" if shape.ragged else "q"
+    return f"step-s{shape.batch_size}-{kind}{shape.num_query_tokens}-p{shape.pages_per_seq}"
 
 
 @dataclasses.dataclass
 class StepInputs:
-    """Host-side, already padded to the bucket's shape."""
+    """Host-side, already padded to the bucket's shape. Columns count from a row's first query token."""
 
-    input_ids: np.ndarray  # i32[S, Q]
+    input_ids: np.ndarray  # i32[S, Q] (ragged: i32[1, T])
     block_tables: np.ndarray  # i32[S, P]
     q_start: np.ndarray  # i32[S]
     lengths: np.ndarray  # i32[S]
-    sample_index: np.ndarray  # i32[S], which query token's logits to sample from
+    sample_index: np.ndarray  # i32[S], the column of the query token whose logits are sampled
     sampling: SamplingTensors
     feed_rows: np.ndarray | None = None  # i32[S], row of the previous step's tokens to feed in
-    feed_cols: np.ndarray | None = None  # i32[S], column of input_ids that token replaces; -1: none
+    feed_cols: np.ndarray | None = None  # i32[S], column of the row that token replaces; -1: none
+    query_starts: np.ndarray | None = None  # i32[S], ragged steps: each row's first token in input_ids[0]
 
 
-def feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols):
-    """input_ids [S, Q] with column `feed_cols[s]` of row s replaced by `prev_tokens[feed_rows[s]]`."""
-    fed = jnp.take(prev_tokens, feed_rows, mode="clip")[:, None]
-    column = jnp.arange(input_ids.shape[1], dtype=jnp.int32)[None, :]
-    return jnp.where(column == feed_cols[:, None], fed, input_ids)
+def feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols, row_starts):
+    """input_ids with the slot at flat index `row_starts[s] + feed_cols[s]` replaced by `prev_tokens[feed_rows[s]]`
+    (rows with `feed_cols[s] < 0` feed nothing)."""
+    fed = jnp.take(prev_tokens, feed_rows, mode="clip")
+    flat = input_ids.reshape(-1)
+    index = jnp.where(feed_cols >= 0, row_starts + feed_cols, flat.shape[0])
+    return flat.at[index].set(fed, mode="drop").reshape(input_ids.shape)
 
 
 @struct.dataclass
@@ -93,7 +114,7 @@ class StepOutput:
     tokens: jax.Array  # i32[max_rows], rows past the bucket's batch are 0 (fed to the next step)
     logits: jax.Array  # f32[S, V], the raw logits sampled from (tests and debugging; not read by the engine)
     logprobs: TokenLogprobs  # [S(, K)]: the sampled token's raw logprob and rank, and the top K
-    prompt_logprobs: TokenLogprobs | None  # [S, Q(, K)]: prefill steps only; each position's next token
+    prompt_logprobs: TokenLogprobs | None  # input-shaped [S, Q(, K)] or [1, T(, K)]: each position's next token
 
 
 @functools.cache
@@ -201,27 +222,28 @@ class ModelRunner:
 
     def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
               feed_cols):
-        input_ids = feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols)
+        row_starts = row_offsets(meta, input_ids.shape)
+        input_ids = feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols, row_starts)
         hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
-        slot_state = update_token_counts(
-            slot_state, input_ids, meta.q_start, meta.lengths, sampling.prompt_len, sampling.slot
-        )
-        last = jnp.take_along_axis(hidden, sample_index[:, None, None], axis=1)[:, 0]
+        layout = token_layout(meta, input_ids.shape)
+        slot_state = update_token_counts(slot_state, input_ids, layout, sampling.prompt_len, sampling.slot)
+        last = hidden.reshape(-1, hidden.shape[-1])[row_starts + sample_index]
         logits = self.model.apply(params, last, method=self.model.logits)
         sampled = sample(logits, sampling, slot_state, self.num_logprobs)
-        prompt = self._prompt_logprobs(params, hidden, input_ids, meta, sampling) if input_ids.shape[1] > 1 else None
-        tokens = jnp.zeros(self.max_rows, jnp.int32).at[: input_ids.shape[0]].set(sampled.tokens)
+        prompt = None
+        if input_ids.shape[1] > 1:
+            prompt = self._prompt_logprobs(params, hidden, input_ids, layout, meta, sampling)
+        tokens = jnp.zeros(self.max_rows, jnp.int32).at[: meta.lengths.shape[0]].set(sampled.tokens)
         return StepOutput(tokens, logits, sampled.logprobs, prompt), kv_pool, slot_state
 
-    def _prompt_logprobs(self, params, hidden, input_ids, meta, sampling) -> TokenLogprobs:
-        """Prefill steps: every position's logprobs, computed only when some row asks for them."""
-        s, q = input_ids.shape
-        targets = prompt_targets(input_ids, meta.lengths - meta.q_start, sampling.prompt_next_token)
+    def _prompt_logprobs(self, params, hidden, input_ids, layout, meta, sampling) -> TokenLogprobs:
+        """Steps of several query tokens: every position's logprobs, computed only when some row asks for them."""
+        targets = prompt_targets(input_ids, layout, meta.lengths, sampling.prompt_next_token)
         logits_fn = lambda h: self.model.apply(params, h, method=self.model.logits)
         return jax.lax.cond(
             jnp.any(sampling.flag(FLAG_PROMPT_LOGPROBS)),
             lambda: prompt_logprobs(hidden, targets, logits_fn, self.num_logprobs),
-            lambda: TokenLogprobs.zeros((s, q), self.num_logprobs),
+            lambda: TokenLogprobs.zeros(input_ids.shape, self.num_logprobs),
         )
 
     @staticmethod
@@ -234,12 +256,14 @@ class ModelRunner:
         return (copy(k_pool), copy(v_pool)), copy_slots(slot_state, slot_src, slot_dst)
 
     def _abstract_inputs(self, shape: StepShape):
-        s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
+        s, p = shape.batch_size, shape.pages_per_seq
         rep = replicated(self.mesh)
         i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32, sharding=rep)
-        meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s))
+        query_starts = i32(s) if shape.ragged else None
+        meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s), query_starts=query_starts)
         return (
-            _abstract(self.params), _abstract(self.kv_pool), _abstract(self.slot_state), i32(s, q), meta, i32(s),
+            _abstract(self.params), _abstract(self.kv_pool), _abstract(self.slot_state), i32(*shape.input_shape),
+            meta, i32(s),
             SamplingTensors.abstract(s, rep), i32(self.max_rows), i32(s), i32(s),
         )
 
@@ -294,9 +318,9 @@ class ModelRunner:
         executable = self.executables.get(shape)
         if executable is None:
             raise RuntimeError(f"no compiled executable for bucket {bucket} (shape {shape}); warm it up first")
-        meta = AttentionMetadata(
-            block_tables=inputs.block_tables, q_start=inputs.q_start, lengths=inputs.lengths
-        )
+        if shape.ragged != (inputs.query_starts is not None):
+            raise ValueError(f"bucket {bucket} needs {'ragged' if shape.ragged else 'padded'} inputs")
+        meta = AttentionMetadata(inputs.block_tables, inputs.q_start, inputs.lengths, inputs.query_starts)
         no_feed = np.full(shape.batch_size, -1, np.int32)
         feed_rows = no_feed if inputs.feed_rows is None else inputs.feed_rows
         feed_cols = no_feed if inputs.feed_cols is None else inputs.feed_cols

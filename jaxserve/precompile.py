@@ -115,7 +115,7 @@ def precompile(
     )
     logger.info("%s", grid.format_table())
     check = use_compile_cache(runner, path, manifest)
-    buckets = [*grid.prefill_buckets, *grid.decode_buckets]
+    buckets = [*grid.prefill_buckets, *grid.decode_buckets, *grid.mixed_buckets]
     report = compile_buckets(
         runner, buckets, num_threads=num_threads, progress=progress, cache_dir=path, cache_check=check
     )

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxserve.attention import TokenLayout
+
 
 @struct.dataclass
 class SlotState:
@@ -59,22 +61,20 @@ def slot_state_bytes(num_slots: int, vocab_size: int) -> int:
 
 def update_token_counts(
     state: SlotState,
-    input_ids: jax.Array,  # i32[S, Q]
-    q_start: jax.Array,  # i32[S], position of input_ids[:, 0]
-    lengths: jax.Array,  # i32[S], q_start + number of real tokens
+    input_ids: jax.Array,  # i32[S, Q] (or [1, T], ragged)
+    layout: TokenLayout,  # each input slot's row, position and validity (`attention.token_layout`)
     prompt_len: jax.Array,  # i32[S]
     slots: jax.Array,  # i32[S], num_slots = none
 ) -> SlotState:
-    """Counts the step's input tokens into their slots: two scatters of S x Q elements, no copy of the
-    state (rows without a slot scatter out of range and are dropped). A slot is zeroed by `write_slot`
-    when a sequence gets it at position 0."""
+    """Counts the step's input tokens into their rows' slots: two scatters of one element per input slot, no
+    copy of the state (rows without a slot scatter out of range and are dropped). A slot is zeroed by
+    `write_slot` when a sequence gets it at position 0."""
     n = state.num_slots
-    positions = q_start[:, None] + jnp.arange(input_ids.shape[1])[None, :]
-    real = (slots < n)[:, None] & (positions < lengths[:, None])
-    in_prompt = positions < prompt_len[:, None]
-    rows = jnp.broadcast_to(slots[:, None], input_ids.shape)
-    counts = state.output_counts.at[jnp.where(real & ~in_prompt, rows, n), input_ids].add(1, mode="drop")
-    prompt_mask = state.prompt_mask.at[jnp.where(real & in_prompt, rows, n), input_ids].set(True, mode="drop")
+    token_slots = slots[layout.rows]
+    real = (token_slots < n) & layout.valid
+    in_prompt = layout.positions < prompt_len[layout.rows]
+    counts = state.output_counts.at[jnp.where(real & ~in_prompt, token_slots, n), input_ids].add(1, mode="drop")
+    prompt_mask = state.prompt_mask.at[jnp.where(real & in_prompt, token_slots, n), input_ids].set(True, mode="drop")
     return state.replace(output_counts=counts, prompt_mask=prompt_mask)
 
 

@@ -5,15 +5,23 @@ tables) and returns a plain ``Schedule``: the sequences of one step and the buck
 ``ModelRunner`` pads the batch to that bucket and runs its executable; the engine then advances the
 sequences (``Schedule.advance``), checks stop conditions and calls ``finish`` on finished ones.
 
-One step is EITHER a prefill step (chunks of prompts, on a ``PrefillBucket``) OR a decode step (one
-token per running sequence, on a ``DecodeBucket``): they are different executables.
+A step is a prefill step (chunks of prompts, on a ``PrefillBucket``), a decode step (one token per
+running sequence, on a ``DecodeBucket``) or, when the grid has mixed buckets, a mixed step (decode rows
+and prefill chunks together, on a ``MixedBucket``): different executables.
 
 Policy
   * Queues: ``waiting`` (FCFS deque; preempted sequences go back to its front) and ``running``.
-  * Prefill or decode: a prefill step runs when some running sequence is mid-prefill (it keeps
-    priority until its prompt is in the cache), or when waiting sequences may be admitted: no
-    sequence is decoding, or ``num_waiting >= waiting_served_ratio * num_decoding`` (TGI), or the
-    decoders already ran ``max_waiting_steps`` decode steps while requests waited (TGI's
+  * Mixed steps (vLLM V1's policy; grids with ``[mixed]`` buckets): whenever a sequence decodes, every
+    decoding sequence gets its row (oldest first), then the remaining token budget
+    (``min(max_num_batched_tokens, largest mixed bucket)`` minus the decode rows) and rows go to prefill
+    chunks: mid-prefill sequences oldest first, then admissions from the waiting queue as below. So no
+    decoding sequence ever waits behind a prefill; a prefill waits only when decode rows fill the step.
+    A chunk that does not end its prompt is cut so the step's tokens fill a mixed bucket exactly. A step
+    without decode rows is a prefill step as below; one without chunks a decode step.
+  * Prefill or decode (grids without mixed buckets): a prefill step runs when some running sequence is
+    mid-prefill (it keeps priority until its prompt is in the cache), or when waiting sequences may be
+    admitted: no sequence is decoding, or ``num_waiting >= waiting_served_ratio * num_decoding`` (TGI),
+    or the decoders already ran ``max_waiting_steps`` decode steps while requests waited (TGI's
     ``max_waiting_tokens``). Otherwise, or when nothing could be prefilled, all decoders decode.
   * Prefill batch: mid-prefill sequences first (oldest first), then admissions from the head of the
     waiting queue, while ``max_num_seqs`` (counting the sequences a request will fork: n > 1, beam
@@ -38,7 +46,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jaxserve.block_manager import BlockManager
-from jaxserve.buckets import BucketGrid, DecodeBucket, PrefillBucket
+from jaxserve.buckets import BucketGrid, DecodeBucket, MixedBucket, PrefillBucket
 from jaxserve.sequence import Sequence, SequenceStatus
 
 # Prefill-vs-decode knob (TGI's waiting_served_ratio; TGI ships 1.2 with max_waiting_tokens=20).
@@ -87,7 +95,7 @@ class PrefillChunk:
 class Schedule:
     """One model step, decided by ``Scheduler.schedule()``.
 
-    Row ``i`` of the bucket is ``prefill_chunks[i]`` (prefill) or ``decode_seqs[i]`` (decode); rows
+    The bucket's rows are ``rows``: the decode sequences (longest first), then the prefill chunks; rows
     past them are padding. The blocks for every row's new tokens are already allocated.
 
     The scheduler does not advance sequences: after the step the engine does, for each prefill
@@ -102,7 +110,7 @@ class Schedule:
 
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     decode_seqs: list[Sequence] = field(default_factory=list)
-    bucket: PrefillBucket | DecodeBucket | None = None
+    bucket: PrefillBucket | DecodeBucket | MixedBucket | None = None
     preempted: list[Sequence] = field(default_factory=list)
     ignored: list[Sequence] = field(default_factory=list)
 
@@ -115,20 +123,31 @@ class Schedule:
         return bool(self.decode_seqs)
 
     @property
+    def is_mixed(self) -> bool:
+        """Decode rows and prefill chunks in one step."""
+        return bool(self.decode_seqs) and bool(self.prefill_chunks)
+
+    @property
     def is_idle(self) -> bool:
         return not self.prefill_chunks and not self.decode_seqs
 
     @property
+    def rows(self) -> list[tuple[Sequence, int, int]]:
+        """(sequence, first position, number of tokens) of every row, in row order: decode rows longest first
+        (rows of similar length share the attention's row groups, see attention.py), then the chunks."""
+        decode = sorted(self.decode_seqs, key=lambda seq: -seq.num_computed_tokens)
+        chunks = [(c.seq, c.start, c.num_tokens) for c in self.prefill_chunks]
+        return [(seq, seq.num_computed_tokens, 1) for seq in decode] + chunks
+
+    @property
     def seqs(self) -> list[Sequence]:
         """The sequences of the rows, in row order."""
-        return [c.seq for c in self.prefill_chunks] if self.prefill_chunks else list(self.decode_seqs)
+        return [seq for seq, _, _ in self.rows]
 
     @property
     def context_lens(self) -> list[int]:
         """Per row: tokens in the cache after the step."""
-        if self.prefill_chunks:
-            return [c.context_len for c in self.prefill_chunks]
-        return [s.num_computed_tokens + 1 for s in self.decode_seqs]
+        return [start + num_tokens for _, start, num_tokens in self.rows]
 
     @property
     def num_batched_tokens(self) -> int:
@@ -146,20 +165,15 @@ class Schedule:
         Returns the sequences that received a new token, in row order.
         """
         sampled = list(sampled_token_ids)
-        rows = len(self.prefill_chunks) + len(self.decode_seqs)
-        if len(sampled) < rows:
-            raise ValueError(f"advance needs a sampled token per row: {rows} rows, got {len(sampled)}")
+        rows = self.rows
+        if len(sampled) < len(rows):
+            raise ValueError(f"advance needs a sampled token per row: {len(rows)} rows, got {len(sampled)}")
         updated = []
-        for chunk, token in zip(self.prefill_chunks, sampled, strict=False):
-            is_last = chunk.is_last
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-            if is_last:
-                chunk.seq.append_token(token)
-                updated.append(chunk.seq)
-        for seq, token in zip(self.decode_seqs, sampled, strict=False):
-            seq.num_computed_tokens += 1
-            seq.append_token(token)
-            updated.append(seq)
+        for (seq, _, num_tokens), token in zip(rows, sampled, strict=False):
+            seq.num_computed_tokens += num_tokens
+            if seq.num_computed_tokens == seq.num_tokens:  # a decode row, or a chunk that ends the sequence
+                seq.append_token(token)
+                updated.append(seq)
         return updated
 
 
@@ -272,6 +286,13 @@ class Scheduler:
     def schedule(self) -> Schedule:
         sched = Schedule()
         partial, decoding = self._classify_running(sched)
+        if self.bucket_grid.has_mixed and decoding:
+            self._schedule_decode(sched, decoding)
+            if sched.decode_seqs:
+                self._schedule_mixed_prefill(sched, partial)
+                sched.bucket = self._select_mixed_or_decode(sched)
+                return sched
+            # every decoder was preempted (they are waiting now): this step prefills as below
         if partial or self._admission_open(len(decoding)):
             self._schedule_prefill(sched, partial, decoding)
             if sched.prefill_chunks:
@@ -284,6 +305,54 @@ class Scheduler:
         if sched.decode_seqs:
             sched.bucket = self.bucket_grid.select_decode(len(sched.decode_seqs), max(sched.context_lens))
         return sched
+
+    def _schedule_mixed_prefill(self, sched: Schedule, partial: list[Sequence]) -> None:
+        """Prefill chunks after this step's decode rows, within the mixed step's token budget and rows."""
+        budget = self.max_mixed_tokens - len(sched.decode_seqs)
+        for seq in partial:
+            if budget < 1 or not self._mixed_row_free(sched):
+                return
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for an older decoder
+                continue
+            n = self._mixed_chunk_len(seq, budget, sched)
+            # blocks for the whole prefill were taken at admission; never preempt the step's decode rows
+            if n == 0 or not self.block_manager.can_allocate(seq, n):
+                return
+            self.block_manager.allocate(seq, n)
+            sched.prefill_chunks.append(PrefillChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        if self._admission_open(len(sched.decode_seqs)):
+            self._admit(sched, budget, sched.decode_seqs, mixed=True)
+
+    @property
+    def max_mixed_tokens(self) -> int:
+        """Query tokens of a mixed step: the token budget, within the largest mixed bucket."""
+        return min(self.max_num_batched_tokens, self.bucket_grid.max_mixed_tokens)
+
+    def _mixed_row_free(self, sched: Schedule) -> bool:
+        return len(sched.decode_seqs) + len(sched.prefill_chunks) < self.bucket_grid.max_mixed_batch_size
+
+    def _mixed_chunk_len(self, seq: Sequence, budget: int, sched: Schedule) -> int:
+        """Tokens of ``seq`` to prefill in a mixed step; 0 when it cannot join. A chunk that does not end the
+        prompt is cut so that the step's tokens fill the largest mixed bucket they can (no padding)."""
+        remaining = seq.num_uncomputed_tokens
+        n = min(remaining, budget)
+        if n < 1:
+            return 0
+        if n == remaining:
+            return n
+        if not (self.enable_chunked_prefill or remaining > self.max_chunk_len):
+            return 0  # not splittable: it waits for a step with room for all of it
+        used = sched.num_batched_tokens
+        fills = [t for t in self.bucket_grid.spec.mixed_token_counts if used < t <= used + n]
+        return fills[-1] - used if fills else n
+
+    def _select_mixed_or_decode(self, sched: Schedule) -> MixedBucket | DecodeBucket:
+        max_context = max(sched.context_lens)
+        if sched.prefill_chunks:
+            num_rows = len(sched.decode_seqs) + len(sched.prefill_chunks)
+            return self.bucket_grid.select_mixed(num_rows, sched.num_batched_tokens, max_context)
+        return self.bucket_grid.select_decode(len(sched.decode_seqs), max_context)
 
     def _admission_open(self, num_decoding: int) -> bool:
         if not self.waiting:
@@ -333,9 +402,9 @@ class Scheduler:
         if self._admission_open(len(decoding)):
             self._admit(sched, budget, decoding)
 
-    def _admit(self, sched: Schedule, budget: int, decoding: list[Sequence]) -> None:
-        # keep free the blocks the decoders need for their next token
-        reserve = sum(self.block_manager.num_new_blocks(s, 1) for s in decoding)
+    def _admit(self, sched: Schedule, budget: int, decoding: list[Sequence], *, mixed: bool = False) -> None:
+        # keep free the blocks the decoders need for their next token (in a mixed step, this step's are taken)
+        reserve = sum(self.block_manager.num_new_blocks(s, 2 if mixed else 1) for s in decoding)
         admitted = False
         num_seqs = len(self.running) + sum(s.num_pending_forks for s in self.running)
         while self.waiting and num_seqs + 1 + self.waiting[0].num_pending_forks <= self.max_num_seqs:
@@ -344,7 +413,12 @@ class Scheduler:
                 self.waiting.popleft()
                 self._ignore(seq, sched)
                 continue
-            n = self._chunk_len(seq, budget, sched.prefill_chunks)
+            if mixed and not self._mixed_row_free(sched):
+                break
+            if mixed:
+                n = self._mixed_chunk_len(seq, budget, sched)
+            else:
+                n = self._chunk_len(seq, budget, sched.prefill_chunks)
             # Take the blocks of the whole prefill now: a sequence admitted with its first chunk's
             # blocks only could stall mid-prefill, preempt itself and be re-admitted, forever.
             if n == 0 or not self.block_manager.can_allocate(seq, seq.num_tokens, reserve=reserve):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from jaxserve.buckets import Bucket
+from jaxserve.buckets import Bucket, MixedBucket, PrefillBucket
 from jaxserve.compile_cache import CacheCheck, CacheManifest, check_manifest, thread_compile_counts
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.logger import init_logger
@@ -88,7 +88,9 @@ class WarmUpReport:
 
 
 def _bucket_name(bucket: Bucket) -> str:
-    if hasattr(bucket, "chunk_len"):
+    if isinstance(bucket, MixedBucket):
+        return f"mixed   b={bucket.batch_size} tokens={bucket.num_tokens} ctx={bucket.context_len}"
+    if isinstance(bucket, PrefillBucket):
         return f"prefill b={bucket.batch_size} chunk={bucket.chunk_len} ctx={bucket.context_len}"
     return f"decode  b={bucket.batch_size} ctx={bucket.context_len}"
 

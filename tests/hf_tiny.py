@@ -109,11 +109,12 @@ lengths = [128]
 """
 
 
-def small_bucket_file(directory: Path, decode_batch_sizes: tuple[int, ...] = (1, 4)) -> str:
+def small_bucket_file(directory: Path, decode_batch_sizes: tuple[int, ...] = (1, 4), mixed: bool = False) -> str:
     """A small bucket grid (by default 3 executables: decode batch 1 and 4, prefill chunks of 32, context
-    128): engine tests on tiny models warm up in seconds."""
+    128): engine tests on tiny models warm up in seconds. ``mixed``: plus one mixed bucket (4 rows, 32 tokens)."""
     path = Path(directory) / "small_buckets.toml"
-    path.write_text(SMALL_BUCKETS.format(decode_batch_sizes=list(decode_batch_sizes)))
+    text = SMALL_BUCKETS.format(decode_batch_sizes=list(decode_batch_sizes))
+    path.write_text(text + ("[mixed]\nbatch_sizes = [4]\ntoken_counts = [32]\n" if mixed else ""))
     return str(path)
 
 

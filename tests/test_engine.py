@@ -110,11 +110,14 @@ def test_request_arriving_while_others_decode_joins_next_iteration(llm):
         engine.step()
     assert engine.requests["early"].seq.num_output_tokens == 4
     engine.add_request("late", {"prompt_token_ids": [9, 10, 11]}, _greedy(5))
-    engine.step()  # the next iteration prefills the newcomer
+    mixed_before = engine.stats.num_mixed_steps
+    engine.step()  # the next iteration prefills the newcomer, and the running request decodes in it (mixed)
     assert engine.requests["late"].seq.num_output_tokens == 1
+    assert engine.requests["early"].seq.num_output_tokens == 5
+    assert engine.stats.num_mixed_steps == mixed_before + 1
     engine.step()  # and then both decode together
     assert engine.requests["late"].seq.num_output_tokens == 2
-    assert engine.requests["early"].seq.num_output_tokens == 5  # prefill and decode are separate steps
+    assert engine.requests["early"].seq.num_output_tokens == 6
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

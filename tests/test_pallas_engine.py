@@ -1,4 +1,5 @@
-"""The engine with the Pallas attention backend (interpret mode on CPU) gives the reference backend's tokens."""
+"""The engine with the Pallas attention backend (interpret mode on CPU) gives the reference backend's tokens, on
+prefill, decode and mixed steps (the ragged kernel)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ def _run(model_dir, backend: str) -> list[list[int]]:
         {"prompt_token_ids": list(range(100, 300))},  # a long prompt: prefilled in chunks
     ]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    stats = llm.llm_engine.stats
+    assert stats.num_prefill_steps and stats.num_decode_steps and stats.num_mixed_steps  # every step kind ran
+    return tokens
 
 
 def test_pallas_backend_matches_reference_tokens(model_dir):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.attention import AttentionMetadata, token_layout
 from jaxserve.logprobs import prompt_logprobs, prompt_targets, token_logprobs
 from jaxserve.sampler import (
     FLAG_LOGIT_BIAS,
@@ -253,7 +254,8 @@ def test_prompt_logprobs_over_chunks_equal_a_direct_log_softmax(q):
     input_ids = rng.integers(0, V, (s, q)).astype(np.int32)
     num_tokens = np.array([q, q - 3], np.int32)
     next_token = np.array([5, 9], np.int32)
-    targets = np.asarray(prompt_targets(input_ids, num_tokens, next_token))
+    meta = AttentionMetadata(np.zeros((s, 1), np.int32), np.zeros(s, np.int32), num_tokens)
+    targets = np.asarray(prompt_targets(input_ids, token_layout(meta, (s, q)), num_tokens, next_token))
     np.testing.assert_array_equal(targets[0], np.append(input_ids[0, 1:], 5))
     np.testing.assert_array_equal(targets[1, : q - 4], input_ids[1, 1 : q - 3])
     assert targets[1, q - 4] == 9
@@ -277,7 +279,29 @@ def test_update_token_counts_matches_numpy():
     lengths = np.array([6, 11, 2, 6], np.int32)  # row 0: whole chunk, row 1: one decode token, row 2: 2 tokens
     prompt_len = np.array([4, 5, 1, 6], np.int32)
     slots = np.array([0, 1, 2, num_slots], np.int32)  # row 3 has no slot
-    out = jax.jit(update_token_counts)(state, input_ids, q_start, lengths, prompt_len, slots)
+    meta = AttentionMetadata(np.zeros((4, 1), np.int32), q_start, lengths)
+    out = jax.jit(update_token_counts)(state, input_ids, token_layout(meta, input_ids.shape), prompt_len, slots)
+    _check_counts(out, num_slots)
+
+
+def test_update_token_counts_on_a_ragged_step_counts_the_same():
+    """The same four rows as above, back to back in a flat [1, T] step (row 3 and a padding row hold no slot)."""
+    num_slots = 3
+    state = SlotState.zeros(num_slots, V)
+    state = state.replace(output_counts=state.output_counts.at[1, 7].set(4).at[2, 9].set(2),
+                          prompt_mask=state.prompt_mask.at[2, 11].set(True))
+    input_ids = np.array([[3, 4, 3, 5, 6, 6, 8, 12, 13, 1, 1, 1, 1, 1, 1, 7, 7]], np.int32)  # 2 padding tokens
+    query_starts = np.array([0, 6, 7, 9, 17], np.int32)
+    q_start = np.array([0, 10, 0, 0, 0], np.int32)
+    lengths = np.array([6, 11, 2, 6, 0], np.int32)
+    prompt_len = np.array([4, 5, 1, 6, 0], np.int32)
+    slots = np.array([0, 1, 2, num_slots, num_slots], np.int32)
+    meta = AttentionMetadata(np.zeros((5, 1), np.int32), q_start, lengths, query_starts)
+    out = jax.jit(update_token_counts)(state, input_ids, token_layout(meta, input_ids.shape), prompt_len, slots)
+    _check_counts(out, num_slots)
+
+
+def _check_counts(out, num_slots):
     counts, prompt = np.zeros((num_slots, V), np.int32), np.zeros((num_slots, V), bool)
     counts[1, 7] = 4  # row 1 continues (q_start 10): kept, plus its generated token 8
     counts[1, 8] = 1

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxserve.block_manager import BlockManager
-from jaxserve.buckets import BucketGrid, BucketSpec, DecodeBucket, PrefillBucket
+from jaxserve.buckets import BucketGrid, BucketSpec, DecodeBucket, MixedBucket, PrefillBucket
 from jaxserve.scheduler import PrefillChunk, Schedule, Scheduler
 from jaxserve.sequence import Sequence, SequenceStatus
 
@@ -20,9 +20,12 @@ SPEC = BucketSpec.from_dict(
 VOCAB = 97
 
 
-def make_scheduler(*, num_blocks=64, max_model_len=64, max_num_seqs=8, budget=16, **kwargs):
+MIXED_SPEC = SPEC.replace(mixed_batch_sizes=(4, 8), mixed_token_counts=(8, 16))
+
+
+def make_scheduler(*, num_blocks=64, max_model_len=64, max_num_seqs=8, budget=16, spec=SPEC, **kwargs):
     grid = BucketGrid(
-        SPEC,
+        spec,
         block_size=4,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
@@ -67,16 +70,17 @@ class FakePagedModel:
 
     def step(self, schedule: Schedule) -> list[int]:
         bucket = schedule.bucket
-        if schedule.is_prefill:
+        rows = schedule.rows
+        if schedule.is_mixed:
+            assert isinstance(bucket, MixedBucket) and sum(n for _, _, n in rows) <= bucket.num_tokens
+        elif schedule.is_prefill:
             assert isinstance(bucket, PrefillBucket)
-            rows = [(c.seq, c.start, c.num_tokens) for c in schedule.prefill_chunks]
         else:
             assert isinstance(bucket, DecodeBucket)
-            rows = [(s, s.num_computed_tokens, 1) for s in schedule.decode_seqs]
         assert len(rows) <= bucket.batch_size
         for seq, start, n in rows:
             assert seq.status is SequenceStatus.RUNNING
-            assert start == seq.num_computed_tokens and 1 <= n <= getattr(bucket, "chunk_len", 1)
+            assert start == seq.num_computed_tokens and 1 <= n <= getattr(bucket, "chunk_len", bucket.num_tokens)
             assert start + n <= bucket.context_len
             assert -(-(start + n) // self.block_size) <= len(seq.block_table)
             for pos in range(start, start + n):
@@ -545,3 +549,96 @@ def test_constructor_checks_the_grid_matches():
         Scheduler(BlockManager(64, 4), grid, max_num_seqs=9, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be in \\[1, 16\\]"):
         Scheduler(BlockManager(64, 4), grid, max_num_seqs=8, max_num_batched_tokens=17)
+
+
+# -- mixed steps --------------------------------------------------------------------------------------
+
+
+def test_mixed_steps_never_make_a_decoding_sequence_wait_for_a_prefill():
+    """Requests arrive while others decode; long prompts prefill in chunks over several steps. Every sequence
+    that is decoding when a step is planned decodes in it, and every token equals the model run alone."""
+    sched = make_scheduler(spec=MIXED_SPEC, budget=16)
+    arrivals = {0: [make_seq(f"a{i}", 5, float(i), max_tokens=12) for i in range(3)],
+                3: [make_seq("long", 30, 3.0, max_tokens=6)],
+                5: [make_seq("b", 9, 5.0, max_tokens=6), make_seq("c", 20, 5.5, max_tokens=6)]}
+    model = FakePagedModel(sched.block_manager.num_blocks, sched.block_manager.block_size)
+    finished, kinds = [], []
+    for step in range(200):
+        for seq in arrivals.get(step, []):
+            sched.add(seq)
+        if not sched.has_unfinished() and step > max(arrivals):
+            break
+        decoding = {s.seq_id for s in sched.running if s.num_uncomputed_tokens == 1}
+        schedule = sched.schedule()
+        assert decoding <= {s.seq_id for s in schedule.decode_seqs}
+        kinds.append("mixed" if schedule.is_mixed else "prefill" if schedule.is_prefill else "decode")
+        for seq in schedule.advance(model.step(schedule)):
+            if seq.num_output_tokens >= seq.sampling_params.max_tokens:
+                sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+                finished.append(seq)
+    assert len(finished) == 6
+    for seq in finished:
+        assert seq.output_token_ids == generate_alone(seq.prompt_token_ids, seq.sampling_params.max_tokens)
+    assert kinds[0] == "prefill" and kinds.count("mixed") >= 5 and kinds.count("prefill") == 1  # only the first
+    assert_all_free(sched)
+
+
+def start_mixed_decoders(sched, n):
+    """n sequences of 3-token prompts, all decoding (prefilled over as many steps as it takes)."""
+    seqs = [make_seq(f"d{i}", 3, float(i), max_tokens=100) for i in range(n)]
+    for seq in seqs:
+        sched.add(seq)
+    while any(s.status is SequenceStatus.WAITING or s.num_uncomputed_tokens > 1 for s in seqs):
+        s = sched.schedule()
+        s.advance([1] * len(s.rows))
+    return seqs
+
+
+def test_a_mixed_step_puts_decode_rows_first_and_cuts_the_chunk_to_fill_a_bucket():
+    sched = make_scheduler(spec=MIXED_SPEC, budget=14)
+    decoders = start_mixed_decoders(sched, 3)
+    prompt = make_seq("p", 30, 10.0)
+    sched.add(prompt)
+    s = sched.schedule()
+    # 14 tokens: 3 decode rows, then 11 tokens left; the chunk is cut to 5 so the step fills the 8-token bucket
+    assert s.decode_seqs == decoders and [(c.seq, c.start, c.num_tokens) for c in s.prefill_chunks] == [(prompt, 0, 5)]
+    assert s.is_mixed and s.bucket == MixedBucket(8, 4, 16) and s.num_padded_tokens == 0
+    assert [seq for seq, _, _ in s.rows] == [*decoders, prompt]
+    assert len(prompt.block_table) == 8  # admission took the blocks of the whole prompt
+    s.advance([7, 7, 7, 0])
+    s = sched.schedule()
+    assert [(c.start, c.num_tokens) for c in s.prefill_chunks] == [(5, 5)] and s.bucket == MixedBucket(8, 4, 16)
+
+
+def test_the_last_chunk_of_a_prompt_is_not_cut_and_pads_to_the_next_bucket():
+    sched = make_scheduler(spec=MIXED_SPEC, budget=16)
+    decoders = start_mixed_decoders(sched, 2)
+    prompt = make_seq("p", 7, 10.0)
+    sched.add(prompt)
+    s = sched.schedule()
+    assert [(c.start, c.num_tokens) for c in s.prefill_chunks] == [(0, 7)]
+    assert s.bucket == MixedBucket(16, 4, 16) and (s.num_batched_tokens, s.num_padded_tokens) == (9, 7)
+    assert s.advance([3, 4, 5]) == [*decoders, prompt] and prompt.output_token_ids == [5]
+
+
+def test_decode_rows_that_fill_the_token_budget_leave_no_room_for_a_prefill():
+    sched = make_scheduler(spec=MIXED_SPEC, budget=6)
+    decoders = start_mixed_decoders(sched, 6)
+    sched.add(make_seq("p", 5, 10.0))
+    s = sched.schedule()
+    assert not s.is_mixed and s.decode_seqs == decoders and s.bucket == DecodeBucket(8, 16)
+    assert sched.num_waiting == 1
+    s.advance([1] * 6)
+    sched.finish(decoders[0], SequenceStatus.FINISHED_STOPPED)
+    s = sched.schedule()  # five decode rows leave one token of the budget: a one-token chunk
+    assert s.is_mixed and [(c.start, c.num_tokens) for c in s.prefill_chunks] == [(0, 1)]
+    assert s.bucket == MixedBucket(8, 8, 16)
+
+
+def test_decode_rows_that_fill_the_largest_mixed_batch_leave_no_room_for_a_prefill():
+    spec = SPEC.replace(mixed_batch_sizes=(4,), mixed_token_counts=(8, 16))
+    sched = make_scheduler(spec=spec, budget=16)
+    decoders = start_mixed_decoders(sched, 4)
+    sched.add(make_seq("p", 5, 10.0))
+    s = sched.schedule()
+    assert not s.is_mixed and s.decode_seqs == decoders and sched.num_waiting == 1

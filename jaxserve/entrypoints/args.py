@@ -16,7 +16,10 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
               "matrix unit (AMX/AVX512-BF16 CPUs, TPU, sm80+ GPUs), else float32"),
     "max_model_len": (int, "longest prompt + output (default: the model's, up to the largest context bucket)"),
     "max_num_seqs": (int, "most sequences per decode step (default: the largest decode bucket)"),
-    "max_num_batched_tokens": (int, "most tokens per step (default: the largest prefill bucket)"),
+    "max_num_batched_tokens": (
+        int, "most tokens per step (default: the largest prefill bucket; mixed steps also stay within the largest "
+        "mixed bucket)",
+    ),
     "block_size": (int, "tokens per KV cache block (default: the bucket file's)"),
     "num_kv_blocks": (int, "KV cache blocks (default: from the memory budget; 1024 on CPU)"),
     "gpu_memory_utilization": (float, "fraction of accelerator memory for weights and KV cache"),

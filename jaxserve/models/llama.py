@@ -1,8 +1,9 @@
 """The Llama-family decoder in Flax: Llama 2/3, Mistral, Qwen2 (q/k/v bias) and SmolLM2 (tied embeddings).
 
 Place in the data flow: the model runner calls `LlamaForCausalLM.apply` inside a jitted step with a
-padded batch of token ids `[S, Q]`, the stacked KV pool and the step's `AttentionMetadata`; each layer
-writes its new K/V into its slice of the pool and attends through the chosen attention backend
+batch of token ids (`[S, Q]` padded or `[1, T]` ragged), the stacked KV pool and the step's
+`AttentionMetadata`; each layer writes its new K/V into its slice of the pool and attends through the chosen
+attention backend
 (`common.Attention`). Layers run under `nn.scan` over stacked weights, so compile time does not grow with
 depth, or unrolled (`scan_layers=False`, on CPU; see `common.layer_stack`). Weights are stored in `dtype`;
 activations are float32 between bf16-or-f32 matmuls (the precision policy of `common`).
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxserve.attention import AttentionBackend, AttentionMetadata, token_positions
+from jaxserve.attention import AttentionBackend, AttentionMetadata, token_layout
 from jaxserve.config import ModelConfig
 from jaxserve.models.common import ACTIVATIONS, Attention, dense, embedding, layer_stack
 from jaxserve.models.rotary import rope_inv_freq, rotary_cos_sin
@@ -92,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
 
     def __call__(self, input_ids, kv_pool, meta: AttentionMetadata):
-        positions = token_positions(meta.q_start, input_ids.shape[1])
+        positions = token_layout(meta, input_ids.shape).positions
         rotary = rotary_cos_sin(positions, self.inv_freq)
         hidden = self.embed_tokens(input_ids)
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)

@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxserve.attention import AttentionBackend, AttentionMetadata, token_positions
+from jaxserve.attention import AttentionBackend, AttentionMetadata, token_layout
 from jaxserve.config import ModelConfig
 from jaxserve.models.common import ACTIVATIONS, Attention, dense, embedding, layer_stack
 
@@ -100,7 +100,7 @@ class OPTForCausalLM(nn.Module):
     def __call__(self, input_ids, kv_pool, meta: AttentionMetadata):
         cfg = self.config
         # padding slots past the table read its last row: their outputs are discarded anyway
-        positions = jnp.minimum(token_positions(meta.q_start, input_ids.shape[1]), cfg.max_position_embeddings - 1)
+        positions = jnp.minimum(token_layout(meta, input_ids.shape).positions, cfg.max_position_embeddings - 1)
         hidden = self.embed_tokens(input_ids)
         if cfg.word_embed_proj_dim is not None:
             hidden = self.project_in(hidden)

@@ -34,7 +34,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def buckets(tmp_path_factory):
-    return small_bucket_file(tmp_path_factory.mktemp("buckets"), decode_batch_sizes=(4,))  # 2 executables
+    # 3 executables: prefill, decode and mixed steps all run under tensor parallelism
+    return small_bucket_file(tmp_path_factory.mktemp("buckets"), decode_batch_sizes=(4,), mixed=True)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,7 @@ def test_greedy_tokens_are_identical_for_tp_1_2_4(llms):
     tokens = {tp: _generate(llm) for tp, llm in llms.items()}
     assert tokens[2] == tokens[1] and tokens[4] == tokens[1]
     assert [len(t) for t in tokens[1]] == [16, 16, 16]
+    assert all(llm.llm_engine.stats.num_mixed_steps > 0 for llm in llms.values())
 
 
 def test_generation_features_are_identical_for_tp_1_2_4(llms):
@@ -135,15 +137,16 @@ def test_serving_uses_the_warm_up_shardings_and_compiles_nothing(llms):
 
 def test_compiled_steps_only_all_reduce_the_row_parallel_outputs_and_update_the_pool_in_place(llms):
     """Megatron's communication and nothing more: the scanned layer body all-reduces the o_proj and
-    down_proj outputs ([S, Q, hidden]); no all-gather (the pool and weights never move), and the donated
-    pool's and (replicated) sampler state's per-device bytes are aliased to the output."""
+    down_proj outputs ([S, Q, hidden], or [1, T, hidden] in a mixed step); no all-gather (the pool and weights
+    never move), and the donated pool's and (replicated) sampler state's per-device bytes are aliased to the
+    output."""
     runner = llms[4].llm_engine.runner
     donated_bytes_per_device = sum(pool.addressable_shards[0].data.nbytes for pool in runner.kv_pool)
     donated_bytes_per_device += sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.slot_state))
     for shape, executable in runner.executables.items():
         hlo = executable.as_text()
         collectives = re.findall(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(", hlo)
-        activation = f"f32[{shape.batch_size},{shape.num_query_tokens},64]"
+        activation = f"f32[{','.join(map(str, shape.input_shape))},64]"
         assert [(t.split("{")[0], op) for t, op in collectives] == [(activation, "all-reduce")] * 2, shape
         assert executable.memory_analysis().alias_size_in_bytes == donated_bytes_per_device
 
