@@ -47,6 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402  (standard library only: vLLM's location and settings)
+from plot_itl import write_itl_plot  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the name both servers answer to in --servers mode
@@ -196,20 +197,39 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+PREFILL_OR_DECODE = "jaxserve-prefill-or-decode"  # jaxserve on the CPU grid without its [mixed] buckets
+
+
 def server_command(args, server: str, port: int) -> tuple[list[str], dict]:
     """The command line and environment that serve the embedded model on 127.0.0.1:port."""
     common = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.max_model_len),
               "--served-model-name", SERVED_MODEL_NAME]
-    if server == "jaxserve":
+    if server in ("jaxserve", PREFILL_OR_DECODE):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--dtype", args.dtype, *common,
                "--uvicorn-log-level", "warning"]
+        if server == PREFILL_OR_DECODE:
+            cmd += ["--buckets", str(prefill_or_decode_buckets(Path(args.result_dir)))]
         return cmd, env
     if server == "vllm":
         cmd = [str(baselines.vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(baselines.embedded_hf_dir()), "--dtype", args.vllm_dtype, "--seed", "0", *common]
         return cmd, vllm_env(args)
-    raise ValueError(f"unknown server {server!r} (jaxserve or vllm)")
+    raise ValueError(f"unknown server {server!r} (jaxserve, {PREFILL_OR_DECODE} or vllm)")
+
+
+def prefill_or_decode_buckets(directory: Path) -> Path:
+    """The shipped CPU bucket file without its [mixed] table: jaxserve scheduling prefill-or-decode steps."""
+    shipped = (REPO / "jaxserve" / "_buckets" / "cpu.toml").read_text()
+    kept, skipping = [], False
+    for line in shipped.splitlines():
+        if line.startswith("["):
+            skipping = line.strip() == "[mixed]"
+        if not skipping:
+            kept.append(line)
+    path = directory / "cpu-prefill-or-decode.toml"
+    path.write_text("\n".join(kept) + "\n")
+    return path
 
 
 def vllm_env(args) -> dict:
@@ -305,27 +325,33 @@ def comparison_table(rows: list[dict]) -> str:
         figures = " | ".join(f"{r[c]:.1f}" for c in columns)
         lines.append(f"| {r['server']} | {r['completed']} / {r['failed']} / {r['wrong_length']} | {figures} |")
     by_name = {r["server"]: r for r in rows}
-    if {"jaxserve", "vllm"} <= by_name.keys():
-        jax, vllm = by_name["jaxserve"], by_name["vllm"]
-        ratios = " | ".join(f"{jax[c] / vllm[c]:.2f}x" if vllm[c] else "n/a" for c in columns)
-        lines.append(f"| jaxserve / vllm | | {ratios} |")
+    if "jaxserve" in by_name:
+        jax = by_name["jaxserve"]
+        for other in (r for r in rows if r["server"] != "jaxserve"):
+            ratios = " | ".join(f"{jax[c] / other[c]:.2f}x" if other[c] else "n/a" for c in columns)
+            lines.append(f"| jaxserve / {other['server']} | | {ratios} |")
     return "\n".join(lines)
 
 
 def compare_servers(args) -> None:
     result_dir = Path(args.result_dir or tempfile.mkdtemp(prefix="bench_serving_"))
     result_dir.mkdir(parents=True, exist_ok=True)
+    args.result_dir = str(result_dir)
     baselines.embedded_hf_dir()  # converted before any server starts (vLLM's model, the client's tokenizer)
-    rows, startups = [], []
+    rows, startups, results = [], [], []
     for server in filter(None, args.servers.split(",")):
         result = measure_server(args, server, result_dir)
+        results.append((server, result))
         rows.append(summarize_client_result(server, result, args.random_output_len))
         startups.append(f"{server} {result['startup_s']:.0f}s")
         print(json.dumps(rows[-1]), flush=True)
+    plot = Path(args.itl_plot) if args.itl_plot else result_dir / "itl_over_time.svg"
+    write_itl_plot(plot, f"ITL over time: {args.num_prompts} x {args.random_input_len} -> {args.random_output_len} "
+                   f"tokens at {args.request_rate} req/s", results)
     print(f"\n{args.num_prompts} prompts of {args.random_input_len} tokens, {args.random_output_len} out "
           f"(ignore_eos, greedy), {args.request_rate} req/s, `vllm bench serve`; jaxserve {args.dtype}, "
           f"vLLM {args.vllm_dtype}; time to ready (not measured): {', '.join(startups)}; "
-          f"logs and results in {result_dir}\n")
+          f"logs and results in {result_dir}; ITL over time: {plot}\n")
     print(comparison_table(rows))
 
 
@@ -342,7 +368,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", default=None, help="also write the summary here")
     group = parser.add_argument_group("--servers: start and measure each server with `vllm bench serve`")
-    group.add_argument("--servers", default=None, help="comma-separated, run in this order: jaxserve, vllm")
+    group.add_argument("--servers", default=None,
+                       help=f"comma-separated, run in this order: jaxserve, {PREFILL_OR_DECODE}, vllm")
+    group.add_argument("--itl-plot", default=None, help="SVG of ITL over time (default: in --result-dir)")
     group.add_argument("--random-input-len", type=int, default=256)
     group.add_argument("--random-output-len", type=int, default=128)
     group.add_argument("--max-model-len", type=int, default=2048, help="both servers'")
