@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -210,7 +211,7 @@ def server_command(args, server: str, port: int) -> tuple[list[str], dict]:
                "--uvicorn-log-level", "warning"]
         if server == PREFILL_OR_DECODE:
             cmd += ["--buckets", str(prefill_or_decode_buckets(Path(args.result_dir)))]
-        return cmd, env
+        return cmd + shlex.split(getattr(args, "jaxserve_args", "") or ""), env
     if server == "vllm":
         cmd = [str(baselines.vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(baselines.embedded_hf_dir()), "--dtype", args.vllm_dtype, "--seed", "0", *common]
@@ -224,7 +225,7 @@ def prefill_or_decode_buckets(directory: Path) -> Path:
     kept, skipping = [], False
     for line in shipped.splitlines():
         if line.startswith("["):
-            skipping = line.strip() == "[mixed]"
+            skipping = line.split("#")[0].strip() == "[mixed]"
         if not skipping:
             kept.append(line)
     path = directory / "cpu-prefill-or-decode.toml"
@@ -375,6 +376,7 @@ def main() -> None:
     group.add_argument("--random-output-len", type=int, default=128)
     group.add_argument("--max-model-len", type=int, default=2048, help="both servers'")
     group.add_argument("--dtype", default="auto", help="jaxserve's (default: its default, auto)")
+    group.add_argument("--jaxserve-args", default="", help="more arguments for `jaxserve serve`, one string")
     group.add_argument("--vllm-dtype", default="bfloat16")
     group.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     group.add_argument("--vllm-omp-bind", default=baselines.VLLM_OMP_BIND,

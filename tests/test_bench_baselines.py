@@ -26,6 +26,7 @@ def load_script(name: str):
 
 
 bench_serving = load_script("bench_serving")
+plot_itl = load_script("plot_itl")
 bench_throughput = load_script("bench_throughput")
 baselines = load_script("baselines")
 
@@ -62,6 +63,27 @@ def test_client_command_matches_the_served_name():
     assert "--ignore-eos" in cmd and "--save-detailed" in cmd and "--max-concurrency" not in cmd
     server, _ = bench_serving.server_command(argparse.Namespace(max_model_len=2048, dtype="float32"), "jaxserve", 1)
     assert server[server.index("--served-model-name") + 1] == bench_serving.SERVED_MODEL_NAME
+
+
+def test_the_prefill_or_decode_server_runs_the_shipped_cpu_grid_without_its_mixed_table(tmp_path):
+    from jaxserve.buckets import BucketSpec, load_bucket_spec
+
+    args = argparse.Namespace(max_model_len=2048, dtype="auto", result_dir=str(tmp_path), jaxserve_args="--seed 3")
+    server, _ = bench_serving.server_command(args, bench_serving.PREFILL_OR_DECODE, 1)
+    assert server[-2:] == ["--seed", "3"]
+    spec = BucketSpec.from_toml(server[server.index("--buckets") + 1])
+    shipped = load_bucket_spec("cpu")
+    assert shipped.mixed_token_counts and not spec.mixed_token_counts and not spec.mixed_batch_sizes
+    assert spec.replace(source="") == shipped.replace(source="", mixed_batch_sizes=(), mixed_token_counts=())
+
+
+def test_itl_points_put_every_gap_at_its_token_arrival():
+    result = {"start_times": [10.0, 10.5], "ttfts": [0.2, 0.1], "itls": [[0.05, 0.03], [0.04]]}
+    times, gaps = plot_itl.itl_points(result)
+    assert times.tolist() == pytest.approx([0.25, 0.28, 0.64])
+    assert gaps.tolist() == pytest.approx([50.0, 30.0, 40.0])
+    svg = plot_itl.itl_svg("t", [("jaxserve", times, gaps)])
+    assert svg.count("<circle") == 3 + 1 and "mean 40 ms, P99 50 ms" in svg  # three points and a legend dot
 
 
 def test_vllm_env(monkeypatch):

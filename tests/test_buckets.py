@@ -156,7 +156,7 @@ def test_cpu_spec_stays_small():
     )
     assert (len(short.decode_buckets), len(short.prefill_buckets), len(short.mixed_buckets)) == (7, 6, 6)
     assert short.num_executables == 19
-    assert short.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (64, 128, 256)]
+    assert short.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (32, 64, 128)]
     assert "# 19 executables (7 decode + 6 prefill + 6 mixed) at max_model_len 2048, 38 at 8192" in Path(
         spec.source
     ).read_text()
@@ -174,7 +174,7 @@ def test_tpu_spec_is_lane_aligned():
 @pytest.mark.parametrize(
     ("platform", "mixed", "counts"),
     [
-        ("cpu", ((16, 64), (64, 128, 256)), None),
+        ("cpu", ((16, 64), (32, 64, 128)), None),
         ("gpu", ((32, 256), (256, 512, 1024, 2048)), (45, 38, 40)),
         ("tpu", ((64, 256), (256, 512, 1024, 2048)), (30, 38, 40)),
     ],
