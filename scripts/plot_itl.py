@@ -1,8 +1,9 @@
 """Inter-token latency over time as a standalone SVG (no plotting library needed), for docs/benchmarks.md.
 
 Reads the JSON results `vllm bench serve --save-result --save-detailed` writes (per request: `start_times`,
-`ttfts`, `itls`, in seconds) and draws every inter-token gap of every request at the time its token arrived,
-one colour per result, on a log scale, with each result's mean and P99 ITL as dashed lines.
+`ttfts`, `itls`, in seconds), places every inter-token gap of every request at the time its token arrived,
+and draws per result, for each second of the run, the largest gap (solid) and the mean gap (dashed) of the
+tokens that arrived in it, on a log scale; the legend gives the whole run's mean and P99 ITL.
 `scripts/bench_serving.py --servers ...` writes this plot for the servers it measured.
 
     python scripts/plot_itl.py docs/itl_over_time.svg "ITL over time" jaxserve=results/jaxserve.json \\
@@ -40,11 +41,20 @@ def _log_ticks(low: float, high: float) -> list[float]:
     return [t for t in ticks if low <= t <= high]
 
 
+def per_second(times: np.ndarray, gaps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(second, largest gap, mean gap) of every second of the run in which some token arrived."""
+    seconds = np.floor(times).astype(int)
+    kept = np.unique(seconds)
+    largest = np.array([gaps[seconds == s].max() for s in kept])
+    mean = np.array([gaps[seconds == s].mean() for s in kept])
+    return kept + 0.5, largest, mean
+
+
 def itl_svg(title: str, series: list[tuple[str, np.ndarray, np.ndarray]]) -> str:
-    """An SVG scatter of (time s, ITL ms) per named series, y on a log scale, mean and P99 dashed."""
+    """An SVG of each named series' per-second largest (solid) and mean (dashed) ITL over time, y log scale."""
     all_gaps = np.concatenate([g for _, _, g in series])
     low, high = max(float(all_gaps.min()), 1.0) / 1.5, float(all_gaps.max()) * 1.5
-    t_max = max(float(t.max()) for _, t, _ in series if t.size) or 1.0
+    t_max = max(float(np.ceil(t.max())) for _, t, _ in series if t.size) or 1.0
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
     x = lambda t: LEFT + plot_w * t / t_max
     y = lambda ms: TOP + plot_h * (1 - (math.log10(max(ms, low)) - math.log10(low)) / (math.log10(high / low)))
@@ -54,7 +64,8 @@ def itl_svg(title: str, series: list[tuple[str, np.ndarray, np.ndarray]]) -> str
         f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
         f'<text x="10" y="22" font-size="15" font-weight="bold">{escape(title)}</text>',
         f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#999"/>',
-        f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 12}" text-anchor="middle">seconds since the first request</text>',
+        f'<text x="{LEFT + plot_w / 2}" y="{HEIGHT - 12}" text-anchor="middle">seconds since the first request '
+        "(per second: largest ITL solid, mean ITL dashed)</text>",
         f'<text x="16" y="{TOP + plot_h / 2}" transform="rotate(-90 16 {TOP + plot_h / 2})" text-anchor="middle">'
         "inter-token latency, ms (log)</text>",
     ]
@@ -65,17 +76,16 @@ def itl_svg(title: str, series: list[tuple[str, np.ndarray, np.ndarray]]) -> str
         parts.append(f'<text x="{x(tick):.1f}" y="{TOP + plot_h + 16}" text-anchor="middle">{tick:.0f}</text>')
     for i, (name, times, gaps) in enumerate(series):
         color = COLORS[i % len(COLORS)]
-        parts += [f'<circle cx="{x(t):.1f}" cy="{y(g):.1f}" r="1.3" fill="{color}" fill-opacity="0.5"/>'
-                  for t, g in zip(times, gaps, strict=True)]
-        mean, p99 = float(gaps.mean()), float(np.percentile(gaps, 99))
-        for value, dash in ((mean, "6 3"), (p99, "2 2")):
-            parts.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y(value):.1f}" y2="{y(value):.1f}" '
-                         f'stroke="{color}" stroke-dasharray="{dash}"/>')
+        seconds, largest, mean = per_second(times, gaps)
+        for values, dash in ((largest, ""), (mean, ' stroke-dasharray="5 3"')):
+            points = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in zip(seconds, values, strict=True))
+            parts.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.5"{dash}/>')
         legend_y = TOP + 14 + 46 * i
         parts += [
-            f'<circle cx="{WIDTH - RIGHT + 16}" cy="{legend_y - 4}" r="4" fill="{color}"/>',
+            f'<rect x="{WIDTH - RIGHT + 12}" y="{legend_y - 9}" width="9" height="9" fill="{color}"/>',
             f'<text x="{WIDTH - RIGHT + 26}" y="{legend_y}">{escape(name)}</text>',
-            f'<text x="{WIDTH - RIGHT + 26}" y="{legend_y + 16}">mean {mean:.0f} ms, P99 {p99:.0f} ms</text>',
+            f'<text x="{WIDTH - RIGHT + 26}" y="{legend_y + 16}">mean {gaps.mean():.0f} ms, '
+            f"P99 {np.percentile(gaps, 99):.0f} ms</text>",
         ]
     return "\n".join([*parts, "</svg>", ""])
 

@@ -82,8 +82,10 @@ def test_itl_points_put_every_gap_at_its_token_arrival():
     times, gaps = plot_itl.itl_points(result)
     assert times.tolist() == pytest.approx([0.25, 0.28, 0.64])
     assert gaps.tolist() == pytest.approx([50.0, 30.0, 40.0])
+    seconds, largest, mean = plot_itl.per_second(times + [0.0, 0.0, 1.0], gaps)  # seconds 0, 0 and 1
+    assert seconds.tolist() == [0.5, 1.5] and largest.tolist() == [50.0, 40.0] and mean.tolist() == [40.0, 40.0]
     svg = plot_itl.itl_svg("t", [("jaxserve", times, gaps)])
-    assert svg.count("<circle") == 3 + 1 and "mean 40 ms, P99 50 ms" in svg  # three points and a legend dot
+    assert svg.count("<polyline") == 2 and "mean 40 ms, P99 50 ms" in svg  # largest and mean per second
 
 
 def test_vllm_env(monkeypatch):

@@ -50,8 +50,13 @@ batch_sizes = [1]
 lengths = [16]
 [context]
 lengths = [64]
+[mixed]
+batch_sizes = [2]
+token_counts = [16]
 """
-BUCKET_NAMES = ["prefill b=1 chunk=16 ctx=64", "decode  b=1 ctx=64", "decode  b=2 ctx=64"]
+BUCKET_NAMES = [
+    "prefill b=1 chunk=16 ctx=64", "decode  b=1 ctx=64", "decode  b=2 ctx=64", "mixed   b=2 tokens=16 ctx=64",
+]
 PROMPT = [5, 9, 17, 33, 65, 129]
 NEW_TOKENS = 6
 
@@ -148,19 +153,19 @@ def _hf_greedy(model_dir: Path, prompt: list[int], num_tokens: int) -> list[int]
 
 def test_precompile_compiles_every_bucket_fresh_and_records_the_manifest(precompiled, model_dir, bucket_file):
     cache, stdout = precompiled
-    rows = [line.split() for line in stdout.splitlines() if line.startswith(("prefill b=", "decode  b="))]
-    assert [" ".join(r[:-2]) for r in rows] == [n.replace("  ", " ") for n in BUCKET_NAMES]
-    assert [r[-1] for r in rows] == ["fresh"] * 3
-    assert "3 buckets in " in stdout and ": 0 from the compile cache, 3 compiled fresh, 1 thread" in stdout
+    rows = [line.split() for line in stdout.splitlines() if line.startswith(("prefill b=", "decode  b=", "mixed   b="))]
+    assert [" ".join(r[:-2]) for r in rows] == [" ".join(n.split()) for n in BUCKET_NAMES]
+    assert [r[-1] for r in rows] == ["fresh"] * 4
+    assert "4 buckets in " in stdout and ": 0 from the compile cache, 4 compiled fresh, 1 thread" in stdout
     assert "no manifest (not precompiled)" in stdout
-    # 3 buckets, the allocations of the KV pool, of `no_tokens` and of the sampler state (3 distinct arrays),
+    # 4 buckets, the allocations of the KV pool, of `no_tokens` and of the sampler state (3 distinct arrays),
     # and the 2 fork executables (copy_blocks, write_slot)
-    assert num_cache_entries(cache) == 10
-    # The 3 buckets and 2 fork executables are also stored serialized, under the configuration's key.
+    assert num_cache_entries(cache) == 11
+    # The 4 buckets and 2 fork executables are also stored serialized, under the configuration's key.
     (store_dir,) = (cache / STORE_DIR_NAME).iterdir()
     assert sorted(p.name for p in store_dir.iterdir()) == [
         "copy_blocks.executable", "step-s1-q1-p4.executable", "step-s1-q16-p4.executable",
-        "step-s2-q1-p4.executable", "write_slot.executable",
+        "step-s2-q1-p4.executable", "step-s2-t16-p4.executable", "write_slot.executable",
     ]
     (manifest,) = read_manifests(cache)
     assert store_dir.name == store_key(manifest)
@@ -171,22 +176,22 @@ def test_precompile_compiles_every_bucket_fresh_and_records_the_manifest(precomp
         "max_num_batched_tokens": 16, "attention_backend": "cpu", "tensor_parallel_size": 1,
         "max_logprobs": 20,
     }
-    assert manifest.info["num_executables"] == 3 and manifest.info["written_by"] == "precompile"
+    assert manifest.info["num_executables"] == 4 and manifest.info["written_by"] == "precompile"
 
 
 def test_second_process_starts_from_the_cache_with_zero_fresh_compiles(precompiled, model_dir, bucket_file):
     cache, _ = precompiled
     probe = _probe_engine(model_dir, bucket_file, cache, "strict")
     assert probe["state"] == "match" and probe["differences"] == []
-    assert probe["sources"] == ["cache hit"] * 3
-    assert (probe["hits"], probe["fresh"]) == (3, 0)
-    # The 3 buckets and 2 fork executables are deserialized from the store: neither lowered nor compiled.
+    assert probe["sources"] == ["cache hit"] * 4
+    assert (probe["hits"], probe["fresh"]) == (4, 0)
+    # The 4 buckets and 2 fork executables are deserialized from the store: neither lowered nor compiled.
     # The process's only XLA compilations are the 5 allocation programs, all loaded from JAX's cache.
-    assert (probe["store_loaded"], probe["store_saved"]) == (5, 0)
+    assert (probe["store_loaded"], probe["store_saved"]) == (6, 0)
     assert (probe["backend_compiles"], probe["cache_hits"], probe["cache_writes"]) == (5, 5, 0)
     assert probe["compiles_after_warm_up"] == 0
     assert probe["tokens"] == _hf_greedy(model_dir, PROMPT, NEW_TOKENS)  # loaded executables compute right
-    assert num_cache_entries(cache) == 10
+    assert num_cache_entries(cache) == 11
 
 
 def test_changed_bucket_file_is_reported_and_only_new_buckets_compile(precompiled, model_dir, tmp_path):
@@ -199,10 +204,10 @@ def test_changed_bucket_file_is_reported_and_only_new_buckets_compile(precompile
     assert len(probe["differences"]) == 2
     assert probe["differences"][0].startswith("bucket_file_hash: cache has '")
     assert probe["differences"][1] == "max_num_batched_tokens: cache has 16, now 32"
-    assert probe["sources"] == ["cache hit", "fresh", "cache hit", "cache hit"]  # the new 1x32 prefill
-    assert (probe["hits"], probe["fresh"]) == (3, 1)
+    assert probe["sources"] == ["cache hit", "fresh", "cache hit", "cache hit", "cache hit"]  # the new 1x32 prefill
+    assert (probe["hits"], probe["fresh"]) == (4, 1)
     # Another configuration, another store key: its buckets come from JAX's cache and are then stored.
-    assert (probe["store_loaded"], probe["store_saved"]) == (0, 6)
+    assert (probe["store_loaded"], probe["store_saved"]) == (0, 7)
     assert probe["tokens"] == _hf_greedy(model_dir, PROMPT, NEW_TOKENS)
     # The engine recorded its configuration next to the precompiled one: both now start warm.
     assert [m.info["written_by"] for m in read_manifests(cache)] == ["precompile", "engine warm-up"]
@@ -215,12 +220,12 @@ def test_tensor_parallel_precompile_starts_with_zero_fresh_compiles(model_dir, b
         "scripts/precompile.py", "--model", str(model_dir), "--dtype", "float32", "--buckets", str(bucket_file),
         "--compile-cache-dir", str(cache), "--no-progress", "--tensor-parallel-size", "2",
     ], devices=2)
-    assert ": 0 from the compile cache, 3 compiled fresh" in result.stdout
+    assert ": 0 from the compile cache, 4 compiled fresh" in result.stdout
     (manifest,) = read_manifests(cache)
     assert manifest.engine_limits["tensor_parallel_size"] == 2
     probe = _probe_engine(model_dir, bucket_file, cache, "strict", tensor_parallel_size=2)
-    assert probe["state"] == "match" and (probe["hits"], probe["fresh"]) == (3, 0)
-    assert (probe["store_loaded"], probe["backend_compiles"], probe["cache_hits"]) == (5, 5, 5)
+    assert probe["state"] == "match" and (probe["hits"], probe["fresh"]) == (4, 0)
+    assert (probe["store_loaded"], probe["backend_compiles"], probe["cache_hits"]) == (6, 5, 5)
     assert probe["tokens"] == _hf_greedy(model_dir, PROMPT, NEW_TOKENS)
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, AsyncLLMEngine, SamplingParams
 from jaxserve.entrypoints.cli import chat_prompt_ids
 from tests.embedded_reference import NEW_TOKENS, WORKLOADS, chats, hf_greedy, top2_gap
 
@@ -69,3 +70,35 @@ def test_generate_returns_vllm_shaped_outputs(llm):
     assert len(out.outputs[0].token_ids) == 5
     assert out.outputs[0].finish_reason == "length"
     assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids)
+
+
+def test_requests_arriving_while_others_decode_change_no_token(llm):
+    """Mixed steps on the real model: requests that arrive while others decode share steps with them (offline
+    and through AsyncLLMEngine), and every request's greedy tokens equal its tokens alone."""
+    prompts = _text_prompts(llm.get_tokenizer(), [40, 300, 9, 150, 70])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    engine = llm.llm_engine
+    mixed_before = engine.stats.num_mixed_steps
+    arrivals, finished = {0: [0], 2: [1, 2], 5: [3, 4]}, {}
+    for step in range(200):
+        for i in arrivals.get(step, []):
+            engine.add_request(f"trace-{i}", {"prompt_token_ids": prompts[i]}, params)
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests() and step > max(arrivals):
+            break
+    assert [finished[f"trace-{i}"] for i in range(len(prompts))] == alone
+    assert engine.stats.num_mixed_steps - mixed_before >= 3
+
+    async_engine = AsyncLLMEngine(engine)
+
+    async def one(i: int) -> list[int]:
+        outputs = [o async for o in async_engine.generate({"prompt_token_ids": prompts[i]}, params, f"async-{i}")]
+        return outputs[-1].outputs[0].token_ids
+
+    async def all_requests():
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    mixed_before = engine.stats.num_mixed_steps
+    assert asyncio.run(all_requests()) == alone
+    assert engine.stats.num_mixed_steps > mixed_before
