@@ -343,7 +343,7 @@ def _engine_from_cache(model_dir, bucket_file, cache, strict: bool) -> LLMEngine
         strict_no_compile=strict,
     )
     engine = LLMEngine(config)
-    assert (engine.warm_up_report.num_cache_hits, engine.warm_up_report.num_fresh) == (3, 0)
+    assert (engine.warm_up_report.num_cache_hits, engine.warm_up_report.num_fresh) == (4, 0)
     return engine
 
 
