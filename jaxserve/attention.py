@@ -51,6 +51,11 @@ class AttentionMetadata:
     def is_ragged(self) -> bool:
         return self.query_starts is not None
 
+    @property
+    def query_lens(self) -> jax.Array:
+        """i32[S]: each row's real query tokens (0 for padding rows)."""
+        return jnp.maximum(self.lengths - self.q_start, 0)
+
 
 @struct.dataclass
 class TokenLayout:
@@ -292,8 +297,7 @@ class PallasBackend:
         import kernels_pallas
 
         out = kernels_pallas.ragged_paged_attention(
-            q[0], k_pages, v_pages, meta.block_tables, meta.query_starts,
-            jnp.maximum(meta.lengths - meta.q_start, 0), meta.q_start, meta.lengths,
+            q[0], k_pages, v_pages, meta.block_tables, meta.query_starts, meta.query_lens, meta.q_start, meta.lengths,
             sm_scale=sm_scale, interpret=self.interpret,
         )
         return out[None]
@@ -321,8 +325,8 @@ class CpuBackend(ReferenceBackend):
             return super().attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
         if meta.is_ragged:
             out = kernels_cpu.paged_attention(
-                q[0], k_pool, v_pool, layer, meta.block_tables, meta.query_starts,
-                jnp.maximum(meta.lengths - meta.q_start, 0), meta.q_start, meta.lengths,
+                q[0], k_pool, v_pool, layer, meta.block_tables, meta.query_starts, meta.query_lens, meta.q_start,
+                meta.lengths,
                 sm_scale=sm_scale, sliding_window=sliding_window,
             )[None]
         else:

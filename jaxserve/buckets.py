@@ -426,8 +426,13 @@ class BucketGrid:
         return max(b.chunk_len for b in self.prefill_buckets)
 
     @property
+    def buckets(self) -> list[Bucket]:
+        """Every executable of the grid, in compile order: prefill, decode, mixed."""
+        return [*self.prefill_buckets, *self.decode_buckets, *self.mixed_buckets]
+
+    @property
     def num_executables(self) -> int:
-        return len(self.decode_buckets) + len(self.prefill_buckets) + len(self.mixed_buckets)
+        return len(self.buckets)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         largest = self.spec.context_lengths[-1]

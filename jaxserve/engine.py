@@ -211,8 +211,9 @@ class LLMEngine:
             )
             check = use_compile_cache(self.runner, cache_dir, manifest)
         self.runner.compile_helpers()
-        buckets = [*self.grid.prefill_buckets, *self.grid.decode_buckets, *self.grid.mixed_buckets]
-        report = compile_buckets(self.runner, buckets, num_threads=num_threads, cache_dir=cache_dir, cache_check=check)
+        report = compile_buckets(
+            self.runner, self.grid.buckets, num_threads=num_threads, cache_dir=cache_dir, cache_check=check
+        )
         if manifest is not None and not check.ok:
             record_manifest(cache_dir, manifest)  # every bucket of this configuration is in the cache now
         logger.info("warm-up: %s", report.summary())

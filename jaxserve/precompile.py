@@ -115,9 +115,8 @@ def precompile(
     )
     logger.info("%s", grid.format_table())
     check = use_compile_cache(runner, path, manifest)
-    buckets = [*grid.prefill_buckets, *grid.decode_buckets, *grid.mixed_buckets]
     report = compile_buckets(
-        runner, buckets, num_threads=num_threads, progress=progress, cache_dir=path, cache_check=check
+        runner, grid.buckets, num_threads=num_threads, progress=progress, cache_dir=path, cache_check=check
     )
     runner.compile_allocations()  # the engine's only other programs: then its start compiles nothing
     record_manifest(path, manifest)

@@ -123,6 +123,10 @@ class Schedule:
         return bool(self.decode_seqs)
 
     @property
+    def num_rows(self) -> int:
+        return len(self.decode_seqs) + len(self.prefill_chunks)
+
+    @property
     def is_mixed(self) -> bool:
         """Decode rows and prefill chunks in one step."""
         return bool(self.decode_seqs) and bool(self.prefill_chunks)
@@ -330,7 +334,7 @@ class Scheduler:
         return min(self.max_num_batched_tokens, self.bucket_grid.max_mixed_tokens)
 
     def _mixed_row_free(self, sched: Schedule) -> bool:
-        return len(sched.decode_seqs) + len(sched.prefill_chunks) < self.bucket_grid.max_mixed_batch_size
+        return sched.num_rows < self.bucket_grid.max_mixed_batch_size
 
     def _mixed_chunk_len(self, seq: Sequence, budget: int, sched: Schedule) -> int:
         """Tokens of ``seq`` to prefill in a mixed step; 0 when it cannot join. A chunk that does not end the
@@ -350,8 +354,7 @@ class Scheduler:
     def _select_mixed_or_decode(self, sched: Schedule) -> MixedBucket | DecodeBucket:
         max_context = max(sched.context_lens)
         if sched.prefill_chunks:
-            num_rows = len(sched.decode_seqs) + len(sched.prefill_chunks)
-            return self.bucket_grid.select_mixed(num_rows, sched.num_batched_tokens, max_context)
+            return self.bucket_grid.select_mixed(sched.num_rows, sched.num_batched_tokens, max_context)
         return self.bucket_grid.select_decode(len(sched.decode_seqs), max_context)
 
     def _admission_open(self, num_decoding: int) -> bool:

@@ -168,6 +168,22 @@ def zero_invalid_rows(x: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.where(valid, x, jnp.zeros_like(x))
 
 
+def row_positions(first_pos, rows: int, block_q: int) -> jax.Array:
+    """i32[rows, 1] positions of a query block's head-major rows (row = head * block_q + token; block_q a
+    power of 2), its first token at ``first_pos``."""
+    return first_pos + (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
+
+
+def causal_block_step(state, q, k, v, *, first_key, row_pos, length, kv_end, sm_scale):
+    """Online-softmax update of a query block's rows with one KV block of tokens first_key..: a row attends
+    keys at or before its position and below ``length``; tokens at or past ``kv_end`` are zeroed in v."""
+    s = logits(q, k, sm_scale)  # f32[rows, block_tokens]
+    key = first_key + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    mask = (key <= row_pos) & (key < length)
+    token_ok = first_key + lax.broadcasted_iota(jnp.int32, (k.shape[0], 1), 0) < kv_end
+    return online_softmax_step(state, s, mask, zero_invalid_rows(v, token_ok))
+
+
 def init_softmax_state(rows: int, head_dim: int):
     """(m f32[rows, 1], l f32[rows, 1], acc f32[rows, head_dim]) before the first KV block."""
     return (

@@ -59,23 +59,9 @@ DEFAULT_BLOCK_SIZES = {
 MIN_BLOCK_Q = 16  # Triton dots need >= 16 rows; on TPU it keeps row blocks sublane-aligned.
 
 
-def _row_positions(first_q: jax.Array, rows: int, block_q: int) -> jax.Array:
-    """i32[rows, 1] positions of head-major rows (row = head * block_q + token; block_q a power of 2)."""
-    return first_q + (jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
-
-
 def _kv_end(first_q: jax.Array, length: jax.Array, block_q: int) -> jax.Array:
     """Exclusive key limit of a query block: 0 when the block is all padding."""
     return jnp.where(first_q < length, jnp.minimum(length, first_q + block_q), 0)
-
-
-def _block_step(state, q, k, v, *, first_key, row_pos, length, kv_end, sm_scale):
-    """Online-softmax update of one query block with one KV block of tokens first_key.. (causal + length)."""
-    s = cm.logits(q, k, sm_scale)  # f32[rows, block_tokens]
-    key = first_key + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    mask = (key <= row_pos) & (key < length)
-    token_ok = first_key + jax.lax.broadcasted_iota(jnp.int32, (k.shape[0], 1), 0) < kv_end
-    return cm.online_softmax_step(state, s, mask, cm.zero_invalid_rows(v, token_ok))
 
 
 # --------------------------------------------------------------------------------------------- TPU
@@ -103,7 +89,7 @@ def _tpu_kernel(
     kv_end = _kv_end(first_q, length, block_q)
     _, pages_per_block, page_size, head_dim = k_buf.shape
     rows = q_ref.shape[0]
-    row_pos = _row_positions(first_q, rows, block_q)
+    row_pos = cm.row_positions(first_q, rows, block_q)
     stream = PageStream(
         k_hbm,
         v_hbm,
@@ -116,7 +102,7 @@ def _tpu_kernel(
         num_pages=pl.cdiv(kv_end, page_size),
     )
     q = q_ref[...]
-    step = functools.partial(_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale)
+    step = functools.partial(cm.causal_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale)
 
     def body(block, k, v, state):
         return step(state, q, k, v, first_key=block * pages_per_block * page_size)
@@ -175,9 +161,9 @@ def _gpu_kernel(
     first_q = meta_ref[0] + pl.program_id(2) * block_q
     kv_end = _kv_end(first_q, length, block_q)
     rows = q_ref.shape[0]
-    row_pos = _row_positions(first_q, rows, block_q)
+    row_pos = cm.row_positions(first_q, rows, block_q)
     q = q_ref[...]
-    step = functools.partial(_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale)
+    step = functools.partial(cm.causal_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale)
 
     def body(block, state):
         pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]

@@ -140,20 +140,6 @@ def _scatter_items(x, items: _Items, q_shape, group_p: int, block_q: int) -> jax
     return out.at[items.token.reshape(-1)].set(x, mode="drop")
 
 
-def _row_positions(first_pos, rows: int, block_q: int) -> jax.Array:
-    """i32[rows, 1] positions of head-major rows (row = head * block_q + token; block_q a power of 2)."""
-    return first_pos + (jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
-
-
-def _block_step(state, q, k, v, *, first_key, row_pos, kv_end, sm_scale):
-    """Online-softmax update of an item's rows with one KV block of tokens first_key.. (causal, < kv_end)."""
-    s = cm.logits(q, k, sm_scale)  # f32[rows, block_tokens]
-    key = first_key + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    mask = (key <= row_pos) & (key < kv_end)
-    key_ok = first_key + jax.lax.broadcasted_iota(jnp.int32, (k.shape[0], 1), 0) < kv_end
-    return cm.online_softmax_step(state, s, mask, cm.zero_invalid_rows(v, key_ok))
-
-
 # --------------------------------------------------------------------------------------------- TPU
 
 
@@ -178,7 +164,7 @@ def _tpu_kernel(
     kv_end = kv_end_ref[item]
     _, pages_per_block, page_size, head_dim = k_buf.shape
     rows = q_ref.shape[0]
-    row_pos = _row_positions(first_pos_ref[item], rows, block_q)
+    row_pos = cm.row_positions(first_pos_ref[item], rows, block_q)
     real = (row_pos >= 0) & (row_pos < kv_end)  # [rows, 1]: a token of the row with something to attend
     stream = PageStream(
         k_hbm,
@@ -192,7 +178,9 @@ def _tpu_kernel(
         num_pages=pl.cdiv(kv_end, page_size),
     )
     q = q_ref[...]  # rows of padding tokens may hold anything; they only reach their own (zeroed) rows
-    step = functools.partial(_block_step, row_pos=row_pos, kv_end=kv_end, sm_scale=sm_scale)
+    step = functools.partial(
+        cm.causal_block_step, row_pos=row_pos, length=kv_end, kv_end=kv_end, sm_scale=sm_scale
+    )
 
     def body(block, k, v, state):
         return step(state, q, k, v, first_key=block * pages_per_block * page_size)
@@ -246,10 +234,12 @@ def _gpu_kernel(
     block_tokens = pages_per_block * page_size
     kv_end = meta_ref[1]
     rows = q_ref.shape[0]
-    row_pos = _row_positions(meta_ref[0], rows, block_q)
+    row_pos = cm.row_positions(meta_ref[0], rows, block_q)
     real = (row_pos >= 0) & (row_pos < kv_end)
     q = q_ref[...]
-    step = functools.partial(_block_step, row_pos=row_pos, kv_end=kv_end, sm_scale=sm_scale)
+    step = functools.partial(
+        cm.causal_block_step, row_pos=row_pos, length=kv_end, kv_end=kv_end, sm_scale=sm_scale
+    )
 
     def body(block, state):
         pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
