@@ -1,10 +1,14 @@
 """JAX's persistent compilation cache for the bucket executables, its manifest, and compile counters.
 
 Place in the data flow: `scripts/precompile.py` (or `jaxserve precompile`) compiles every bucket into a
-cache directory and writes a manifest there; `LLMEngine` started with `compile_cache_dir` points JAX at
-the same directory, checks the manifest against its own configuration and then warms up, loading
-executables from the cache instead of compiling them.
+cache directory and writes a manifest there; `LLMEngine` points JAX at the same directory, checks the
+manifest against its own configuration and then warms up, loading executables from the cache instead of
+compiling them. The cache is on by default (as in vLLM's TPU backend), so a second start is warm.
 
+- `resolve_cache_dir(compile_cache_dir)` is the one place that turns the engine's `compile_cache_dir`
+  into a directory: None (the default) means ``$JAXSERVE_COMPILE_CACHE_DIR`` if that variable is set
+  (set but empty: no persistent cache), else the per-user `default_cache_dir()`
+  (``~/.cache/jaxserve/compile_cache``); a path is used as given; ``""`` disables the persistent cache.
 - `enable_persistent_cache(dir)` sets JAX's cache directory and lowers JAX's thresholds to zero, so
   every executable is written, however small or fast to compile (JAX's default skips executables
   compiled in under a second). JAX 0.10.2 writes and reads CPU executables too. One more setting
@@ -31,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,7 @@ from jaxserve.buckets import BucketGrid, BucketSpec
 from jaxserve.config import ModelConfig
 from jaxserve.user_cache import cache_root
 
+CACHE_DIR_ENV = "JAXSERVE_COMPILE_CACHE_DIR"  # overrides the default directory; empty: no persistent cache
 MANIFEST_NAME = "jaxserve_manifest.json"
 MANIFEST_VERSION = 1
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -62,6 +68,27 @@ _STEP_CODE = [
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/jaxserve/compile_cache`` (``~/.cache/jaxserve/compile_cache``)."""
     return cache_root() / "compile_cache"
+
+
+def resolve_cache_dir(compile_cache_dir: str | os.PathLike | None, *, required: bool = False) -> Path | None:
+    """The persistent cache directory ``compile_cache_dir`` stands for, or None when the cache is disabled.
+
+    None: ``$JAXSERVE_COMPILE_CACHE_DIR`` if the variable is set (an empty value disables the cache), else
+    `default_cache_dir()`. A path: that directory (``~`` expanded). ``""``: disabled. With ``required``
+    a disabled cache raises ValueError (`jaxserve precompile` has nowhere else to put its executables).
+    """
+    value = os.environ.get(CACHE_DIR_ENV) if compile_cache_dir is None else os.fspath(compile_cache_dir)
+    if value is None:
+        return default_cache_dir()
+    if value:
+        return Path(value).expanduser()
+    if required:
+        source = f"{CACHE_DIR_ENV}=''" if compile_cache_dir is None else "compile_cache_dir=''"
+        raise ValueError(
+            f"the persistent compile cache is disabled ({source}), and precompiling needs a directory: "
+            "pass --compile-cache-dir DIR (compile_cache_dir=DIR)"
+        )
+    return None
 
 
 def enable_persistent_cache(cache_dir: str | Path) -> Path:

@@ -206,7 +206,10 @@ class EngineConfig:
     bucket, `block_size` from the bucket file, and `num_kv_blocks` from the memory budget.
     `tensor_parallel_size` devices (of all hosts, after `distributed_init`) hold one engine, its weights and
     KV pool split by attention heads (see `jaxserve.parallel` and `jaxserve.distributed`).
-    `compile_cache_dir` (None: no persistent cache) is where warm-up loads and stores executables;
+    `compile_cache_dir` is JAX's persistent compilation cache, where warm-up loads and stores executables:
+    None (the default) is ``$JAXSERVE_COMPILE_CACHE_DIR`` if set (empty: disabled), else the per-user
+    ``~/.cache/jaxserve/compile_cache``; a path overrides; ``""`` disables it. The value is kept as given and
+    resolved when the engine starts (`jaxserve.compile_cache.resolve_cache_dir`).
     `strict_no_compile` turns a compilation after warm-up into a RuntimeError (vLLM TPU's check).
     """
 
@@ -228,7 +231,7 @@ class EngineConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
-    compile_cache_dir: str | None = None  # JAX persistent compilation cache (see jaxserve/compile_cache.py)
+    compile_cache_dir: str | None = None  # None: the per-user default; "": disabled (see jaxserve/compile_cache.py)
     strict_no_compile: bool = False  # raise if anything compiles after warm-up
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
 
@@ -245,8 +248,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.compile_cache_dir is not None:
-            if not isinstance(self.compile_cache_dir, str | os.PathLike) or not str(self.compile_cache_dir):
+        if self.compile_cache_dir is not None:  # "" is allowed: no persistent cache
+            if not isinstance(self.compile_cache_dir, str | os.PathLike):
                 raise ValueError(f"compile_cache_dir must be a directory path, got {self.compile_cache_dir!r}")
             object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
         if not isinstance(self.strict_no_compile, bool):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -25,10 +26,13 @@ from jaxserve.beam_search import BeamSearchGroup
 from jaxserve.block_manager import BlockManager, kv_bytes_per_block, num_blocks_from_budget
 from jaxserve.buckets import BucketGrid, load_bucket_spec
 from jaxserve.compile_cache import (
+    CACHE_DIR_ENV,
     CacheManifest,
     CompileCounts,
+    disable_persistent_cache,
     enable_persistent_cache,
     record_manifest,
+    resolve_cache_dir,
     thread_compile_counts,
 )
 from jaxserve.config import EngineConfig, ModelConfig
@@ -151,8 +155,14 @@ class LLMEngine:
         self.config = config
         if distributed_init_requested(config.distributed_init):
             initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
-        if config.compile_cache_dir is not None:  # before anything compiles, so every executable is cached
-            enable_persistent_cache(config.compile_cache_dir)
+        # The persistent compile cache's directory (absolute; None: disabled), set before anything compiles
+        # so that every executable is cached.
+        self.compile_cache_dir: Path | None = resolve_cache_dir(config.compile_cache_dir)
+        self.compile_cache_dir = self._use_persistent_cache()
+        if self.compile_cache_dir is None:
+            logger.info("persistent compile cache: disabled (compile_cache_dir='' or %s='')", CACHE_DIR_ENV)
+        else:
+            logger.info("persistent compile cache: %s", self.compile_cache_dir)
         self.mesh = engine_mesh(config.tensor_parallel_size)
         self.config = config = resolve_engine_dtype(config, self.mesh.devices.flat[0])
         loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh)
@@ -198,13 +208,20 @@ class LLMEngine:
             self.warm_up()
 
     # ----- construction -------------------------------------------------------------------------
+    def _use_persistent_cache(self) -> Path | None:
+        """Points JAX's process-wide persistent cache at this engine's directory (or turns it off)."""
+        if self.compile_cache_dir is None:
+            disable_persistent_cache()
+            return None
+        return enable_persistent_cache(self.compile_cache_dir)
+
     def warm_up(self, num_threads: int = DEFAULT_COMPILE_THREADS) -> WarmUpReport:
         """Compiles (or loads from the compile cache) every feasible bucket and the fork executables;
         after this nothing compiles."""
         logger.info("%s", self.grid.format_table())
-        cache_dir = check = manifest = None
-        if self.config.compile_cache_dir is not None:
-            cache_dir = enable_persistent_cache(self.config.compile_cache_dir)
+        check = manifest = None
+        cache_dir = self._use_persistent_cache()  # again: another engine in this process may have moved it
+        if cache_dir is not None:
             manifest = CacheManifest.current(
                 self.model_config, self.config.dtype, self.grid, self.runner.backend.name, self.mesh.size,
                 max_logprobs=self.config.max_logprobs, model=str(self.model_path), written_by="engine warm-up",

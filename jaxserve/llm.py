@@ -1,10 +1,10 @@
 """LLM: the offline Python API (vLLM's names and defaults) on top of LLMEngine.
 
-`LLM(...)` loads the model and warms up every bucket (from `compile_cache_dir` when given); `generate`
-adds all prompts, steps the engine until they finish (a tqdm bar counts finished requests) and returns
-RequestOutputs in input order. `chat` renders conversations through the chat template and generates;
-`beam_search` runs beam search requests (beams share KV blocks inside the engine) and returns
-BeamSearchOutputs.
+`LLM(...)` loads the model and warms up every bucket (through the persistent compile cache, on by default:
+see EngineConfig's `compile_cache_dir`); `generate` adds all prompts, steps the engine until they finish
+(a tqdm bar counts finished requests) and returns RequestOutputs in input order. `chat` renders
+conversations through the chat template and generates; `beam_search` runs beam search requests (beams
+share KV blocks inside the engine) and returns BeamSearchOutputs.
 """
 
 from __future__ import annotations

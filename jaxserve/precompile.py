@@ -22,10 +22,10 @@ from jaxserve.buckets import BucketGrid
 from jaxserve.compile_cache import (
     CacheCheck,
     CacheManifest,
-    default_cache_dir,
     enable_persistent_cache,
     num_cache_entries,
     record_manifest,
+    resolve_cache_dir,
 )
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.distributed import distributed_init_requested, initialize_distributed
@@ -94,10 +94,13 @@ def precompile(
     progress: bool = False,
 ) -> PrecompileResult:
     """Compiles every feasible bucket of ``config`` into ``cache_dir`` (default: ``config.compile_cache_dir``,
-    else ``~/.cache/jaxserve/compile_cache``) and records the manifest."""
+    resolved as the engine does: ``$JAXSERVE_COMPILE_CACHE_DIR``, else ``~/.cache/jaxserve/compile_cache``)
+    and records the manifest. A disabled cache (``""``) raises ValueError: precompiling needs a directory."""
     if distributed_init_requested(config.distributed_init):  # as LLMEngine does, before anything else
         initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
-    path = enable_persistent_cache(cache_dir or config.compile_cache_dir or default_cache_dir())
+    path = enable_persistent_cache(resolve_cache_dir(
+        config.compile_cache_dir if cache_dir is None else cache_dir, required=True
+    ))
     mesh = engine_mesh(config.tensor_parallel_size)
     config = resolve_engine_dtype(config, mesh.devices.flat[0])
     model_path = resolve_model_path(config.model)

@@ -4,7 +4,9 @@ dtype, engine limit or device; strict mode raises on a compile after warm-up; th
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 
 from jaxserve.compile_cache import (
+    CACHE_DIR_ENV,
     CacheManifest,
     check_manifest,
     compile_counts,
@@ -26,16 +29,19 @@ from jaxserve.compile_cache import (
     enable_persistent_cache,
     manifest_path,
     num_cache_entries,
+    persistent_cache_dir,
     read_manifests,
     record_manifest,
+    resolve_cache_dir,
     thread_compile_counts,
 )
 from jaxserve.config import EngineConfig
 from jaxserve.engine import DEFAULT_CPU_KV_BLOCKS, LLMEngine, engine_bucket_grid
+from jaxserve.entrypoints.args import engine_config_from_args
 from jaxserve.entrypoints.cli import build_parser
 from jaxserve.executable_store import STORE_DIR_NAME, ExecutableStore, store_key
 from jaxserve.parallel import make_mesh
-from jaxserve.precompile import abstract_params
+from jaxserve.precompile import abstract_params, precompile
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.weights import load_config, load_model
 from tests.hf_tiny import make_tiny_model
@@ -419,12 +425,39 @@ def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
     assert default_cache_dir() == Path.home() / ".cache" / "jaxserve" / "compile_cache"
 
 
+def test_resolve_cache_dir_default_env_explicit_and_disabled(monkeypatch, tmp_path):
+    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert resolve_cache_dir(None) == default_cache_dir() == tmp_path / "xdg" / "jaxserve" / "compile_cache"
+    assert resolve_cache_dir(tmp_path / "mine") == resolve_cache_dir(str(tmp_path / "mine")) == tmp_path / "mine"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert resolve_cache_dir("~/cc") == tmp_path / "home" / "cc"
+    with pytest.raises(ValueError, match=r"^the persistent compile cache is disabled \(compile_cache_dir=''\), "
+                       r"and precompiling needs a directory: pass --compile-cache-dir DIR"):
+        resolve_cache_dir("", required=True)
+    assert resolve_cache_dir("") is None
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "from-env"))
+    assert resolve_cache_dir(None) == tmp_path / "from-env"
+    assert resolve_cache_dir(str(tmp_path / "explicit")) == tmp_path / "explicit"  # an explicit path wins
+    assert resolve_cache_dir("") is None  # and so does an explicit ""
+
+    monkeypatch.setenv(CACHE_DIR_ENV, "")  # set but empty: disabled (what tests/conftest.py sets)
+    assert resolve_cache_dir(None) is None
+    with pytest.raises(ValueError, match=r"^the persistent compile cache is disabled "
+                       r"\(JAXSERVE_COMPILE_CACHE_DIR=''\), and precompiling needs a directory"):
+        resolve_cache_dir(None, required=True)
+    assert resolve_cache_dir(str(tmp_path / "explicit")) == tmp_path / "explicit"
+
+
 def test_engine_config_validates_cache_options(tmp_path):
+    assert EngineConfig().compile_cache_dir is None  # kept as given: resolved when the engine starts
     assert EngineConfig(compile_cache_dir=tmp_path).compile_cache_dir == str(tmp_path)
+    assert EngineConfig(compile_cache_dir="").compile_cache_dir == ""  # no persistent cache
     with pytest.raises(ValueError, match=r"^compile_cache_dir must be a directory path, got 3$"):
         EngineConfig(compile_cache_dir=3)
-    with pytest.raises(ValueError, match=r"^compile_cache_dir must be a directory path, got ''$"):
-        EngineConfig(compile_cache_dir="")
+    with pytest.raises(ValueError, match=r"^compile_cache_dir must be a directory path, got b'c'$"):
+        EngineConfig(compile_cache_dir=b"c")
     with pytest.raises(ValueError, match=r"^strict_no_compile must be True or False, got 'yes'$"):
         EngineConfig(strict_no_compile="yes")
 
@@ -439,5 +472,59 @@ def test_precompile_and_engine_flags_parse():
     )
     args = build_parser().parse_args(["generate", "hi", "--compile-cache-dir", "c", "--strict-no-compile"])
     assert (args.compile_cache_dir, args.strict_no_compile) == ("c", True)
+    args = build_parser().parse_args(["serve", "--compile-cache-dir", ""])
+    assert engine_config_from_args(args).compile_cache_dir == ""  # disabled
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).compile_cache_dir is None  # the default
     script = (REPO / "scripts" / "precompile.py").read_text()
     assert 'main(["precompile", *sys.argv[1:]])' in script  # the script is the same command
+
+
+def test_precompile_refuses_a_disabled_cache(monkeypatch):
+    with pytest.raises(ValueError, match=r"\(compile_cache_dir=''\), and precompiling needs a directory"):
+        precompile(EngineConfig(compile_cache_dir=""))
+    monkeypatch.setenv(CACHE_DIR_ENV, "")
+    with pytest.raises(ValueError, match=r"\(JAXSERVE_COMPILE_CACHE_DIR=''\), and precompiling needs a directory"):
+        precompile(EngineConfig())
+
+
+# -- the default directory, end to end --------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _engine_log(caplog):
+    """The `jaxserve` logger does not propagate to the root logger that caplog watches: listen on it."""
+    caplog.set_level(logging.INFO, logger="jaxserve")
+    logger = logging.getLogger("jaxserve")
+    logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
+def test_engine_uses_the_per_user_cache_by_default(model_dir, bucket_file, tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    expected = (tmp_path / "jaxserve" / "compile_cache").resolve()
+    with _engine_log(caplog):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", buckets=str(bucket_file)))
+    assert f"persistent compile cache: {expected}" in caplog.messages
+    assert engine.compile_cache_dir == engine.warm_up_report.cache_dir == persistent_cache_dir() == expected
+    assert num_cache_entries(expected) > 0  # JAX's entries
+    (store_dir,) = (expected / STORE_DIR_NAME).iterdir()  # and the serialized buckets
+    assert len(list(store_dir.glob("*.executable"))) == 6
+    (manifest,) = read_manifests(expected)
+    assert manifest.info["written_by"] == "engine warm-up"
+
+
+def test_engine_with_an_empty_cache_dir_turns_the_cache_off(model_dir, bucket_file, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "from-env"))  # the explicit "" wins over the variable
+    enable_persistent_cache(tmp_path / "earlier")  # as an earlier engine of this process would have left it
+    config = EngineConfig(model=str(model_dir), dtype="float32", buckets=str(bucket_file), compile_cache_dir="")
+    with _engine_log(caplog):
+        engine = LLMEngine(config, warm_up=False)
+    assert "persistent compile cache: disabled (compile_cache_dir='' or JAXSERVE_COMPILE_CACHE_DIR='')" in (
+        caplog.messages
+    )
+    assert engine.compile_cache_dir is None and persistent_cache_dir() is None
+    assert not (tmp_path / "from-env").exists()

@@ -35,7 +35,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "num_processes": (int, "or JAXSERVE_NUM_PROCESSES"),
     "process_id": (int, "or JAXSERVE_PROCESS_ID"),
     "compile_cache_dir": (str, "JAX persistent compilation cache: warm-up loads executables from it and stores "
-                          "new ones (`jaxserve precompile` fills it)"),
+                          "new ones (`jaxserve precompile` fills it). Default: $JAXSERVE_COMPILE_CACHE_DIR if "
+                          "set, else ~/.cache/jaxserve/compile_cache (under $XDG_CACHE_HOME if set); "
+                          "'' (or JAXSERVE_COMPILE_CACHE_DIR='') disables it"),
     "strict_no_compile": (bool, "fail if anything compiles after warm-up"),
 }
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's

@@ -5,7 +5,8 @@
 - `jaxserve generate "prompt"` prints a greedy completion; a chat model's template is applied unless
   `--no-chat-template` is given.
 - `jaxserve precompile` compiles every bucket into the persistent compilation cache
-  (`scripts/precompile.py` runs the same); start the engine with the same flags and `--compile-cache-dir`.
+  (`scripts/precompile.py` runs the same); start the engine with the same flags (and `--compile-cache-dir`,
+  unless both use the default directory).
 
 Engine flags map one to one onto EngineConfig fields (`args.py`).
 """
@@ -39,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre = commands.add_parser(
         "precompile", help="compile every bucket into the persistent compilation cache",
         description="Compiles every feasible bucket of the engine configuration given by the engine flags "
-        "into --compile-cache-dir (default ~/.cache/jaxserve/compile_cache, under $XDG_CACHE_HOME if set) "
-        "and records a manifest there. Start the engine with the same flags and --compile-cache-dir.",
+        "into --compile-cache-dir (default $JAXSERVE_COMPILE_CACHE_DIR, else ~/.cache/jaxserve/compile_cache, "
+        "under $XDG_CACHE_HOME if set) and records a manifest there. Start the engine with the same flags: it "
+        "uses the same default directory.",
     )
     add_engine_args(pre)
     pre.add_argument(
