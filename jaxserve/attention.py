@@ -8,10 +8,15 @@ and position. Backends: "reference" (plain XLA, gathers pages through the block 
 kernels in `kernels_pallas`, imported lazily) and "cpu" (the native XLA:CPU kernel of `kernels_cpu`,
 ragged itself; the default on CPU).
 
-The pool is one array per K and V for all layers, `[num_layers, num_kv_heads, num_blocks, block_size,
-head_dim]`; a layer's slice is the kernels' page layout. The layers' scan carries the whole pool and
-indexes it with the layer number, so writes update the donated buffer in place and reads gather only the
-pages of the block tables: the step never copies the pool.
+The pool is one array per K and V for all layers, `[num_layers, num_kv_heads, num_blocks, rows, lanes]`:
+a block of `block_size` tokens is `rows` rows of `lanes` values (`pool_page_shape`). Usually a row is one
+token (`rows, lanes = block_size, head_dim`); the Pallas backend's TPU kernels take the lane-dense layout
+(`128 // head_dim` tokens per 128-lane row when head_dim < 128): XLA lays out an array whose last dimension
+is 64 with another dimension minor, and a Mosaic kernel reads only row-major tiles, so a plain pool of
+head_dim 64 would be relaid out (copied whole) at every kernel call. The layers' scan carries the whole
+pool and indexes it with the layer number, so writes update the donated buffer in place and reads touch
+only the pages of the block tables (the kernels read the stacked pool at the layer index): the step never
+copies the pool.
 """
 
 from __future__ import annotations
@@ -113,16 +118,25 @@ def per_token_rows(meta: AttentionMetadata, query_shape: tuple[int, int]) -> Att
     return AttentionMetadata(meta.block_tables[rows], jnp.where(valid, positions, 0), lengths)
 
 
+def pool_page_shape(block_size: int, head_dim: int, tokens_per_row: int = 1) -> tuple[int, int]:
+    """(rows, lanes) of one block of the pool when a row holds ``tokens_per_row`` tokens."""
+    return block_size // tokens_per_row, tokens_per_row * head_dim
+
+
 def write_kv(
-    k_pool: jax.Array,  # [L, Hkv, num_blocks, block_size, D]
-    v_pool: jax.Array,  # [L, Hkv, num_blocks, block_size, D]
+    k_pool: jax.Array,  # [L, Hkv, num_blocks, rows, lanes] (see pool_page_shape)
+    v_pool: jax.Array,  # [L, Hkv, num_blocks, rows, lanes]
     layer: jax.Array,  # i32[], the layer whose pages are written
     k: jax.Array,  # [S, Q, Hkv, D]
     v: jax.Array,  # [S, Q, Hkv, D]
     meta: AttentionMetadata,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatters the step's new K/V into one layer of the pool, in place; padding tokens are dropped."""
-    num_layers, num_kv_heads, num_blocks, block_size, head_dim = k_pool.shape
+    num_layers, num_kv_heads, num_blocks, rows, lanes = k_pool.shape
+    head_dim = k.shape[-1]
+    if lanes != head_dim:
+        return _write_kv_lane_dense(k_pool, v_pool, layer, k, v, meta)
+    block_size = rows
     num_slots = num_blocks * block_size
     slots = slot_mapping(meta, k.shape[:2], block_size, num_slots)
     if slots.shape[0] == 1:  # XLA turns a one-row scatter into a dynamic-update-slice that copies the pool
@@ -133,6 +147,33 @@ def write_kv(
         flat = pool.reshape(num_layers, num_kv_heads, num_slots, head_dim)
         new = to_pool_dtype(new.reshape(-1, num_kv_heads, head_dim), pool.dtype)  # [S*Q, Hkv, D], index order
         return flat.at[layer, :, slots].set(new, mode="drop").reshape(pool.shape)
+
+    return scatter(k_pool, k), scatter(v_pool, v)
+
+
+def _write_kv_lane_dense(k_pool, v_pool, layer, k, v, meta):
+    """write_kv into a lane-dense pool: token t of a block goes to row t // r, lanes (t % r) * D onwards
+    (r tokens per row), one windowed scatter of every token's [Hkv, D] values."""
+    num_layers, num_kv_heads, num_blocks, rows, lanes = k_pool.shape
+    head_dim = k.shape[-1]
+    tokens_per_row = lanes // head_dim
+    block_size = rows * tokens_per_row
+    slots = slot_mapping(meta, k.shape[:2], block_size, num_blocks * block_size)  # padding: past the pool
+    block, offset = slots // block_size, slots % block_size
+    indices = jnp.stack(
+        [jnp.broadcast_to(layer, slots.shape), block, offset // tokens_per_row, (offset % tokens_per_row) * head_dim],
+        axis=1,
+    )  # i32[N, 4]: layer, block, row, first lane
+    numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(1, 2), inserted_window_dims=(0, 2, 3), scatter_dims_to_operand_dims=(0, 2, 3, 4)
+    )
+
+    def scatter(pool: jax.Array, new: jax.Array) -> jax.Array:
+        new = to_pool_dtype(new.reshape(-1, num_kv_heads, head_dim), pool.dtype)  # [N, Hkv, D]
+        return jax.lax.scatter(
+            pool, indices, new, numbers, indices_are_sorted=False, unique_indices=False,
+            mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+        )
 
     return scatter(k_pool, k), scatter(v_pool, v)
 
@@ -169,6 +210,8 @@ def gather_context(pool: jax.Array, layer: jax.Array, block_tables: jax.Array) -
 class AttentionBackend(Protocol):
     name: str
 
+    def tokens_per_row(self, block_size: int, head_dim: int) -> int: ...  # of the pool layout it reads
+
     def attend(
         self,
         q: jax.Array,  # [S, Q, Hq, D] (a ragged step: [1, T, Hq, D])
@@ -197,6 +240,9 @@ class ReferenceBackend:
     def __init__(self, chunk_tokens: int = 256, group_rows: int = 8):
         self.chunk_tokens = chunk_tokens
         self.group_rows = group_rows
+
+    def tokens_per_row(self, block_size: int, head_dim: int) -> int:
+        return 1
 
     def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
         block_size = k_pool.shape[3]
@@ -262,45 +308,47 @@ def chunked_paged_attention(q, k_pool, v_pool, layer, meta, *, chunk_pages, sm_s
 
 
 class PallasBackend:
-    """The Pallas kernels: `paged_attention` for decode (Q == 1), `prefill_attention` otherwise.
+    """The Pallas kernels: `paged_attention` for decode (Q == 1), `prefill_attention` for prefill chunks and
+    `ragged_paged_attention` for mixed steps. They read the stacked pool in place at the layer index.
 
-    The kernels take one layer's pages; slicing the layer out of the stacked pool costs a copy of that
-    layer per step on the device (kernels that index the stacked pool directly are a follow-up)."""
+    ``platform`` is where the step runs: "tpu" (Mosaic kernels, lane-dense pool), "gpu"/"cuda"/"rocm"
+    (Triton kernels), or "cpu", where the TPU variant runs in the Pallas interpreter (tests)."""
 
     name = "pallas"
 
-    def __init__(self, *, interpret: bool = False):
-        self.interpret = interpret
+    def __init__(self, platform: str):
+        self.platform = platform
+        self.kernel_variant = "gpu" if platform in ("gpu", "cuda", "rocm") else "tpu"
+        self.interpret = platform not in ("tpu", "gpu", "cuda", "rocm")
+
+    def tokens_per_row(self, block_size: int, head_dim: int) -> int:
+        if self.kernel_variant != "tpu":
+            return 1
+        from kernels_pallas._common import lane_dense_tokens_per_row
+
+        return lane_dense_tokens_per_row(block_size, head_dim)
 
     def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
         import kernels_pallas
 
         if sliding_window is not None:
             raise ValueError("the pallas attention backend does not support sliding-window attention")
-        k_pages, v_pages = pool_values(k_pool[layer]), pool_values(v_pool[layer])
-        if meta.is_ragged:
-            return self._attend_ragged(q, k_pages, v_pages, meta, sm_scale)
+        # uint16 pools (bfloat16 bits) exist only on XLA:CPU, where the kernels run interpreted
+        k_pool, v_pool = pool_values(k_pool), pool_values(v_pool)
+        common = dict(layer=layer, sm_scale=sm_scale, interpret=self.interpret, backend=self.kernel_variant)
+        if meta.is_ragged:  # a mixed step ([1, T] tokens of ragged rows): the ragged kernel over the flat tokens
+            out = kernels_pallas.ragged_paged_attention(
+                q[0], k_pool, v_pool, meta.block_tables, meta.query_starts, meta.query_lens, meta.q_start,
+                meta.lengths, **common,
+            )
+            return out[None]
         if q.shape[1] == 1:
             lengths = jnp.maximum(meta.lengths, 1)  # padding rows (length 0) read one harmless slot
-            out = kernels_pallas.paged_attention(
-                q[:, 0], k_pages, v_pages, lengths, meta.block_tables,
-                sm_scale=sm_scale, interpret=self.interpret,
-            )
+            out = kernels_pallas.paged_attention(q[:, 0], k_pool, v_pool, lengths, meta.block_tables, **common)
             return out[:, None]
         return kernels_pallas.prefill_attention(
-            q, k_pages, v_pages, meta.block_tables, meta.q_start, meta.lengths,
-            sm_scale=sm_scale, interpret=self.interpret,
+            q, k_pool, v_pool, meta.block_tables, meta.q_start, meta.lengths, **common
         )
-
-    def _attend_ragged(self, q, k_pages, v_pages, meta, sm_scale):
-        """A mixed step ([1, T] tokens of ragged rows): the ragged kernel over the flat tokens."""
-        import kernels_pallas
-
-        out = kernels_pallas.ragged_paged_attention(
-            q[0], k_pages, v_pages, meta.block_tables, meta.query_starts, meta.query_lens, meta.q_start, meta.lengths,
-            sm_scale=sm_scale, interpret=self.interpret,
-        )
-        return out[None]
 
 
 class CpuBackend(ReferenceBackend):
@@ -350,18 +398,19 @@ def _cpu_kernel_available() -> bool:
 
 
 @functools.cache
-def get_attention_backend(name: str, *, interpret: bool = False) -> AttentionBackend:
-    """Backend by name; "auto" is pallas on GPU/TPU, and on CPU the native kernel ("cpu") when it builds,
-    else plain XLA ("reference")."""
+def get_attention_backend(name: str, platform: str | None = None) -> AttentionBackend:
+    """Backend by name for steps that run on ``platform`` (default: JAX's default backend); "auto" is pallas
+    on GPU/TPU, and on CPU the native kernel ("cpu") when it builds, else plain XLA ("reference")."""
+    platform = platform or jax.default_backend()
     if name == "auto":
-        if jax.default_backend() != "cpu":
+        if platform != "cpu":
             name = "pallas"
         else:
             name = "cpu" if _cpu_kernel_available() else "reference"
     if name == "reference":
         return ReferenceBackend()
     if name == "pallas":
-        return PallasBackend(interpret=interpret or jax.default_backend() == "cpu")
+        return PallasBackend(platform)
     if name == "cpu":
         return CpuBackend()
     raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}")

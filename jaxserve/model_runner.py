@@ -32,6 +32,7 @@ from jaxserve.attention import (
     AttentionMetadata,
     get_attention_backend,
     kv_storage_dtype,
+    pool_page_shape,
     row_offsets,
     token_layout,
 )
@@ -143,19 +144,21 @@ class ModelRunner:
         abstract: bool = False,
         num_sampler_slots: int = 1,
         num_logprobs: int = 20,
+        platform: str | None = None,
     ):
         """``abstract=True``: ``params`` are ``ShapeDtypeStruct``s and no KV pool (nor sampler state) is
         allocated; such a runner only compiles (precompilation into the persistent cache needs no device
-        memory)."""
+        memory). ``platform``: what the steps are built for, by default the mesh's devices' platform (a
+        deviceless TPU topology's devices say "tpu"; "cuda" builds for GPUs on a CPU mesh, lowering only)."""
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.backend = get_attention_backend(attention_backend)
         self.mesh = mesh if mesh is not None else make_mesh(1)
+        self.platform = platform = platform or self.mesh.devices.flat[0].platform
+        self.backend = get_attention_backend(attention_backend, platform)
         check_tensor_parallel(config, self.mesh.size)
         model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
-        platform = self.mesh.devices.flat[0].platform
         self.kv_storage_dtype = kv_storage_dtype(self.dtype, platform)
         # XLA:CPU keeps bf16 matmuls on its fast path only with one weight array per layer and with
         # untransposed weights (common.layer_stack, common.untie_lm_head); in float32 the scan is as fast and
@@ -195,7 +198,9 @@ class ModelRunner:
 
     def _abstract_pool(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         cfg = self.config
-        shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, self.block_size, cfg.head_dim)
+        tokens_per_row = self.backend.tokens_per_row(self.block_size, cfg.head_dim)
+        page = pool_page_shape(self.block_size, cfg.head_dim, tokens_per_row)
+        shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, *page)
         pool = jax.ShapeDtypeStruct(shape, self.kv_storage_dtype, sharding=kv_pool_sharding(self.mesh))
         return pool, pool
 

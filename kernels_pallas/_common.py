@@ -6,6 +6,7 @@ Nothing here launches a kernel; ``paged_attention.py`` and ``prefill_attention.p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -21,6 +22,7 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 BACKENDS = ("auto", "tpu", "gpu")
+LANES = 128  # a TPU vreg's lane count: the minor dimension of every tile
 
 
 def resolve_backend(backend: str, interpret) -> str:
@@ -90,28 +92,122 @@ def reject_knobs(backend: str, **knobs) -> None:
             raise ValueError(f"{name} is a knob of the other backend; it is not used by backend={backend!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolGeometry:
+    """A KV pool as the kernels read it: ``[num_layers, num_kv_heads, total_pages, rows, lanes]`` where a
+    page of ``page_size`` tokens is ``rows`` rows of ``lanes = tokens_per_row * head_dim`` values, token t of
+    the page at row t // tokens_per_row, lanes (t % tokens_per_row) * head_dim onwards. tokens_per_row is 1
+    (the plain layout) or, for the TPU kernels, 128 // head_dim when head_dim < 128 ("lane-dense": a TPU
+    tile is 128 lanes wide, and a pool whose last dimension is 64 is laid out by XLA with the pages
+    dimension minor, which a Mosaic kernel can only read after a relayout copy of the whole pool)."""
+
+    num_layers: int
+    num_kv_heads: int
+    total_pages: int
+    page_size: int
+    head_dim: int
+    tokens_per_row: int
+
+    @property
+    def rows_per_page(self) -> int:
+        return self.page_size // self.tokens_per_row
+
+    @property
+    def lanes(self) -> int:
+        return self.tokens_per_row * self.head_dim
+
+
+def lane_dense_tokens_per_row(page_size: int, head_dim: int) -> int:
+    """Tokens per pool row of the TPU kernels' lane-dense layout: 128 // head_dim for head_dim < 128 when a
+    page fills whole rows, else 1."""
+    if head_dim < LANES and LANES % head_dim == 0 and page_size % (LANES // head_dim) == 0:
+        return LANES // head_dim
+    return 1
+
+
+def page_row_shape(page_size: int, head_dim: int, tokens_per_row: int) -> tuple[int, int]:
+    """(rows, lanes) of one page in a pool with ``tokens_per_row``."""
+    return page_size // tokens_per_row, tokens_per_row * head_dim
+
+
+def check_kv_pool(k_pool: jax.Array, v_pool: jax.Array, head_dim: int) -> PoolGeometry:
+    """Validates a KV pool: one layer ``[num_kv_heads, total_pages, page_size, head_dim]`` or the stacked pool
+    ``[num_layers, num_kv_heads, total_pages, rows, lanes]`` (see ``PoolGeometry``)."""
+    if k_pool.ndim not in (4, 5):
+        raise ValueError(
+            "k_pages must be one layer [num_kv_heads, total_pages, page_size, head_dim] or the stacked pool "
+            f"[num_layers, num_kv_heads, total_pages, rows, lanes], got shape {k_pool.shape}"
+        )
+    if k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pages and v_pages must have the same shape, got {k_pool.shape} and {v_pool.shape}")
+    if k_pool.dtype != v_pool.dtype:
+        raise ValueError(f"k_pages and v_pages must have the same dtype, got {k_pool.dtype} and {v_pool.dtype}")
+    if k_pool.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"k_pages dtype must be float32 or bfloat16, got {k_pool.dtype}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    num_layers = k_pool.shape[0] if k_pool.ndim == 5 else 1
+    num_kv_heads, total_pages, rows, lanes = k_pool.shape[-4:]
+    if lanes % head_dim or not is_power_of_2(lanes // head_dim):
+        raise ValueError(
+            f"the pool's last dimension ({lanes}) must be head_dim ({head_dim}) times a power of two "
+            "(tokens per row)"
+        )
+    tokens_per_row = lanes // head_dim
+    page_size = rows * tokens_per_row
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
+    return PoolGeometry(num_layers, num_kv_heads, total_pages, page_size, head_dim, tokens_per_row)
+
+
+def stacked_pool(pool: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
+    """(pool as ``[num_layers, ...]``, i32[1] layer index): a one-layer pool is layer 0 of a stack of one."""
+    if pool.ndim == 4:
+        if layer is not None:
+            raise ValueError("layer must be None for a one-layer pool [num_kv_heads, total_pages, ...]")
+        return pool[None], jnp.zeros((1,), jnp.int32)
+    if layer is None:
+        raise ValueError("a stacked pool [num_layers, ...] needs the layer index (layer=...)")
+    layer = jnp.asarray(layer, jnp.int32)
+    if layer.ndim != 0:
+        raise ValueError(f"layer must be a scalar, got shape {layer.shape}")
+    return pool, layer.reshape(1)
+
+
+def layer_pages(pool: jax.Array, layer: jax.Array, geometry: PoolGeometry) -> jax.Array:
+    """One layer of a stacked pool in the plain layout ``[num_kv_heads, total_pages, page_size, head_dim]``
+    (plain XLA: a reshape of the lane-dense layout; for references and tests)."""
+    g = geometry
+    return pool[layer[0]].reshape(g.num_kv_heads, g.total_pages, g.page_size, g.head_dim)
+
+
+def flat_pages(pool: jax.Array) -> jax.Array:
+    """A stacked plain-layout pool ``[L, Hkv, P, page_size, D]`` as ``[L * Hkv * P, page_size, D]`` (the GPU
+    kernels address pages by offset: see ``first_page_of``)."""
+    return pool.reshape(-1, *pool.shape[-2:])
+
+
+def first_page_of(layer, head, num_kv_heads: int, total_pages: int):
+    """Index in ``flat_pages`` of page 0 of ``layer``'s kv head ``head``."""
+    return (layer * num_kv_heads + head) * total_pages
+
+
+def check_gpu_layout(geometry: PoolGeometry) -> None:
+    if geometry.tokens_per_row != 1:
+        raise ValueError(
+            "the GPU kernels read the plain pool layout (last dimension head_dim); got "
+            f"{geometry.tokens_per_row} tokens per row"
+        )
+
+
 def check_kv_pages(k_pages: jax.Array, v_pages: jax.Array) -> tuple[int, int, int, int]:
-    """Validates the per-layer KV pool; returns (num_kv_heads, total_pages, page_size, head_dim)."""
+    """Validates a one-layer pool in the plain layout; returns (num_kv_heads, total_pages, page_size, head_dim)."""
     if k_pages.ndim != 4:
         raise ValueError(
             f"k_pages must be [num_kv_heads, total_pages, page_size, head_dim], got shape {k_pages.shape}"
         )
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(
-            f"k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}"
-        )
-    if k_pages.dtype != v_pages.dtype:
-        raise ValueError(
-            f"k_pages and v_pages must have the same dtype, got {k_pages.dtype} and {v_pages.dtype}"
-        )
-    if k_pages.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"k_pages dtype must be float32 or bfloat16, got {k_pages.dtype}")
-    num_kv_heads, total_pages, page_size, head_dim = k_pages.shape
-    if page_size not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    return num_kv_heads, total_pages, page_size, head_dim
+    g = check_kv_pool(k_pages, v_pages, k_pages.shape[-1])
+    return g.num_kv_heads, g.total_pages, g.page_size, g.head_dim
 
 
 def check_query(q: jax.Array, kv_dtype, num_kv_heads: int, head_dim: int, layout: str) -> None:
@@ -125,6 +221,16 @@ def check_query(q: jax.Array, kv_dtype, num_kv_heads: int, head_dim: int, layout
     num_q_heads = q.shape[-2]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+
+
+def check_query_and_pool(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layout: str) -> PoolGeometry:
+    """Validates q (``layout`` names its dims, its last two [num_q_heads, head_dim]) against the pool."""
+    if k_pool.ndim == 4:
+        num_kv_heads, _, _, head_dim = check_kv_pages(k_pool, v_pool)
+        check_query(q, k_pool.dtype, num_kv_heads, head_dim, layout)
+    geometry = check_kv_pool(k_pool, v_pool, q.shape[-1])
+    check_query(q, k_pool.dtype, geometry.num_kv_heads, geometry.head_dim, layout)
+    return geometry
 
 
 def check_int_vector(name: str, x: jax.Array, num_seqs: int) -> None:
@@ -176,12 +282,23 @@ def row_positions(first_pos, rows: int, block_q: int) -> jax.Array:
 
 def causal_block_step(state, q, k, v, *, first_key, row_pos, length, kv_end, sm_scale):
     """Online-softmax update of a query block's rows with one KV block of tokens first_key..: a row attends
-    keys at or before its position and below ``length``; tokens at or past ``kv_end`` are zeroed in v."""
-    s = logits(q, k, sm_scale)  # f32[rows, block_tokens]
-    key = first_key + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    mask = (key <= row_pos) & (key < length)
-    token_ok = first_key + lax.broadcasted_iota(jnp.int32, (k.shape[0], 1), 0) < kv_end
-    return online_softmax_step(state, s, mask, zero_invalid_rows(v, token_ok))
+    keys at or before its position and below ``length``; tokens at or past ``kv_end`` are zeroed in v.
+
+    k, v: [block_rows, lanes] rows of the pool's layout (``PoolGeometry``): with lanes == head_dim a row is
+    one token; lane-dense rows hold ``lanes // head_dim`` consecutive tokens, each a slice of head_dim lanes
+    that is scored separately (no relayout of the block)."""
+    head_dim = q.shape[-1]
+    tokens_per_row = k.shape[-1] // head_dim
+    parts = []
+    for part in range(tokens_per_row):
+        lanes = slice(part * head_dim, (part + 1) * head_dim)
+        k_part, v_part = (k, v) if tokens_per_row == 1 else (k[:, lanes], v[:, lanes])
+        s = logits(q, k_part, sm_scale)  # f32[rows, block_rows]
+        key = first_key + lax.broadcasted_iota(jnp.int32, s.shape, 1) * tokens_per_row + part
+        mask = (key <= row_pos) & (key < length)
+        token = first_key + lax.broadcasted_iota(jnp.int32, (k.shape[0], 1), 0) * tokens_per_row + part
+        parts.append((s, mask, zero_invalid_rows(v_part, token < kv_end)))
+    return online_softmax_parts(state, parts)
 
 
 def init_softmax_state(rows: int, head_dim: int):
@@ -199,14 +316,24 @@ def online_softmax_step(state, s: jax.Array, mask: jax.Array, v: jax.Array):
     s: f32[rows, block_tokens] logits; mask: bool[rows, block_tokens] (True = attend);
     v: [block_tokens, head_dim] values with masked-out tokens already zeroed.
     """
+    return online_softmax_parts(state, [(s, mask, v)])
+
+
+def online_softmax_parts(state, parts):
+    """``online_softmax_step`` over a KV block given as parts (s, mask, v), each some of the block's tokens:
+    one running max and sum for all of them."""
     m_prev, l_prev, acc_prev = state
-    s = jnp.where(mask, s, MASK_VALUE)
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    parts = [(jnp.where(mask, s, MASK_VALUE), mask, v) for s, mask, v in parts]
+    m_next = m_prev
+    for s, _, _ in parts:
+        m_next = jnp.maximum(m_next, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m_prev - m_next)
-    p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
-    l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_next, l_next, alpha * acc_prev + pv
+    l_next, acc_next = alpha * l_prev, alpha * acc_prev
+    for s, mask, v in parts:
+        p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
+        l_next = l_next + jnp.sum(p, axis=1, keepdims=True)
+        acc_next = acc_next + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_next, l_next, acc_next
 
 
 def finalize(state) -> jax.Array:

@@ -1,7 +1,9 @@
 """Double-buffered streaming of K/V pages from HBM into VMEM for the TPU (Mosaic) kernels.
 
-Both TPU kernels walk one sequence's block table for one KV head in blocks of ``pages_per_block`` pages:
-while block ``i`` is being computed, the DMAs for block ``i + 1`` already run into the other VMEM slot.
+The TPU kernels read the stacked pool in HBM at the layer index they are given (scalar-prefetched), so
+no layer's slice is ever copied out of it. Each walks one sequence's block table for one KV head in
+blocks of ``pages_per_block`` pages: while block ``i`` is being computed, the DMAs for block ``i + 1``
+already run into the other VMEM slot.
 Only pages that hold tokens below ``num_tokens`` are copied; the rest of a slot keeps stale (or, in
 interpret mode, NaN) data, which the kernels mask out.
 """
@@ -20,13 +22,14 @@ from jax.experimental.pallas import tpu as pltpu
 class PageStream:
     """K/V page copies for one (sequence, kv head) grid point."""
 
-    k_hbm: object  # ref [num_kv_heads, total_pages, page_size, head_dim], HBM (pl.ANY)
-    v_hbm: object  # ref [num_kv_heads, total_pages, page_size, head_dim], HBM (pl.ANY)
-    k_buf: object  # ref [2, pages_per_block, page_size, head_dim], VMEM (two slots)
-    v_buf: object  # ref [2, pages_per_block, page_size, head_dim], VMEM (two slots)
+    k_hbm: object  # ref [num_layers, num_kv_heads, total_pages, rows, lanes], HBM (pl.ANY): the stacked pool
+    v_hbm: object  # ref [num_layers, num_kv_heads, total_pages, rows, lanes], HBM (pl.ANY)
+    k_buf: object  # ref [2, pages_per_block, rows, lanes], VMEM (two slots)
+    v_buf: object  # ref [2, pages_per_block, rows, lanes], VMEM (two slots)
     sems: object  # DMA semaphores [2 (k, v), 2 (slot)]
     table_ref: object  # SMEM i32[num_seqs * pages_per_seq], flattened block table
     table_offset: jax.Array  # i32 scalar, seq * pages_per_seq
+    layer: jax.Array  # i32 scalar, the layer whose pages are read
     head: jax.Array  # i32 scalar, kv head
     num_pages: jax.Array  # i32 scalar, pages that hold tokens we need
 
@@ -43,7 +46,7 @@ class PageStream:
                 page = self.table_ref[self.table_offset + page_no]
                 for which, (hbm, buf) in enumerate(((self.k_hbm, self.k_buf), (self.v_hbm, self.v_buf))):
                     copy = pltpu.make_async_copy(
-                        hbm.at[self.head, page], buf.at[slot, p], self.sems.at[which, slot]
+                        hbm.at[self.layer, self.head, page], buf.at[slot, p], self.sems.at[which, slot]
                     )
                     action(copy)
 
@@ -57,8 +60,8 @@ class PageStream:
 def fold_pages(stream: PageStream, num_blocks: jax.Array, body, init):
     """Runs ``body(block, k, v, carry)`` over blocks ``0..num_blocks-1`` with double-buffered DMAs.
 
-    k, v: [pages_per_block * page_size, head_dim] values of the block (tokens past the copied pages are
-    garbage and must be masked by ``body``). Returns the final carry.
+    k, v: [pages_per_block * rows, lanes] pool rows of the block (``PoolGeometry``; tokens past the copied
+    pages are garbage and must be masked by ``body``). Returns the final carry.
     """
 
     @pl.when(num_blocks > 0)
@@ -73,9 +76,9 @@ def fold_pages(stream: PageStream, num_blocks: jax.Array, body, init):
             stream.start(block + 1, 1 - slot)
 
         stream.wait(block, slot)
-        _, pages, page_size, head_dim = stream.k_buf.shape
-        k = stream.k_buf[slot].reshape(pages * page_size, head_dim)
-        v = stream.v_buf[slot].reshape(pages * page_size, head_dim)
+        _, pages, rows, lanes = stream.k_buf.shape
+        k = stream.k_buf[slot].reshape(pages * rows, lanes)
+        v = stream.v_buf[slot].reshape(pages * rows, lanes)
         return body(block, k, v, carry)
 
     return lax.fori_loop(0, num_blocks, step, init)

@@ -1,16 +1,17 @@
 """Decode attention over the paged KV cache: one new query token per sequence.
 
 Place in the data flow: on every decode step the engine's attention backend calls ``paged_attention`` once
-per layer, after writing the step's K/V into the pool, with that layer's slice of the KV pool
-(``k_pages[layer]``, ``v_pages[layer]``), the batch's block tables and context lengths. The result feeds
-the layer's output projection.
+per layer, after writing the step's K/V into the pool, with the whole stacked KV pool and the layer index
+(read in place: no layer's slice is copied), the batch's block tables and context lengths. The result
+feeds the layer's output projection.
 
 Two Pallas variants:
-* TPU (Mosaic): grid (sequence, kv head). Lengths and block tables are scalar-prefetched into SMEM; pages
+* TPU (Mosaic): grid (sequence, kv head). Lengths, block tables and the layer are scalar-prefetched; pages
   stay in HBM and are DMA'd into VMEM in double-buffered blocks of ``pages_per_compute_block`` pages; all
   query heads of a KV group are computed together with an online softmax.
 * GPU (Triton): flash-decoding. Grid (sequence, kv head, split): each split walks its share of the block
-  table and writes a partial (max, sum, output); a small XLA reduction combines the splits.
+  table (pages addressed by offset into the flattened stacked pool) and writes a partial (max, sum,
+  output); a small XLA reduction combines the splits.
 
 Tokens at positions >= length never influence the result, and block-table entries past a sequence's
 length are never dereferenced (they may hold anything).
@@ -64,22 +65,23 @@ GPU_TARGET_PROGRAMS = 264
 def _tpu_kernel(
     lengths_ref,  # SMEM i32[num_seqs]
     table_ref,  # SMEM i32[num_seqs * pages_per_seq]
+    layer_ref,  # SMEM i32[1]
     q_ref,  # VMEM [group, head_dim]
-    k_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
-    v_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
+    k_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
+    v_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
     o_ref,  # VMEM [group, head_dim]
-    k_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
-    v_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
+    k_buf,  # VMEM [2, pages_per_block, rows, lanes]
+    v_buf,  # VMEM [2, pages_per_block, rows, lanes]
     sems,  # DMA semaphores [2, 2]
     *,
     sm_scale: float,
     pages_per_seq: int,
+    page_size: int,
 ):
     seq, head = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[seq]
-    _, pages_per_block, page_size, head_dim = k_buf.shape
-    block_tokens = pages_per_block * page_size
-    group = q_ref.shape[0]
+    block_tokens = k_buf.shape[1] * page_size
+    group, head_dim = q_ref.shape
     stream = PageStream(
         k_hbm,
         v_hbm,
@@ -88,37 +90,39 @@ def _tpu_kernel(
         sems,
         table_ref,
         table_offset=seq * pages_per_seq,
+        layer=layer_ref[0],
         head=head,
         num_pages=pl.cdiv(length, page_size),
     )
     q = q_ref[...]
+    # the one query token sits at position length - 1: it attends every key below length
+    row_pos = jnp.full((group, 1), length - 1, jnp.int32)
+    step = functools.partial(cm.causal_block_step, row_pos=row_pos, length=length, kv_end=length, sm_scale=sm_scale)
 
     def body(block, k, v, state):
-        first = block * block_tokens
-        s = cm.logits(q, k, sm_scale)  # f32[group, block_tokens]
-        mask = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < length
-        token_ok = first + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0) < length
-        return cm.online_softmax_step(state, s, mask, cm.zero_invalid_rows(v, token_ok))
+        return step(state, q, k, v, first_key=block * block_tokens)
 
     state = fold_pages(stream, pl.cdiv(length, block_tokens), body, cm.init_softmax_state(group, head_dim))
     o_ref[...] = cm.finalize(state).astype(o_ref.dtype)
 
 
-def _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices, *, sm_scale, pages_per_block, interpret):
-    """Arrays as in ``paged_attention`` (validated, lengths clamped) -> [num_seqs, num_q_heads, head_dim]."""
+def _paged_attention_tpu(q, k_pool, v_pool, layer, lengths, page_indices, geometry, *, sm_scale, pages_per_block,
+                         interpret):
+    """Arrays as in ``paged_attention`` (validated, pools stacked, lengths clamped) -> [num_seqs, num_q_heads,
+    head_dim]."""
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    g = geometry
     pages_per_seq = page_indices.shape[1]
-    group = num_q_heads // num_kv_heads
-    q4 = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    group = num_q_heads // g.num_kv_heads
+    q4 = q.reshape(num_seqs, g.num_kv_heads, group, head_dim)
     q_spec = pl.BlockSpec((None, None, group, head_dim), lambda s, h, *_: (s, h, 0, 0))
-    kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq)
-    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size)
+    buf = pltpu.VMEM((2, pages_per_block, g.rows_per_page, g.lanes), k_pool.dtype)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(num_seqs, num_kv_heads),
+            num_scalar_prefetch=3,
+            grid=(num_seqs, g.num_kv_heads),
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
             scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
@@ -127,7 +131,7 @@ def _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices, *, sm_scale
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=cm.interpret_arg("tpu", interpret),
         name="paged_attention_tpu",
-    )(lengths, page_indices.reshape(-1), q4, k_pages, v_pages)
+    )(lengths, page_indices.reshape(-1), layer, q4, k_pool, v_pool)
     return out.reshape(q.shape)
 
 
@@ -136,18 +140,22 @@ def _paged_attention_tpu(q, k_pages, v_pages, lengths, page_indices, *, sm_scale
 
 def _gpu_kernel(
     q_ref,  # [rows, head_dim], the KV group's query heads padded to rows (power of two >= 16)
-    k_ref,  # [total_pages, page_size, head_dim], this kv head's pages
-    v_ref,  # [total_pages, page_size, head_dim]
+    k_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim], the stacked pool's pages
+    v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
     table_ref,  # i32[pages_per_split], this split's slice of the block table
     length_ref,  # i32[1]
+    layer_ref,  # i32[1]
     o_ref,  # f32[rows, head_dim], unnormalised partial output
     m_ref,  # f32[rows, 1], running max
     l_ref,  # f32[rows, 1], running sum
     *,
     sm_scale: float,
     pages_per_block: int,
+    num_kv_heads: int,
+    total_pages: int,
 ):
     split = pl.program_id(2)
+    first_of_head = cm.first_page_of(layer_ref[0], pl.program_id(1), num_kv_heads, total_pages)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     pages_per_split = table_ref.shape[0]
     block_tokens = pages_per_block * page_size
@@ -160,7 +168,7 @@ def _gpu_kernel(
     def body(block, state):
         first_in_block = first_page + block * pages_per_block
         pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
-        pages = cm.live_pages_only(pages, first_in_block, end_page)
+        pages = first_of_head + cm.live_pages_only(pages, first_in_block, end_page)
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
         first = first_in_block * page_size
@@ -191,10 +199,12 @@ def _gpu_num_splits(num_splits, num_seqs, num_kv_heads, num_blocks) -> int:
 
 def _paged_attention_gpu(
     q,
-    k_pages,
-    v_pages,
+    k_pool,
+    v_pool,
+    layer,
     lengths,
     page_indices,
+    geometry,
     *,
     sm_scale,
     pages_per_block,
@@ -203,30 +213,37 @@ def _paged_attention_gpu(
     num_stages,
     interpret,
 ):
-    """Arrays as in ``paged_attention`` (validated, lengths clamped) -> [num_seqs, num_q_heads, head_dim]."""
+    """Arrays as in ``paged_attention`` (validated, pools stacked, lengths clamped) -> [num_seqs, num_q_heads,
+    head_dim]."""
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads, total_pages, page_size, _ = k_pages.shape
+    g = geometry
     pages_per_seq = page_indices.shape[1]
-    group = num_q_heads // num_kv_heads
+    group = num_q_heads // g.num_kv_heads
     rows = max(16, cm.next_power_of_2(group))  # Triton dots need >= 16 rows
-    num_splits = _gpu_num_splits(num_splits, num_seqs, num_kv_heads, pl.cdiv(pages_per_seq, pages_per_block))
+    num_splits = _gpu_num_splits(num_splits, num_seqs, g.num_kv_heads, pl.cdiv(pages_per_seq, pages_per_block))
     pages_per_split = pl.cdiv(pl.cdiv(pages_per_seq, num_splits), pages_per_block) * pages_per_block
     # Padding entries point at page 0; they lie past every length and are masked.
     table = jnp.pad(page_indices, ((0, 0), (0, num_splits * pages_per_split - pages_per_seq)))
     table = table.reshape(num_seqs, num_splits, pages_per_split)
-    q4 = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    q4 = q.reshape(num_seqs, g.num_kv_heads, group, head_dim)
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    pool_spec = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda s, h, k: (h, 0, 0, 0))
-    part_shape = (num_seqs, num_kv_heads, num_splits, rows)
+    k_flat, v_flat = cm.flat_pages(k_pool), cm.flat_pages(v_pool)
+    pool_spec = pl.BlockSpec(k_flat.shape, lambda s, h, k: (0, 0, 0))  # the whole pool: pages by offset
+    part_shape = (num_seqs, g.num_kv_heads, num_splits, rows)
+    kernel = functools.partial(
+        _gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, num_kv_heads=g.num_kv_heads,
+        total_pages=g.total_pages,
+    )
     o, m, denom = pl.pallas_call(
-        functools.partial(_gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block),
-        grid=(num_seqs, num_kv_heads, num_splits),
+        kernel,
+        grid=(num_seqs, g.num_kv_heads, num_splits),
         in_specs=[
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
             pool_spec,
             pool_spec,
             pl.BlockSpec((None, None, pages_per_split), lambda s, h, k: (s, k, 0)),
             pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
+            pl.BlockSpec((1,), lambda s, h, k: (0,)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
@@ -241,7 +258,7 @@ def _paged_attention_gpu(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=cm.interpret_arg("gpu", interpret),
         name="paged_attention_gpu",
-    )(q4, k_pages, v_pages, table, lengths.reshape(num_seqs, 1))
+    )(q4, k_flat, v_flat, table, lengths.reshape(num_seqs, 1), layer)
     out = _combine_splits(o, m, denom)[:, :, :group]
     return out.reshape(q.shape).astype(q.dtype)
 
@@ -249,13 +266,13 @@ def _paged_attention_gpu(
 # ------------------------------------------------------------------------------------------ public
 
 
-def _validate(q, k_pages, v_pages, lengths, page_indices) -> None:
-    num_kv_heads, _, _, head_dim = cm.check_kv_pages(k_pages, v_pages)
+def _validate(q, k_pool, v_pool, lengths, page_indices) -> cm.PoolGeometry:
     if q.ndim != 3:
         raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim], got shape {q.shape}")
-    cm.check_query(q, k_pages.dtype, num_kv_heads, head_dim, "[num_seqs, num_q_heads, head_dim]")
+    geometry = cm.check_query_and_pool(q, k_pool, v_pool, "[num_seqs, num_q_heads, head_dim]")
     cm.check_int_vector("lengths", lengths, q.shape[0])
     cm.check_page_indices(page_indices, q.shape[0])
+    return geometry
 
 
 @functools.partial(
@@ -272,11 +289,12 @@ def _validate(q, k_pages, v_pages, lengths, page_indices) -> None:
 )
 def paged_attention(
     q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    k_pages: jax.Array,  # one layer [Hkv, total_pages, page_size, D] or stacked [L, Hkv, total_pages, rows, lanes]
+    v_pages: jax.Array,  # like k_pages
     lengths: jax.Array,  # i32[num_seqs], context tokens per sequence
     page_indices: jax.Array,  # i32[num_seqs, pages_per_seq], block table
     *,
+    layer: jax.Array | int | None = None,  # i32[]: the layer to read of a stacked pool
     sm_scale: float | None = None,
     backend: str = "auto",
     interpret: bool = False,
@@ -290,7 +308,10 @@ def paged_attention(
     Args:
       q, k_pages, v_pages, lengths, page_indices: see the shape comments. ``lengths`` above
         pages_per_seq * page_size are clamped to it; block-table entries past a sequence's length are
-        never dereferenced.
+        never dereferenced. The pool is one layer's pages, or the engine's stacked pool of every layer
+        (``_common.PoolGeometry``; the TPU variant also reads the lane-dense layout) read in place at
+        ``layer``.
+      layer: the layer of a stacked pool (None for a one-layer pool).
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       backend: "tpu", "gpu" or "auto" (by ``jax.default_backend()``; on CPU, "auto" with interpret=True
         uses the TPU variant, without interpret it raises).
@@ -301,9 +322,11 @@ def paged_attention(
       num_splits: GPU only, flash-decoding splits of the context; default fills ~264 programs.
       num_warps, num_stages: GPU only, Triton launch parameters.
     """
-    _validate(q, k_pages, v_pages, lengths, page_indices)
+    geometry = _validate(q, k_pages, v_pages, lengths, page_indices)
+    k_pool, layer_index = cm.stacked_pool(k_pages, layer)
+    v_pool, _ = cm.stacked_pool(v_pages, layer)
     backend = cm.resolve_backend(backend, interpret)
-    _, _, page_size, head_dim = k_pages.shape
+    page_size, head_dim = geometry.page_size, geometry.head_dim
     knobs = cm.tuned_knobs(
         TUNED_BLOCK_SIZES,
         (backend, page_size, head_dim),
@@ -317,26 +340,15 @@ def paged_attention(
     pages_per_block = cm.fit_pages_per_block(knobs["pages_per_compute_block"], pages_per_seq)
     sm_scale = cm.default_scale(sm_scale, head_dim)
     lengths = jnp.clip(lengths, 0, pages_per_seq * page_size)  # never walk past the block table
+    args = (q, k_pool, v_pool, layer_index, lengths, page_indices, geometry)
     if backend == "tpu":
         cm.reject_knobs("tpu", num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
-        return _paged_attention_tpu(
-            q,
-            k_pages,
-            v_pages,
-            lengths,
-            page_indices,
-            sm_scale=sm_scale,
-            pages_per_block=pages_per_block,
-            interpret=interpret,
-        )
+        return _paged_attention_tpu(*args, sm_scale=sm_scale, pages_per_block=pages_per_block, interpret=interpret)
+    cm.check_gpu_layout(geometry)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     return _paged_attention_gpu(
-        q,
-        k_pages,
-        v_pages,
-        lengths,
-        page_indices,
+        *args,
         sm_scale=sm_scale,
         pages_per_block=pages_per_block,
         num_splits=num_splits,
@@ -349,15 +361,17 @@ def paged_attention(
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def paged_attention_reference(
     q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    k_pages: jax.Array,  # as in paged_attention
+    v_pages: jax.Array,
     lengths: jax.Array,  # i32[num_seqs]
     page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float | None = None,
 ) -> jax.Array:  # [num_seqs, num_q_heads, head_dim], q.dtype
     """Plain-jnp decode attention: gathers each sequence's pages through the block table (float32 math)."""
-    _validate(q, k_pages, v_pages, lengths, page_indices)
+    geometry = _validate(q, k_pages, v_pages, lengths, page_indices)
+    k_pages, v_pages = (cm.layer_pages(*cm.stacked_pool(x, layer), geometry) for x in (k_pages, v_pages))
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     sm_scale = cm.default_scale(sm_scale, head_dim)

@@ -1,8 +1,8 @@
 """Causal attention of a chunk of prompt tokens over the paged KV cache (chunked prefill).
 
 Place in the data flow: for a prefill step the engine's attention backend first writes the chunk's K/V into
-the sequence's pages, then calls ``prefill_attention`` once per layer with that layer's slice of the KV pool
-(``k_pages[layer]``, ``v_pages[layer]``). Each query row attends to the cached prefix and to the chunk up
+the sequence's pages, then calls ``prefill_attention`` once per layer with the stacked KV pool and the layer
+index (read in place). Each query row attends to the cached prefix and to the chunk up
 to and including itself. The result feeds the layer's output projection.
 
 Query row i of sequence s sits at position q_start[s] + i and attends keys j <= q_start[s] + i with
@@ -71,24 +71,26 @@ def _tpu_kernel(
     q_start_ref,  # SMEM i32[num_seqs]
     lengths_ref,  # SMEM i32[num_seqs]
     table_ref,  # SMEM i32[num_seqs * pages_per_seq]
+    layer_ref,  # SMEM i32[1]
     q_ref,  # VMEM [group * block_q, head_dim]
-    k_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
-    v_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
+    k_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
+    v_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
     o_ref,  # VMEM [group * block_q, head_dim]
-    k_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
-    v_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
+    k_buf,  # VMEM [2, pages_per_block, rows, lanes]
+    v_buf,  # VMEM [2, pages_per_block, rows, lanes]
     sems,  # DMA semaphores [2, 2]
     *,
     sm_scale: float,
     pages_per_seq: int,
+    page_size: int,
     block_q: int,
 ):
     seq, head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[seq]
     first_q = q_start_ref[seq] + q_block * block_q
     kv_end = _kv_end(first_q, length, block_q)
-    _, pages_per_block, page_size, head_dim = k_buf.shape
-    rows = q_ref.shape[0]
+    pages_per_block = k_buf.shape[1]
+    rows, head_dim = q_ref.shape
     row_pos = cm.row_positions(first_q, rows, block_q)
     stream = PageStream(
         k_hbm,
@@ -98,6 +100,7 @@ def _tpu_kernel(
         sems,
         table_ref,
         table_offset=seq * pages_per_seq,
+        layer=layer_ref[0],
         head=head,
         num_pages=pl.cdiv(kv_end, page_size),
     )
@@ -114,20 +117,23 @@ def _tpu_kernel(
 
 
 def _tpu_call(
-    q5, k_pages, v_pages, page_indices, q_start, lengths, *, block_q, sm_scale, pages_per_block, interpret
+    q5, k_pool, v_pool, layer, page_indices, q_start, lengths, geometry, *, block_q, sm_scale, pages_per_block,
+    interpret
 ):
     """q5 [num_seqs, num_kv_heads, q_blocks, group_p * block_q, head_dim] from ``_to_row_blocks``; others
-    as in ``prefill_attention`` (validated, lengths clamped). Returns an array shaped like q5."""
+    as in ``prefill_attention`` (validated, pools stacked, lengths clamped). Returns an array shaped like q5."""
     num_seqs, num_kv_heads, num_q_blocks, rows, head_dim = q5.shape
-    page_size = k_pages.shape[2]
+    g = geometry
     pages_per_seq = page_indices.shape[1]
     q_spec = pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, b, *_: (s, h, b, 0, 0))
-    kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, block_q=block_q)
-    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    kernel = functools.partial(
+        _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size, block_q=block_q
+    )
+    buf = pltpu.VMEM((2, pages_per_block, g.rows_per_page, g.lanes), k_pool.dtype)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=4,
             grid=(num_seqs, num_kv_heads, num_q_blocks),
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
@@ -137,7 +143,7 @@ def _tpu_call(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=cm.interpret_arg("tpu", interpret),
         name="prefill_attention_tpu",
-    )(q_start, lengths, page_indices.reshape(-1), q5, k_pages, v_pages)
+    )(q_start, lengths, page_indices.reshape(-1), layer, q5, k_pool, v_pool)
 
 
 # --------------------------------------------------------------------------------------------- GPU
@@ -145,15 +151,17 @@ def _tpu_call(
 
 def _gpu_kernel(
     q_ref,  # [group_p * block_q, head_dim], group padded to a power of two
-    k_ref,  # [total_pages, page_size, head_dim], this kv head's pages
-    v_ref,  # [total_pages, page_size, head_dim]
+    k_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim], the stacked pool's pages
+    v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
     table_ref,  # i32[padded_pages_per_seq], this sequence's block table
-    meta_ref,  # i32[2]: q_start, length
+    meta_ref,  # i32[3]: q_start, length, layer
     o_ref,  # [group_p * block_q, head_dim]
     *,
     sm_scale: float,
     pages_per_block: int,
     block_q: int,
+    num_kv_heads: int,
+    total_pages: int,
 ):
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_tokens = pages_per_block * page_size
@@ -164,10 +172,11 @@ def _gpu_kernel(
     row_pos = cm.row_positions(first_q, rows, block_q)
     q = q_ref[...]
     step = functools.partial(cm.causal_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale)
+    first_of_head = cm.first_page_of(meta_ref[2], pl.program_id(1), num_kv_heads, total_pages)
 
     def body(block, state):
         pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
-        pages = cm.live_pages_only(pages, block * pages_per_block, pl.cdiv(kv_end, page_size))
+        pages = first_of_head + cm.live_pages_only(pages, block * pages_per_block, pl.cdiv(kv_end, page_size))
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
         return step(state, q, k, v, first_key=block * block_tokens)
@@ -179,11 +188,13 @@ def _gpu_kernel(
 
 def _gpu_call(
     q5,
-    k_pages,
-    v_pages,
+    k_pool,
+    v_pool,
+    layer,
     page_indices,
     q_start,
     lengths,
+    geometry,
     *,
     block_q,
     sm_scale,
@@ -195,15 +206,16 @@ def _gpu_call(
     """q5 [num_seqs, num_kv_heads, q_blocks, group_p * block_q, head_dim] from ``_to_row_blocks``; others
     as in ``prefill_attention`` (validated, lengths clamped). Returns an array shaped like q5."""
     num_seqs, num_kv_heads, num_q_blocks, rows, head_dim = q5.shape
-    _, total_pages, page_size, _ = k_pages.shape
     pages_per_seq = page_indices.shape[1]
     # Pad the table to whole compute blocks; the padding (page 0) lies past every length and is masked.
     table = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % pages_per_block)))
-    meta = jnp.stack([q_start, lengths], axis=1)  # i32[num_seqs, 2]
+    meta = jnp.stack([q_start, lengths, jnp.broadcast_to(layer, q_start.shape)], axis=1)  # i32[num_seqs, 3]
     q_spec = pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, b: (s, h, b, 0, 0))
-    pool_spec = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda s, h, b: (h, 0, 0, 0))
+    k_flat, v_flat = cm.flat_pages(k_pool), cm.flat_pages(v_pool)
+    pool_spec = pl.BlockSpec(k_flat.shape, lambda s, h, b: (0, 0, 0))  # the whole pool: pages by offset
     kernel = functools.partial(
-        _gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, block_q=block_q
+        _gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, block_q=block_q,
+        num_kv_heads=num_kv_heads, total_pages=geometry.total_pages,
     )
     return pl.pallas_call(
         kernel,
@@ -213,14 +225,14 @@ def _gpu_call(
             pool_spec,
             pool_spec,
             pl.BlockSpec((None, table.shape[1]), lambda s, h, b: (s, 0)),
-            pl.BlockSpec((None, 2), lambda s, h, b: (s, 0)),
+            pl.BlockSpec((None, 3), lambda s, h, b: (s, 0)),
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=cm.interpret_arg("gpu", interpret),
         name="prefill_attention_gpu",
-    )(q5, k_pages, v_pages, table, meta)
+    )(q5, k_flat, v_flat, table, meta)
 
 
 # ------------------------------------------------------------------------------------------ public
@@ -248,14 +260,14 @@ def _from_row_blocks(x, q_shape, group_p: int, block_q: int) -> jax.Array:
     return x.reshape(num_seqs, num_q_blocks * block_q, num_q_heads, head_dim)[:, :chunk_len]
 
 
-def _validate(q, k_pages, v_pages, page_indices, q_start, lengths) -> None:
-    num_kv_heads, _, _, head_dim = cm.check_kv_pages(k_pages, v_pages)
+def _validate(q, k_pages, v_pages, page_indices, q_start, lengths) -> cm.PoolGeometry:
     if q.ndim != 4:
         raise ValueError(f"q must be [num_seqs, chunk_len, num_q_heads, head_dim], got shape {q.shape}")
-    cm.check_query(q, k_pages.dtype, num_kv_heads, head_dim, "[num_seqs, chunk_len, num_q_heads, head_dim]")
+    geometry = cm.check_query_and_pool(q, k_pages, v_pages, "[num_seqs, chunk_len, num_q_heads, head_dim]")
     cm.check_page_indices(page_indices, q.shape[0])
     cm.check_int_vector("q_start", q_start, q.shape[0])
     cm.check_int_vector("lengths", lengths, q.shape[0])
+    return geometry
 
 
 @functools.partial(
@@ -272,12 +284,13 @@ def _validate(q, k_pages, v_pages, page_indices, q_start, lengths) -> None:
 )
 def prefill_attention(
     q: jax.Array,  # [num_seqs, chunk_len, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    k_pages: jax.Array,  # one layer [Hkv, total_pages, page_size, D] or stacked [L, Hkv, total_pages, rows, lanes]
+    v_pages: jax.Array,  # like k_pages
     page_indices: jax.Array,  # i32[num_seqs, pages_per_seq], block table
     q_start: jax.Array,  # i32[num_seqs], position of each chunk's first token
     lengths: jax.Array,  # i32[num_seqs], context length after the chunk (q_start + real chunk tokens)
     *,
+    layer: jax.Array | int | None = None,  # i32[]: the layer to read of a stacked pool
     sm_scale: float | None = None,
     backend: str = "auto",
     interpret: bool = False,
@@ -290,7 +303,9 @@ def prefill_attention(
 
     Args:
       q, k_pages, v_pages, page_indices, q_start, lengths: see the shape comments. The chunk's K/V must
-        already be in the pages. ``lengths`` above pages_per_seq * page_size are clamped to it.
+        already be in the pages. ``lengths`` above pages_per_seq * page_size are clamped to it. The pool
+        is one layer's pages or the stacked pool read in place at ``layer`` (as in ``paged_attention``).
+      layer: the layer of a stacked pool (None for a one-layer pool).
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       backend: "tpu", "gpu" or "auto" (as in ``paged_attention``).
       interpret: run in the Pallas interpreter (CPU testing); TPU also accepts ``pltpu.InterpretParams``.
@@ -298,10 +313,12 @@ def prefill_attention(
       pages_per_compute_block: pages per KV block (power of two); capped at the block table width.
       num_warps, num_stages: GPU only, Triton launch parameters.
     """
-    _validate(q, k_pages, v_pages, page_indices, q_start, lengths)
+    geometry = _validate(q, k_pages, v_pages, page_indices, q_start, lengths)
+    k_pool, layer_index = cm.stacked_pool(k_pages, layer)
+    v_pool, _ = cm.stacked_pool(v_pages, layer)
     backend = cm.resolve_backend(backend, interpret)
     num_seqs, chunk_len, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads, page_size = geometry.num_kv_heads, geometry.page_size
     knobs = cm.tuned_knobs(
         TUNED_BLOCK_SIZES,
         (backend, page_size, head_dim),
@@ -327,26 +344,29 @@ def prefill_attention(
         cm.reject_knobs("tpu", num_warps=num_warps, num_stages=num_stages)
         group_p, call = group, _tpu_call
     else:
+        cm.check_gpu_layout(geometry)
         group_p = cm.next_power_of_2(group)  # Triton tensors need power-of-two sizes
         call = functools.partial(_gpu_call, num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
     q5 = _to_row_blocks(q, num_kv_heads, group_p, block_q)
-    out = call(q5, k_pages, v_pages, page_indices, q_start, lengths, **common)
+    out = call(q5, k_pool, v_pool, layer_index, page_indices, q_start, lengths, geometry, **common)
     return _from_row_blocks(out, q.shape, group_p, block_q)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def prefill_attention_reference(
     q: jax.Array,  # [num_seqs, chunk_len, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, total_pages, page_size, head_dim]
+    k_pages: jax.Array,  # as in prefill_attention
+    v_pages: jax.Array,
     page_indices: jax.Array,  # i32[num_seqs, pages_per_seq]
     q_start: jax.Array,  # i32[num_seqs]
     lengths: jax.Array,  # i32[num_seqs]
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float | None = None,
 ) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
     """Plain-jnp chunked causal attention through the block table (float32 math)."""
-    _validate(q, k_pages, v_pages, page_indices, q_start, lengths)
+    geometry = _validate(q, k_pages, v_pages, page_indices, q_start, lengths)
+    k_pages, v_pages = (cm.layer_pages(*cm.stacked_pool(x, layer), geometry) for x in (k_pages, v_pages))
     return causal_paged_attention(q, k_pages, v_pages, page_indices, q_start, lengths, sm_scale=sm_scale)
 
 

@@ -1,8 +1,8 @@
 """Ragged paged attention: decode rows (one query token) and prefill chunks (many) in one flat batch.
 
 Place in the data flow: for a "mixed" engine step the attention backend writes the step's K/V into the
-pool, then calls ``ragged_paged_attention`` once per layer with that layer's slice of the KV pool
-(``k_pages[layer]``, ``v_pages[layer]``) and the step's rows. It is the accelerator counterpart of the
+pool, then calls ``ragged_paged_attention`` once per layer with the stacked KV pool and the layer index
+(read in place) and the step's rows. It is the accelerator counterpart of the
 native CPU kernel (``kernels_cpu.paged_attention``) and has the same semantics:
 
 Row s is ``query_lens[s]`` tokens of q from ``query_starts[s]``; its token i sits at position
@@ -148,22 +148,24 @@ def _tpu_kernel(
     first_pos_ref,  # SMEM i32[items], position of each item's first token
     kv_end_ref,  # SMEM i32[items], exclusive key limit
     table_ref,  # SMEM i32[num_rows * pages_per_seq], flattened block tables
+    layer_ref,  # SMEM i32[1]
     q_ref,  # VMEM [group * block_q, head_dim]
-    k_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
-    v_hbm,  # HBM [num_kv_heads, total_pages, page_size, head_dim]
+    k_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
+    v_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
     o_ref,  # VMEM [group * block_q, head_dim]
-    k_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
-    v_buf,  # VMEM [2, pages_per_block, page_size, head_dim]
+    k_buf,  # VMEM [2, pages_per_block, rows, lanes]
+    v_buf,  # VMEM [2, pages_per_block, rows, lanes]
     sems,  # DMA semaphores [2, 2]
     *,
     sm_scale: float,
     pages_per_seq: int,
+    page_size: int,
     block_q: int,
 ):
     head, item = pl.program_id(0), pl.program_id(1)
     kv_end = kv_end_ref[item]
-    _, pages_per_block, page_size, head_dim = k_buf.shape
-    rows = q_ref.shape[0]
+    pages_per_block = k_buf.shape[1]
+    rows, head_dim = q_ref.shape
     row_pos = cm.row_positions(first_pos_ref[item], rows, block_q)
     real = (row_pos >= 0) & (row_pos < kv_end)  # [rows, 1]: a token of the row with something to attend
     stream = PageStream(
@@ -174,6 +176,7 @@ def _tpu_kernel(
         sems,
         table_ref,
         table_offset=rows_ref[item] * pages_per_seq,
+        layer=layer_ref[0],
         head=head,
         num_pages=pl.cdiv(kv_end, page_size),
     )
@@ -190,19 +193,21 @@ def _tpu_kernel(
     o_ref[...] = jnp.where(real, cm.finalize(state), 0.0).astype(o_ref.dtype)
 
 
-def _tpu_call(q_items, k_pages, v_pages, block_tables, items: _Items, *, block_q, sm_scale, pages_per_block,
-              interpret):
+def _tpu_call(q_items, k_pool, v_pool, layer, block_tables, items: _Items, geometry, *, block_q, sm_scale,
+              pages_per_block, interpret):
     """q_items [items, kvh, group * block_q, D] from ``_gather_items`` -> an array shaped like it."""
     num_items, num_kv_heads, rows, head_dim = q_items.shape
-    page_size = k_pages.shape[2]
+    g = geometry
     pages_per_seq = block_tables.shape[1]
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (w, h, 0, 0))
-    kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, block_q=block_q)
-    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    kernel = functools.partial(
+        _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size, block_q=block_q
+    )
+    buf = pltpu.VMEM((2, pages_per_block, g.rows_per_page, g.lanes), k_pool.dtype)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
+            num_scalar_prefetch=5,
             grid=(num_kv_heads, num_items),
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=q_spec,
@@ -212,7 +217,7 @@ def _tpu_call(q_items, k_pages, v_pages, block_tables, items: _Items, *, block_q
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=cm.interpret_arg("tpu", interpret),
         name="ragged_paged_attention_tpu",
-    )(items.rows, items.first_pos, items.kv_end, block_tables.reshape(-1), q_items, k_pages, v_pages)
+    )(items.rows, items.first_pos, items.kv_end, block_tables.reshape(-1), layer, q_items, k_pool, v_pool)
 
 
 # --------------------------------------------------------------------------------------------- GPU
@@ -220,15 +225,17 @@ def _tpu_call(q_items, k_pages, v_pages, block_tables, items: _Items, *, block_q
 
 def _gpu_kernel(
     q_ref,  # [group_p * block_q, head_dim]
-    k_ref,  # [total_pages, page_size, head_dim], this kv head's pages
-    v_ref,  # [total_pages, page_size, head_dim]
+    k_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim], the stacked pool's pages
+    v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
     table_ref,  # i32[padded_pages_per_seq], the item's row's block table
-    meta_ref,  # i32[2]: the item's first position, kv_end
+    meta_ref,  # i32[3]: the item's first position, kv_end, the layer
     o_ref,  # [group_p * block_q, head_dim]
     *,
     sm_scale: float,
     pages_per_block: int,
     block_q: int,
+    num_kv_heads: int,
+    total_pages: int,
 ):
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_tokens = pages_per_block * page_size
@@ -240,10 +247,11 @@ def _gpu_kernel(
     step = functools.partial(
         cm.causal_block_step, row_pos=row_pos, length=kv_end, kv_end=kv_end, sm_scale=sm_scale
     )
+    first_of_head = cm.first_page_of(meta_ref[2], pl.program_id(0), num_kv_heads, total_pages)
 
     def body(block, state):
         pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
-        pages = cm.live_pages_only(pages, block * pages_per_block, pl.cdiv(kv_end, page_size))
+        pages = first_of_head + cm.live_pages_only(pages, block * pages_per_block, pl.cdiv(kv_end, page_size))
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
         return step(state, q, k, v, first_key=block * block_tokens)
@@ -252,18 +260,22 @@ def _gpu_kernel(
     o_ref[...] = jnp.where(real, cm.finalize(state), 0.0).astype(o_ref.dtype)
 
 
-def _gpu_call(q_items, k_pages, v_pages, block_tables, items: _Items, *, block_q, sm_scale, pages_per_block,
-              num_warps, num_stages, interpret):
+def _gpu_call(q_items, k_pool, v_pool, layer, block_tables, items: _Items, geometry, *, block_q, sm_scale,
+              pages_per_block, num_warps, num_stages, interpret):
     """q_items [items, kvh, group_p * block_q, D] from ``_gather_items`` -> an array shaped like it."""
     num_items, num_kv_heads, rows, head_dim = q_items.shape
-    _, total_pages, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
     # Each item's row's table, padded to whole compute blocks (page 0: past kv_end, never read).
     table = jnp.pad(block_tables[items.rows], ((0, 0), (0, -pages_per_seq % pages_per_block)))
-    meta = jnp.stack([items.first_pos, items.kv_end], axis=1)  # i32[items, 2]
+    layers = jnp.broadcast_to(layer, items.kv_end.shape)
+    meta = jnp.stack([items.first_pos, items.kv_end, layers], axis=1)  # i32[items, 3]
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w: (w, h, 0, 0))
-    pool_spec = pl.BlockSpec((None, total_pages, page_size, head_dim), lambda h, w: (h, 0, 0, 0))
-    kernel = functools.partial(_gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, block_q=block_q)
+    k_flat, v_flat = cm.flat_pages(k_pool), cm.flat_pages(v_pool)
+    pool_spec = pl.BlockSpec(k_flat.shape, lambda h, w: (0, 0, 0))  # the whole pool: pages by offset
+    kernel = functools.partial(
+        _gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, block_q=block_q,
+        num_kv_heads=num_kv_heads, total_pages=geometry.total_pages,
+    )
     return pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_items),
@@ -272,24 +284,23 @@ def _gpu_call(q_items, k_pages, v_pages, block_tables, items: _Items, *, block_q
             pool_spec,
             pool_spec,
             pl.BlockSpec((None, table.shape[1]), lambda h, w: (w, 0)),
-            pl.BlockSpec((None, 2), lambda h, w: (w, 0)),
+            pl.BlockSpec((None, 3), lambda h, w: (w, 0)),
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=cm.interpret_arg("gpu", interpret),
         name="ragged_paged_attention_gpu",
-    )(q_items, k_pages, v_pages, table, meta)
+    )(q_items, k_flat, v_flat, table, meta)
 
 
 # ------------------------------------------------------------------------------------------ public
 
 
-def _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths) -> None:
-    num_kv_heads, _, _, head_dim = cm.check_kv_pages(k_pages, v_pages)
+def _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths) -> cm.PoolGeometry:
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
-    cm.check_query(q, k_pages.dtype, num_kv_heads, head_dim, "[num_tokens, num_q_heads, head_dim]")
+    geometry = cm.check_query_and_pool(q, k_pages, v_pages, "[num_tokens, num_q_heads, head_dim]")
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must have shape (num_rows, pages_per_seq), got {block_tables.shape}")
     if block_tables.dtype != jnp.int32:
@@ -302,6 +313,7 @@ def _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, posit
                              f"dim, got {x.shape}")
         if x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {x.dtype}")
+    return geometry
 
 
 @functools.partial(
@@ -318,14 +330,15 @@ def _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, posit
 )
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]: every row's query tokens, back to back
-    k_pages: jax.Array,  # [Hkv, num_blocks, block_size, D], one layer's pages
-    v_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+    k_pages: jax.Array,  # one layer [Hkv, num_blocks, block_size, D] or stacked [L, Hkv, num_blocks, rows, lanes]
+    v_pages: jax.Array,  # like k_pages
     block_tables: jax.Array,  # i32[S, P]
     query_starts: jax.Array,  # i32[S]: row s's first token in q
     query_lens: jax.Array,  # i32[S]: row s's tokens in q (0: an empty row)
     positions: jax.Array,  # i32[S]: position of row s's first token in its sequence
     lengths: jax.Array,  # i32[S]: tokens of row s's sequence it may see (its own tokens included)
     *,
+    layer: jax.Array | int | None = None,  # i32[]: the layer to read of a stacked pool
     sm_scale: float,
     interpret: bool = False,
     block_q: int | None = None,
@@ -338,7 +351,9 @@ def ragged_paged_attention(
 
     Args:
       q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths: see the shape
-        comments and the module docstring. The step's K/V must already be in the pages.
+        comments and the module docstring. The step's K/V must already be in the pages. The pool is one
+        layer's pages or the stacked pool read in place at ``layer`` (as in ``paged_attention``).
+      layer: the layer of a stacked pool (None for a one-layer pool).
       sm_scale: softmax scale (e.g. 1/sqrt(D)).
       interpret: run in the Pallas interpreter (CPU testing); TPU also accepts ``pltpu.InterpretParams``.
       block_q: query tokens per work item (power of two). Default from ``TUNED_BLOCK_SIZES``.
@@ -346,10 +361,12 @@ def ragged_paged_attention(
       num_warps, num_stages: GPU only, Triton launch parameters.
       backend: "tpu", "gpu" or "auto" (as in ``paged_attention``).
     """
-    _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths)
+    geometry = _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths)
+    k_pool, layer_index = cm.stacked_pool(k_pages, layer)
+    v_pool, _ = cm.stacked_pool(v_pages, layer)
     backend = cm.resolve_backend(backend, interpret)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, total_pages, page_size, _ = k_pages.shape
+    num_kv_heads, total_pages, page_size = geometry.num_kv_heads, geometry.total_pages, geometry.page_size
     num_rows, pages_per_seq = block_tables.shape
     knobs = cm.tuned_knobs(
         TUNED_BLOCK_SIZES,
@@ -382,31 +399,34 @@ def ragged_paged_attention(
     if backend == "tpu":
         group_p, call = group, _tpu_call
     else:
+        cm.check_gpu_layout(geometry)
         # Triton tensors need power-of-two sizes and dots >= 16 rows: pad the group with zero heads
         group_p = max(cm.next_power_of_2(group), -(-MIN_GPU_ROWS // block_q))
         call = functools.partial(_gpu_call, num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
     q_items = _gather_items(q, items, num_kv_heads, group_p, block_q)
-    out = call(q_items, k_pages, v_pages, block_tables, items, **common)
+    out = call(q_items, k_pool, v_pool, layer_index, block_tables, items, geometry, **common)
     return _scatter_items(out, items, q.shape, group_p, block_q)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
-    v_pages: jax.Array,  # [Hkv, num_blocks, block_size, D]
+    k_pages: jax.Array,  # as in ragged_paged_attention
+    v_pages: jax.Array,
     block_tables: jax.Array,  # i32[S, P]
     query_starts: jax.Array,  # i32[S]
     query_lens: jax.Array,  # i32[S]
     positions: jax.Array,  # i32[S]
     lengths: jax.Array,  # i32[S]
     *,
+    layer: jax.Array | int | None = None,
     sm_scale: float,
 ) -> jax.Array:  # [T, Hq, D], q.dtype
     """Plain-jnp ragged attention (float32 math): every token gathers its row's pages through the block
     table (an [T, Hkv, P * block_size, D] copy, so for tests and small batches) and takes a masked softmax.
     Same semantics as ``ragged_paged_attention``."""
-    _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths)
+    geometry = _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths)
+    k_pages, v_pages = (cm.layer_pages(*cm.stacked_pool(x, layer), geometry) for x in (k_pages, v_pages))
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, total_pages, page_size, _ = k_pages.shape
     num_rows, pages_per_seq = block_tables.shape

@@ -22,7 +22,10 @@ def _run(model_dir, backend: str) -> list[list[int]]:
         str(model_dir), dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128,
         attention_backend=backend, buckets="cpu",
     )
-    assert llm.llm_engine.runner.backend.name == backend
+    runner = llm.llm_engine.runner
+    assert runner.backend.name == backend
+    # the TPU kernels' lane-dense pool: two 64-wide tokens per 128-lane row (pages of 16 tokens in 8 rows)
+    assert runner.kv_pool[0].shape[-2:] == ((8, 128) if backend == "pallas" else (16, 64))
     prompts = [
         {"prompt_token_ids": list(range(5, 45))},  # spans pages of 16
         {"prompt_token_ids": [7, 8, 9]},

@@ -229,7 +229,7 @@ BAD_INPUTS = [
     ),
     (
         {"k_pages": jnp.zeros((6, 16, 64)), "v_pages": jnp.zeros((6, 16, 64))},
-        r"k_pages must be \[num_kv_heads",
+        r"k_pages must be one layer \[num_kv_heads",
     ),
     ({"lengths": jnp.ones((3,), jnp.int32)}, r"lengths must have shape \(num_seqs,\) = \(2,\), got \(3,\)"),
     ({"lengths": jnp.ones((2,), jnp.float32)}, r"lengths must be int32, got float32"),
