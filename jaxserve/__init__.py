@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import importlib
 
+from jaxserve.targets import quiet_libtpu_without_tpu
+
 __version__ = "0.1.0"
+
+quiet_libtpu_without_tpu()  # before JAX starts: no libtpu start-up errors on hosts without a TPU
 
 _EXPORTS = {
     "LLM": "jaxserve.llm",

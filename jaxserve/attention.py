@@ -130,12 +130,18 @@ def write_kv(
     k: jax.Array,  # [S, Q, Hkv, D]
     v: jax.Array,  # [S, Q, Hkv, D]
     meta: AttentionMetadata,
+    *,
+    head_windows: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatters the step's new K/V into one layer of the pool, in place; padding tokens are dropped."""
+    """Scatters the step's new K/V into one layer of the pool, in place; padding tokens are dropped.
+
+    ``head_windows`` (the Pallas backend; always for a lane-dense pool): one head_dim-wide window per
+    (token, kv head), which TPUs update in place. Otherwise one [kv heads, head_dim] window per token
+    (XLA:CPU's fast path)."""
     num_layers, num_kv_heads, num_blocks, rows, lanes = k_pool.shape
     head_dim = k.shape[-1]
-    if lanes != head_dim:
-        return _write_kv_lane_dense(k_pool, v_pool, layer, k, v, meta)
+    if head_windows or lanes != head_dim:
+        return _write_kv_head_windows(k_pool, v_pool, layer, k, v, meta)
     block_size = rows
     num_slots = num_blocks * block_size
     slots = slot_mapping(meta, k.shape[:2], block_size, num_slots)
@@ -151,25 +157,31 @@ def write_kv(
     return scatter(k_pool, k), scatter(v_pool, v)
 
 
-def _write_kv_lane_dense(k_pool, v_pool, layer, k, v, meta):
-    """write_kv into a lane-dense pool: token t of a block goes to row t // r, lanes (t % r) * D onwards
-    (r tokens per row), one windowed scatter of every token's [Hkv, D] values."""
+def _write_kv_head_windows(k_pool, v_pool, layer, k, v, meta):
+    """write_kv as one scatter of head_dim-wide windows, one per (token, kv head), into any pool layout: token
+    t of a block goes to row t // r, lanes (t % r) * D onwards (r tokens per row). On TPU this keeps the
+    pool's row-major layout and updates it in place; a window spanning the kv heads made XLA pick a
+    heads-minor layout for the scatter loop and relay out the whole pool around every kernel call."""
     num_layers, num_kv_heads, num_blocks, rows, lanes = k_pool.shape
     head_dim = k.shape[-1]
     tokens_per_row = lanes // head_dim
     block_size = rows * tokens_per_row
     slots = slot_mapping(meta, k.shape[:2], block_size, num_blocks * block_size)  # padding: past the pool
     block, offset = slots // block_size, slots % block_size
+    per_token = [jnp.broadcast_to(layer, slots.shape), block, offset // tokens_per_row,
+                 (offset % tokens_per_row) * head_dim]
+    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)
+    columns = [per_token[0], None, *per_token[1:]]  # layer, head, block, row, first lane
+    grid = (slots.shape[0], num_kv_heads)
     indices = jnp.stack(
-        [jnp.broadcast_to(layer, slots.shape), block, offset // tokens_per_row, (offset % tokens_per_row) * head_dim],
-        axis=1,
-    )  # i32[N, 4]: layer, block, row, first lane
+        [jnp.broadcast_to(heads[None, :] if c is None else c[:, None], grid) for c in columns], axis=-1
+    ).reshape(-1, 5)  # i32[N * Hkv, 5], token-major like the values
     numbers = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(1, 2), inserted_window_dims=(0, 2, 3), scatter_dims_to_operand_dims=(0, 2, 3, 4)
+        update_window_dims=(1,), inserted_window_dims=(0, 1, 2, 3), scatter_dims_to_operand_dims=(0, 1, 2, 3, 4)
     )
 
     def scatter(pool: jax.Array, new: jax.Array) -> jax.Array:
-        new = to_pool_dtype(new.reshape(-1, num_kv_heads, head_dim), pool.dtype)  # [N, Hkv, D]
+        new = to_pool_dtype(new.reshape(-1, head_dim), pool.dtype)  # [N * Hkv, D]
         return jax.lax.scatter(
             pool, indices, new, numbers, indices_are_sorted=False, unique_indices=False,
             mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
@@ -210,6 +222,8 @@ def gather_context(pool: jax.Array, layer: jax.Array, block_tables: jax.Array) -
 class AttentionBackend(Protocol):
     name: str
 
+    head_window_writes: bool  # how write_kv scatters into the pool for it
+
     def tokens_per_row(self, block_size: int, head_dim: int) -> int: ...  # of the pool layout it reads
 
     def attend(
@@ -236,6 +250,7 @@ class ReferenceBackend:
     """
 
     name = "reference"
+    head_window_writes = False  # write_kv's layout of the scatter (see write_kv)
 
     def __init__(self, chunk_tokens: int = 256, group_rows: int = 8):
         self.chunk_tokens = chunk_tokens
@@ -315,6 +330,7 @@ class PallasBackend:
     (Triton kernels), or "cpu", where the TPU variant runs in the Pallas interpreter (tests)."""
 
     name = "pallas"
+    head_window_writes = True
 
     def __init__(self, platform: str):
         self.platform = platform
@@ -336,19 +352,21 @@ class PallasBackend:
         # uint16 pools (bfloat16 bits) exist only on XLA:CPU, where the kernels run interpreted
         k_pool, v_pool = pool_values(k_pool), pool_values(v_pool)
         common = dict(layer=layer, sm_scale=sm_scale, interpret=self.interpret, backend=self.kernel_variant)
+        query = q.astype(k_pool.dtype)  # the kernels take q in the pool's dtype
         if meta.is_ragged:  # a mixed step ([1, T] tokens of ragged rows): the ragged kernel over the flat tokens
             out = kernels_pallas.ragged_paged_attention(
-                q[0], k_pool, v_pool, meta.block_tables, meta.query_starts, meta.query_lens, meta.q_start,
+                query[0], k_pool, v_pool, meta.block_tables, meta.query_starts, meta.query_lens, meta.q_start,
                 meta.lengths, **common,
-            )
-            return out[None]
-        if q.shape[1] == 1:
+            )[None]
+        elif q.shape[1] == 1:
             lengths = jnp.maximum(meta.lengths, 1)  # padding rows (length 0) read one harmless slot
-            out = kernels_pallas.paged_attention(q[:, 0], k_pool, v_pool, lengths, meta.block_tables, **common)
-            return out[:, None]
-        return kernels_pallas.prefill_attention(
-            q, k_pool, v_pool, meta.block_tables, meta.q_start, meta.lengths, **common
-        )
+            out = kernels_pallas.paged_attention(query[:, 0], k_pool, v_pool, lengths, meta.block_tables, **common)
+            out = out[:, None]
+        else:
+            out = kernels_pallas.prefill_attention(
+                query, k_pool, v_pool, meta.block_tables, meta.q_start, meta.lengths, **common
+            )
+        return out.astype(q.dtype)
 
 
 class CpuBackend(ReferenceBackend):

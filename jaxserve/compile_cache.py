@@ -236,12 +236,13 @@ class CacheManifest:
     @classmethod
     def current(
         cls, model_config: ModelConfig, dtype: str, grid: BucketGrid, attention_backend: str,
-        tensor_parallel_size: int = 1, max_logprobs: int = 20, **info: Any,
+        tensor_parallel_size: int = 1, max_logprobs: int = 20, device=None, **info: Any,
     ) -> CacheManifest:
-        """The manifest of this process's configuration (platform and versions of the running JAX)."""
+        """The manifest of this process's configuration (platform and versions of the running JAX) on
+        ``device``'s kind (default: this host's first device; a target's when compiling for another)."""
         import jaxlib
 
-        device = jax.devices()[0]
+        device = device or jax.devices()[0]
         limits = {
             "block_size": grid.block_size,
             "num_kv_blocks": grid.num_blocks,

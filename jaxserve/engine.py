@@ -100,16 +100,19 @@ class EngineStats:
 
 
 def engine_bucket_grid(
-    config: EngineConfig, model_config: ModelConfig, params, platform: str, mesh: Mesh
+    config: EngineConfig, model_config: ModelConfig, params, platform: str, mesh: Mesh,
+    device_memory_bytes: int | None = None,
 ) -> BucketGrid:
     """The bucket grid (with block size and KV-pool size) an engine with ``config`` runs on.
 
     ``params`` (arrays or ``ShapeDtypeStruct``s) only count towards the memory budget off CPU. The
-    precompile command calls this too, so that it compiles exactly the engine's executables.
+    precompile command calls this too, so that it compiles exactly the engine's executables;
+    ``device_memory_bytes`` is a target device's memory when compiling for hardware this host does not
+    have (default: the local device's reported limit).
     """
     spec = load_bucket_spec(config.buckets, platform)
     block_size = config.block_size or spec.block_size
-    num_blocks = _num_kv_blocks(config, model_config, params, block_size, platform, mesh)
+    num_blocks = _num_kv_blocks(config, model_config, params, block_size, platform, mesh, device_memory_bytes)
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, max(spec.context_lengths))
     grid = BucketGrid(
         spec, block_size=block_size, max_model_len=max_model_len,
@@ -129,7 +132,8 @@ def runner_sampling_options(config: EngineConfig, grid: BucketGrid) -> dict:
 
 
 def _num_kv_blocks(
-    config: EngineConfig, model_config: ModelConfig, params, block_size: int, platform: str, mesh: Mesh
+    config: EngineConfig, model_config: ModelConfig, params, block_size: int, platform: str, mesh: Mesh,
+    device_memory_bytes: int | None = None,
 ) -> int:
     bytes_per_block = kv_bytes_per_block(
         num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
@@ -137,7 +141,10 @@ def _num_kv_blocks(
     )
     budget = None
     if platform != "cpu" and config.num_kv_blocks is None:  # per device: pool and weights are split
-        stats = jax.local_devices()[0].memory_stats() or {}
+        if device_memory_bytes is None:
+            stats = jax.local_devices()[0].memory_stats() or {}
+        else:
+            stats = {"bytes_limit": device_memory_bytes, "bytes_in_use": 0}
         weights = per_device_bytes(params, mesh)
         limit = stats.get("bytes_limit", 0) * config.gpu_memory_utilization
         spec = load_bucket_spec(config.buckets, platform)

@@ -41,22 +41,30 @@ _LOWERING_OPTIONS = (
     "jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl", "jax_threefry_partitionable",
 )
 _FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+_RUNTIME_ONLY_FLAGS = ("--xla_tpu_use_enhanced_launch_barrier=true",)  # jax's cloud_tpu_init sets it
 
 
-def store_key(manifest: CacheManifest) -> str:
-    """Hash of everything, besides the input shapes, that decides a compiled step."""
+def store_key(manifest: CacheManifest, num_devices: int | None = None) -> str:
+    """Hash of everything, besides the input shapes, that decides a compiled step on ``num_devices``
+    devices (default: this process's device count; a target's when compiling for another host)."""
     import flax
 
     compared = {f.name: getattr(manifest, f.name) for f in dataclasses.fields(manifest) if f.compare}
     environment = {
         "store_format": STORE_FORMAT,
         "flax_version": flax.__version__,
-        "flags": {name: os.environ.get(name, "") for name in _FLAG_VARIABLES},
+        "flags": {name: _compile_flags(os.environ.get(name, "")) for name in _FLAG_VARIABLES},
         "jax_options": {name: str(getattr(jax.config, name, None)) for name in _LOWERING_OPTIONS},
-        "num_devices": jax.device_count(),
+        "num_devices": jax.device_count() if num_devices is None else num_devices,
     }
     body = json.dumps({"manifest": compared, "environment": environment}, sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def _compile_flags(value: str) -> str:
+    """A flags variable without the runtime-only flags that JAX itself adds on a TPU VM (the same cache must
+    match on the VM and on the host that precompiled for it)."""
+    return " ".join(flag for flag in value.split() if flag not in _RUNTIME_ONLY_FLAGS)
 
 
 def _signature(tree: Any) -> tuple[Any, list[tuple[tuple[int, ...], str]]]:
@@ -68,8 +76,8 @@ def _signature(tree: Any) -> tuple[Any, list[tuple[tuple[int, ...], str]]]:
 class ExecutableStore:
     """One configuration's serialized executables, one file per name, under ``cache_dir``."""
 
-    def __init__(self, cache_dir: str | Path, manifest: CacheManifest):
-        self.directory = Path(cache_dir) / STORE_DIR_NAME / store_key(manifest)
+    def __init__(self, cache_dir: str | Path, manifest: CacheManifest, num_devices: int | None = None):
+        self.directory = Path(cache_dir) / STORE_DIR_NAME / store_key(manifest, num_devices)
         self.loaded: set[str] = set()  # names this store gave out (their callers compiled nothing)
         self.num_saved = 0
 

@@ -217,13 +217,27 @@ class ModelRunner:
         rep = replicated(self.mesh)
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), abstract)
 
-    def compile_allocations(self) -> None:
+    def compile_allocations(self) -> dict[str, jax.stages.Compiled]:
         """Compiles the programs that allocate the pool, `no_tokens` and the sampler state, and the fork
-        executables (so precompile caches them too: then an engine's start compiles nothing)."""
-        structs = [self._abstract_pool()[0], self._no_tokens_struct(), *jax.tree.leaves(self._abstract_slot_state())]
-        for spec in dict.fromkeys(structs):
-            _zeros_program(spec).lower().compile()
+        executables (so precompile caches them too: then an engine's start compiles nothing); returns them
+        by name."""
+        compiled = {
+            f"zeros-{'x'.join(map(str, spec.shape))}-{spec.dtype}": _zeros_program(spec).lower().compile()
+            for spec in dict.fromkeys(self._allocated_structs())
+        }
         self.compile_helpers()
+        return {**compiled, "copy_blocks": self._copy_executable, "write_slot": self._write_slot_executable}
+
+    def _allocated_structs(self) -> list[jax.ShapeDtypeStruct]:
+        return [self._abstract_pool()[0], self._no_tokens_struct(), *jax.tree.leaves(self._abstract_slot_state())]
+
+    def programs(self, shapes) -> dict[str, tuple]:
+        """Every program the engine runs, by name: (jitted function, abstract arguments) of the steps of
+        ``shapes``, the allocations and the forks (to lower them for a platform this host does not have)."""
+        programs = {executable_name(shape): (self._step_jit(), self._abstract_inputs(shape)) for shape in shapes}
+        for spec in dict.fromkeys(self._allocated_structs()):
+            programs[f"zeros-{'x'.join(map(str, spec.shape))}-{spec.dtype}"] = (_zeros_program(spec), ())
+        return {**programs, **self._helper_programs()}
 
     def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
               feed_cols):
@@ -275,12 +289,14 @@ class ModelRunner:
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """Compiles (once) the executable for one step shape. Thread-safe for different shapes."""
         if shape not in self.executables:
-            rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
-            step = jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep))
-            executable = self._compile(step, self._abstract_inputs(shape), executable_name(shape))
+            executable = self._compile(self._step_jit(), self._abstract_inputs(shape), executable_name(shape))
             with self._compile_lock:
                 self.executables[shape] = executable
         return self.executables[shape]
+
+    def _step_jit(self):
+        rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
+        return jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep))
 
     def _compile(self, jitted, abstract_args, name: str) -> jax.stages.Compiled:
         """The executable of ``jitted`` on ``abstract_args``: from the executable store when it has it (no
@@ -301,19 +317,27 @@ class ModelRunner:
         """The fork executables, copy_blocks and write_slot (once; warm-up builds them with the buckets)."""
         if self._copy_executable is not None:
             return
+        programs = self._helper_programs()
+        self._copy_executable = self._compile(*programs["copy_blocks"], "copy_blocks")
+        self._write_slot_executable = self._compile(*programs["write_slot"], "write_slot")
+
+    def _helper_programs(self) -> dict[str, tuple]:
+        """The fork programs by name: (jitted function, abstract arguments)."""
         m, vocab = self.max_copies, self.config.vocab_size
         rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
         sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
         idx = sds((m,), jnp.int32)
-        self._copy_executable = self._compile(
-            jax.jit(self._copy_blocks, donate_argnums=(0, 1), out_shardings=((pool, pool), rep)),
-            (_abstract(self.kv_pool), _abstract(self.slot_state), idx, idx, idx, idx), "copy_blocks",
-        )
-        self._write_slot_executable = self._compile(
-            jax.jit(write_slot, donate_argnums=(0,), out_shardings=rep),
-            (_abstract(self.slot_state), sds((), jnp.int32), sds((vocab,), jnp.float32), sds((vocab,), jnp.bool_)),
-            "write_slot",
-        )
+        return {
+            "copy_blocks": (
+                jax.jit(self._copy_blocks, donate_argnums=(0, 1), out_shardings=((pool, pool), rep)),
+                (_abstract(self.kv_pool), _abstract(self.slot_state), idx, idx, idx, idx),
+            ),
+            "write_slot": (
+                jax.jit(write_slot, donate_argnums=(0,), out_shardings=rep),
+                (_abstract(self.slot_state), sds((), jnp.int32), sds((vocab,), jnp.float32),
+                 sds((vocab,), jnp.bool_)),
+            ),
+        }
 
     def execute(self, bucket, inputs: StepInputs, prev_tokens: jax.Array | None = None) -> StepOutput:
         """Dispatches one step without waiting for it; returns its StepOutput as device arrays.

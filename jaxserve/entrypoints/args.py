@@ -80,5 +80,7 @@ def model_from_args(args: argparse.Namespace) -> str | None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed flags; a flag whose parsed value is None (a command's "decide later"
+    default, e.g. precompile's tensor parallel size) takes EngineConfig's default."""
     values = {name: getattr(args, name) for name in ENGINE_FLAGS}
-    return EngineConfig(model=model_from_args(args), **values)
+    return EngineConfig(model=model_from_args(args), **{k: v for k, v in values.items() if v is not None})

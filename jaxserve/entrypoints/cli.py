@@ -49,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-threads", type=int, default=None, help="buckets compiled at once (default: measured best, 1)"
     )
     pre.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pre.add_argument(
+        "--target", default=None, metavar="TOPOLOGY",
+        help="compile for hardware this host does not have: a TPU topology in JAX's names (v5e:2x2, v6e:2x2, "
+        "v5p:2x2x1, ...; needs jaxserve[tpu]) compiled deviceless with the Pallas kernels, tensor parallel over as "
+        "many of its chips as the model's heads divide (or --tensor-parallel-size), KV pool sized from the "
+        "chips' HBM; or 'cuda' with --lower-only. Prints memory per program and exits 1 if any fails or does "
+        "not fit",
+    )
+    pre.add_argument("--lower-only", action="store_true", help="with --target cuda: lower every program, no compile")
+    pre.set_defaults(tensor_parallel_size=None)  # with --target: None picks it from the topology
     return parser
 
 
@@ -56,6 +66,8 @@ def run_precompile(args: argparse.Namespace) -> int:
     from jaxserve.precompile import precompile
     from jaxserve.warm_up import DEFAULT_COMPILE_THREADS
 
+    if args.target is not None or args.lower_only:
+        return run_target_precompile(args)
     config = engine_config_from_args(args)
     print(f"precompiling {config.model or 'the embedded model'} ({config.dtype})", flush=True)
     result = precompile(
@@ -63,6 +75,25 @@ def run_precompile(args: argparse.Namespace) -> int:
     )
     print(result.describe())
     return 0
+
+
+def run_target_precompile(args: argparse.Namespace) -> int:
+    from jaxserve.target_compile import compile_for_target
+
+    if args.target is None:
+        raise SystemExit("jaxserve precompile: --lower-only needs --target cuda")
+    if (args.target == "cuda") != args.lower_only:
+        raise SystemExit("jaxserve precompile: compiling for CUDA needs a GPU: use --target cuda --lower-only "
+                         "(--lower-only applies to cuda only)")
+    config = engine_config_from_args(args)  # tensor parallel: the target's mesh (below) decides
+    print(f"building {config.model or 'the embedded model'} for {args.target}", flush=True)
+    report = compile_for_target(config, args.target, tensor_parallel_size=args.tensor_parallel_size)
+    print(report.format_table())
+    if report.cache_dir is not None and not report.failures():
+        print(f"executables and manifest in {report.cache_dir}; on the target start the engine with the same flags, "
+              f"--compile-cache-dir pointing at a copy of it and --num-kv-blocks {report.grid.num_blocks} "
+              "(a different pool size is a different program: it would compile)")
+    return 1 if report.failures() else 0
 
 
 def run_generate(args: argparse.Namespace) -> int:

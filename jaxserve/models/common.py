@@ -107,7 +107,7 @@ def paged_attention(
     """
 
     def local(q, k, v, k_pool, v_pool, layer, meta):
-        k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, meta)
+        k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, meta, head_windows=backend.head_window_writes)
         out = backend.attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
         return out, k_pool, v_pool
 

@@ -1,0 +1,71 @@
+"""Compile every bucket of the default TPU grid for TPU topologies, and lower the GPU grid for CUDA, on this host.
+
+The checks `jaxserve precompile --target` runs, over the configurations docs/benchmarks.md reports: the
+embedded SmolLM2-135M and a Llama-3-8B-shaped config (abstract weights: only its config.json is written)
+on each topology, tensor parallel over as many chips as the heads divide. Prints each target's table
+(compile seconds, memory per device against HBM) and exits 1 if any program fails or does not fit.
+
+    python scripts/check_targets.py                                # v5e:2x2 and v6e:2x2, both models, and cuda
+    python scripts/check_targets.py --targets v5e:2x2 --models embedded --out /tmp/tables.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.target_compile import compile_for_target  # noqa: E402
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+
+
+def model_path(name: str, workdir: Path) -> str | None:
+    if name == "embedded":
+        return None
+    if name == "llama3-8b":
+        path = workdir / "llama3-8b-shaped"
+        path.mkdir(exist_ok=True)
+        (path / "config.json").write_text(json.dumps(LLAMA3_8B))
+        return str(path)
+    return name  # a model directory or GGUF file
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", default="v5e:2x2,v6e:2x2,cuda")
+    parser.add_argument("--models", default="embedded,llama3-8b", help="embedded, llama3-8b, or model paths")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's, up to the grid's")
+    parser.add_argument("--out", type=Path, default=None, help="also append the tables to this file")
+    args = parser.parse_args()
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        for target in args.targets.split(","):
+            for model in args.models.split(","):
+                config = EngineConfig(model=model_path(model, Path(tmp)), max_model_len=args.max_model_len,
+                                      compile_cache_dir="")
+                start = time.perf_counter()
+                report = compile_for_target(config, target)
+                seconds = time.perf_counter() - start
+                text = f"## {model} on {target} ({seconds:.0f} s)\n\n```\n{report.format_table()}\n```\n"
+                print(text, flush=True)
+                if args.out:
+                    with args.out.open("a") as f:
+                        f.write(text + "\n")
+                failed |= bool(report.failures())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
