@@ -7,10 +7,12 @@ exit code and errors. The full grids run in `scripts/check_targets.py` (docs/ben
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from jaxserve.compile_cache import read_manifests
@@ -114,6 +116,27 @@ def test_gpu_grid_lowers_for_cuda(small_grid):
     assert report.failures() == []
     assert len(report.programs) == 3 + 7  # three steps, five allocations, two forks
     assert "lowered for cuda" in report.format_table()
+
+
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
+def test_lane_dense_pool_removes_the_relayout_of_the_pool(topology):
+    """The issue's float32 decode call (batch 8, 9/3 heads, 2048 pages of 16 x 64): the plain pool is copied
+    whole before the kernel (2 or 3 pool-shaped copies, >= 2x the pool in bytes accessed); lane-dense none."""
+    layouts = _script("tpu_kernel_layouts")
+    plain = layouts.compile_decode(topology, jnp.float32, 1, lane_dense=False)
+    dense = layouts.compile_decode(topology, jnp.float32, 1, lane_dense=True)
+    cost = lambda c: (c.cost_analysis() if isinstance(c.cost_analysis(), dict) else c.cost_analysis()[0])
+    pool = layouts.pool_bytes(1, jnp.float32)
+    assert layouts.pool_copies(plain) >= 2 and cost(plain)["bytes accessed"] >= 2 * pool
+    assert layouts.pool_copies(dense) == 0 and dense.memory_analysis().temp_size_in_bytes == 0
+    assert cost(dense)["bytes accessed"] < pool / 100
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_target_names_and_tensor_parallel_choice():

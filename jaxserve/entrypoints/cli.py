@@ -91,8 +91,8 @@ def run_target_precompile(args: argparse.Namespace) -> int:
     print(report.format_table())
     if report.cache_dir is not None and not report.failures():
         print(f"executables and manifest in {report.cache_dir}; on the target start the engine with the same flags, "
-              f"--compile-cache-dir pointing at a copy of it and --num-kv-blocks {report.grid.num_blocks} "
-              "(a different pool size is a different program: it would compile)")
+              f"--tensor-parallel-size {report.tensor_parallel_size}, --num-kv-blocks {report.grid.num_blocks} (a "
+              "different pool is a different program: it would compile) and --compile-cache-dir pointing at a copy")
     return 1 if report.failures() else 0
 
 
