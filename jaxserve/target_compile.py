@@ -105,7 +105,9 @@ class TargetReport:
 
     def _failure_lines(self) -> list[str]:
         failures = self.failures()
-        return [f"{len(failures)} failed:", *(f"  {f}" for f in failures)] if failures else ["every program fits"]
+        if failures:
+            return [f"{len(failures)} failed:", *(f"  {f}" for f in failures)]
+        return ["every program lowered" if self.target.lower_only else "every program fits"]
 
 
 def _table(headers, rows) -> list[str]:
