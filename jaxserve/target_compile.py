@@ -32,7 +32,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import engine_bucket_grid, runner_sampling_options
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.logger import init_logger
-from jaxserve.model_runner import ModelRunner, executable_name, step_shape
+from jaxserve.model_runner import ModelRunner, StepShape, executable_name, step_shape
 from jaxserve.parallel import TP_AXIS, check_tensor_parallel
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.precompile import abstract_params
@@ -134,11 +134,13 @@ def compile_for_target(
     tensor_parallel_size: int | None = None,
     cache_dir: str | None = None,
     max_buckets: int | None = None,
+    largest_only: bool = False,
 ) -> TargetReport:
     """Builds every program of ``config``'s engine for ``target_name`` (see the module docstring).
 
     ``tensor_parallel_size`` None: as many of the target's devices as the model's heads divide evenly.
-    ``max_buckets``: only the first buckets of the grid (tests). Executables go to ``cache_dir`` (resolved
+    ``max_buckets``: only the first buckets of the grid (tests); ``largest_only``: only the largest step of
+    each kind (prefill, decode, mixed), the quick worst-case check. Executables go to ``cache_dir`` (resolved
     like ``EngineConfig.compile_cache_dir``; disabled: none are stored) for TPU targets."""
     config = dataclasses.replace(config, attention_backend="pallas")
     model_path = resolve_model_path(config.model)
@@ -160,6 +162,8 @@ def compile_for_target(
         platform=target.platform, **runner_sampling_options(config, grid),
     )
     shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in grid.buckets))[:max_buckets]
+    if largest_only:
+        shapes = largest_of_each_kind(shapes)
     if target.lower_only:
         return TargetReport(target, grid, tensor_parallel_size, _lower_all(runner, shapes))
     path = resolve_cache_dir(config.compile_cache_dir if cache_dir is None else cache_dir)
@@ -173,6 +177,18 @@ def compile_for_target(
     if path is not None and not any(p.error for p in programs):
         record_manifest(path, manifest)
     return TargetReport(target, grid, tensor_parallel_size, programs, path)
+
+
+def largest_of_each_kind(shapes: list[StepShape]) -> list[StepShape]:
+    """The largest step (query tokens, then pages) of each kind: prefill, decode and mixed (ragged)."""
+    kind = lambda s: "mixed" if s.ragged else "decode" if s.num_query_tokens == 1 else "prefill"
+    size = lambda s: (s.batch_size * s.num_query_tokens if not s.ragged else s.num_query_tokens, s.batch_size,
+                      s.pages_per_seq)
+    largest: dict[str, StepShape] = {}
+    for shape in shapes:
+        if kind(shape) not in largest or size(shape) > size(largest[kind(shape)]):
+            largest[kind(shape)] = shape
+    return [shape for shape in shapes if shape in largest.values()]
 
 
 def _compile_all(runner: ModelRunner, shapes) -> list[ProgramResult]:

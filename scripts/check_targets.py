@@ -48,6 +48,8 @@ def main() -> int:
     parser.add_argument("--models", default="embedded,llama3-8b", help="embedded, llama3-8b, or model paths")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's, up to the grid's")
     parser.add_argument("--out", type=Path, default=None, help="also append the tables to this file")
+    parser.add_argument("--largest-only", action="store_true",
+                        help="only the largest prefill, decode and mixed step of the grid (a quick worst case)")
     args = parser.parse_args()
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,9 +58,10 @@ def main() -> int:
                 config = EngineConfig(model=model_path(model, Path(tmp)), max_model_len=args.max_model_len,
                                       compile_cache_dir="")
                 start = time.perf_counter()
-                report = compile_for_target(config, target)
+                report = compile_for_target(config, target, largest_only=args.largest_only)
                 seconds = time.perf_counter() - start
-                text = f"## {model} on {target} ({seconds:.0f} s)\n\n```\n{report.format_table()}\n```\n"
+                scope = ", largest step of each kind" if args.largest_only else ""
+                text = f"## {model} on {target}{scope} ({seconds:.0f} s)\n\n```\n{report.format_table()}\n```\n"
                 print(text, flush=True)
                 if args.out:
                     with args.out.open("a") as f:

@@ -19,7 +19,8 @@ from jaxserve.compile_cache import read_manifests
 from jaxserve.config import EngineConfig
 from jaxserve.entrypoints.cli import main
 from jaxserve.executable_store import STORE_DIR_NAME
-from jaxserve.target_compile import compile_for_target
+from jaxserve.model_runner import StepShape
+from jaxserve.target_compile import compile_for_target, largest_of_each_kind
 from jaxserve.targets import auto_tensor_parallel_size, resolve_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,6 +139,12 @@ def _script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_largest_of_each_kind():
+    shapes = [StepShape(1, 128, 8), StepShape(16, 2048, 128), StepShape(4, 2048, 128), StepShape(8, 1, 8),
+              StepShape(256, 1, 128), StepShape(64, 2048, 128, ragged=True), StepShape(256, 256, 8, ragged=True)]
+    assert largest_of_each_kind(shapes) == [shapes[1], shapes[4], shapes[5]]
 
 
 def test_target_names_and_tensor_parallel_choice():
