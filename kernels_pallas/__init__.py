@@ -1,6 +1,7 @@
 """Pallas paged-attention kernels for jaxserve (TPU via Mosaic, GPU via Triton).
 
-The engine's attention backend calls these once per layer with that layer's slice of the KV pool:
+The engine's attention backend calls these once per layer with the stacked KV pool and the layer index (read
+in place; on TPU in the lane-dense layout of ``_common.PoolGeometry``):
 ``paged_attention`` for decode steps, ``prefill_attention`` for (chunked) prefill, and
 ``ragged_paged_attention`` for mixed steps whose flat batch holds decode rows and prefill chunks together.
 """
