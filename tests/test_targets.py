@@ -24,12 +24,16 @@ from jaxserve.target_compile import compile_for_target, largest_of_each_kind
 from jaxserve.targets import auto_tensor_parallel_size, resolve_target
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
-}
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LLAMA3_8B = _script("check_targets").LLAMA3_8B  # the same config the full-grid check compiles
 # One bucket of each kind, pages of 64 tokens as in buckets/tpu.toml.
 SMALL_TPU_GRID = """
 block_size = 64
@@ -132,13 +136,6 @@ def test_lane_dense_pool_removes_the_relayout_of_the_pool(topology):
     assert layouts.pool_copies(plain) >= 2 and cost(plain)["bytes accessed"] >= 2 * pool
     assert layouts.pool_copies(dense) == 0 and dense.memory_analysis().temp_size_in_bytes == 0
     assert cost(dense)["bytes accessed"] < pool / 100
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_largest_of_each_kind():
