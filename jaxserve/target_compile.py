@@ -194,14 +194,16 @@ def largest_of_each_kind(shapes: list[StepShape]) -> list[StepShape]:
 def _compile_all(runner: ModelRunner, shapes) -> list[ProgramResult]:
     results = []
     for i, shape in enumerate(shapes):
-        logger.info("compiling %s (%d of %d)", executable_name(shape), i + 1, len(shapes))
         start = time.perf_counter()
         try:
             compiled = runner.compile(shape)
         except Exception as err:  # noqa: BLE001 - reported per program, the others still compile
             results.append(ProgramResult(executable_name(shape), time.perf_counter() - start, error=_brief(err)))
-            continue
-        results.append(_measured(executable_name(shape), time.perf_counter() - start, compiled))
+        else:
+            results.append(_measured(executable_name(shape), time.perf_counter() - start, compiled))
+        done = results[-1]
+        outcome = done.error or f"{done.total_bytes / MB:.0f} MB per device"
+        logger.info("%s (%d of %d) in %.1fs: %s", done.name, i + 1, len(shapes), done.seconds, outcome)
     start = time.perf_counter()
     try:
         helpers = runner.compile_allocations()
