@@ -48,6 +48,8 @@ def main() -> int:
     parser.add_argument("--models", default="embedded,llama3-8b", help="embedded, llama3-8b, or model paths")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's, up to the grid's")
     parser.add_argument("--out", type=Path, default=None, help="also append the tables to this file")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="share of a device's HBM for weights and KV pool (default: EngineConfig's)")
     parser.add_argument("--largest-only", action="store_true",
                         help="only the largest prefill, decode and mixed step of the grid (a quick worst case)")
     args = parser.parse_args()
@@ -55,8 +57,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for target in args.targets.split(","):
             for model in args.models.split(","):
+                limits = {} if args.gpu_memory_utilization is None else {
+                    "gpu_memory_utilization": args.gpu_memory_utilization}
                 config = EngineConfig(model=model_path(model, Path(tmp)), max_model_len=args.max_model_len,
-                                      compile_cache_dir="")
+                                      compile_cache_dir="", **limits)
                 start = time.perf_counter()
                 report = compile_for_target(config, target, largest_only=args.largest_only)
                 seconds = time.perf_counter() - start
