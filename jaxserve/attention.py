@@ -168,14 +168,15 @@ def _write_kv_head_windows(k_pool, v_pool, layer, k, v, meta):
     block_size = rows * tokens_per_row
     slots = slot_mapping(meta, k.shape[:2], block_size, num_blocks * block_size)  # padding: past the pool
     block, offset = slots // block_size, slots % block_size
-    per_token = [jnp.broadcast_to(layer, slots.shape), block, offset // tokens_per_row,
-                 (offset % tokens_per_row) * head_dim]
-    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)
-    columns = [per_token[0], None, *per_token[1:]]  # layer, head, block, row, first lane
-    grid = (slots.shape[0], num_kv_heads)
-    indices = jnp.stack(
-        [jnp.broadcast_to(heads[None, :] if c is None else c[:, None], grid) for c in columns], axis=-1
-    ).reshape(-1, 5)  # i32[N * Hkv, 5], token-major like the values
+    grid = (slots.shape[0], num_kv_heads)  # (token, kv head), token-major like the values
+    per_token = lambda x: jnp.broadcast_to(x[:, None], grid)
+    indices = jnp.stack([
+        jnp.broadcast_to(layer, grid),
+        jnp.broadcast_to(jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :], grid),
+        per_token(block),
+        per_token(offset // tokens_per_row),  # row
+        per_token((offset % tokens_per_row) * head_dim),  # first lane
+    ], axis=-1).reshape(-1, 5)  # i32[N * Hkv, 5]: layer, head, block, row, first lane
     numbers = jax.lax.ScatterDimensionNumbers(
         update_window_dims=(1,), inserted_window_dims=(0, 1, 2, 3), scatter_dims_to_operand_dims=(0, 1, 2, 3, 4)
     )
@@ -333,9 +334,11 @@ class PallasBackend:
     head_window_writes = True
 
     def __init__(self, platform: str):
+        from kernels_pallas._common import GPU_PLATFORMS
+
         self.platform = platform
-        self.kernel_variant = "gpu" if platform in ("gpu", "cuda", "rocm") else "tpu"
-        self.interpret = platform not in ("tpu", "gpu", "cuda", "rocm")
+        self.kernel_variant = "gpu" if platform in GPU_PLATFORMS else "tpu"
+        self.interpret = platform != "tpu" and platform not in GPU_PLATFORMS
 
     def tokens_per_row(self, block_size: int, head_dim: int) -> int:
         if self.kernel_variant != "tpu":

@@ -106,6 +106,15 @@ def enable_persistent_cache(cache_dir: str | Path) -> Path:
     return path
 
 
+def use_persistent_cache(cache_dir: str | Path | None) -> Path | None:
+    """Points JAX's persistent cache at ``cache_dir`` (`enable_persistent_cache`), or turns it off for None;
+    returns the directory in use."""
+    if cache_dir is None:
+        disable_persistent_cache()
+        return None
+    return enable_persistent_cache(cache_dir)
+
+
 def disable_persistent_cache() -> None:
     """Stops reading and writing the persistent cache in this process (JAX's default state)."""
     if jax.config.jax_compilation_cache_dir is not None:

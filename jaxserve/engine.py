@@ -29,11 +29,10 @@ from jaxserve.compile_cache import (
     CACHE_DIR_ENV,
     CacheManifest,
     CompileCounts,
-    disable_persistent_cache,
-    enable_persistent_cache,
     record_manifest,
     resolve_cache_dir,
     thread_compile_counts,
+    use_persistent_cache,
 )
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.distributed import distributed_init_requested, initialize_distributed
@@ -164,8 +163,7 @@ class LLMEngine:
             initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
         # The persistent compile cache's directory (absolute; None: disabled), set before anything compiles
         # so that every executable is cached.
-        self.compile_cache_dir: Path | None = resolve_cache_dir(config.compile_cache_dir)
-        self.compile_cache_dir = self._use_persistent_cache()
+        self.compile_cache_dir: Path | None = use_persistent_cache(resolve_cache_dir(config.compile_cache_dir))
         if self.compile_cache_dir is None:
             logger.info("persistent compile cache: disabled (compile_cache_dir='' or %s='')", CACHE_DIR_ENV)
         else:
@@ -215,19 +213,12 @@ class LLMEngine:
             self.warm_up()
 
     # ----- construction -------------------------------------------------------------------------
-    def _use_persistent_cache(self) -> Path | None:
-        """Points JAX's process-wide persistent cache at this engine's directory (or turns it off)."""
-        if self.compile_cache_dir is None:
-            disable_persistent_cache()
-            return None
-        return enable_persistent_cache(self.compile_cache_dir)
-
     def warm_up(self, num_threads: int = DEFAULT_COMPILE_THREADS) -> WarmUpReport:
         """Compiles (or loads from the compile cache) every feasible bucket and the fork executables;
         after this nothing compiles."""
         logger.info("%s", self.grid.format_table())
         check = manifest = None
-        cache_dir = self._use_persistent_cache()  # again: another engine in this process may have moved it
+        cache_dir = use_persistent_cache(self.compile_cache_dir)  # again: another engine may have moved it
         if cache_dir is not None:
             manifest = CacheManifest.current(
                 self.model_config, self.config.dtype, self.grid, self.runner.backend.name, self.mesh.size,

@@ -221,23 +221,23 @@ class ModelRunner:
         """Compiles the programs that allocate the pool, `no_tokens` and the sampler state, and the fork
         executables (so precompile caches them too: then an engine's start compiles nothing); returns them
         by name."""
-        compiled = {
-            f"zeros-{'x'.join(map(str, spec.shape))}-{spec.dtype}": _zeros_program(spec).lower().compile()
-            for spec in dict.fromkeys(self._allocated_structs())
-        }
+        compiled = {name: jitted.lower().compile() for name, (jitted, _) in self._allocation_programs().items()}
         self.compile_helpers()
         return {**compiled, "copy_blocks": self._copy_executable, "write_slot": self._write_slot_executable}
 
-    def _allocated_structs(self) -> list[jax.ShapeDtypeStruct]:
-        return [self._abstract_pool()[0], self._no_tokens_struct(), *jax.tree.leaves(self._abstract_slot_state())]
+    def _allocation_programs(self) -> dict[str, tuple]:
+        """The programs that allocate the pool, `no_tokens` and the sampler state, by name: (jitted, no args)."""
+        structs = [self._abstract_pool()[0], self._no_tokens_struct(), *jax.tree.leaves(self._abstract_slot_state())]
+        return {
+            f"zeros-{'x'.join(map(str, spec.shape))}-{spec.dtype}": (_zeros_program(spec), ())
+            for spec in dict.fromkeys(structs)
+        }
 
     def programs(self, shapes) -> dict[str, tuple]:
         """Every program the engine runs, by name: (jitted function, abstract arguments) of the steps of
         ``shapes``, the allocations and the forks (to lower them for a platform this host does not have)."""
-        programs = {executable_name(shape): (self._step_jit(), self._abstract_inputs(shape)) for shape in shapes}
-        for spec in dict.fromkeys(self._allocated_structs()):
-            programs[f"zeros-{'x'.join(map(str, spec.shape))}-{spec.dtype}"] = (_zeros_program(spec), ())
-        return {**programs, **self._helper_programs()}
+        steps = {executable_name(shape): (self._step_jit(), self._abstract_inputs(shape)) for shape in shapes}
+        return {**steps, **self._allocation_programs(), **self._helper_programs()}
 
     def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
               feed_cols):

@@ -22,6 +22,7 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 BACKENDS = ("auto", "tpu", "gpu")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # JAX platforms whose Pallas kernels are the Triton variants
 LANES = 128  # a TPU vreg's lane count: the minor dimension of every tile
 
 
@@ -39,7 +40,7 @@ def resolve_backend(backend: str, interpret) -> str:
     platform = jax.default_backend()
     if platform == "tpu":
         return "tpu"
-    if platform in ("gpu", "cuda", "rocm"):
+    if platform in GPU_PLATFORMS:
         return "gpu"
     if interpret:
         return "tpu"
@@ -125,11 +126,6 @@ def lane_dense_tokens_per_row(page_size: int, head_dim: int) -> int:
     return 1
 
 
-def page_row_shape(page_size: int, head_dim: int, tokens_per_row: int) -> tuple[int, int]:
-    """(rows, lanes) of one page in a pool with ``tokens_per_row``."""
-    return page_size // tokens_per_row, tokens_per_row * head_dim
-
-
 def check_kv_pool(k_pool: jax.Array, v_pool: jax.Array, head_dim: int) -> PoolGeometry:
     """Validates a KV pool: one layer ``[num_kv_heads, total_pages, page_size, head_dim]`` or the stacked pool
     ``[num_layers, num_kv_heads, total_pages, rows, lanes]`` (see ``PoolGeometry``)."""
@@ -200,16 +196,6 @@ def check_gpu_layout(geometry: PoolGeometry) -> None:
         )
 
 
-def check_kv_pages(k_pages: jax.Array, v_pages: jax.Array) -> tuple[int, int, int, int]:
-    """Validates a one-layer pool in the plain layout; returns (num_kv_heads, total_pages, page_size, head_dim)."""
-    if k_pages.ndim != 4:
-        raise ValueError(
-            f"k_pages must be [num_kv_heads, total_pages, page_size, head_dim], got shape {k_pages.shape}"
-        )
-    g = check_kv_pool(k_pages, v_pages, k_pages.shape[-1])
-    return g.num_kv_heads, g.total_pages, g.page_size, g.head_dim
-
-
 def check_query(q: jax.Array, kv_dtype, num_kv_heads: int, head_dim: int, layout: str) -> None:
     """Validates q's dtype and its trailing [num_q_heads, head_dim] dims against the KV pool."""
     if q.dtype != kv_dtype:
@@ -224,11 +210,9 @@ def check_query(q: jax.Array, kv_dtype, num_kv_heads: int, head_dim: int, layout
 
 
 def check_query_and_pool(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layout: str) -> PoolGeometry:
-    """Validates q (``layout`` names its dims, its last two [num_q_heads, head_dim]) against the pool."""
-    if k_pool.ndim == 4:
-        num_kv_heads, _, _, head_dim = check_kv_pages(k_pool, v_pool)
-        check_query(q, k_pool.dtype, num_kv_heads, head_dim, layout)
-    geometry = check_kv_pool(k_pool, v_pool, q.shape[-1])
+    """Validates q (``layout`` names its dims, its last two [num_q_heads, head_dim]) against the pool; a
+    one-layer pool is in the plain layout, so its last dimension is the head_dim q must have."""
+    geometry = check_kv_pool(k_pool, v_pool, k_pool.shape[-1] if k_pool.ndim == 4 else q.shape[-1])
     check_query(q, k_pool.dtype, geometry.num_kv_heads, geometry.head_dim, layout)
     return geometry
 

@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kernels_pallas._common import GPU_PLATFORMS  # noqa: E402
 from kernels_pallas.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
 from kernels_pallas.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
 
@@ -196,7 +197,7 @@ def _ratio(t_ref: float | None, t_kernel: float) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     platform = jax.default_backend()
-    if not args.interpret and platform not in ("gpu", "cuda", "rocm"):
+    if not args.interpret and platform not in GPU_PLATFORMS:
         raise SystemExit(
             f"no GPU (jax backend is {platform!r}); use --interpret --quick for a CPU smoke test"
         )
