@@ -8,12 +8,14 @@ emitted MLIR for every bucket (about 0.5 s each on 2 CPU cores, most of a warm s
 
 An executable is stored with `jax.experimental.serialize_executable` under a directory named by a key of
 everything that decides the compiled program without being an input shape: the cache manifest (model
-configuration, dtype, bucket file, the source of every file traced into the steps, engine limits, jax and
-jaxlib versions, platform and device kind) plus the flax version, the XLA/libtpu flags and the JAX
+configuration, dtype, bucket file, the source of every file traced into the steps, engine limits, jax
+and jaxlib versions, platform and device kind) plus the flax version, the XLA/libtpu flags and the JAX
 options that change lowering. A loaded executable is also checked against the call it will serve (the
 argument tree, every shape and dtype); a mismatch, a missing or an unreadable file means "not stored",
-and the runner compiles as before. Files are written atomically, so concurrent writers never leave a
-half-written executable.
+and the runner compiles as before. Only executables XLA compiled in this process are stored: one that
+JAX loaded from its own persistent cache serializes without part of its code on XLA:CPU (the next
+process fails with "Function ... not found"), so it stays in JAX's cache only. Files are written
+atomically, so concurrent writers never leave a half-written executable.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from jaxserve.logger import init_logger
 logger = init_logger("jaxserve.executable_store")
 
 STORE_DIR_NAME = "jaxserve_executables"
-STORE_FORMAT = 1
+STORE_FORMAT = 2  # 2: nothing loaded from JAX's persistent cache is stored (format 1 stores may hold broken code)
 # JAX options that change the lowered program of the same Python code.
 _LOWERING_OPTIONS = (
     "jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl", "jax_threefry_partitionable",

@@ -37,6 +37,7 @@ from jaxserve.attention import (
     token_layout,
 )
 from jaxserve.buckets import MixedBucket
+from jaxserve.compile_cache import thread_compile_counts
 from jaxserve.config import ModelConfig
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
@@ -300,13 +301,16 @@ class ModelRunner:
 
     def _compile(self, jitted, abstract_args, name: str) -> jax.stages.Compiled:
         """The executable of ``jitted`` on ``abstract_args``: from the executable store when it has it (no
-        tracing, no lowering), else lowered and compiled (and then stored)."""
+        tracing, no lowering), else lowered and compiled (and then stored, if XLA compiled it: an executable
+        JAX loaded from its persistent cache serializes without part of its code on XLA:CPU, and fails with
+        "Function ... not found" once loaded again, so it is left to JAX's cache)."""
         store = self.executable_store
         start = time.perf_counter()
         compiled = store.load(name, abstract_args) if store is not None else None
         if compiled is None:
+            before = thread_compile_counts()
             compiled = jitted.lower(*abstract_args).compile()
-            if store is not None:
+            if store is not None and (thread_compile_counts() - before).fresh_compiles:
                 store.save(name, compiled)
         with self._compile_lock:
             self.compile_seconds += time.perf_counter() - start
