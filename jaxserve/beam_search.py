@@ -193,7 +193,8 @@ class BeamSearchGroup(RequestGroup):
         if not self.is_finished:
             return None
         completions = [self._completion(i, h) for i, h in enumerate(self.final or [])]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, True)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, True,
+                             num_cached_tokens=self.num_cached_tokens)
 
     def _completion(self, index: int, hypothesis: Hypothesis) -> CompletionOutput:
         steps = []

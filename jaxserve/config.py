@@ -234,6 +234,8 @@ class EngineConfig:
     compile_cache_dir: str | None = None  # None: the per-user default; "": disabled (see jaxserve/compile_cache.py)
     strict_no_compile: bool = False  # raise if anything compiles after warm-up
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
+    enable_prefix_caching: bool = True  # reuse cached KV blocks of repeated prompt prefixes (vLLM's default)
+    disable_log_stats: bool = False  # no periodic stats line (throughput, queues, KV usage, prefix hit rate)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -252,5 +254,6 @@ class EngineConfig:
             if not isinstance(self.compile_cache_dir, str | os.PathLike):
                 raise ValueError(f"compile_cache_dir must be a directory path, got {self.compile_cache_dir!r}")
             object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
-        if not isinstance(self.strict_no_compile, bool):
-            raise ValueError(f"strict_no_compile must be True or False, got {self.strict_no_compile!r}")
+        for name in ("strict_no_compile", "enable_prefix_caching", "disable_log_stats"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

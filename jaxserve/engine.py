@@ -42,20 +42,21 @@ from jaxserve.model_runner import ModelRunner, StepInputs, StepOutput, step_shap
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel import engine_mesh, per_device_bytes
 from jaxserve.precision import resolve_engine_dtype
+from jaxserve.prefix_cache import PrefixCacheStats
 from jaxserve.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
 from jaxserve.sampler import FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
 from jaxserve.sampler_state import SlotTable, slot_state_bytes
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.scheduler import Schedule, Scheduler
-from jaxserve.sequence import Sequence
+from jaxserve.sequence import PLACEHOLDER_TOKEN, Sequence
 from jaxserve.sequence_group import (
-    PLACEHOLDER_TOKEN,
     EngineContext,
     GroupUpdate,
     RequestGroup,
     SampledToken,
     SamplingGroup,
 )
+from jaxserve.stat_logger import StatLogger
 from jaxserve.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
 from jaxserve.weights import LoadedModel, load_model
 
@@ -89,8 +90,20 @@ class EngineStats:
     num_padded_tokens: int = 0
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
+    num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model: cache hits excluded
     num_generation_tokens: int = 0
     num_compiles_after_warm_up: int = 0  # executables built while serving: should stay 0
+    prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)  # the block manager's
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens of admitted sequences looked up in the prefix cache (vLLM's prefix_cache_queries)."""
+        return self.prefix_cache.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, tokens found cached (vLLM's prefix_cache_hits)."""
+        return self.prefix_cache.hits
 
     @property
     def padding_waste(self) -> float:
@@ -176,7 +189,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.grid = engine_bucket_grid(config, loaded.config, loaded.params, jax.default_backend(), self.mesh)
         self.block_size, num_blocks = self.grid.block_size, self.grid.num_blocks
-        self.block_manager = BlockManager(num_blocks, self.block_size)
+        self.block_manager = BlockManager(num_blocks, self.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         self.max_model_len = self.grid.max_model_len
         self.scheduler = Scheduler(
             self.block_manager, self.grid,
@@ -193,7 +207,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._num_sync_groups = 0  # requests that need each step's results before the next is planned
         self.requests: dict[str, RequestGroup] = {}
-        self.stats = EngineStats()
+        self.stats = EngineStats(prefix_cache=self.block_manager.prefix_cache_stats)
+        self.stat_logger = None if config.disable_log_stats else StatLogger(self)
         self.warm_up_report: WarmUpReport | None = None
         self._rng = random.Random(config.seed)
         self.eos_token_ids = set(loaded.config.eos_token_id)
@@ -305,6 +320,8 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             outputs += self._complete(launched)
             self._in_flight = None
+        if self.stat_logger is not None:
+            self.stat_logger.maybe_log()
         return outputs
 
     def _check_no_compile(self, before: CompileCounts, schedule: Schedule) -> None:
@@ -345,6 +362,7 @@ class LLMEngine:
         launched: dict[str, RequestGroup] = {}
         for row, (seq, start, num_tokens) in enumerate(rows):
             seq.num_computed_tokens += num_tokens
+            self.block_manager.cache_blocks(seq)  # later steps that hit them run after this one on the device
             group = self.requests[seq.request_id]
             if flags[row] & FLAG_PROMPT_LOGPROBS:
                 first = (0, int(inputs.query_starts[row])) if inputs.query_starts is not None else (row, 0)
@@ -366,16 +384,15 @@ class LLMEngine:
             group = self.requests[seq.request_id]
             if not group.needs_slot() or self.slots.get(seq.seq_id) is not None:
                 continue
-            if start != 0:
-                raise RuntimeError(f"seq {seq.seq_id} has no sampler slot at position {start}: slots are "
-                                   "assigned at position 0 or when forked")
-            writes.append((self.slots.assign(seq.seq_id), group.slot_rows()))
+            # a slot taken past position 0 (after a prefix cache hit) starts with the counts of [0, start)
+            counts = _token_counts(seq, start, self.model_config.vocab_size)
+            writes.append((self.slots.assign(seq.seq_id), (*group.slot_rows(), *counts)))
         block_copies, slot_copies = self.block_manager.take_pending_copies(), self._slot_copies
         self._slot_copies = []
         if block_copies or slot_copies:
             self.runner.copy_blocks(block_copies, slot_copies)
-        for slot, (bias, min_tokens_mask) in writes:
-            self.runner.write_slot(slot, bias, min_tokens_mask)
+        for slot, rows_of_slot in writes:
+            self.runner.write_slot(slot, *rows_of_slot)
 
     def _prepare_inputs(self, schedule: Schedule, rows: list[tuple[Sequence, int, int]]) -> StepInputs:
         shape = step_shape(schedule.bucket, self.block_size)
@@ -419,6 +436,7 @@ class LLMEngine:
         else:
             self.stats.num_decode_steps += 1
         self.stats.num_real_tokens += schedule.num_batched_tokens
+        self.stats.num_prefill_tokens += sum(chunk.num_tokens for chunk in schedule.prefill_chunks)
         self.stats.num_padded_tokens += schedule.num_padded_tokens
 
     def _complete(self, step: InFlightStep) -> list[RequestOutput]:
@@ -477,6 +495,16 @@ def _scheduling_summary(scheduler: Scheduler) -> str:
     return (f"scheduling: mixed steps (decode rows first, then prefill chunks) of up to {scheduler.max_mixed_tokens} "
             f"tokens and {grid.max_mixed_batch_size} rows; prefill-only steps up to max_num_batched_tokens="
             f"{scheduler.max_num_batched_tokens}")
+
+
+def _token_counts(seq: Sequence, start: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(output counts i32[V], prompt mask bool[V]) of ``seq``'s tokens before position ``start``: what the
+    steps would have counted into its sampler slot had they fed those tokens (`update_token_counts`)."""
+    tokens = np.asarray(seq.all_token_ids[:start], np.int64)
+    prompt_mask = np.zeros(vocab_size, bool)
+    prompt_mask[tokens[: seq.num_prompt_tokens]] = True
+    output_counts = np.bincount(tokens[seq.num_prompt_tokens :], minlength=vocab_size).astype(np.int32)
+    return output_counts, prompt_mask
 
 
 def _host(logprobs) -> tuple[np.ndarray, ...]:

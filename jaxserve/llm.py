@@ -42,6 +42,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         compile_cache_dir: str | None = None,
         strict_no_compile: bool = False,
+        enable_prefix_caching: bool = True,
+        disable_log_stats: bool = True,  # offline: no periodic stats line (vLLM's LLM default)
         **engine_kwargs,
     ):
         config = EngineConfig(
@@ -50,7 +52,8 @@ class LLM:
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             buckets=buckets, seed=seed, attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size, compile_cache_dir=compile_cache_dir,
-            strict_no_compile=strict_no_compile, **engine_kwargs,
+            strict_no_compile=strict_no_compile, enable_prefix_caching=enable_prefix_caching,
+            disable_log_stats=disable_log_stats, **engine_kwargs,
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()

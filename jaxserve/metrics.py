@@ -52,6 +52,10 @@ class EngineStateCollector:
         yield _counter("generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens)
         yield _counter("num_preemptions", "Cumulative number of preemptions from the engine.",
                        stats.num_preemptions)
+        yield _counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                       stats.prefix_cache_queries)
+        yield _counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                       stats.prefix_cache_hits)
         yield _counter("compiles_after_warmup", "XLA compilations since the server finished warm-up "
                        "(anything but 0 is a bug).", self.compiles_now() - self.compiles_at_start)
         yield _counter("bucket_real_tokens", "Real query tokens run in bucketed steps.", stats.num_real_tokens)

@@ -339,7 +339,7 @@ class ModelRunner:
             "write_slot": (
                 jax.jit(write_slot, donate_argnums=(0,), out_shardings=rep),
                 (_abstract(self.slot_state), sds((), jnp.int32), sds((vocab,), jnp.float32),
-                 sds((vocab,), jnp.bool_)),
+                 sds((vocab,), jnp.bool_), sds((vocab,), jnp.int32), sds((vocab,), jnp.bool_)),
             ),
         }
 
@@ -375,11 +375,14 @@ class ModelRunner:
                 self.kv_pool, self.slot_state, block_src, block_dst, slot_src, slot_dst
             )
 
-    def write_slot(self, slot: int, logit_bias: np.ndarray, min_tokens_mask: np.ndarray) -> None:
-        """Sets a sampler slot's logit_bias f32[V] and min_tokens mask bool[V] rows."""
+    def write_slot(self, slot: int, logit_bias: np.ndarray, min_tokens_mask: np.ndarray,
+                   output_counts: np.ndarray, prompt_mask: np.ndarray) -> None:
+        """Sets a sampler slot's rows: logit_bias f32[V], min_tokens mask bool[V], and the counts of the tokens
+        before the sequence's first step, output_counts i32[V] and prompt_mask bool[V]."""
         self.compile_helpers()
         self.slot_state = self._write_slot_executable(
-            self.slot_state, np.int32(slot), logit_bias.astype(np.float32), min_tokens_mask.astype(bool)
+            self.slot_state, np.int32(slot), logit_bias.astype(np.float32), min_tokens_mask.astype(bool),
+            output_counts.astype(np.int32), prompt_mask.astype(bool),
         )
 
 

@@ -45,6 +45,7 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: PromptLogprobs | None = None
     metrics: dict | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (vLLM's field)
 
 
 @dataclasses.dataclass

@@ -8,8 +8,9 @@ so they live on the device in `SlotState`, one row ("slot") per running sequence
   tokens (`update_token_counts`): a token at a position past the prompt is a generated one. Feeding a
   sampled token back as the next input is what counts it, so a recompute after preemption (which
   re-feeds prompt and outputs from position 0 into a fresh slot) rebuilds the counts exactly.
-* A sequence that gets a slot at position 0 (new, or recomputed) has it reset and its request's
-  `logit_bias` / `min_tokens_mask` rows written once (`write_slot`, a small executable).
+* A sequence that gets a slot (new, or recomputed) has it written once (`write_slot`, a small executable):
+  its request's `logit_bias` / `min_tokens_mask` rows, and the counts of the tokens before its first step:
+  none at position 0, those of its cached prefix after a prefix cache hit (counted on the host).
 * A forked sequence (n > 1) copies its parent's slot (`copy_slots`, with the KV copy-on-write copies).
 
 `SlotTable` (host, numpy-free) hands slots out and takes them back; a sequence without penalties,
@@ -67,8 +68,8 @@ def update_token_counts(
     slots: jax.Array,  # i32[S], num_slots = none
 ) -> SlotState:
     """Counts the step's input tokens into their rows' slots: two scatters of one element per input slot, no
-    copy of the state (rows without a slot scatter out of range and are dropped). A slot is zeroed by
-    `write_slot` when a sequence gets it at position 0."""
+    copy of the state (rows without a slot scatter out of range and are dropped). `write_slot` sets a slot's
+    counts when a sequence gets it."""
     n = state.num_slots
     token_slots = slots[layout.rows]
     real = (token_slots < n) & layout.valid
@@ -83,11 +84,14 @@ def write_slot(
     slot: jax.Array,  # i32[]
     logit_bias: jax.Array,  # f32[V]
     min_tokens_mask: jax.Array,  # bool[V]
+    output_counts: jax.Array,  # i32[V]
+    prompt_mask: jax.Array,  # bool[V]
 ) -> SlotState:
-    """A sequence takes `slot` at position 0: no counts yet, its request's bias and min_tokens rows."""
+    """A sequence takes `slot`: its request's bias and min_tokens rows, and the counts of the tokens before
+    its first step (zero at position 0; a prefix cache hit's tokens otherwise, counted on the host)."""
     return SlotState(
-        output_counts=state.output_counts.at[slot].set(0),
-        prompt_mask=state.prompt_mask.at[slot].set(False),
+        output_counts=state.output_counts.at[slot].set(output_counts),
+        prompt_mask=state.prompt_mask.at[slot].set(prompt_mask),
         logit_bias=state.logit_bias.at[slot].set(logit_bias),
         min_tokens_mask=state.min_tokens_mask.at[slot].set(min_tokens_mask),
     )

@@ -30,9 +30,12 @@ Policy
     the padded bucket stays within ``max_num_batched_tokens``. Admission takes the blocks of the
     sequence's whole prefill (not just its first chunk), leaves free the blocks the decoders need for
     their next token, and never skips the queue head (no starvation of long prompts).
+  * Prefix caching (a block manager with ``enable_prefix_caching``): an admitted sequence starts on the
+    longest cached prefix of its full blocks (never its last token) and its first chunk starts after it.
   * Preemption by recompute: when a running sequence needs a block and none is free, the NEWEST
-    running sequence (by arrival) is preempted: its blocks are freed, ``num_computed_tokens`` reset
-    and it is pushed to the front of the waiting queue (its outputs are kept and re-prefilled). This
+    running sequence (by arrival) is preempted: its blocks are freed (with prefix caching its computed
+    full blocks stay cached until evicted), ``num_computed_tokens`` reset and it is pushed to the front
+    of the waiting queue (its outputs are kept and re-prefilled, after its cached prefix). This
     repeats until the older sequence fits, or the sequence itself is the newest.
   * A sequence that can never run (more tokens than ``max_model_len``; the grid guarantees the KV
     pool holds one sequence of ``max_model_len``, so this covers "larger than the pool") is finished
@@ -336,10 +339,11 @@ class Scheduler:
     def _mixed_row_free(self, sched: Schedule) -> bool:
         return sched.num_rows < self.bucket_grid.max_mixed_batch_size
 
-    def _mixed_chunk_len(self, seq: Sequence, budget: int, sched: Schedule) -> int:
-        """Tokens of ``seq`` to prefill in a mixed step; 0 when it cannot join. A chunk that does not end the
-        prompt is cut so that the step's tokens fill the largest mixed bucket they can (no padding)."""
-        remaining = seq.num_uncomputed_tokens
+    def _mixed_chunk_len(self, seq: Sequence, budget: int, sched: Schedule, start: int | None = None) -> int:
+        """Tokens of ``seq`` to prefill in a mixed step from ``start`` (default: its computed tokens); 0 when it
+        cannot join. A chunk that does not end the prompt is cut so that the step's tokens fill the largest
+        mixed bucket they can (no padding)."""
+        remaining = seq.num_tokens - (seq.num_computed_tokens if start is None else start)
         n = min(remaining, budget)
         if n < 1:
             return 0
@@ -418,28 +422,33 @@ class Scheduler:
                 continue
             if mixed and not self._mixed_row_free(sched):
                 break
+            prefix = self.block_manager.cached_prefix(seq)  # prefix caching: its longest cached full blocks
+            start = len(prefix) * self.block_manager.block_size
             if mixed:
-                n = self._mixed_chunk_len(seq, budget, sched)
+                n = self._mixed_chunk_len(seq, budget, sched, start)
             else:
-                n = self._chunk_len(seq, budget, sched.prefill_chunks)
+                n = self._chunk_len(seq, budget, sched.prefill_chunks, start)
             # Take the blocks of the whole prefill now: a sequence admitted with its first chunk's
             # blocks only could stall mid-prefill, preempt itself and be re-admitted, forever.
-            if n == 0 or not self.block_manager.can_allocate(seq, seq.num_tokens, reserve=reserve):
+            if n == 0 or not self.block_manager.can_allocate_with_prefix(seq, prefix, reserve=reserve):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, seq.num_tokens)
+            self.block_manager.allocate_prefix(seq, prefix)
+            self.block_manager.allocate(seq, seq.num_uncomputed_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            sched.prefill_chunks.append(PrefillChunk(seq, 0, n))
+            sched.prefill_chunks.append(PrefillChunk(seq, start, n))
             budget -= n
             num_seqs += 1 + seq.num_pending_forks
             admitted = True
         if admitted or not self.waiting:
             self.num_decode_steps_waited = 0
 
-    def _chunk_len(self, seq: Sequence, budget: int, chunks: list[PrefillChunk]) -> int:
-        """Tokens of ``seq`` to prefill in this step; 0 when it cannot join the batch."""
-        remaining = seq.num_uncomputed_tokens
+    def _chunk_len(self, seq: Sequence, budget: int, chunks: list[PrefillChunk], start: int | None = None) -> int:
+        """Tokens of ``seq`` to prefill in this step from ``start`` (default: its computed tokens); 0 when it
+        cannot join the batch."""
+        start = seq.num_computed_tokens if start is None else start
+        remaining = seq.num_tokens - start
         n = min(remaining, self.max_chunk_len, budget)
         if n < 1:
             return 0
@@ -457,7 +466,7 @@ class Scheduler:
             bucket = self.bucket_grid.find_prefill(
                 len(chunks) + 1,
                 max(length, *(c.num_tokens for c in chunks)),
-                max(seq.num_computed_tokens + length, *(c.context_len for c in chunks)),
+                max(start + length, *(c.context_len for c in chunks)),
             )
             if bucket is not None and bucket.num_tokens <= self.max_num_batched_tokens:
                 return length

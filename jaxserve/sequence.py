@@ -21,6 +21,8 @@ import itertools
 import time
 from typing import Any
 
+PLACEHOLDER_TOKEN = -1  # a sampled token still on the device (async scheduling), replaced once it is read
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -66,6 +68,12 @@ class Sequence:
         # Sequences still to be forked from this one (n > 1, beam search): the scheduler admits it only
         # when max_num_seqs leaves room for them too.
         self.num_pending_forks = 0
+        # Prefix caching: hashes of the full blocks of real tokens so far (prefix_cache.full_block_hashes),
+        # and the prompt tokens served from the cache at the first admission (RequestOutput.num_cached_tokens).
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0  # blocks of block_table already offered to the cache
+        self.num_cached_tokens: int | None = None
+        self.use_prefix_cache = True  # False: every token is computed (prompt_logprobs need their logits)
 
     def __repr__(self) -> str:
         return (
@@ -133,4 +141,8 @@ class Sequence:
         child.output_token_ids = list(self.output_token_ids)
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.num_registered_blocks = self.num_registered_blocks
+        child.num_cached_tokens = self.num_cached_tokens
+        child.use_prefix_cache = self.use_prefix_cache
         return child

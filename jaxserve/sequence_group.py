@@ -31,9 +31,8 @@ from jaxserve.logprobs import TokenTexts, logprob_dict
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampler import FLAG_LOGIT_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SamplingRow
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 
-PLACEHOLDER_TOKEN = -1  # a sampled token still on the device
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
@@ -83,6 +82,12 @@ class RequestGroup(abc.ABC):
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self._update = GroupUpdate()
+        self._root: Sequence | None = None  # the sequence that prefills the prompt
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens served by the prefix cache at the request's first admission (None before it)."""
+        return self._root.num_cached_tokens if self._root is not None else None
 
     @property
     def seq(self) -> Sequence:
@@ -100,6 +105,7 @@ class RequestGroup(abc.ABC):
     def _new_sequence(self, num_pending_forks: int = 0) -> Sequence:
         seq = Sequence(self.request_id, self.prompt_token_ids, arrival_time=self.arrival_time)
         seq.num_pending_forks = num_pending_forks
+        self._root = self._root or seq
         return seq
 
     # ----- per-row inputs -----------------------------------------------------------------------
@@ -170,6 +176,7 @@ class SamplingGroup(RequestGroup):
         self.base_seed = seed
         self.states: dict[int, SampleState] = {}
         first = self._new_sequence(num_pending_forks=params.best_of - 1)
+        first.use_prefix_cache = params.prompt_logprobs is None  # prompt logprobs need every prompt position
         self._add_sequence(first, 0)
         self.prompt_logprobs: list | None = None
         if params.prompt_logprobs is not None:
@@ -344,7 +351,7 @@ class SamplingGroup(RequestGroup):
             completions = [c for c in completions if c.token_ids or c.finish_reason is not None]
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, completions, finished,
-            prompt_logprobs=self._report_prompt_logprobs(delta),
+            prompt_logprobs=self._report_prompt_logprobs(delta), num_cached_tokens=self.num_cached_tokens,
         )
 
     def _completion(self, seq: Sequence, index: int | None, delta: bool) -> CompletionOutput:

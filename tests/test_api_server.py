@@ -353,7 +353,7 @@ def test_completion_beam_search(client, expected):
     assert response.usage.completion_tokens == 64
 
 
-def test_metrics_count_one_request_exactly(http, expected):
+def test_metrics_count_one_request_exactly(http, expected, engine):
     def scrape() -> dict[str, float]:
         text = http.get("/metrics").text
         return {m[0]: float(m[1]) for m in re.findall(r"^(jaxserve:[^ ]+) ([0-9.e+-]+)$", text, re.M)}
@@ -373,6 +373,12 @@ def test_metrics_count_one_request_exactly(http, expected):
     assert after["jaxserve:compiles_after_warmup_total"] == 0
     assert after["jaxserve:bucket_padding_waste"] == pytest.approx(
         after["jaxserve:bucket_padded_tokens_total"] / after["jaxserve:bucket_real_tokens_total"])
+    http.post("/generate", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})  # its prompt is cached now
+    again = scrape()
+    num_tokens, block_size = len(expected["prompt_ids"]), engine.engine.block_size
+    assert again["jaxserve:prefix_cache_queries_total"] - after["jaxserve:prefix_cache_queries_total"] == num_tokens
+    assert again["jaxserve:prefix_cache_hits_total"] - after["jaxserve:prefix_cache_hits_total"] == (
+        (num_tokens - 1) // block_size * block_size)
 
 
 # ----- errors -----------------------------------------------------------------------------------------

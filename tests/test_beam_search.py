@@ -153,8 +153,9 @@ def test_preempted_beams_roll_back_and_give_the_same_result(llm, monkeypatch):
     result = llm.beam_search([tokens_prompt(prompt)], params)[0]
     assert engine.stats.num_preemptions > before and rollbacks
     assert [s.tokens for s in result.sequences] == [s.tokens for s in expected.sequences]
+    # the second run's prompt comes from the prefix cache, so its logits are summed in another order
     np.testing.assert_allclose([s.cum_logprob for s in result.sequences],
-                               [s.cum_logprob for s in expected.sequences], rtol=1e-6)
+                               [s.cum_logprob for s in expected.sequences], rtol=1e-5)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

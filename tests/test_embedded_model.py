@@ -15,8 +15,21 @@ BATCHING_TOKENS = 8  # outputs of the batching test are capped so that 32 reques
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=32)
+def compile_cache(tmp_path_factory):
+    """The two engines of this module (prefix caching on and off) build the same executables: the second loads
+    them from here."""
+    return str(tmp_path_factory.mktemp("compile_cache"))
+
+
+@pytest.fixture(scope="module")
+def llm(compile_cache):
+    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=32, compile_cache_dir=compile_cache)
+
+
+@pytest.fixture(scope="module")
+def llm_without_caching(compile_cache):
+    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=32, compile_cache_dir=compile_cache,
+               enable_prefix_caching=False)
 
 
 def test_greedy_tokens_match_transformers_on_every_chat(llm):
@@ -102,3 +115,53 @@ def test_requests_arriving_while_others_decode_change_no_token(llm):
     mixed_before = engine.stats.num_mixed_steps
     assert asyncio.run(all_requests()) == alone
     assert engine.stats.num_mixed_steps > mixed_before
+
+
+def _greedy_turn(llm, prompt: list[int]):
+    return llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=24),
+                        use_tqdm=False)[0]
+
+
+def _cached_tokens_after(previous: list[int], prompt: list[int], block_size: int) -> int:
+    """What a prompt finds cached after `previous` (a request's computed tokens): their common full blocks, never
+    the prompt's last token."""
+    common = next((i for i, (a, b) in enumerate(zip(previous, prompt, strict=False)) if a != b),
+                  min(len(previous), len(prompt)))
+    return min(common, len(prompt) - 1) // block_size * block_size
+
+
+def test_prefix_caching_gives_the_tokens_of_no_caching_over_a_three_turn_conversation(llm, llm_without_caching):
+    """Each turn resends the earlier ones: it starts on their cached blocks (the last reply's too) and generates
+    exactly what the engine without prefix caching generates."""
+    tokenizer = llm.get_tokenizer()
+    questions = [msgs[-1]["content"] for msgs in chats()[:3]]
+    messages, previous = [], None
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        prompt = chat_prompt_ids(tokenizer, messages)
+        got, want = _greedy_turn(llm, prompt), _greedy_turn(llm_without_caching, prompt)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert want.num_cached_tokens == 0
+        if previous is not None:  # the reply's last token is computed too when the step after its EOS ran
+            assert got.num_cached_tokens in {_cached_tokens_after(previous[:-1], prompt, llm.llm_engine.block_size),
+                                             _cached_tokens_after(previous, prompt, llm.llm_engine.block_size)}
+            assert got.num_cached_tokens >= len(previous) // 2
+        previous = prompt + got.outputs[0].token_ids
+        messages.append({"role": "assistant", "content": got.outputs[0].text})
+
+
+def test_prefix_caching_gives_the_tokens_of_no_caching_behind_a_shared_system_prompt(llm, llm_without_caching):
+    tokenizer = llm.get_tokenizer()
+    system = " ".join(m["content"] for msgs in chats()[3:20] for m in msgs)
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "system", "content": system}, msgs[-1]])
+               for msgs in chats()[20:28]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = llm_without_caching.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for _ in range(2):  # all at once: later admissions hit the first ones' blocks; then again: every one hits
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    block_size = llm.llm_engine.block_size
+    assert [o.num_cached_tokens for o in got] == [(len(p) - 1) // block_size * block_size for p in prompts]
+    engine = llm.llm_engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.stats.num_compiles_after_warm_up == 0

@@ -320,7 +320,8 @@ def test_write_and_copy_slots():
                           prompt_mask=state.prompt_mask.at[1, 2].set(True))
     bias = np.arange(V, dtype=np.float32)
     mask = np.arange(V) % 5 == 0
-    state = jax.jit(write_slot)(state, np.int32(1), bias, mask)
+    zeros = np.zeros(V, np.int32)
+    state = jax.jit(write_slot)(state, np.int32(1), bias, mask, zeros, zeros.astype(bool))
     assert not np.any(np.asarray(state.output_counts[1])) and not np.any(np.asarray(state.prompt_mask[1]))
     assert int(state.output_counts[0, 3]) == 1  # other slots are untouched
     state = state.replace(output_counts=state.output_counts.at[1, 4].set(2))
@@ -329,6 +330,18 @@ def test_write_and_copy_slots():
         np.testing.assert_array_equal(np.asarray(getattr(copied, field))[2], np.asarray(getattr(state, field))[1])
         np.testing.assert_array_equal(np.asarray(getattr(copied, field))[:2], np.asarray(getattr(state, field))[:2])
     np.testing.assert_array_equal(np.asarray(copied.logit_bias[1]), bias)
+
+
+def test_write_slot_sets_the_counts_of_a_cached_prefix():
+    """A slot taken after a prefix cache hit starts with its skipped tokens' counts, written from the host."""
+    state = SlotState.zeros(2, V)
+    counts = np.zeros(V, np.int32)
+    counts[[4, 9]] = [2, 1]
+    prompt = np.arange(V) < 3
+    state = jax.jit(write_slot)(state, np.int32(0), np.zeros(V, np.float32), np.zeros(V, bool), counts, prompt)
+    np.testing.assert_array_equal(np.asarray(state.output_counts[0]), counts)
+    np.testing.assert_array_equal(np.asarray(state.prompt_mask[0]), prompt)
+    assert not np.any(np.asarray(state.output_counts[1]))
 
 
 def test_slot_table_hands_out_and_takes_back():

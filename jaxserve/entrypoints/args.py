@@ -39,6 +39,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
                           "set, else ~/.cache/jaxserve/compile_cache (under $XDG_CACHE_HOME if set); "
                           "'' (or JAXSERVE_COMPILE_CACHE_DIR='') disables it"),
     "strict_no_compile": (bool, "fail if anything compiles after warm-up"),
+    "enable_prefix_caching": (bool, "reuse the KV blocks of prompt prefixes computed before (on by default, as "
+                              "vLLM's; --no-enable-prefix-caching computes every prompt whole)"),
+    "disable_log_stats": (bool, "no periodic stats line (throughput, queues, KV usage, prefix cache hit rate)"),
 }
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's
 
