@@ -110,16 +110,23 @@ def vllm_env(kv_cache_gib: int = 4, omp_threads_bind: str = VLLM_OMP_BIND,
 
 
 def run_vllm_offline(requests: list[tuple[list[int], int]], *, dtype: str, max_model_len: int = 2048,
-                     env: dict | None = None, model: Path | None = None) -> dict:
+                     env: dict | None = None, model: Path | None = None,
+                     enable_prefix_caching: bool | None = None) -> dict:
     """Times vLLM's `LLM.generate` on `requests` ((prompt token ids, output length) pairs, greedy,
     exactly that many tokens each) in a fresh process of the vLLM virtualenv; start-up is not counted.
-    Returns {"engine", "seconds", "output_tokens", "requests", "startup_s"}."""
+    Returns {"engine", "seconds", "output_tokens", "requests", "startup_s"}.
+
+    `enable_prefix_caching` True or False is passed to `vllm.LLM(...)` as is (None: vLLM's own default, which
+    differs between versions on CPU); then the engine's name says which, and the result also has
+    "prompt_tokens" and "cached_tokens" (the sum of the outputs' `num_cached_tokens`)."""
     with tempfile.TemporaryDirectory(prefix="vllm_offline_") as tmp:
         requests_file, result_file = Path(tmp) / "requests.json", Path(tmp) / "result.json"
         requests_file.write_text(json.dumps(requests))
         cmd = [str(vllm_python()), str(Path(__file__).resolve()), "vllm-offline", "--model",
                str(model or embedded_hf_dir()), "--dtype", dtype, "--max-model-len", str(max_model_len),
                "--requests", str(requests_file), "--result-json", str(result_file)]
+        if enable_prefix_caching is not None:
+            cmd += ["--enable-prefix-caching", "true" if enable_prefix_caching else "false"]
         subprocess.run(cmd, env=env or vllm_env(), check=True, cwd=tmp)
         return json.loads(result_file.read_text())
 
@@ -134,14 +141,19 @@ def vllm_offline_worker(argv: list[str]) -> None:
     parser.add_argument("--max-model-len", type=int, required=True)
     parser.add_argument("--requests", type=Path, required=True)
     parser.add_argument("--result-json", type=Path, required=True)
+    parser.add_argument("--enable-prefix-caching", choices=("true", "false"), default=None,
+                        help="passed to vllm.LLM as given (default: left to vLLM)")
     args = parser.parse_args(argv)
     requests = json.loads(args.requests.read_text())
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    caching = {}  # vLLM's own default unless asked
+    if args.enable_prefix_caching is not None:
+        caching["enable_prefix_caching"] = args.enable_prefix_caching == "true"
     start = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0)
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0, **caching)
     startup = time.perf_counter() - start
     prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True) for _, n in requests]
@@ -153,6 +165,10 @@ def vllm_offline_worker(argv: list[str]) -> None:
     assert not wrong, f"vLLM produced the wrong number of tokens (request, got, asked): {wrong[:5]}"
     result = {"engine": f"vllm {args.dtype}", "seconds": elapsed, "output_tokens": sum(counts),
               "requests": len(outputs), "startup_s": startup}
+    if caching:
+        result["engine"] += " prefix caching " + ("on" if caching["enable_prefix_caching"] else "off")
+        result["prompt_tokens"] = sum(len(prompt) for prompt, _ in requests)
+        result["cached_tokens"] = sum(out.num_cached_tokens or 0 for out in outputs)
     args.result_json.write_text(json.dumps(result))
 
 

@@ -3,7 +3,11 @@
 
 Requests come from shared/workloads/mixed_lengths.jsonl: prompts of exactly `prompt_len` token ids
 (windows of one tokenized text, so valid for any model) and exactly `output_len` new tokens
-(`ignore_eos`). They are sent at a Poisson rate (`--request-rate`, requests/s) or all at once (`inf`).
+(`ignore_eos`). A workload whose requests have a `prefix_id` (shared/workloads/shared_prefix.jsonl) is
+built as scripts/bench_prefix_caching.py builds it: seeded token ids in [100, `--vocab-size`) (default: the
+embedded model's), each request's shared prefix then its own suffix. `--max-output-len` caps every
+request's output (smoke runs). They are sent at a Poisson rate (`--request-rate`, requests/s, seeded by
+`--seed`) or all at once (`inf`).
 Reports request and token throughput and mean, median and p99 of time to first token (TTFT), time per
 output token after the first (TPOT), inter-token latency (ITL, between stream chunks) and end-to-end
 latency (E2EL), in milliseconds.
@@ -24,6 +28,19 @@ below 1 is better for the latencies). The servers' logs and the client's results
     python scripts/bench_serving.py --servers jaxserve,vllm      # 64 prompts, 256 in, 128 out, 2 req/s
     python scripts/bench_serving.py --servers jaxserve,vllm --num-prompts 4 --random-output-len 16
     python scripts/bench_serving.py --servers jaxserve,vllm --dtype bfloat16 --vllm-dtype bfloat16
+
+With `--servers` and `--workload`, every server is measured with this script's own client on that workload
+instead (`vllm bench serve` cannot send given token ids: its custom dataset sends text, its prefix_repetition
+and timed_trace datasets make up their own token ids), so all servers get the same requests at the same
+arrival times. Server `jaxserve-no-prefix-caching` is jaxserve with `--no-enable-prefix-caching` (prefix
+caching is on by default); when it runs beside `jaxserve` the report adds the ratio of their median TTFT
+(no caching / caching), and each server's prefix cache hits over queried tokens, read from its /metrics
+(`*prefix_cache_hits_total` / `*prefix_cache_queries_total`) before and after the client's run:
+
+    python scripts/bench_serving.py --servers jaxserve,jaxserve-no-prefix-caching \\
+        --workload ../shared/workloads/shared_prefix.jsonl --request-rate 1
+    python scripts/bench_serving.py --servers jaxserve,jaxserve-no-prefix-caching \\
+        --workload ../shared/workloads/shared_prefix.jsonl --num-prompts 4 --max-output-len 8   # a smoke run
 """
 
 from __future__ import annotations
@@ -48,6 +65,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402  (standard library only: vLLM's location and settings)
+from bench_prefix_caching import shared_prefix_requests  # noqa: E402
 from plot_itl import write_itl_plot  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +81,8 @@ SOURCE_TEXT = (
 class RequestResult:
     ok: bool = False
     error: str = ""
+    wrong_length: bool = False  # the stream ended well, with another number of tokens than asked
+    start_time: float = 0.0  # time.perf_counter() when sent
     prompt_len: int = 0
     output_len: int = 0
     ttft: float = 0.0
@@ -74,7 +94,37 @@ async def served_model(client: httpx.AsyncClient) -> str:
     return (await client.get("/v1/models")).json()["data"][0]["id"]
 
 
-async def build_prompts(client: httpx.AsyncClient, workload: list[dict]) -> list[list[int]]:
+def load_workload(args) -> list[dict]:
+    """The first --num-prompts requests of --workload (all when --num-prompts is None), each output length
+    capped at --max-output-len."""
+    workload = [json.loads(line) for line in Path(args.workload).read_text().splitlines() if line.strip()]
+    workload = workload[: args.num_prompts]
+    if args.max_output_len:
+        workload = [dict(r, output_len=min(r["output_len"], args.max_output_len)) for r in workload]
+    return workload
+
+
+def is_shared_prefix(workload: list[dict]) -> bool:
+    return "prefix_id" in workload[0]
+
+
+def vocab_size(args) -> int:
+    """--vocab-size, else the embedded model's."""
+    if args.vocab_size:
+        return args.vocab_size
+    from jaxserve.weights import load_config, resolve_model_path
+
+    return load_config(resolve_model_path(None)).vocab_size
+
+
+async def build_prompts(client: httpx.AsyncClient, workload: list[dict], args) -> list[list[int]]:
+    """The workload's token-id prompts: shared prefix + own suffix, or windows of one tokenized text."""
+    if is_shared_prefix(workload):
+        return [prompt for prompt, _ in shared_prefix_requests(workload, vocab_size(args))]
+    return await text_window_prompts(client, workload)
+
+
+async def text_window_prompts(client: httpx.AsyncClient, workload: list[dict]) -> list[list[int]]:
     """Token-id prompts of exactly each prompt_len: windows of one tokenized text."""
     longest = max(r["prompt_len"] for r in workload)
     text = SOURCE_TEXT
@@ -92,8 +142,8 @@ async def build_prompts(client: httpx.AsyncClient, workload: list[dict]) -> list
 async def send_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    result = RequestResult(prompt_len=len(prompt))
     start = last = time.perf_counter()
+    result = RequestResult(prompt_len=len(prompt), start_time=start)
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -117,6 +167,7 @@ async def send_request(client: httpx.AsyncClient, model: str, prompt: list[int],
                     result.output_len = chunk["usage"]["completion_tokens"]
         result.latency = time.perf_counter() - start
         result.ok = result.output_len == output_len
+        result.wrong_length = not result.ok
         if not result.ok:
             result.error = f"expected {output_len} tokens, got {result.output_len}"
     except httpx.HTTPError as err:
@@ -124,13 +175,13 @@ async def send_request(client: httpx.AsyncClient, model: str, prompt: list[int],
     return result
 
 
-async def run(args) -> dict:
-    workload = [json.loads(line) for line in Path(args.workload).read_text().splitlines() if line.strip()]
-    workload = workload[: args.num_prompts]
+async def send_workload(args, base_url: str) -> tuple[list[RequestResult], float]:
+    """Every request of the workload sent to base_url as --request-rate says; (results, seconds)."""
+    workload = load_workload(args)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=None, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
         model = args.model or await served_model(client)
-        prompts = await build_prompts(client, workload)
+        prompts = await build_prompts(client, workload, args)
         rng = np.random.default_rng(args.seed)
         semaphore = asyncio.Semaphore(args.max_concurrency or len(workload))
 
@@ -146,7 +197,11 @@ async def run(args) -> dict:
                 await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration)
+    return results, duration
+
+
+async def run(args) -> dict:
+    return summarize(*await send_workload(args, args.base_url))
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -189,7 +244,7 @@ def print_summary(s: dict) -> None:
         print("error:", error)
 
 
-# ----- --servers: start each server, measure it with `vllm bench serve`, compare -----------------------
+# ----- --servers: start each server, measure it (`vllm bench serve` or our client), compare -------------
 
 
 def free_port() -> int:
@@ -199,24 +254,28 @@ def free_port() -> int:
 
 
 PREFILL_OR_DECODE = "jaxserve-prefill-or-decode"  # jaxserve on the CPU grid without its [mixed] buckets
+NO_PREFIX_CACHING = "jaxserve-no-prefix-caching"  # jaxserve with --no-enable-prefix-caching
+JAXSERVE_SERVERS = ("jaxserve", PREFILL_OR_DECODE, NO_PREFIX_CACHING)
 
 
 def server_command(args, server: str, port: int) -> tuple[list[str], dict]:
     """The command line and environment that serve the embedded model on 127.0.0.1:port."""
     common = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.max_model_len),
               "--served-model-name", SERVED_MODEL_NAME]
-    if server in ("jaxserve", PREFILL_OR_DECODE):
+    if server in JAXSERVE_SERVERS:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--dtype", args.dtype, *common,
                "--uvicorn-log-level", "warning"]
         if server == PREFILL_OR_DECODE:
             cmd += ["--buckets", str(prefill_or_decode_buckets(Path(args.result_dir)))]
+        if server == NO_PREFIX_CACHING:
+            cmd += ["--no-enable-prefix-caching"]
         return cmd + shlex.split(getattr(args, "jaxserve_args", "") or ""), env
     if server == "vllm":
         cmd = [str(baselines.vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(baselines.embedded_hf_dir()), "--dtype", args.vllm_dtype, "--seed", "0", *common]
         return cmd, vllm_env(args)
-    raise ValueError(f"unknown server {server!r} (jaxserve, {PREFILL_OR_DECODE} or vllm)")
+    raise ValueError(f"unknown server {server!r} ({', '.join(JAXSERVE_SERVERS)} or vllm)")
 
 
 def prefill_or_decode_buckets(directory: Path) -> Path:
@@ -280,35 +339,93 @@ def stop_server(proc: subprocess.Popen, grace: float = 60) -> None:
 
 
 def measure_server(args, server: str, result_dir: Path) -> dict:
-    """Starts `server`, runs the client against it, stops it; the client's saved result."""
+    """Starts `server`, runs the client against it, stops it; the client's result, with the server's time to
+    ready and its prefix cache counters over the client's run."""
     port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
     cmd, env = server_command(args, server, port)
-    result_file = f"{server}.json"
     with open(result_dir / f"{server}-server.log", "w") as log:
         print(f"starting {server}: {' '.join(cmd)}", flush=True)
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
         try:
-            ready = wait_ready(proc, f"http://127.0.0.1:{port}", args.server_timeout)
-            print(f"{server} ready after {ready:.0f}s; running vllm bench serve", flush=True)
-            with open(result_dir / f"{server}-client.log", "w") as client_log:
-                subprocess.run(client_command(args, port, result_dir, result_file), env=vllm_env(args),
-                               stdout=client_log, stderr=subprocess.STDOUT, check=True, cwd=result_dir,
-                               timeout=args.client_timeout)
+            try:
+                ready = wait_ready(proc, base_url, args.server_timeout)
+            except (RuntimeError, TimeoutError) as err:
+                raise RuntimeError(f"{server}: {err}; its log: {log.name}") from err
+            print(f"{server} ready after {ready:.0f}s; running {client_name(args)}", flush=True)
+            before = prefix_cache_counters(base_url)
+            result = run_client(args, server, port, result_dir)
+            after = prefix_cache_counters(base_url)
         finally:
             stop_server(proc)
-    result = json.loads((result_dir / result_file).read_text())
     result["startup_s"] = ready
+    result["prefix_cache"] = {name: after[name] - before[name] for name in after}
     return result
 
 
+def client_name(args) -> str:
+    return f"this script's client on {args.workload}" if args.workload else "vllm bench serve"
+
+
+def run_client(args, server: str, port: int, result_dir: Path) -> dict:
+    """Our client when --workload is given, else `vllm bench serve`; its result, saved as <server>.json."""
+    if args.workload:
+        return own_client_result(args, f"http://127.0.0.1:{port}", result_dir / f"{server}.json")
+    return vllm_client_result(args, port, result_dir, f"{server}.json")
+
+
+def vllm_client_result(args, port: int, result_dir: Path, result_file: str) -> dict:
+    """`vllm bench serve` against the server; its saved JSON result."""
+    with open(result_dir / f"{Path(result_file).stem}-client.log", "w") as client_log:
+        subprocess.run(client_command(args, port, result_dir, result_file), env=vllm_env(args),
+                       stdout=client_log, stderr=subprocess.STDOUT, check=True, cwd=result_dir,
+                       timeout=args.client_timeout)
+    return json.loads((result_dir / result_file).read_text())
+
+
+def own_client_result(args, base_url: str, path: Path) -> dict:
+    """This script's client on --workload, as a `vllm bench serve`-like result (the fields the table and the
+    ITL plot read), also saved to `path`."""
+    results, duration = asyncio.run(asyncio.wait_for(send_workload(args, base_url), args.client_timeout))
+    result = summarize(results, duration)
+    result.update({
+        "completed": sum(r.ok for r in results), "wrong_length": sum(r.wrong_length for r in results),
+        "failed": sum(not r.ok and not r.wrong_length for r in results),
+        "start_times": [r.start_time for r in results if r.ok], "ttfts": [r.ttft for r in results if r.ok],
+        "itls": [r.itl for r in results if r.ok],
+    })
+    path.write_text(json.dumps(result))
+    return result
+
+
+def prefix_cache_counters(base_url: str) -> dict:
+    """The server's prefix cache counters from /metrics (jaxserve's and vLLM's `*prefix_cache_queries_total`,
+    `*prefix_cache_hits_total`, summed over labels): {"queries", "hits"}, 0 where it has none."""
+    counters = {"queries": 0.0, "hits": 0.0}
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return counters
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, value = line.split("{")[0].split()[0], line.split()[-1]
+        for key in counters:
+            if name.endswith(f"prefix_cache_{key}_total"):
+                counters[key] += float(value)
+    return counters
+
+
 def summarize_client_result(server: str, result: dict, output_len: int) -> dict:
-    """One table row from `vllm bench serve`'s saved JSON (saved with --save-detailed)."""
-    lens = result.get("output_lens") or []
-    short = sum(1 for n in lens if n != output_len)
+    """One table row from `vllm bench serve`'s saved JSON (saved with --save-detailed) or our client's."""
+    if "wrong_length" in result:  # our client's: counted per request against the workload's lengths
+        short = result["wrong_length"]
+    else:
+        short = sum(1 for n in result.get("output_lens") or [] if n != output_len)
     return {
         "server": server, "completed": result["completed"], "failed": result["failed"],
         "wrong_length": short, "output_throughput": result["output_throughput"],
-        **{key: result[key] for key in SERVING_METRICS},
+        **{key: result[key] for key in SERVING_METRICS}, "prefix_cache": result.get("prefix_cache"),
     }
 
 
@@ -334,6 +451,23 @@ def comparison_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def prefix_caching_lines(rows: list[dict]) -> list[str]:
+    """Each server's prefix cache hits over queried tokens, and the median TTFT of jaxserve without prefix
+    caching over jaxserve with it, when both ran."""
+    hits = []
+    for r in rows:
+        counters = r.get("prefix_cache") or {}
+        queries, found = counters.get("queries", 0), counters.get("hits", 0)
+        hits.append(f"{r['server']} {found:.0f} / {queries:.0f}" + (f" ({found / queries:.1%})" if queries else ""))
+    lines = ["prefix cache hits / queried tokens (server /metrics, over the client's run): " + ", ".join(hits)]
+    by_name = {r["server"]: r for r in rows}
+    if "jaxserve" in by_name and NO_PREFIX_CACHING in by_name:
+        on, off = by_name["jaxserve"]["median_ttft_ms"], by_name[NO_PREFIX_CACHING]["median_ttft_ms"]
+        ratio = f"{off / on:.2f}x" if on else "n/a"
+        lines.append(f"median TTFT, no prefix caching / prefix caching: {ratio} ({off:.1f} ms / {on:.1f} ms)")
+    return lines
+
+
 def compare_servers(args) -> None:
     result_dir = Path(args.result_dir or tempfile.mkdtemp(prefix="bench_serving_"))
     result_dir.mkdir(parents=True, exist_ok=True)
@@ -347,30 +481,52 @@ def compare_servers(args) -> None:
         startups.append(f"{server} {result['startup_s']:.0f}s")
         print(json.dumps(rows[-1]), flush=True)
     plot = Path(args.itl_plot) if args.itl_plot else result_dir / "itl_over_time.svg"
-    write_itl_plot(plot, f"ITL over time: {args.num_prompts} x {args.random_input_len} -> {args.random_output_len} "
-                   f"tokens at {args.request_rate} req/s", results)
-    print(f"\n{args.num_prompts} prompts of {args.random_input_len} tokens, {args.random_output_len} out "
-          f"(ignore_eos, greedy), {args.request_rate} req/s, `vllm bench serve`; jaxserve {args.dtype}, "
+    write_itl_plot(plot, f"ITL over time: {workload_title(args)} at {args.request_rate} req/s", results)
+    print(f"\n{workload_description(args)}, {args.request_rate} req/s; jaxserve {args.dtype}, "
           f"vLLM {args.vllm_dtype}; time to ready (not measured): {', '.join(startups)}; "
           f"logs and results in {result_dir}; ITL over time: {plot}\n")
     print(comparison_table(rows))
+    print("\n" + "\n".join(prefix_caching_lines(rows)))
+
+
+def workload_title(args) -> str:
+    if args.workload:
+        return f"{len(load_workload(args))} requests of {Path(args.workload).stem}"
+    return f"{args.num_prompts} x {args.random_input_len} -> {args.random_output_len} tokens"
+
+
+def workload_description(args) -> str:
+    if args.workload:
+        workload = load_workload(args)
+        prompt = sum(r.get("prompt_len", 0) + r.get("prefix_len", 0) + r.get("suffix_len", 0) for r in workload)
+        output = sum(r["output_len"] for r in workload)
+        return (f"{len(workload)} requests of {args.workload} ({prompt} prompt tokens, {output} out, ignore_eos, "
+                f"greedy), this script's client")
+    return (f"{args.num_prompts} prompts of {args.random_input_len} tokens, {args.random_output_len} out "
+            f"(ignore_eos, greedy), `vllm bench serve`")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's)")
-    parser.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
-    parser.add_argument("--num-prompts", type=int, default=None, help="default 256; 64 with --servers")
+    parser.add_argument("--workload", default=None,
+                        help="a workload file (default: mixed_lengths; with --servers: `vllm bench serve`'s random "
+                        "dataset, a file here switches to this script's client)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="default 256; 64 with --servers (all of --workload with --servers and --workload)")
+    parser.add_argument("--max-output-len", type=int, default=None, help="caps each request's output_len")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="token ids of shared-prefix prompts are below this (default: the embedded model's)")
     parser.add_argument("--request-rate", type=float, default=None,
                         help="requests per second, Poisson arrivals; inf sends all at once (default inf; 2 with "
                         "--servers)")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", default=None, help="also write the summary here")
-    group = parser.add_argument_group("--servers: start and measure each server with `vllm bench serve`")
+    group = parser.add_argument_group("--servers: start and measure each server (`vllm bench serve` or our client)")
     group.add_argument("--servers", default=None,
-                       help=f"comma-separated, run in this order: jaxserve, {PREFILL_OR_DECODE}, vllm")
+                       help=f"comma-separated, run in this order: {', '.join(JAXSERVE_SERVERS)}, vllm")
     group.add_argument("--itl-plot", default=None, help="SVG of ITL over time (default: in --result-dir)")
     group.add_argument("--random-input-len", type=int, default=256)
     group.add_argument("--random-output-len", type=int, default=128)
@@ -388,11 +544,12 @@ def main() -> None:
     group.add_argument("--result-dir", default=None, help="servers' logs and clients' results (default: a temp dir)")
     args = parser.parse_args()
     if args.servers:
-        args.num_prompts = args.num_prompts or 64
+        args.num_prompts = args.num_prompts or (None if args.workload else 64)
         args.request_rate = 2.0 if args.request_rate is None else args.request_rate
         compare_servers(args)
         return
     args.num_prompts = args.num_prompts or 256
+    args.workload = args.workload or str(DEFAULT_WORKLOAD)
     args.request_rate = float("inf") if args.request_rate is None else args.request_rate
     summary = asyncio.run(run(args))
     print_summary(summary)
