@@ -88,6 +88,23 @@ def test_generation_features_are_identical_for_tp_1_2_4(llms):
     assert len(results[1][0]) == 2 and len(results[1][1]) == 2
 
 
+def test_prefix_cache_hits_are_identical_for_tp_1_2_4(llms):
+    """A prompt that starts on cached blocks (and a penalized one, whose sampler slot gets the cached tokens'
+    counts) generates on the mesh what it generates on one device."""
+    prompt = PROMPTS[0] + [7, 8, 9]
+    penalized = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.5)
+    results = {}
+    for tp, llm in llms.items():
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)  # PROMPTS[0]'s blocks cached
+        outputs = llm.generate([{"prompt_token_ids": prompt}] * 2, [GREEDY, penalized], use_tqdm=False)
+        results[tp] = [(o.num_cached_tokens, o.outputs[0].token_ids) for o in outputs]
+    block_size = llms[1].llm_engine.block_size
+    # PROMPTS[0]'s full blocks, never the block of the prompt's last token
+    expected = min(len(PROMPTS[0]), len(prompt) - 1) // block_size * block_size
+    assert expected > 0 and [cached for cached, _ in results[1]] == [expected] * 2
+    assert results[2] == results[1] and results[4] == results[1]
+
+
 def test_logits_agree_within_tolerance(llms):
     logits = {tp: _prefill_logits(llm, PROMPTS[1]) for tp, llm in llms.items()}
     assert np.abs(logits[1]).max() > 1.0
