@@ -85,9 +85,11 @@ def test_generate_returns_vllm_shaped_outputs(llm):
     assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids)
 
 
-def test_requests_arriving_while_others_decode_change_no_token(llm):
+def test_requests_arriving_while_others_decode_change_no_token(llm_without_caching):
     """Mixed steps on the real model: requests that arrive while others decode share steps with them (offline
-    and through AsyncLLMEngine), and every request's greedy tokens equal its tokens alone."""
+    and through AsyncLLMEngine), and every request's greedy tokens equal its tokens alone. Without the prefix
+    cache: it would serve the prompts the requests alone computed, and their prefills would not be measured."""
+    llm = llm_without_caching
     prompts = _text_prompts(llm.get_tokenizer(), [40, 300, 9, 150, 70])
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
@@ -165,3 +167,4 @@ def test_prefix_caching_gives_the_tokens_of_no_caching_behind_a_shared_system_pr
     engine = llm.llm_engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.stats.num_compiles_after_warm_up == 0
+

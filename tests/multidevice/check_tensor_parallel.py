@@ -17,6 +17,7 @@ from jaxserve import LLM, BeamSearchParams, SamplingParams
 from jaxserve.compile_cache import num_backend_compiles
 from jaxserve.model_runner import StepInputs, step_shape
 from jaxserve.sampler import PAD_FLOATS, SamplingRow, SamplingTensors
+from jaxserve.sequence import Sequence
 from tests.hf_tiny import hf_greedy, make_tiny_model, small_bucket_file
 
 assert jax.device_count() == 8, f"run with XLA_FLAGS=--xla_force_host_platform_device_count=8 ({os.environ})"
@@ -52,15 +53,19 @@ def _generate(llm) -> list[list[int]]:
 
 
 def _prefill_logits(llm, prompt: list[int]) -> np.ndarray:
-    """Runs one prefill step of `prompt` (blocks 0..) on the engine's runner; returns its f32[V] logits."""
+    """Runs one prefill step of `prompt` on the engine's runner, in blocks taken from (and given back to) its block
+    manager, so that no block the prefix cache holds is overwritten; returns its f32[V] logits."""
     engine = llm.llm_engine
     bucket = engine.grid.prefill_buckets[0]
     shape = step_shape(bucket, engine.block_size)
     s, q, p = shape.batch_size, shape.num_query_tokens, shape.pages_per_seq
     ids = np.zeros((s, q), np.int32)
     ids[0, : len(prompt)] = prompt
+    scratch = Sequence("prefill-logits", prompt)
+    engine.block_manager.allocate(scratch, len(prompt))
     tables = np.zeros((s, p), np.int32)
-    tables[0] = np.arange(p)
+    tables[0, : len(scratch.block_table)] = scratch.block_table
+    engine.block_manager.free(scratch)
     sampling = SamplingTensors.from_rows([SamplingRow(PAD_FLOATS)], s, engine.slots.no_slot)
     inputs = StepInputs(ids, tables, np.zeros(s, np.int32), np.asarray([len(prompt)] * s, np.int32),
                         np.asarray([len(prompt) - 1] * s, np.int32), sampling)
