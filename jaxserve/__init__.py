@@ -19,6 +19,7 @@ _EXPORTS = {
     "SamplingParams": "jaxserve.sampling_params",
     "BeamSearchParams": "jaxserve.sampling_params",
     "RequestOutputKind": "jaxserve.sampling_params",
+    "StructuredOutputsParams": "jaxserve.structured_outputs",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "Logprob": "jaxserve.outputs",

@@ -423,7 +423,7 @@ class LLMEngine:
             q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
             group = self.requests[seq.request_id]
             sampling_rows.append(group.sampling_row(seq, start, num_tokens, self.slots.get(seq.seq_id)))
-        sampling = SamplingTensors.from_rows(sampling_rows, s, self.slots.no_slot)
+        sampling = SamplingTensors.from_rows(sampling_rows, s, self.slots.no_slot, self.model_config.vocab_size)
         return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling, feed_rows, feed_cols,
                           query_starts)
 

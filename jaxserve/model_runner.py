@@ -284,7 +284,7 @@ class ModelRunner:
         return (
             _abstract(self.params), _abstract(self.kv_pool), _abstract(self.slot_state), i32(*shape.input_shape),
             meta, i32(s),
-            SamplingTensors.abstract(s, rep), i32(self.max_rows), i32(s), i32(s),
+            SamplingTensors.abstract(s, self.config.vocab_size, rep), i32(self.max_rows), i32(s), i32(s),
         )
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:

@@ -5,7 +5,8 @@ column per parameter), so a new value never recompiles and a step copies two sma
 device. The order is vLLM's:
 
   raw logits ── logprobs (raw_logprobs mode, `logprobs.py`)
-      └─ + logit_bias, EOS/stop ids masked while fewer than min_tokens     (slot rows, `sampler_state.py`)
+      └─ tokens a row's grammar forbids masked (packed allowed-token bitmask, `structured_outputs.py`)
+       └─ + logit_bias, EOS/stop ids masked while fewer than min_tokens    (slot rows, `sampler_state.py`)
          └─ repetition / frequency / presence penalties                    (slot token counts)
             ├─ greedy rows: argmax
             └─ random rows: / temperature, min_p, top_k, top_p, categorical(fold_in(key(seed), step))
@@ -35,6 +36,7 @@ INT_COLUMNS = ("top_k", "seed", "step", "min_tokens", "slot", "prompt_len", "fla
 FLAG_LOGIT_BIAS = 1
 FLAG_LOGPROBS = 2
 FLAG_PROMPT_LOGPROBS = 4
+FLAG_GRAMMAR = 8  # the row's `allowed` bitmask applies (structured outputs)
 PAD_FLOATS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # a padding row is greedy and changes nothing
 
 
@@ -51,15 +53,22 @@ class SamplingRow:
     prompt_len: int = 0
     flags: int = 0
     prompt_next_token: int = 0
+    allowed: np.ndarray | None = None  # i32[ceil(V / 32)]: bit v % 32 of word v // 32 allows token v
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of a packed per-row allowed-token bitmask."""
+    return -(-vocab_size // 32)
 
 
 @struct.dataclass
 class SamplingTensors:
     floats: jax.Array  # f32[S, len(FLOAT_COLUMNS)]
     ints: jax.Array  # i32[S, len(INT_COLUMNS)]
+    allowed: jax.Array  # i32[S, ceil(V / 32)]: a row's grammar's allowed tokens (read when FLAG_GRAMMAR)
 
     @classmethod
-    def from_rows(cls, rows: list[SamplingRow], batch_size: int, no_slot: int) -> SamplingTensors:
+    def from_rows(cls, rows: list[SamplingRow], batch_size: int, no_slot: int, vocab_size: int) -> SamplingTensors:
         floats = np.empty((batch_size, len(FLOAT_COLUMNS)), np.float32)
         floats[:] = PAD_FLOATS
         ints = np.zeros((batch_size, len(INT_COLUMNS)), np.int32)
@@ -71,12 +80,17 @@ class SamplingTensors:
                  r.prompt_len, r.flags, r.prompt_next_token)
                 for r in rows
             ]
-        return cls(floats, ints)
+        allowed = np.full((batch_size, bitmask_words(vocab_size)), -1, np.int32)  # every token allowed
+        for i, row in enumerate(rows):
+            if row.allowed is not None:
+                allowed[i] = row.allowed
+        return cls(floats, ints, allowed)
 
     @classmethod
-    def abstract(cls, batch_size: int, sharding=None) -> SamplingTensors:
-        return cls(jax.ShapeDtypeStruct((batch_size, len(FLOAT_COLUMNS)), jnp.float32, sharding=sharding),
-                   jax.ShapeDtypeStruct((batch_size, len(INT_COLUMNS)), jnp.int32, sharding=sharding))
+    def abstract(cls, batch_size: int, vocab_size: int, sharding=None) -> SamplingTensors:
+        sds = lambda columns, dtype: jax.ShapeDtypeStruct((batch_size, columns), dtype, sharding=sharding)
+        return cls(sds(len(FLOAT_COLUMNS), jnp.float32), sds(len(INT_COLUMNS), jnp.int32),
+                   sds(bitmask_words(vocab_size), jnp.int32))
 
     def _f(self, name: str) -> jax.Array:
         return self.floats[:, FLOAT_COLUMNS.index(name)]
@@ -113,7 +127,7 @@ class SamplerOutput:
 
 def sample(logits: jax.Array, params: SamplingTensors, slots: SlotState, num_logprobs: int) -> SamplerOutput:
     """logits f32[S, V] (raw) -> one token per row, plus raw logprobs when a row wants them."""
-    processed = apply_penalties(apply_bias_and_min_tokens(logits, params, slots), params, slots)
+    processed = apply_penalties(apply_bias_and_min_tokens(apply_grammar(logits, params), params, slots), params, slots)
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     is_greedy = params.temperature < _EPS
     random = jax.lax.cond(jnp.all(is_greedy), lambda: greedy, lambda: sample_random(processed, params))
@@ -124,6 +138,19 @@ def sample(logits: jax.Array, params: SamplingTensors, slots: SlotState, num_log
         lambda: TokenLogprobs.zeros(tokens.shape, num_logprobs),
     )
     return SamplerOutput(tokens, logprobs)
+
+
+def apply_grammar(logits: jax.Array, params: SamplingTensors) -> jax.Array:
+    """Tokens outside a constrained row's packed bitmask get -inf; other rows are untouched."""
+    constrained = params.flag(FLAG_GRAMMAR)
+
+    def apply() -> jax.Array:
+        vocab = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+        words = jnp.take(params.allowed, vocab // 32, axis=1).astype(jnp.uint32)  # [S, V]
+        allowed = (words >> (vocab % 32).astype(jnp.uint32)) & 1
+        return jnp.where(constrained[:, None] & (allowed == 0), -jnp.inf, logits)
+
+    return jax.lax.cond(jnp.any(constrained), apply, lambda: logits)
 
 
 def apply_bias_and_min_tokens(logits: jax.Array, params: SamplingTensors, slots: SlotState) -> jax.Array:

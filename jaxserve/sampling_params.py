@@ -13,6 +13,7 @@ import math
 from enum import IntEnum
 
 from jaxserve.logger import init_logger
+from jaxserve.structured_outputs import StructuredOutputsParams
 
 logger = init_logger("jaxserve.sampling_params")
 
@@ -52,6 +53,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -67,6 +69,11 @@ class SamplingParams:
         if self.prompt_logprobs is True:
             self.prompt_logprobs = 1
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):  # JSON bodies (the server's /generate)
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as err:
+                raise ValueError(f"invalid structured_outputs: {err}") from None
         self._validate()
         if 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s; raised to %s", self.temperature, MIN_TEMPERATURE,
@@ -109,6 +116,8 @@ class SamplingParams:
         _check(all(self.stop), "stop cannot contain an empty string.")
         _check(isinstance(self.output_kind, RequestOutputKind),
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}.")
 
     def _validate_lengths(self) -> None:
         max_tokens, min_tokens = self.max_tokens, self.min_tokens

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -29,9 +30,10 @@ import numpy as np
 from jaxserve.detokenizer import IncrementalDetokenizer
 from jaxserve.logprobs import TokenTexts, logprob_dict
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampler import FLAG_LOGIT_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SamplingRow
+from jaxserve.sampler import FLAG_GRAMMAR, FLAG_LOGIT_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SamplingRow
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from jaxserve.structured_outputs import GrammarCompiler, GrammarMatcher
 
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -68,6 +70,11 @@ class EngineContext:
     eos_token_ids: frozenset[int]
     max_model_len: int
     vocab_size: int
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Matchers for structured outputs, over the tokenizer (built on the first constrained request)."""
+        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
 
 class RequestGroup(abc.ABC):
@@ -166,6 +173,7 @@ class SampleState:
     num_accepted_tokens: int = 0  # output tokens read back from the device (the rest are placeholders)
     num_reported_tokens: int = 0
     num_reported_chars: int = 0
+    grammar: GrammarMatcher | None = None  # structured outputs: where the sequence is in its grammar
 
 
 class SamplingGroup(RequestGroup):
@@ -173,6 +181,8 @@ class SamplingGroup(RequestGroup):
                  seed: int, ctx: EngineContext):
         super().__init__(request_id, prompt, prompt_token_ids, ctx)
         self.params = params
+        # a constrained row's next mask needs its last token on the host (see LLMEngine.step)
+        self.needs_host_sync = params.structured_outputs is not None
         self.base_seed = seed
         self.states: dict[int, SampleState] = {}
         first = self._new_sequence(num_pending_forks=params.best_of - 1)
@@ -198,20 +208,28 @@ class SamplingGroup(RequestGroup):
         detok = IncrementalDetokenizer(self.ctx.tokenizer, self.prompt_token_ids, self.params)
         logprobs = [] if self.params.logprobs is not None else None
         seed = (self.base_seed + index) & 0xFFFFFFFF
-        self.states[seq.seq_id] = SampleState(index, seed, detok, logprobs)
+        grammar = None
+        if self.params.structured_outputs is not None:
+            grammar = self.ctx.grammars.matcher(self.params.structured_outputs)
+        self.states[seq.seq_id] = SampleState(index, seed, detok, logprobs, grammar=grammar)
         self.seqs.append(seq)
 
     # ----- per-row inputs -----------------------------------------------------------------------
     def sampling_row(self, seq: Sequence, start: int, num_tokens: int, slot: int | None) -> SamplingRow:
         end = start + num_tokens
+        state = self.states[seq.seq_id]
         flags = self._static_flags
         if self.wants_prompt_logprobs(start, num_tokens):
             flags |= FLAG_PROMPT_LOGPROBS
+        allowed = None
+        if state.grammar is not None and end == seq.num_tokens:  # the row samples: its grammar's next tokens
+            flags |= FLAG_GRAMMAR
+            allowed = state.grammar.allowed_tokens()
         return SamplingRow(
-            self._floats, top_k=max(self.params.top_k, 0), seed=self.states[seq.seq_id].seed,
+            self._floats, top_k=max(self.params.top_k, 0), seed=state.seed,
             step=seq.num_output_tokens, min_tokens=self.params.min_tokens, slot=slot,
             prompt_len=self.num_prompt_tokens, flags=flags,
-            prompt_next_token=seq.all_token_ids[end] if end < seq.num_tokens else 0,
+            prompt_next_token=seq.all_token_ids[end] if end < seq.num_tokens else 0, allowed=allowed,
         )
 
     def needs_slot(self) -> bool:
@@ -277,6 +295,8 @@ class SamplingGroup(RequestGroup):
                 self.params.logprobs, self.ctx.texts,
             ))
         was_finished = seq.is_finished
+        if state.grammar is not None:
+            state.grammar.consume(sample.token_id)
         self._check_stop(seq, state, sample.token_id)
         if seq.is_finished and not was_finished:
             del seq.output_token_ids[index + 1 :]  # placeholders dispatched after the stop
@@ -307,6 +327,8 @@ class SamplingGroup(RequestGroup):
             stop_string = state.detokenizer.append(token_id, check_stop=num_out > p.min_tokens)
             if stop_string is not None:
                 seq.status, state.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_string
+            elif state.grammar is not None and state.grammar.is_finished:
+                seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
             elif num_out >= (p.max_tokens or self.ctx.max_model_len) or seq.num_tokens >= self.ctx.max_model_len:
                 seq.status = SequenceStatus.FINISHED_LENGTH
 

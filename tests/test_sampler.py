@@ -11,6 +11,7 @@ import pytest
 from jaxserve.attention import AttentionMetadata, token_layout
 from jaxserve.logprobs import prompt_logprobs, prompt_targets, token_logprobs
 from jaxserve.sampler import (
+    FLAG_GRAMMAR,
     FLAG_LOGIT_BIAS,
     FLAG_LOGPROBS,
     PAD_FLOATS,
@@ -33,7 +34,7 @@ def row(temperature=0.0, top_p=1.0, min_p=0.0, presence=0.0, frequency=0.0, repe
 
 
 def tensors(rows: list[SamplingRow], batch_size: int | None = None, num_slots: int = 4) -> SamplingTensors:
-    return SamplingTensors.from_rows(rows, batch_size or len(rows), num_slots)
+    return SamplingTensors.from_rows(rows, batch_size or len(rows), num_slots, V)
 
 
 def slot_state(rng, num_slots=4) -> SlotState:
@@ -312,6 +313,33 @@ def _check_counts(out, num_slots):
     counts[2, 13] = 1
     np.testing.assert_array_equal(np.asarray(out.output_counts), counts)
     np.testing.assert_array_equal(np.asarray(out.prompt_mask), prompt)
+
+
+def _bitmask(allowed_tokens: list[int]) -> np.ndarray:
+    words = np.zeros(-(-V // 32), np.uint32)
+    for token in allowed_tokens:
+        words[token // 32] |= np.uint32(1) << np.uint32(token % 32)
+    return words.view(np.int32)
+
+
+def test_a_grammar_bitmask_masks_its_row_only():
+    """Greedy and random constrained rows only pick allowed tokens (token 33 sits in the second word, token 31
+    in the sign bit of the first); an unconstrained row beside them is untouched; logprobs stay raw."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, V)).astype(np.float32)
+    allowed = [31, 33, 50]
+    rows = [row(flags=FLAG_GRAMMAR | FLAG_LOGPROBS, allowed=_bitmask(allowed)),
+            row(temperature=1.0, seed=4, flags=FLAG_GRAMMAR, allowed=_bitmask(allowed)), row()]
+    run = jax.jit(sample, static_argnums=3)
+    out = run(logits, tensors(rows), SlotState.zeros(4, V), K)
+    tokens = np.asarray(out.tokens)
+    assert tokens[0] == allowed[int(np.argmax(logits[0, allowed]))]
+    assert tokens[1] in allowed and tokens[2] == int(np.argmax(logits[2]))
+    raw = logits[0] - np.log(np.exp(logits[0]).sum())
+    assert float(out.logprobs.token_logprob[0]) == pytest.approx(raw[tokens[0]], abs=1e-5)
+    for seed in range(20):  # random draws never leave the mask
+        rows[1] = row(temperature=1.0, seed=seed, flags=FLAG_GRAMMAR, allowed=_bitmask(allowed))
+        assert int(run(logits, tensors(rows), SlotState.zeros(4, V), K).tokens[1]) in allowed
 
 
 def test_write_and_copy_slots():

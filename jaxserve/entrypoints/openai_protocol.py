@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
+from jaxserve.structured_outputs import StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -46,6 +47,37 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's `response_format`: text, json_object, or json_schema (its `schema`; jaxserve always enforces it,
+    `strict` or not)."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_type(self):
+        if self.type not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"response_format type {self.type!r} is not supported; use 'text', 'json_object' "
+                             "or 'json_schema'")
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+        return self
+
+    def to_structured_outputs(self) -> dict | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.json_schema}
+        return None
+
+
 class SamplingFields(OpenAIBaseModel):
     """The sampling fields completions and chat share: OpenAI's, then vLLM's extras."""
 
@@ -73,6 +105,13 @@ class SamplingFields(OpenAIBaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -82,6 +121,8 @@ class SamplingFields(OpenAIBaseModel):
 
     def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
         """vLLM's mapping: n beams; temperature defaults to 1.0 as in sampling."""
+        if self._structured_outputs() is not None:
+            raise ValueError("structured outputs are not supported with beam search")
         max_tokens = self.requested_max_tokens()
         return BeamSearchParams(
             beam_width=self.n, max_tokens=default_max_tokens if max_tokens is None else max_tokens,
@@ -114,7 +155,27 @@ class SamplingFields(OpenAIBaseModel):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": self.logit_bias,  # SamplingParams makes the keys ints and clamps
+            "structured_outputs": self._structured_outputs(),
         }
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one constraint the request gives (several are a ValueError, as an invalid one is)."""
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        sources = {
+            "response_format": self.response_format.to_structured_outputs() if self.response_format else None,
+            "structured_outputs": self.structured_outputs,
+            "guided_*": {kind: value for kind, value in guided.items() if value is not None} or None,
+        }
+        given = {name: value for name, value in sources.items() if value}
+        if len(given) > 1:
+            raise ValueError(f"give one structured outputs constraint, got {' and '.join(given)}")
+        if not given:
+            return None
+        try:
+            return StructuredOutputsParams(**next(iter(given.values())))
+        except TypeError as err:  # an unknown field in structured_outputs
+            raise ValueError(f"invalid structured_outputs: {err}") from None
 
 
 # ----- completions ----------------------------------------------------------------------------------

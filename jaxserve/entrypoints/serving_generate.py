@@ -64,6 +64,8 @@ class GenerateServing(OpenAIServing):
         n, best_of = fields.pop("n", 1), fields.pop("best_of", None)
         length_penalty = fields.pop("length_penalty", 1.0)
         checked = _validated_sampling_params(fields)
+        if checked.structured_outputs is not None:
+            raise ServingError("structured outputs are not supported with beam search", param="structured_outputs")
         if not _is_count(n):
             raise ServingError(f"n must be at least 1, got {n}.", param="n")
         if best_of is not None and not (_is_count(best_of) and best_of >= n):
