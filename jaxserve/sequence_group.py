@@ -28,12 +28,15 @@ import time
 import numpy as np
 
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.logger import init_logger
 from jaxserve.logprobs import TokenTexts, logprob_dict
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampler import FLAG_GRAMMAR, FLAG_LOGIT_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SamplingRow
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from jaxserve.structured_outputs import GrammarCompiler, GrammarMatcher
+
+logger = init_logger("jaxserve.sequence_group")
 
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -295,8 +298,10 @@ class SamplingGroup(RequestGroup):
                 self.params.logprobs, self.ctx.texts,
             ))
         was_finished = seq.is_finished
-        if state.grammar is not None:
-            state.grammar.consume(sample.token_id)
+        if state.grammar is not None and not state.grammar.consume(sample.token_id):
+            # only if every token was masked (nothing the grammar allows survived the other filters): end it
+            logger.warning("request %s: its grammar rejected token %d (%s); the sequence ends here",
+                           self.request_id, sample.token_id, state.grammar.error)
         self._check_stop(seq, state, sample.token_id)
         if seq.is_finished and not was_finished:
             del seq.output_token_ids[index + 1 :]  # placeholders dispatched after the stop

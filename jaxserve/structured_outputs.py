@@ -153,11 +153,15 @@ class GrammarMatcher:
         fill_next_token_bitmask(self._matcher, self._bitmask, 0)
         return self._bitmask[0].copy()
 
-    def consume(self, token_id: int) -> None:
-        if not self._matcher.consume_token(token_id):
-            raise RuntimeError(f"the grammar rejected sampled token {token_id}: {self._matcher.get_error()}")
+    def consume(self, token_id: int) -> bool:
+        """Advances past a sampled token; False if the grammar rejects it (the matcher then stays finished)."""
+        return self._matcher.consume_token(token_id)
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error().split("\n", 1)[0]
 
     @property
     def is_finished(self) -> bool:
-        """No token may follow: the grammar is complete (or took EOS)."""
+        """No token may follow: the grammar is complete (or took EOS), or it rejected a token."""
         return self._matcher.is_stopped()

@@ -5,6 +5,7 @@ tests/test_embedded_model.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxserve import SamplingParams, StructuredOutputsParams
@@ -43,6 +44,31 @@ def test_disable_any_whitespace_makes_another_json_grammar():
     schema = {"type": "object"}
     assert (StructuredOutputsParams(json=schema, disable_any_whitespace=True).grammar_text()
             != StructuredOutputsParams(json=schema).grammar_text())
+
+
+def test_a_matcher_allows_the_grammars_next_tokens_then_ends():
+    """On the tiny byte-level tokenizer: choice ["ab", "ac"] allows 'a', then 'b' or 'c', then only EOS (id 2); a
+    rejected token leaves the matcher finished, with its reason."""
+    from jaxserve.structured_outputs import GrammarCompiler
+    from tests.generation_fixtures import LETTERS
+    from tests.hf_tiny import byte_level_tokenizer
+
+    compiler = GrammarCompiler(byte_level_tokenizer(), 320, frozenset({2}))
+    a, b, c = (LETTERS[ch] for ch in "abc")
+
+    def allowed(matcher) -> list[int]:
+        words = matcher.allowed_tokens().view(np.uint32)
+        return [t for t in range(320) if words[t // 32] >> (t % 32) & 1]
+
+    matcher = compiler.matcher(StructuredOutputsParams(choice=["ab", "ac"]))
+    assert allowed(matcher) == [a]
+    assert matcher.consume(a) and allowed(matcher) == [b, c] and not matcher.is_finished
+    assert matcher.consume(c) and allowed(matcher) == [2] and matcher.is_finished
+    other = compiler.matcher(StructuredOutputsParams(choice=["ab", "ac"]))  # a copy: the first's state is its own
+    assert allowed(other) == [a]
+    assert not other.consume(b) and other.is_finished
+    assert other.error == ("Parser Error: token \"b\" doesn't satisfy the grammar; forced bytes: got 'a'; "
+                           "applying 'b'")
 
 
 def test_sampling_params_take_the_constraint_or_its_fields():
