@@ -38,6 +38,13 @@ def llms(model_dir, tmp_path_factory):
             _llm(model_dir, tmp, "sync", caching=True, async_scheduling=False))
 
 
+@pytest.fixture(scope="module")
+def small(model_dir, tmp_path_factory):
+    """Caching on an 18-block pool (16 hold a max_model_len sequence): eviction and preemption. The eviction test
+    runs first, on its fresh pool."""
+    return _llm(model_dir, tmp_path_factory.mktemp("small"), "small", caching=True, num_kv_blocks=18)
+
+
 def _random_tokens(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 300, size=n).tolist()
 
@@ -127,9 +134,8 @@ def test_every_generation_feature_on_a_cached_prefix(llms):
     _all_free_or_evictable(on)
 
 
-def test_eviction_under_a_tiny_pool_drops_the_least_recently_used_tail_first(model_dir, tmp_path, llms):
+def test_eviction_under_a_tiny_pool_drops_the_least_recently_used_tail_first(small, llms):
     off = llms[0]
-    small = _llm(model_dir, tmp_path, "small", caching=True, num_kv_blocks=18)  # 16 hold max_model_len
     a, b = _random_tokens(70, 40), _random_tokens(71, 110)
     params = _greedy(8)
     assert _tokens(small, [a], params) == _tokens(off, [a], params)  # a: 5 full blocks cached, 13 never-cached free
@@ -153,9 +159,8 @@ def _hashes(llm: LLM, prompt: list[int]) -> list[bytes]:
     return seq.block_hashes[: hash_full_blocks(seq, BS, len(prompt))]
 
 
-def test_preemptions_and_aborts_leave_every_block_free_or_evictable(model_dir, tmp_path, llms):
-    off = llms[0]
-    small = _llm(model_dir, tmp_path, "tight", caching=True, num_kv_blocks=24)  # 192 slots for ~330 wanted
+def test_preemptions_and_aborts_leave_every_block_free_or_evictable(small, llms):
+    off = llms[0]  # the small pool has 144 slots for the ~370 these requests want
     prompts = [_random_tokens(80 + i, n) for i, n in enumerate([40, 9, 70, 17, 26, 33])]
     params = SamplingParams(temperature=0.7, seed=9, max_tokens=30, ignore_eos=True, frequency_penalty=0.8)
     expected = _tokens(off, prompts, params)
