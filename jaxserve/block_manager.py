@@ -46,10 +46,6 @@ class BlockManager:
     # -- pool state ---------------------------------------------------------------------------------
 
     @property
-    def enable_prefix_caching(self) -> bool:
-        return self.prefix_cache is not None
-
-    @property
     def num_free_blocks(self) -> int:
         """Blocks nobody holds: free ones and cached ones that may be evicted."""
         return len(self.free_block_ids) + self._num_evictable

@@ -43,9 +43,9 @@ class EngineStateCollector:
     def collect(self) -> Iterable:
         engine, stats = self.engine, self.engine.stats
         yield _gauge("num_requests_running", "Number of requests in model execution batches.",
-                     _num_requests(engine.scheduler.running))
+                     engine.scheduler.num_running_requests)
         yield _gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-                     _num_requests(engine.scheduler.waiting))
+                     engine.scheduler.num_waiting_requests)
         yield _gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                      engine.block_manager.usage)
         yield _counter("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
@@ -62,12 +62,6 @@ class EngineStateCollector:
         yield _counter("bucket_padded_tokens", "Padding query slots run to fill buckets.", stats.num_padded_tokens)
         yield _gauge("bucket_padding_waste", "Padded query slots per real token over all steps.",
                      stats.padding_waste)
-
-
-def _num_requests(seqs) -> int:
-    """Requests, not sequences (n > 1 and beams run several); list() copies atomically under the GIL, so
-    the scrape never iterates a queue the step thread is changing."""
-    return len({seq.request_id for seq in list(seqs)})
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

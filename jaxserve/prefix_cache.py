@@ -56,10 +56,6 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class PrefixCache:
     """Hash -> block table, and the LRU list of cached blocks that no sequence holds (evictable)."""

@@ -19,6 +19,7 @@ tokens its sequence has generated, so a seeded request samples the same tokens a
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ from flax import struct
 
 from jaxserve.logprobs import TokenLogprobs, token_logprobs
 from jaxserve.sampler_state import SlotState
+from jaxserve.structured_outputs import bitmask_words
 
 _EPS = 1e-5
 TOP_CANDIDATES = 256  # top-k / top-p look for their cutoff among this many largest logits first
@@ -56,11 +58,6 @@ class SamplingRow:
     allowed: np.ndarray | None = None  # i32[ceil(V / 32)]: bit v % 32 of word v // 32 allows token v
 
 
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words of a packed per-row allowed-token bitmask."""
-    return -(-vocab_size // 32)
-
-
 @struct.dataclass
 class SamplingTensors:
     floats: jax.Array  # f32[S, len(FLOAT_COLUMNS)]
@@ -80,10 +77,12 @@ class SamplingTensors:
                  r.prompt_len, r.flags, r.prompt_next_token)
                 for r in rows
             ]
-        allowed = np.full((batch_size, bitmask_words(vocab_size)), -1, np.int32)  # every token allowed
-        for i, row in enumerate(rows):
-            if row.allowed is not None:
-                allowed[i] = row.allowed
+        allowed = _every_token_allowed(batch_size, bitmask_words(vocab_size))
+        masked = [(i, row.allowed) for i, row in enumerate(rows) if row.allowed is not None]
+        if masked:  # a fresh array only for a step with constrained rows
+            allowed = allowed.copy()
+            for i, row_allowed in masked:
+                allowed[i] = row_allowed
         return cls(floats, ints, allowed)
 
     @classmethod
@@ -244,6 +243,14 @@ def _prefix_cutoff(
     threshold = jnp.where(unfiltered, -jnp.inf, threshold)
     found = unfiltered | (k <= c) | ((k >= vocab) & (num_keep < c))
     return found, threshold
+
+
+@functools.lru_cache(maxsize=64)
+def _every_token_allowed(batch_size: int, num_words: int) -> np.ndarray:
+    """The bitmask of a step without constrained rows: built once per shape, read-only."""
+    allowed = np.full((batch_size, num_words), -1, np.int32)
+    allowed.flags.writeable = False
+    return allowed
 
 
 def _as_int32(seed: int) -> int:

@@ -63,6 +63,12 @@ DEFAULT_WAITING_SERVED_RATIO = 0.0
 DEFAULT_MAX_WAITING_STEPS = 20
 
 
+def _num_requests(seqs: Iterable[Sequence]) -> int:
+    """list() copies atomically under the GIL, so a metrics scrape never iterates a queue the step thread is
+    changing."""
+    return len({seq.request_id for seq in list(seqs)})
+
+
 def _age(seq: Sequence) -> tuple[float, int]:
     return seq.arrival_time, seq.seq_id
 
@@ -238,6 +244,15 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_running_requests(self) -> int:
+        """Requests, not sequences (n > 1 and beams run several)."""
+        return _num_requests(self.running)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return _num_requests(self.waiting)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -68,7 +68,7 @@ class Sequence:
         # Sequences still to be forked from this one (n > 1, beam search): the scheduler admits it only
         # when max_num_seqs leaves room for them too.
         self.num_pending_forks = 0
-        # Prefix caching: hashes of the full blocks of real tokens so far (prefix_cache.full_block_hashes),
+        # Prefix caching: hashes of the full blocks of real tokens so far (prefix_cache.hash_full_blocks),
         # and the prompt tokens served from the cache at the first admission (RequestOutput.num_cached_tokens).
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0  # blocks of block_table already offered to the cache

@@ -48,8 +48,8 @@ class StatLogger:
         line = (
             f"Avg prompt throughput: {prefill / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {generated / elapsed:.1f} tokens/s, "
-            f"Running: {len({s.request_id for s in scheduler.running})} reqs, "
-            f"Waiting: {len({s.request_id for s in scheduler.waiting})} reqs, "
+            f"Running: {scheduler.num_running_requests} reqs, "
+            f"Waiting: {scheduler.num_waiting_requests} reqs, "
             f"KV cache usage: {self.engine.block_manager.usage:.1%}, "
             f"Prefix cache hit rate: {hits / queries if queries else 0.0:.1%}"
         )

@@ -27,6 +27,11 @@ import numpy as np
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of a packed per-row allowed-token bitmask."""
+    return -(-vocab_size // 32)
+
+
 @dataclasses.dataclass
 class StructuredOutputsParams:
     """vLLM's names: exactly one of ``json`` (a JSON schema, dict or string), ``regex``, ``choice`` (a list of
@@ -40,7 +45,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON: no whitespace but single spaces after ':' and ','
 
     def __post_init__(self) -> None:
-        given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        given = self._given_kinds()
         if len(given) > 1:
             raise ValueError("You can only use one kind of structured outputs constraint but multiple are "
                              f"specified: {', '.join(given)}")
@@ -53,9 +58,12 @@ class StructuredOutputsParams:
         if error:
             raise ValueError(f"invalid structured outputs {given[0]}: {error}")
 
+    def _given_kinds(self) -> list[str]:
+        return [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+
     @property
     def kind(self) -> str:
-        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
+        return self._given_kinds()[0]
 
     def grammar_text(self) -> str:
         """The llguidance grammar of the constraint (a cached function of its text)."""
@@ -116,8 +124,7 @@ class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], max_grammars: int = 256):
         import llguidance.hf
 
-        self.vocab_size = vocab_size
-        self.num_words = -(-vocab_size // 32)
+        self.num_words = bitmask_words(vocab_size)
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                       eos_token=sorted(eos_token_ids))
         self._templates: OrderedDict[str, Any] = OrderedDict()

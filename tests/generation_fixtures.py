@@ -27,10 +27,16 @@ LETTERS = {ch: 67 + i for i, ch in enumerate("abcdefghij")}  # the byte-level to
 
 def build_llm(tmp_path: Path, seed: int = 1) -> tuple[Path, LLM]:
     model_dir = make_tiny_model(tmp_path / "model", "llama", seed=seed)
-    buckets = tmp_path / "buckets.toml"
-    buckets.write_text(BUCKETS)
-    return model_dir, LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, buckets=str(buckets),
-                          num_kv_blocks=NUM_KV_BLOCKS)
+    return model_dir, llm_on_buckets(model_dir, tmp_path, "buckets", BUCKETS)
+
+
+def llm_on_buckets(model_dir: Path, tmp_path: Path, name: str, buckets: str, *, num_kv_blocks: int = NUM_KV_BLOCKS,
+                   **kwargs) -> LLM:
+    """A float32 engine of the tiny model on the bucket file `buckets` (written as `tmp_path/name.toml`)."""
+    path = tmp_path / f"{name}.toml"
+    path.write_text(buckets)
+    return LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, buckets=str(path),
+               num_kv_blocks=num_kv_blocks, **kwargs)
 
 
 class HFReference:

@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, AsyncLLMEngine, SamplingParams
 from jaxserve.sampling_params import BeamSearchParams
-from tests.generation_fixtures import BUCKETS, MAX_MODEL_LEN, NUM_KV_BLOCKS, tokens_prompt
+from tests.generation_fixtures import BUCKETS, NUM_KV_BLOCKS, llm_on_buckets, tokens_prompt
 from tests.hf_tiny import make_tiny_model
 
 MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [16, 32]\n"
@@ -21,10 +21,8 @@ PROMPTS = [tokens_prompt([(7 * i + j) % 90 + 3 for j in range(n)]) for i, n in e
 def _llm(model_dir, tmp_path, name: str, buckets: str, num_kv_blocks: int = NUM_KV_BLOCKS, **kwargs) -> LLM:
     """Without the prefix cache, which would serve the prompts every test repeats: the tests here count the
     mixed steps their prefills make (tests/test_prefix_caching.py runs the cache on mixed steps)."""
-    path = tmp_path / f"{name}.toml"
-    path.write_text(buckets)
-    return LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, buckets=str(path),
-               num_kv_blocks=num_kv_blocks, strict_no_compile=True, enable_prefix_caching=False, **kwargs)
+    return llm_on_buckets(model_dir, tmp_path, name, buckets, num_kv_blocks=num_kv_blocks, strict_no_compile=True,
+                          enable_prefix_caching=False, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.sampling_params import BeamSearchParams
-from tests.generation_fixtures import BUCKETS, MAX_MODEL_LEN, NUM_KV_BLOCKS, tokens_prompt
+from tests.generation_fixtures import BUCKETS, NUM_KV_BLOCKS, llm_on_buckets, tokens_prompt
 from tests.hf_tiny import make_tiny_model
 
 MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [16, 32]\n"
@@ -18,11 +18,9 @@ BS = 8  # BUCKETS' block size
 
 def _llm(model_dir, tmp_path, name: str, *, caching: bool, num_kv_blocks: int = NUM_KV_BLOCKS, **kwargs) -> LLM:
     """Engines of one pool size share their executables through the module's compile cache."""
-    path = tmp_path / f"{name}.toml"
-    path.write_text(BUCKETS + MIXED)
-    return LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, buckets=str(path),
-               num_kv_blocks=num_kv_blocks, strict_no_compile=True, enable_prefix_caching=caching,
-               compile_cache_dir=str(model_dir.parent / "compile_cache"), **kwargs)
+    return llm_on_buckets(model_dir, tmp_path, name, BUCKETS + MIXED, num_kv_blocks=num_kv_blocks,
+                          strict_no_compile=True, enable_prefix_caching=caching,
+                          compile_cache_dir=str(model_dir.parent / "compile_cache"), **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from jaxserve.sampler import (
     sample,
 )
 from jaxserve.sampler_state import SlotState, SlotTable, copy_slots, update_token_counts, write_slot
+from jaxserve.structured_outputs import bitmask_words
 
 V = 64
 K = 8
@@ -316,7 +317,7 @@ def _check_counts(out, num_slots):
 
 
 def _bitmask(allowed_tokens: list[int]) -> np.ndarray:
-    words = np.zeros(-(-V // 32), np.uint32)
+    words = np.zeros(bitmask_words(V), np.uint32)
     for token in allowed_tokens:
         words[token // 32] |= np.uint32(1) << np.uint32(token % 32)
     return words.view(np.int32)
