@@ -6,6 +6,8 @@ PROMPT ?= What is the capital of France?
 PORT ?= 8000
 # the server's context limit: a smaller bucket grid than the model's 8192 warms up faster on CPU
 MAX_MODEL_LEN ?= 2048
+# pytest-xdist workers of `make test`; whole modules go to one worker (their engines are module fixtures)
+TEST_WORKERS ?= 2
 
 .PHONY: venv run serve generate test lint clean
 
@@ -31,7 +33,7 @@ generate: venv
 
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: venv
 	$(BIN)/ruff check .

@@ -1,13 +1,20 @@
 """transformers' float32 SmolLM2-135M-Instruct (the embedded GGUF) as the reference of the embedded-model tests:
-greedy continuations of the shared chats with each step's logits, computed once per test session."""
+greedy continuations of the shared chats with each step's top-2 logit margin.
+
+Computed once per test session: the first test module that asks computes them and writes them to the
+session's shared directory (`reference_dir` in conftest.py), under a file lock, so that the other modules,
+in this process or in another pytest-xdist worker, read them instead of running transformers again.
+"""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock
 
 from jaxserve.weights import embedded_model_path
 
@@ -16,12 +23,32 @@ CHATS = WORKLOADS / "chat_questions.jsonl"
 NEW_TOKENS = 32
 
 
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+    """transformers' greedy continuation of one prompt (up to NEW_TOKENS tokens, ending at EOS) and, at each
+    step, the float32 logit margin of its argmax over the runner-up (how near a tie the choice was)."""
+
+    tokens: list[int]
+    gaps: list[float]
+
+
 def chats() -> list[list[dict]]:
     return [json.loads(line)["messages"] for line in CHATS.read_text().splitlines() if line.strip()]
 
 
-@functools.cache
-def hf_model():
+def hf_greedy_references(prompts: list[list[int]], eos_id: int, shared_dir: Path) -> list[Greedy]:
+    """Greedy references of ``prompts``, from ``shared_dir`` when a module of this session computed them."""
+    key = hashlib.sha256(json.dumps([prompts, eos_id, NEW_TOKENS]).encode()).hexdigest()[:16]
+    path = shared_dir / f"hf_greedy_{key}.json"
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            model = _hf_model()
+            references = [_hf_greedy(model, prompt, eos_id) for prompt in prompts]
+            path.write_text(json.dumps([dataclasses.asdict(r) for r in references]))
+    return [Greedy(**r) for r in json.loads(path.read_text())]
+
+
+def _hf_model():
     import torch
     import transformers
 
@@ -32,27 +59,25 @@ def hf_model():
     return model.eval()
 
 
-@functools.cache
-def hf_greedy(prompt_ids: tuple[int, ...], eos_id: int) -> tuple[list[int], np.ndarray]:
-    """Greedy decoding of up to NEW_TOKENS tokens with transformers (KV cache, float32), stopping at EOS;
-    returns the tokens and each step's logits f32[steps, V]."""
+def _hf_greedy(model, prompt_ids: list[int], eos_id: int) -> Greedy:
+    """Greedy decoding of up to NEW_TOKENS tokens with transformers (KV cache, float32), stopping at EOS."""
     import torch
 
-    ids, out, step_logits = list(prompt_ids), [], []
+    ids, out, gaps = list(prompt_ids), [], []
     past = None
     with torch.no_grad():
         for _ in range(NEW_TOKENS):
             feed = torch.tensor([ids[-1:]] if past is not None else [ids])
-            result = hf_model()(feed, past_key_values=past, use_cache=True)
+            result = model(feed, past_key_values=past, use_cache=True)
             past = result.past_key_values
             logits = result.logits[0, -1].numpy()
             token = int(logits.argmax())
-            step_logits.append(logits)
+            gaps.append(top2_gap(logits))
             out.append(token)
             ids.append(token)
             if token == eos_id:
                 break
-    return out, np.stack(step_logits)
+    return Greedy(out, gaps)
 
 
 def top2_gap(logits: np.ndarray) -> float:

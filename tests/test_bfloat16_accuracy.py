@@ -20,7 +20,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.compile_cache import num_backend_compiles
 from jaxserve.entrypoints.cli import chat_prompt_ids
-from tests.embedded_reference import NEW_TOKENS, chats, hf_greedy, top2_gap
+from tests.embedded_reference import NEW_TOKENS, chats, hf_greedy_references
 
 # measured: 896 of 899 positions (99.7%); the 3 misses at f32 top-2 gaps of 0.022, 0.026 and 0.054
 TEACHER_FORCED_AGREEMENT = 0.99
@@ -35,15 +35,12 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def references(llm):
-    """(prompt ids, transformers' greedy tokens, their f32 logits) of every chat."""
+def references(llm, reference_dir):
+    """(prompt ids, transformers' greedy tokens, their f32 top-2 margins) of every chat."""
     tokenizer = llm.get_tokenizer()
-    out = []
-    for messages in chats():
-        prompt = chat_prompt_ids(tokenizer, messages)
-        tokens, logits = hf_greedy(tuple(prompt), tokenizer.eos_token_id)
-        out.append((prompt, tokens, logits))
-    return out
+    prompts = [chat_prompt_ids(tokenizer, messages) for messages in chats()]
+    greedy = hf_greedy_references(prompts, tokenizer.eos_token_id, reference_dir)
+    return [(prompt, ref.tokens, ref.gaps) for prompt, ref in zip(prompts, greedy, strict=True)]
 
 
 def test_teacher_forced_argmax_agrees_with_float32_transformers(llm, references):
@@ -54,13 +51,13 @@ def test_teacher_forced_argmax_agrees_with_float32_transformers(llm, references)
     assert num_backend_compiles() == compiles_before  # nothing compiles after warm-up in bfloat16 either
     agree = total = 0
     disagreements = []
-    for (prompt, tokens, logits), output in zip(references, outputs, strict=True):
+    for (prompt, tokens, gaps), output in zip(references, outputs, strict=True):
         for i, token in enumerate(tokens):
             rank = output.prompt_logprobs[len(prompt) + i][token].rank
             total += 1
             agree += rank == 1
             if rank != 1:
-                disagreements.append(top2_gap(logits[i]))
+                disagreements.append(gaps[i])
     print(f"teacher-forced agreement {agree}/{total}; f32 gaps where not: {sorted(disagreements)}")
     assert total == sum(len(tokens) for _, tokens, _ in references)
     assert agree / total >= TEACHER_FORCED_AGREEMENT
@@ -72,13 +69,13 @@ def test_greedy_divergences_only_at_near_ties(llm, references):
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
     assert num_backend_compiles() == compiles_before
     exact, gaps = 0, []
-    for (_, expected, logits), output in zip(references, outputs, strict=True):
+    for (_, expected, ref_gaps), output in zip(references, outputs, strict=True):
         ours = output.outputs[0].token_ids
         if ours == expected:
             exact += 1
             continue
         first = next(i for i, (a, b) in enumerate(zip(ours, expected, strict=False)) if a != b)
-        gaps.append((first, top2_gap(logits[first])))
+        gaps.append((first, ref_gaps[first]))
     print(f"greedy: {exact}/{len(references)} chats exact; divergences (position, f32 top-2 gap): {gaps}")
     assert all(gap < MAX_DIVERGENCE_GAP for _, gap in gaps), gaps
     assert exact >= MIN_EXACT_CHATS

@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, AsyncLLMEngine, SamplingParams, StructuredOutputsParams
 from jaxserve.entrypoints.cli import chat_prompt_ids
-from tests.embedded_reference import NEW_TOKENS, WORKLOADS, chats, hf_greedy, top2_gap
+from tests.embedded_reference import NEW_TOKENS, WORKLOADS, chats, hf_greedy_references
 
 BATCHING_TOKENS = 8  # outputs of the batching test are capped so that 32 requests also run alone quickly
 
@@ -33,22 +33,23 @@ def llm_without_caching(compile_cache):
                enable_prefix_caching=False)
 
 
-def test_greedy_tokens_match_transformers_on_every_chat(llm):
+def test_greedy_tokens_match_transformers_on_every_chat(llm, reference_dir):
     tokenizer = llm.get_tokenizer()
     conversations = chats()
     assert len(conversations) == 32
-    prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, msgs)} for msgs in conversations]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    prompts = [chat_prompt_ids(tokenizer, msgs) for msgs in conversations]
+    references = hf_greedy_references(prompts, tokenizer.eos_token_id, reference_dir)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
     num_exact = 0
-    for prompt, output in zip(prompts, outputs, strict=True):
-        ours = output.outputs[0].token_ids
-        expected, logits = hf_greedy(tuple(prompt["prompt_token_ids"]), tokenizer.eos_token_id)
+    for reference, output in zip(references, outputs, strict=True):
+        ours, expected = output.outputs[0].token_ids, reference.tokens
         if ours == expected:
             num_exact += 1
             continue
         # the only excuse for a different token is a near tie in the reference logits at that point
         first = next(i for i, (a, b) in enumerate(zip(ours, expected, strict=False)) if a != b)
-        assert top2_gap(logits[first]) < 1e-3, (first, ours, expected)
+        assert reference.gaps[first] < 1e-3, (first, ours, expected)
     assert num_exact >= 30
 
 
