@@ -17,6 +17,7 @@ from jaxserve.sampler import (
     PAD_FLOATS,
     SamplingRow,
     SamplingTensors,
+    _bisected_cutoff,
     _prefix_cutoff,
     apply_bias_and_min_tokens,
     apply_penalties,
@@ -167,6 +168,32 @@ def test_cutoff_among_the_candidates_is_used_only_when_exact():
     assert np.isneginf(np.asarray(threshold)[4])
     full = jax.jit(_prefix_cutoff, static_argnums=3)(logits, k, top_p, vocab, None)[1]
     np.testing.assert_array_equal(np.asarray(threshold)[[0, 2]], np.asarray(full)[[0, 2]])
+
+
+def test_bisected_cutoff_equals_the_sorted_prefix_cutoff():
+    """The fallback without a sort: on 200 rows of a 4096-token vocabulary (peaked and flat, with -inf entries as
+    min_p leaves them, and rows of many tied values), each row's kept set under top-k and top-p is the numpy
+    reference's (where tied values straddle the cutoff, all of them are kept: vLLM's top-p keeps those its sort
+    puts first), and without ties the cutoff is exactly the sorted prefix's."""
+    rng = np.random.default_rng(4)
+    vocab, rows = 4096, 200
+    logits = rng.normal(0, rng.uniform(0.3, 6.0, (rows, 1)), (rows, vocab)).astype(np.float32)
+    logits[rng.random((rows, vocab)) < 0.2] = -np.inf
+    ties = np.arange(rows) % 4 == 0
+    logits[ties] = np.round(logits[ties] * 2) / 2  # a few dozen distinct values: ties at every cutoff
+    k = rng.choice([1, 2, 50, 300, 3000, vocab], rows).astype(np.int32)
+    top_p = rng.choice([0.05, 0.5, 0.9, 0.999, 1.0], rows).astype(np.float32)
+    cutoff = np.asarray(jax.jit(_bisected_cutoff)(logits, k, top_p))
+    descending = -np.sort(-logits, axis=-1)
+    by_sort = np.asarray(jax.jit(_prefix_cutoff, static_argnums=3)(descending, k, top_p, vocab, None)[1])
+    for i in range(rows):
+        reference = ref_top_p(ref_top_k(logits[i].astype(np.float64), int(k[i]) % vocab), float(top_p[i]))
+        finite = np.isfinite(logits[i])
+        kept, ours = np.isfinite(reference), (logits[i] >= cutoff[i]) & finite
+        np.testing.assert_array_equal(ours, kept | (finite & (logits[i] == cutoff[i])), err_msg=f"row {i}")
+        assert cutoff[i] == logits[i][kept].min() or (kept == finite).all(), i
+        if not ties[i]:
+            assert cutoff[i] == by_sort[i] or (top_p[i] >= 1.0 and k[i] == vocab), i
 
 
 def test_top_k_one_equals_greedy():
