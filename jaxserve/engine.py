@@ -10,6 +10,10 @@ stop conditions and forks; the engine applies the forks and frees and returns a 
 request that advanced. A sequence that stops on a token the host had not yet seen was already scheduled
 once more: that extra row's token is dropped. Beam search needs every step's logprobs before it can
 pick the next beams, so while a beam search request runs, each step is read before the next is planned.
+Structured outputs do not hold the other rows back: a constrained row whose grammar waits for the token
+still in flight samples without its mask in step N+1, and once step N's tokens are read (while N+1 runs)
+its mask is filled and `ModelRunner.resample` samples that row again from N+1's logits, on the device,
+before step N+2 reads its token.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from jaxserve.parallel import engine_mesh, per_device_bytes
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.prefix_cache import PrefixCacheStats
 from jaxserve.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
-from jaxserve.sampler import FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
+from jaxserve.sampler import FLAG_GRAMMAR, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
 from jaxserve.sampler_state import SlotTable, slot_state_bytes
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.scheduler import Schedule, Scheduler
@@ -76,6 +80,9 @@ class InFlightStep:
     # (group, (index, column) of the row's first token in the step's prompt logprobs, first position, tokens)
     prompt_rows: list[tuple[RequestGroup, tuple[int, int], int, int]]
     rows_by_seq: dict[int, int]  # seq_id -> row, for feeding the tokens into the next step
+    sampling: SamplingTensors | None = None  # the step's sampling inputs (host arrays)
+    # samples of constrained rows whose mask waited for the previous step's token (see LLMEngine._resample)
+    masks_pending: list[tuple[RequestGroup, Sequence, int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -93,6 +100,7 @@ class EngineStats:
     num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model: cache hits excluded
     num_generation_tokens: int = 0
     num_compiles_after_warm_up: int = 0  # executables built while serving: should stay 0
+    num_resampled_rows: int = 0  # constrained rows sampled again once their mask was known (async scheduling)
     prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)  # the block manager's
 
     @property
@@ -316,6 +324,8 @@ class LLMEngine:
         launched = None if schedule.is_idle else self._launch(schedule)
         if self._in_flight is not None:
             outputs += self._complete(self._in_flight)
+        if launched is not None and launched.masks_pending:
+            self._resample(launched)
         self._in_flight = launched
         if launched is not None and not self.async_scheduling:
             outputs += self._complete(launched)
@@ -358,7 +368,7 @@ class LLMEngine:
         output = self.runner.execute(schedule.bucket, inputs, prev)
         self._check_no_compile(compiles_before, schedule)
         flags = inputs.sampling.ints[:, _FLAGS]
-        step = InFlightStep(output, flags, [], [], {})
+        step = InFlightStep(output, flags, [], [], {}, inputs.sampling)
         launched: dict[str, RequestGroup] = {}
         for row, (seq, start, num_tokens) in enumerate(rows):
             seq.num_computed_tokens += num_tokens
@@ -369,13 +379,33 @@ class LLMEngine:
                 step.prompt_rows.append((group, first, start, num_tokens))
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt samples nothing
-            step.samples.append((group, seq, row, group.on_launch(seq)))
+            mask_waits = group.mask_waits(seq)
+            index = group.on_launch(seq)
+            step.samples.append((group, seq, row, index))
+            if mask_waits:
+                step.masks_pending.append((group, seq, row, index))
             step.rows_by_seq[seq.seq_id] = row
             launched[group.request_id] = group
         for group in launched.values():
             self._apply(group.take_update())  # forks of n > 1, sequences at their length limit
         self._count_step(schedule)
         return step
+
+    def _resample(self, step: InFlightStep) -> None:
+        """The step just dispatched sampled some constrained rows without their masks: their grammars waited for
+        the previous step's tokens, which were read since. Those rows are now sampled again, with their masks,
+        from the step's logits; the step's other rows keep their tokens."""
+        rows = np.zeros(len(step.sampling.ints), bool)
+        ints, allowed = step.sampling.ints.copy(), step.sampling.allowed.copy()
+        for group, seq, row, index in step.masks_pending:
+            mask = group.grammar_mask(seq, index) if self.requests.get(group.request_id) is group else None
+            if mask is None:
+                continue  # stopped (or aborted) on the previous token: this row's token is dropped
+            rows[row], allowed[row] = True, mask
+            ints[row, _FLAGS] |= FLAG_GRAMMAR
+        if rows.any():
+            self.stats.num_resampled_rows += int(rows.sum())
+            step.output = self.runner.resample(step.output, SamplingTensors(step.sampling.floats, ints, allowed), rows)
 
     def _sync_device_state(self, rows: list[tuple[Sequence, int, int]]) -> None:
         """Before the step: copy-on-write copies (KV blocks, forked sampler slots), then new slots' reset."""

@@ -7,6 +7,10 @@ and samples one token per sequence (`sampler.py`), with logprobs and prompt logp
 Dispatch is asynchronous: a step may take some of its input tokens from the previous step's sampled
 tokens while they are still on the device (`feed_rows`/`feed_cols`), so the host can schedule and
 prepare step N+1 before it has read step N's tokens.
+A constrained row (structured outputs) whose grammar is waiting for the previous step's token is sampled
+twice: once in the step without its mask (the token is never used), and again by the small `resample`
+executable of its batch size, from the step's raw logits, once the host has read that token and knows
+the mask; the other rows keep their tokens and the step was never held back (`LLMEngine._resample`).
 Two small executables serve forks (n > 1, beam search) and new sequences: `copy_blocks` (copy-on-write
 of KV blocks and sampler slots) and `write_slot` (a slot's reset and its request's logit_bias /
 min_tokens rows). Everything is compiled ahead of time from `ShapeDtypeStruct`s
@@ -83,6 +87,11 @@ def executable_name(shape: StepShape) -> str:
     """The step executable's name in an `ExecutableStore`."""
     kind = "t" if shape.ragged else "q"
     return f"step-s{shape.batch_size}-{kind}{shape.num_query_tokens}-p{shape.pages_per_seq}"
+
+
+def resample_name(batch_size: int) -> str:
+    """The name of the executable that samples again rows of a step of ``batch_size`` rows."""
+    return f"resample-s{batch_size}"
 
 
 @dataclasses.dataclass
@@ -190,6 +199,7 @@ class ModelRunner:
         self.num_logprobs = max(num_logprobs, 1)  # K of the step's top-K logprobs (a static shape)
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
+        self.resample_executables: dict[int, jax.stages.Compiled] = {}  # by batch size
         self.executable_store: ExecutableStore | None = None  # set by warm-up when there is a compile cache
         self.num_compiles = 0
         self.compile_seconds = 0.0
@@ -238,7 +248,8 @@ class ModelRunner:
         """Every program the engine runs, by name: (jitted function, abstract arguments) of the steps of
         ``shapes``, the allocations and the forks (to lower them for a platform this host does not have)."""
         steps = {executable_name(shape): (self._step_jit(), self._abstract_inputs(shape)) for shape in shapes}
-        return {**steps, **self._allocation_programs(), **self._helper_programs()}
+        resamples = {resample_name(s): self._resample_program(s) for s in dict.fromkeys(x.batch_size for x in shapes)}
+        return {**steps, **resamples, **self._allocation_programs(), **self._helper_programs()}
 
     def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
               feed_cols):
@@ -265,6 +276,27 @@ class ModelRunner:
             lambda: prompt_logprobs(hidden, targets, logits_fn, self.num_logprobs),
             lambda: TokenLogprobs.zeros(input_ids.shape, self.num_logprobs),
         )
+
+    def _resample(self, slot_state, logits, sampling, tokens, logprobs, rows):
+        """A step's tokens (i32[max_rows]) and logprobs with ``rows`` (bool[S]) sampled again from its raw
+        logits f32[S, V] under ``sampling`` (the step's own, now with those rows' grammar masks)."""
+        again = sample(logits, sampling, slot_state, self.num_logprobs)
+        s = logits.shape[0]
+        tokens = tokens.at[:s].set(jnp.where(rows, again.tokens, tokens[:s]))
+        pick = lambda new, old: jnp.where(rows.reshape(-1, *(1,) * (new.ndim - 1)), new, old)
+        return tokens, jax.tree.map(pick, again.logprobs, logprobs)
+
+    def _resample_program(self, batch_size: int) -> tuple:
+        """(jitted, abstract arguments) of the resample executable for steps of ``batch_size`` rows."""
+        rep = replicated(self.mesh)
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+        s, k = batch_size, self.num_logprobs
+        logprobs = TokenLogprobs(sds((s,), jnp.float32), sds((s,), jnp.int32), sds((s, k), jnp.int32),
+                                 sds((s, k), jnp.float32))
+        args = (_abstract(self.slot_state), sds((s, self.config.vocab_size), jnp.float32),
+                SamplingTensors.abstract(s, self.config.vocab_size, rep), sds((self.max_rows,), jnp.int32),
+                logprobs, sds((s,), jnp.bool_))
+        return jax.jit(self._resample, out_shardings=rep), args
 
     @staticmethod
     def _copy_blocks(kv_pool, slot_state, block_src, block_dst, slot_src, slot_dst):
@@ -294,6 +326,14 @@ class ModelRunner:
             with self._compile_lock:
                 self.executables[shape] = executable
         return self.executables[shape]
+
+    def compile_resample(self, batch_size: int) -> jax.stages.Compiled:
+        """Compiles (once) the resample executable of steps of ``batch_size`` rows. Thread-safe for different sizes."""
+        if batch_size not in self.resample_executables:
+            executable = self._compile(*self._resample_program(batch_size), resample_name(batch_size))
+            with self._compile_lock:
+                self.resample_executables[batch_size] = executable
+        return self.resample_executables[batch_size]
 
     def _step_jit(self):
         rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
@@ -362,6 +402,15 @@ class ModelRunner:
             inputs.sampling, self.no_tokens if prev_tokens is None else prev_tokens, feed_rows, feed_cols,
         )
         return output
+
+    def resample(self, output: StepOutput, sampling: SamplingTensors, rows: np.ndarray) -> StepOutput:
+        """A dispatched step's output with the rows where ``rows`` (bool[S]) is set sampled again under
+        ``sampling`` (S rows); dispatched without waiting, after the step and before the next one."""
+        executable = self.resample_executables.get(len(rows))
+        if executable is None:
+            raise RuntimeError(f"no compiled resample executable for {len(rows)} rows; warm it up first")
+        tokens, logprobs = executable(self.slot_state, output.logits, sampling, output.tokens, output.logprobs, rows)
+        return output.replace(tokens=tokens, logprobs=logprobs)
 
     def copy_blocks(self, block_copies: list[tuple[int, int]], slot_copies: list[tuple[int, int]]) -> None:
         """Applies copy-on-write pairs (src, dst) of KV blocks and sampler slots before the next step."""

@@ -126,6 +126,14 @@ class RequestGroup(abc.ABC):
         """Whether its sequences need a sampler slot (penalties, logit_bias, min_tokens)."""
         return False
 
+    def mask_waits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s row samples without its allowed-token mask, to be sampled again once it is known."""
+        return False
+
+    def grammar_mask(self, seq: Sequence, index: int) -> np.ndarray | None:
+        """The allowed-token bitmask of ``seq``'s output token ``index``, when a grammar constrains it."""
+        return None
+
     def slot_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Dense (logit_bias f32[V], min_tokens mask bool[V]) rows for a new slot of this request."""
         raise NotImplementedError
@@ -184,8 +192,6 @@ class SamplingGroup(RequestGroup):
                  seed: int, ctx: EngineContext):
         super().__init__(request_id, prompt, prompt_token_ids, ctx)
         self.params = params
-        # a constrained row's next mask needs its last token on the host (see LLMEngine.step)
-        self.needs_host_sync = params.structured_outputs is not None
         self.base_seed = seed
         self.states: dict[int, SampleState] = {}
         first = self._new_sequence(num_pending_forks=params.best_of - 1)
@@ -225,8 +231,8 @@ class SamplingGroup(RequestGroup):
         if self.wants_prompt_logprobs(start, num_tokens):
             flags |= FLAG_PROMPT_LOGPROBS
         allowed = None
-        if state.grammar is not None and end == seq.num_tokens:  # the row samples: its grammar's next tokens
-            flags |= FLAG_GRAMMAR
+        if end == seq.num_tokens and state.grammar is not None and not self.mask_waits(seq):
+            flags |= FLAG_GRAMMAR  # the row samples: its grammar's next tokens
             allowed = state.grammar.allowed_tokens()
         return SamplingRow(
             self._floats, top_k=max(self.params.top_k, 0), seed=state.seed,
@@ -234,6 +240,19 @@ class SamplingGroup(RequestGroup):
             prompt_len=self.num_prompt_tokens, flags=flags,
             prompt_next_token=seq.all_token_ids[end] if end < seq.num_tokens else 0, allowed=allowed,
         )
+
+    def mask_waits(self, seq: Sequence) -> bool:
+        """A constrained sequence whose last token is still on the device: its grammar has not seen that token,
+        so its next mask is not known yet (the engine samples its row again once it is: LLMEngine._resample)."""
+        return self.states[seq.seq_id].grammar is not None and seq.last_token_id == PLACEHOLDER_TOKEN
+
+    def grammar_mask(self, seq: Sequence, index: int) -> np.ndarray | None:
+        """The packed allowed-token bitmask of ``seq``'s output token ``index``, once its grammar has seen every
+        token before it; None without a grammar, or when that token will be dropped (the sequence stopped)."""
+        state = self.states[seq.seq_id]
+        if state.grammar is None or index >= seq.num_output_tokens or state.num_accepted_tokens != index:
+            return None
+        return state.grammar.allowed_tokens()
 
     def needs_slot(self) -> bool:
         p = self.params

@@ -32,7 +32,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import engine_bucket_grid, runner_sampling_options
 from jaxserve.executable_store import ExecutableStore
 from jaxserve.logger import init_logger
-from jaxserve.model_runner import ModelRunner, StepShape, executable_name, step_shape
+from jaxserve.model_runner import ModelRunner, StepShape, executable_name, resample_name, step_shape
 from jaxserve.parallel import TP_AXIS, check_tensor_parallel
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.precompile import abstract_params
@@ -192,18 +192,16 @@ def largest_of_each_kind(shapes: list[StepShape]) -> list[StepShape]:
 
 
 def _compile_all(runner: ModelRunner, shapes) -> list[ProgramResult]:
+    """Every step of ``shapes``, the resample program of each of their batch sizes, then the allocations and forks."""
+    programs = [(executable_name(shape), lambda shape=shape: runner.compile(shape)) for shape in shapes]
+    programs += [(resample_name(size), lambda size=size: runner.compile_resample(size))
+                 for size in dict.fromkeys(shape.batch_size for shape in shapes)]
     results = []
-    for i, shape in enumerate(shapes):
-        start = time.perf_counter()
-        try:
-            compiled = runner.compile(shape)
-        except Exception as err:  # noqa: BLE001 - reported per program, the others still compile
-            results.append(ProgramResult(executable_name(shape), time.perf_counter() - start, error=_brief(err)))
-        else:
-            results.append(_measured(executable_name(shape), time.perf_counter() - start, compiled))
+    for i, (name, compile_program) in enumerate(programs):
+        results.append(_compile_program(name, compile_program))
         done = results[-1]
         outcome = done.error or f"{done.total_bytes / MB:.0f} MB per device"
-        logger.info("%s (%d of %d) in %.1fs: %s", done.name, i + 1, len(shapes), done.seconds, outcome)
+        logger.info("%s (%d of %d) in %.1fs: %s", done.name, i + 1, len(programs), done.seconds, outcome)
     start = time.perf_counter()
     try:
         helpers = runner.compile_allocations()
@@ -211,6 +209,15 @@ def _compile_all(runner: ModelRunner, shapes) -> list[ProgramResult]:
         return [*results, ProgramResult("allocations and forks", time.perf_counter() - start, error=_brief(err))]
     seconds = (time.perf_counter() - start) / max(len(helpers), 1)
     return [*results, *(_measured(name, seconds, compiled) for name, compiled in helpers.items())]
+
+
+def _compile_program(name: str, compile_program) -> ProgramResult:
+    start = time.perf_counter()
+    try:
+        compiled = compile_program()
+    except Exception as err:  # noqa: BLE001 - reported per program, the others still compile
+        return ProgramResult(name, time.perf_counter() - start, error=_brief(err))
+    return _measured(name, time.perf_counter() - start, compiled)
 
 
 def _measured(name: str, seconds: float, compiled: jax.stages.Compiled) -> ProgramResult:

@@ -119,6 +119,12 @@ def _compile_one(runner: ModelRunner, shape: StepShape) -> tuple[float, str]:
     return seconds, FROM_CACHE if counts.fresh_compiles == 0 else FRESH
 
 
+def _compile_resample(runner: ModelRunner, batch_size: int) -> tuple[float, str]:
+    start = time.perf_counter()
+    runner.compile_resample(batch_size)
+    return time.perf_counter() - start, ""
+
+
 def compile_buckets(
     runner: ModelRunner,
     buckets: Sequence[Bucket],
@@ -128,7 +134,8 @@ def compile_buckets(
     cache_dir: Path | None = None,
     cache_check: CacheCheck | None = None,
 ) -> WarmUpReport:
-    """Builds the executable of every bucket (each distinct step shape once) and reports where each came from."""
+    """Builds the executable of every bucket (each distinct step shape once) and reports where each came from;
+    with them the resample executable of each batch size (structured outputs under async scheduling)."""
     if num_threads < 1:
         raise ValueError(f"num_threads must be a positive integer, got {num_threads}")
     shapes = list(dict.fromkeys(step_shape(b, runner.block_size) for b in buckets))
@@ -139,9 +146,13 @@ def compile_buckets(
         tqdm(total=len(shapes), desc="Compiling buckets", unit="bucket", disable=not progress) as bar,
     ):
         futures = {pool.submit(_compile_one, runner, shape): shape for shape in shapes}
+        for batch_size in dict.fromkeys(shape.batch_size for shape in shapes):
+            futures[pool.submit(_compile_resample, runner, batch_size)] = None
         for future in as_completed(futures):
-            results[futures[future]] = future.result()
-            bar.update(1)
+            result = future.result()
+            if futures[future] is not None:
+                results[futures[future]] = result
+                bar.update(1)
     seconds = time.perf_counter() - start
     compiles = [BucketCompile(b, *results[step_shape(b, runner.block_size)]) for b in buckets]
     return WarmUpReport(compiles, seconds, num_threads, cache_dir, cache_check)

@@ -5,11 +5,14 @@ again (drift check). Each run is `--batch` requests of the same short chat promp
 each; constrained requests follow a JSON schema whose one string field needs at least 400 characters, so no
 constrained request ends before `--max-tokens` (its grammar forbids EOS until then) and unconstrained ones run
 with `ignore_eos`: every run does the same number of decode steps. Reported: mean and median wall time of the
-decode-only steps (the engine's `step()`, which with a constrained request in the batch also waits for the step
-it launched: a constrained row needs its last token on the host before its next mask), the host time filling
-bitmasks, and each run's mean over the first 0% run's.
+decode-only steps (the engine's `step()`: with async scheduling it dispatches step N+1, reads step N's tokens,
+fills the masks of N+1's constrained rows and dispatches their resample, without waiting for N+1), the host
+time filling bitmasks, the rows sampled again per step, and each run's mean over the first 0% run's.
+`--compare-sync` runs the same on a second engine with `async_scheduling=False` (every step read before the
+next is planned, masks filled before the step: what a constrained request cost every row before resampling).
 
     python scripts/bench_structured_outputs.py                      # batch 32, 64 tokens, dtype auto
+    python scripts/bench_structured_outputs.py --compare-sync
     python scripts/bench_structured_outputs.py --batch 32 --max-tokens 96 --dtype float32
 """
 
@@ -47,6 +50,7 @@ def run(llm, prompt: dict, batch: int, num_constrained: int, max_tokens: int) ->
             engine.add_request(f"r{num_constrained}-{i}", prompt, params)
         decode_steps = []
         lengths = {}
+        resampled_before = engine.stats.num_resampled_rows
         while engine.has_unfinished_requests():
             before = engine.stats.num_decode_steps
             start = time.perf_counter()
@@ -60,7 +64,23 @@ def run(llm, prompt: dict, batch: int, num_constrained: int, max_tokens: int) ->
     assert set(lengths.values()) == {max_tokens}, f"every request runs {max_tokens} tokens: {lengths}"
     return {"constrained": num_constrained, "decode_steps": len(decode_steps),
             "mean_ms": 1e3 * statistics.mean(decode_steps), "median_ms": 1e3 * statistics.median(decode_steps),
-            "mask_ms_per_step": 1e3 * mask_seconds[0] / max(len(decode_steps), 1)}
+            "mask_ms_per_step": 1e3 * mask_seconds[0] / max(len(decode_steps), 1),
+            "resampled_per_step": (engine.stats.num_resampled_rows - resampled_before) / max(len(decode_steps), 1)}
+
+
+def bench_engine(llm, prompt: dict, batch: int, max_tokens: int) -> list[dict]:
+    run(llm, prompt, batch, batch // 2, 8)  # warm: llguidance's lexer states for the schema, caches
+    return [run(llm, prompt, batch, n, max_tokens) for n in (0, batch // 2, batch, 0)]
+
+
+def print_table(title: str, results: list[dict], batch: int, base_ms: float) -> None:
+    print(f"\n{title}\n")
+    print("| constrained rows | decode steps | mean step ms | median step ms | bitmask fill ms / step "
+          "| rows resampled / step | mean / 0% async |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['constrained']} of {batch} | {r['decode_steps']} | {r['mean_ms']:.2f} | {r['median_ms']:.2f} "
+              f"| {r['mask_ms_per_step']:.2f} | {r['resampled_per_step']:.1f} | {r['mean_ms'] / base_ms:.2f}x |")
 
 
 def main() -> None:
@@ -69,24 +89,26 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="also run an engine with async_scheduling=False (every step waits for the one before)")
     args = parser.parse_args()
 
     from jaxserve import LLM
     from jaxserve.entrypoints.cli import chat_prompt_ids
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.batch, 1))
+    engine_args = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(args.batch, 1))
+    llm = LLM(args.model, **engine_args)
     question = [{"role": "user", "content": "Write a long paragraph about the sea, as JSON."}]
     prompt = {"prompt_token_ids": chat_prompt_ids(llm.get_tokenizer(), question)}
-    run(llm, prompt, args.batch, args.batch // 2, 8)  # warm: llguidance's lexer states for the schema, caches
-    results = [run(llm, prompt, args.batch, n, args.max_tokens)
-               for n in (0, args.batch // 2, args.batch, 0)]
-    base = results[0]["mean_ms"]
-    print(f"decode batch {args.batch}, {args.max_tokens} tokens each, dtype {args.dtype}; JSON schema {LONG_TEXT}\n")
-    print("| constrained rows | decode steps | mean step ms | median step ms | bitmask fill ms / step | mean / 0% |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['constrained']} of {args.batch} | {r['decode_steps']} | {r['mean_ms']:.2f} | {r['median_ms']:.2f} "
-              f"| {r['mask_ms_per_step']:.2f} | {r['mean_ms'] / base:.2f}x |")
+    tables = [("async scheduling (the default)", bench_engine(llm, prompt, args.batch, args.max_tokens))]
+    if args.compare_sync:
+        del llm
+        sync = LLM(args.model, async_scheduling=False, **engine_args)
+        tables.append(("async_scheduling=False", bench_engine(sync, prompt, args.batch, args.max_tokens)))
+    print(f"decode batch {args.batch}, {args.max_tokens} tokens each, dtype {args.dtype}; JSON schema {LONG_TEXT}")
+    base = tables[0][1][0]["mean_ms"]
+    for title, results in tables:
+        print_table(title, results, args.batch, base)
 
 
 if __name__ == "__main__":

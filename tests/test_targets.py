@@ -78,6 +78,7 @@ def test_embedded_model_compiles_for_v5e_and_every_program_fits(embedded_v5e):
     assert report.tensor_parallel_size == 1  # SmolLM2's 3 kv heads do not split over 2 or 4 chips
     names = [p.name for p in report.programs]
     assert names[:3] == ["step-s1-q128-p8", "step-s8-q1-p8", "step-s8-t128-p8"]
+    assert names[3:5] == ["resample-s1", "resample-s8"]  # one per batch size of the steps
     assert {"copy_blocks", "write_slot"} <= set(names)
     assert report.failures() == []
     pool_bytes = 2 * report.grid.num_blocks * 64 * 3 * 64 * 30 * 2  # K and V, bfloat16
@@ -88,7 +89,7 @@ def test_embedded_model_compiles_for_v5e_and_every_program_fits(embedded_v5e):
     assert "compiled for v5e:2x2 (TPU v5 lite, 4 devices, tensor parallel 1)" in table
     assert "every program fits" in table
     stored = sorted(p.name for p in (cache / STORE_DIR_NAME).glob("*/*.executable"))
-    assert stored == sorted(f"{name}.executable" for name in names[:3] + ["copy_blocks", "write_slot"])
+    assert stored == sorted(f"{name}.executable" for name in names[:5] + ["copy_blocks", "write_slot"])
     (manifest,) = read_manifests(cache)
     assert (manifest.platform, manifest.device_kind) == ("tpu", "TPU v5 lite")
     assert manifest.info["written_by"] == "precompile --target v5e:2x2"
@@ -119,7 +120,11 @@ def test_gpu_grid_lowers_for_cuda(small_grid):
     report = compile_for_target(config, "cuda", max_buckets=3)
     assert report.target.lower_only
     assert report.failures() == []
-    assert len(report.programs) == 3 + 7  # three steps, five allocations, two forks
+    # three steps, the resamples of their batch sizes, five allocations, two forks
+    sizes = {p.name.split("-")[1] for p in report.programs if p.name.startswith("step-")}
+    assert sorted(p.name for p in report.programs if p.name.startswith("resample-")) == sorted(
+        f"resample-{s}" for s in sizes)
+    assert len(report.programs) == 3 + len(sizes) + 7
     table = report.format_table()
     assert "lowered for cuda" in table and table.endswith("every program lowered")
 

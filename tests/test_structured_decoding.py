@@ -1,0 +1,102 @@
+"""Structured outputs in the engine (tiny random model, byte-level tokenizer): with async scheduling a
+constrained row whose grammar waits for the token still in flight is sampled again once its mask is known
+(`LLMEngine._resample`), and that gives exactly the tokens and logprobs of masking it in the step, as an
+engine that reads every step before planning the next does. Unconstrained rows of the same batches keep
+their tokens; nothing compiles after warm-up (strict_no_compile)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from jaxserve import LLM, SamplingParams, StructuredOutputsParams
+from tests.generation_fixtures import BUCKETS, llm_on_buckets, tokens_prompt
+from tests.hf_tiny import make_tiny_model
+
+MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [16, 32]\n"  # decode rows ride along every prefill chunk
+EMAIL = r"[a-j]{3,6}@(ab|cd)\.com"
+CHOICES = ["alpha", "beta", "gamma"]
+EMAIL_RULE = StructuredOutputsParams(regex=EMAIL)
+CHOICE_RULE = StructuredOutputsParams(choice=CHOICES)
+PROMPTS = [[1, 70, 71, 72, 73, 74], [1, 80, 81], [1, 90, 91, 92, 93, 94, 95, 96, 97, 98], [1, 75]]
+
+
+def _llm(model_dir, tmp_path, name: str, **kwargs) -> LLM:
+    return llm_on_buckets(model_dir, tmp_path, name, BUCKETS + MIXED, strict_no_compile=True,
+                          compile_cache_dir=str(tmp_path / "compile_cache"), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llms(tmp_path_factory):
+    """(async scheduling, every step read before the next is planned)."""
+    tmp = tmp_path_factory.mktemp("structured")
+    model_dir = make_tiny_model(tmp / "model", "llama", seed=4)
+    return _llm(model_dir, tmp, "async"), _llm(model_dir, tmp, "sync", async_scheduling=False)
+
+
+def _requests() -> list[tuple[list[int], SamplingParams]]:
+    """Constrained rows (sampled at temperature 1, greedy, with logprobs, cut by max_tokens mid-grammar) and
+    unconstrained ones, in one batch."""
+    return [
+        *[(PROMPTS[seed], SamplingParams(temperature=1.0, seed=seed, max_tokens=32,
+                                         structured_outputs=EMAIL_RULE)) for seed in range(4)],
+        (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=CHOICE_RULE)),
+        (PROMPTS[2], SamplingParams(temperature=1.0, seed=11, max_tokens=16, logprobs=2,
+                                    structured_outputs=CHOICE_RULE)),
+        (PROMPTS[3], SamplingParams(temperature=1.0, seed=5, max_tokens=5,
+                                    structured_outputs=StructuredOutputsParams(regex="[a-j]{20}"))),
+        (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
+        (PROMPTS[2], SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=1)),
+    ]
+
+
+def _run(llm: LLM, requests) -> list:
+    prompts, params = zip(*requests, strict=True)
+    return [o.outputs[0] for o in llm.generate([tokens_prompt(p) for p in prompts], list(params), use_tqdm=False)]
+
+
+def test_resampled_rows_equal_rows_masked_in_their_step(llms):
+    asynchronous, synchronous = llms
+    requests = _requests()
+    ours, reference = _run(asynchronous, requests), _run(synchronous, requests)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+    assert [o.finish_reason for o in ours] == [o.finish_reason for o in reference]
+    for mine, theirs in zip(ours, reference, strict=True):
+        assert (mine.logprobs is None) == (theirs.logprobs is None)
+        for a, b in zip(mine.logprobs or [], theirs.logprobs or [], strict=True):
+            assert a.keys() == b.keys()
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) and a[t].rank == b[t].rank for t in a)
+    emails, (choice_greedy, choice_sampled), cut, plain = ours[:4], ours[4:6], ours[6], ours[7:]
+    assert all(re.fullmatch(EMAIL, o.text) for o in emails), [o.text for o in emails]
+    assert len({o.text for o in emails}) > 1  # sampled, not one greedy answer
+    assert choice_greedy.text in CHOICES and choice_sampled.text in CHOICES
+    assert all(o.finish_reason == "stop" for o in [*emails, choice_greedy, choice_sampled])
+    assert re.fullmatch("[a-j]{5}", cut.text) and cut.finish_reason == "length"  # the last token is masked too
+    # every constrained token after a sequence's first waited for its mask: sampled again, exactly once
+    constrained = ours[:7]
+    assert asynchronous.llm_engine.stats.num_resampled_rows == sum(len(o.token_ids) - 1 for o in constrained)
+    assert synchronous.llm_engine.stats.num_resampled_rows == 0
+    alone = _run(asynchronous, requests[7:])
+    assert [o.token_ids for o in plain] == [o.token_ids for o in alone]
+
+
+def test_an_abort_while_a_resample_is_pending_loses_nothing_else(llms):
+    llm = llms[0].llm_engine
+    requests = _requests()
+    for i, (prompt, params) in enumerate(requests):
+        llm.add_request(str(i), tokens_prompt(prompt), params)
+    finished = {}
+    steps = 0
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0]
+        steps += 1
+        if steps == 4:
+            assert llm.abort_request("0") is not None
+            assert llm.abort_request("4") is not None
+    assert sorted(finished, key=int) == [str(i) for i in range(len(requests)) if i not in (0, 4)]
+    expected = _run(llms[1], [r for i, r in enumerate(requests) if i not in (0, 4)])
+    assert [finished[k].token_ids for k in sorted(finished, key=int)] == [o.token_ids for o in expected]
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
