@@ -10,10 +10,11 @@ stop conditions and forks; the engine applies the forks and frees and returns a 
 request that advanced. A sequence that stops on a token the host had not yet seen was already scheduled
 once more: that extra row's token is dropped. Beam search needs every step's logprobs before it can
 pick the next beams, so while a beam search request runs, each step is read before the next is planned.
-Structured outputs do not hold the other rows back: a constrained row whose grammar waits for the token
-still in flight samples without its mask in step N+1, and once step N's tokens are read (while N+1 runs)
-its mask is filled and `ModelRunner.resample` samples that row again from N+1's logits, on the device,
-before step N+2 reads its token.
+Structured outputs do not hold the batch back either. A constrained row's mask needs the token before
+it: when step N+1 has a row whose grammar waits for step N's token, N+1 is dispatched at once taking
+only its argmax, and once N's tokens are read (while N+1 runs) those rows' masks are filled and
+`ModelRunner.resample` samples all of N+1's rows from its logits, on the device, before step N+2
+reads its tokens.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ class InFlightStep:
     prompt_rows: list[tuple[RequestGroup, tuple[int, int], int, int]]
     rows_by_seq: dict[int, int]  # seq_id -> row, for feeding the tokens into the next step
     sampling: SamplingTensors | None = None  # the step's sampling inputs (host arrays)
-    # samples of constrained rows whose mask waited for the previous step's token (see LLMEngine._resample)
+    num_rows: int = 0  # rows of real sequences (the rest pad the bucket)
+    # samples of constrained rows whose mask waited for the previous step's token: the step only took its
+    # argmax, and samples for real once the masks are known (see LLMEngine._resample)
     masks_pending: list[tuple[RequestGroup, Sequence, int, int]] = dataclasses.field(default_factory=list)
 
 
@@ -100,7 +103,8 @@ class EngineStats:
     num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model: cache hits excluded
     num_generation_tokens: int = 0
     num_compiles_after_warm_up: int = 0  # executables built while serving: should stay 0
-    num_resampled_rows: int = 0  # constrained rows sampled again once their mask was known (async scheduling)
+    num_late_sampled_steps: int = 0  # steps sampled after dispatch, once their rows' grammar masks were known
+    num_late_masks: int = 0  # constrained rows of those steps whose mask was filled after dispatch
     prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)  # the block manager's
 
     @property
@@ -363,26 +367,29 @@ class LLMEngine:
         rows = schedule.rows
         self._sync_device_state(rows)
         inputs = self._prepare_inputs(schedule, rows)
+        sampling = inputs.sampling
+        masks_wait = {i for i, (seq, start, num_tokens) in enumerate(rows)
+                      if start + num_tokens == seq.num_tokens and self.requests[seq.request_id].mask_waits(seq)}
+        if masks_wait:  # sampled in _resample, once the masks are known
+            inputs = dataclasses.replace(inputs, sampling=sampling.argmax_only())
         prev = self._in_flight.output.tokens if self._in_flight is not None else None
         compiles_before = thread_compile_counts()
         output = self.runner.execute(schedule.bucket, inputs, prev)
         self._check_no_compile(compiles_before, schedule)
-        flags = inputs.sampling.ints[:, _FLAGS]
-        step = InFlightStep(output, flags, [], [], {}, inputs.sampling)
+        step = InFlightStep(output, sampling.ints[:, _FLAGS], [], [], {}, sampling, len(rows))
         launched: dict[str, RequestGroup] = {}
         for row, (seq, start, num_tokens) in enumerate(rows):
             seq.num_computed_tokens += num_tokens
             self.block_manager.cache_blocks(seq)  # later steps that hit them run after this one on the device
             group = self.requests[seq.request_id]
-            if flags[row] & FLAG_PROMPT_LOGPROBS:
+            if step.flags[row] & FLAG_PROMPT_LOGPROBS:
                 first = (0, int(inputs.query_starts[row])) if inputs.query_starts is not None else (row, 0)
                 step.prompt_rows.append((group, first, start, num_tokens))
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt samples nothing
-            mask_waits = group.mask_waits(seq)
             index = group.on_launch(seq)
             step.samples.append((group, seq, row, index))
-            if mask_waits:
+            if row in masks_wait:
                 step.masks_pending.append((group, seq, row, index))
             step.rows_by_seq[seq.seq_id] = row
             launched[group.request_id] = group
@@ -392,20 +399,20 @@ class LLMEngine:
         return step
 
     def _resample(self, step: InFlightStep) -> None:
-        """The step just dispatched sampled some constrained rows without their masks: their grammars waited for
-        the previous step's tokens, which were read since. Those rows are now sampled again, with their masks,
-        from the step's logits; the step's other rows keep their tokens."""
-        rows = np.zeros(len(step.sampling.ints), bool)
+        """The step just dispatched only took its argmax: some of its constrained rows' grammars waited for the
+        previous step's tokens, which were read since. Those rows' masks are filled now, and every row of the
+        step is sampled from its logits (`ModelRunner.resample`), once: the sampling costs what it would have."""
         ints, allowed = step.sampling.ints.copy(), step.sampling.allowed.copy()
         for group, seq, row, index in step.masks_pending:
             mask = group.grammar_mask(seq, index) if self.requests.get(group.request_id) is group else None
             if mask is None:
                 continue  # stopped (or aborted) on the previous token: this row's token is dropped
-            rows[row], allowed[row] = True, mask
+            allowed[row] = mask
             ints[row, _FLAGS] |= FLAG_GRAMMAR
-        if rows.any():
-            self.stats.num_resampled_rows += int(rows.sum())
-            step.output = self.runner.resample(step.output, SamplingTensors(step.sampling.floats, ints, allowed), rows)
+            self.stats.num_late_masks += 1
+        rows = np.arange(len(ints)) < step.num_rows
+        step.output = self.runner.resample(step.output, SamplingTensors(step.sampling.floats, ints, allowed), rows)
+        self.stats.num_late_sampled_steps += 1
 
     def _sync_device_state(self, rows: list[tuple[Sequence, int, int]]) -> None:
         """Before the step: copy-on-write copies (KV blocks, forked sampler slots), then new slots' reset."""

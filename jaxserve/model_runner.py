@@ -7,10 +7,10 @@ and samples one token per sequence (`sampler.py`), with logprobs and prompt logp
 Dispatch is asynchronous: a step may take some of its input tokens from the previous step's sampled
 tokens while they are still on the device (`feed_rows`/`feed_cols`), so the host can schedule and
 prepare step N+1 before it has read step N's tokens.
-A constrained row (structured outputs) whose grammar is waiting for the previous step's token is sampled
-twice: once in the step without its mask (the token is never used), and again by the small `resample`
-executable of its batch size, from the step's raw logits, once the host has read that token and knows
-the mask; the other rows keep their tokens and the step was never held back (`LLMEngine._resample`).
+A step with a constrained row (structured outputs) whose grammar waits for the previous step's token is
+dispatched taking only each row's argmax; once the host has read that token and filled the masks, the
+small `resample` executable of its batch size samples the step's rows from its raw logits (same keys,
+penalties and logprobs as in the step), so the step was never held back (`LLMEngine._resample`).
 Two small executables serve forks (n > 1, beam search) and new sequences: `copy_blocks` (copy-on-write
 of KV blocks and sampler slots) and `write_slot` (a slot's reset and its request's logit_bias /
 min_tokens rows). Everything is compiled ahead of time from `ShapeDtypeStruct`s

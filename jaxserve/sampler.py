@@ -85,6 +85,17 @@ class SamplingTensors:
                 allowed[i] = row_allowed
         return cls(floats, ints, allowed)
 
+    def argmax_only(self) -> SamplingTensors:
+        """The same rows taking their argmax, without filters, penalties, bias, grammar or logprobs: for a step
+        whose sampling runs after it (`ModelRunner.resample`). What the step itself reads stays: each row's
+        slot and prompt length (its token counts), prompt logprobs and their next tokens."""
+        floats = np.empty_like(self.floats)
+        floats[:] = PAD_FLOATS
+        ints = self.ints.copy()
+        ints[:, [INT_COLUMNS.index("top_k"), INT_COLUMNS.index("min_tokens")]] = 0
+        ints[:, INT_COLUMNS.index("flags")] &= FLAG_PROMPT_LOGPROBS
+        return SamplingTensors(floats, ints, _every_token_allowed(*self.allowed.shape))
+
     @classmethod
     def abstract(cls, batch_size: int, vocab_size: int, sharding=None) -> SamplingTensors:
         sds = lambda columns, dtype: jax.ShapeDtypeStruct((batch_size, columns), dtype, sharding=sharding)

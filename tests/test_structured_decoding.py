@@ -1,8 +1,8 @@
-"""Structured outputs in the engine (tiny random model, byte-level tokenizer): with async scheduling a
-constrained row whose grammar waits for the token still in flight is sampled again once its mask is known
-(`LLMEngine._resample`), and that gives exactly the tokens and logprobs of masking it in the step, as an
-engine that reads every step before planning the next does. Unconstrained rows of the same batches keep
-their tokens; nothing compiles after warm-up (strict_no_compile)."""
+"""Structured outputs in the engine (tiny random model, byte-level tokenizer): with async scheduling a step
+with a constrained row whose grammar waits for the token still in flight is sampled once its masks are known
+(`LLMEngine._resample`), and that gives exactly the tokens and logprobs of an engine that reads every step
+before planning the next and masks rows in the step. Unconstrained rows of the same batches keep their
+tokens; nothing compiles after warm-up (strict_no_compile)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _run(llm: LLM, requests) -> list:
     return [o.outputs[0] for o in llm.generate([tokens_prompt(p) for p in prompts], list(params), use_tqdm=False)]
 
 
-def test_resampled_rows_equal_rows_masked_in_their_step(llms):
+def test_steps_sampled_after_their_masks_equal_steps_masked_in_place(llms):
     asynchronous, synchronous = llms
     requests = _requests()
     ours, reference = _run(asynchronous, requests), _run(synchronous, requests)
@@ -73,10 +73,12 @@ def test_resampled_rows_equal_rows_masked_in_their_step(llms):
     assert choice_greedy.text in CHOICES and choice_sampled.text in CHOICES
     assert all(o.finish_reason == "stop" for o in [*emails, choice_greedy, choice_sampled])
     assert re.fullmatch("[a-j]{5}", cut.text) and cut.finish_reason == "length"  # the last token is masked too
-    # every constrained token after a sequence's first waited for its mask: sampled again, exactly once
-    constrained = ours[:7]
-    assert asynchronous.llm_engine.stats.num_resampled_rows == sum(len(o.token_ids) - 1 for o in constrained)
-    assert synchronous.llm_engine.stats.num_resampled_rows == 0
+    # every constrained token after a sequence's first waited for its mask, which was filled after its step was
+    # dispatched; those steps were sampled once the masks were known
+    constrained, stats = ours[:7], asynchronous.llm_engine.stats
+    assert stats.num_late_masks == sum(len(o.token_ids) - 1 for o in constrained)
+    assert max(len(o.token_ids) for o in constrained) - 1 <= stats.num_late_sampled_steps < stats.num_steps
+    assert (synchronous.llm_engine.stats.num_late_masks, synchronous.llm_engine.stats.num_late_sampled_steps) == (0, 0)
     alone = _run(asynchronous, requests[7:])
     assert [o.token_ids for o in plain] == [o.token_ids for o in alone]
 
