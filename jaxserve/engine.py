@@ -41,6 +41,7 @@ from jaxserve.compile_cache import (
 )
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.distributed import distributed_init_requested, initialize_distributed
+from jaxserve.kv_sizing import MemoryBudget, blocks_over_budget, memory_budget
 from jaxserve.logger import init_logger
 from jaxserve.logprobs import TokenTexts
 from jaxserve.model_runner import ModelRunner, StepInputs, StepOutput, step_shape
@@ -125,60 +126,71 @@ class EngineStats:
 
 def engine_bucket_grid(
     config: EngineConfig, model_config: ModelConfig, params, platform: str, mesh: Mesh,
-    device_memory_bytes: int | None = None,
+    device_memory_bytes: int | None = None, *, fit_to_steps: bool = True,
 ) -> BucketGrid:
     """The bucket grid (with block size and KV-pool size) an engine with ``config`` runs on.
 
     ``params`` (arrays or ``ShapeDtypeStruct``s) only count towards the memory budget off CPU. The
     precompile command calls this too, so that it compiles exactly the engine's executables;
     ``device_memory_bytes`` is a target device's memory when compiling for hardware this host does not
-    have (default: the local device's reported limit).
+    have (default: the local device's reported limit). Off CPU, unless ``num_kv_blocks`` is given, the pool
+    is what the memory holds besides the weights, the sampler state and what the largest steps need while
+    they run (`kv_sizing`; ``fit_to_steps=False`` skips that probe, for targets that only lower).
     """
     spec = load_bucket_spec(config.buckets, platform)
     block_size = config.block_size or spec.block_size
-    num_blocks = _num_kv_blocks(config, model_config, params, block_size, platform, mesh, device_memory_bytes)
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, max(spec.context_lengths))
-    grid = BucketGrid(
+    budget = None
+    weights_bytes = per_device_bytes(params, mesh)
+    if platform != "cpu" and config.num_kv_blocks is None:
+        budget = memory_budget(config.gpu_memory_utilization, params, weights_bytes, device_memory_bytes)
+    block_bytes = kv_bytes_per_block(
+        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
+        head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(config.dtype).itemsize,
+    ) // mesh.size  # per device: the pool is split over the heads
+    num_slots = config.max_num_seqs or max(spec.decode_batch_sizes)
+    pool_budget = None if budget is None else budget.pool_bytes(
+        weights_bytes, slot_state_bytes(num_slots, model_config.vocab_size))
+    num_blocks = num_blocks_from_budget(block_bytes, num_kv_blocks=config.num_kv_blocks,
+                                        memory_budget_bytes=pool_budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS)
+    grid = _grid(spec, config, block_size, max_model_len, num_blocks)
+    if budget is not None and fit_to_steps:
+        over = _blocks_over_budget(grid, config, model_config, params, mesh, budget, block_bytes)
+        if over:
+            grid = _grid(spec, config, block_size, max_model_len, num_blocks - over)
+    grid.check_max_model_len(max_model_len)
+    return grid
+
+
+def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: ModelConfig, params, mesh: Mesh,
+                        budget: MemoryBudget, block_bytes: int) -> int:
+    """Blocks ``grid``'s pool gives back so that its largest steps, compiled against it, fit in ``budget``."""
+    probe = ModelRunner(
+        model_config, params, dtype=config.dtype, block_size=grid.block_size, num_blocks=grid.num_blocks,
+        max_rows=grid.max_batch_size, attention_backend=config.attention_backend, mesh=mesh, abstract=True,
+        **runner_sampling_options(config, grid),
+    )
+    shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in grid.buckets))
+    over, need = blocks_over_budget(probe, shapes, budget, block_bytes)
+    logger.info("KV pool: %d blocks fill the memory budget (%.0f MB per device); with them the largest step needs "
+                "%.0f MB: %d blocks given back", grid.num_blocks, budget.usable_bytes / 1e6, need / 1e6, over)
+    return over
+
+
+def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_blocks: int) -> BucketGrid:
+    return BucketGrid(
         spec, block_size=block_size, max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs or max(spec.decode_batch_sizes),
         max_num_batched_tokens=config.max_num_batched_tokens
         or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths),
         num_blocks=num_blocks,
     )
-    grid.check_max_model_len(max_model_len)
-    return grid
 
 
 def runner_sampling_options(config: EngineConfig, grid: BucketGrid) -> dict:
     """The ModelRunner's sampler sizes (one slot per possible running sequence, K = max_logprobs): the
     engine and the precompile command pass the same, so they build the same executables."""
     return {"num_sampler_slots": grid.max_num_seqs, "num_logprobs": config.max_logprobs}
-
-
-def _num_kv_blocks(
-    config: EngineConfig, model_config: ModelConfig, params, block_size: int, platform: str, mesh: Mesh,
-    device_memory_bytes: int | None = None,
-) -> int:
-    bytes_per_block = kv_bytes_per_block(
-        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
-        head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(config.dtype).itemsize,
-    )
-    budget = None
-    if platform != "cpu" and config.num_kv_blocks is None:  # per device: pool and weights are split
-        if device_memory_bytes is None:
-            stats = jax.local_devices()[0].memory_stats() or {}
-        else:
-            stats = {"bytes_limit": device_memory_bytes, "bytes_in_use": 0}
-        weights = per_device_bytes(params, mesh)
-        limit = stats.get("bytes_limit", 0) * config.gpu_memory_utilization
-        spec = load_bucket_spec(config.buckets, platform)
-        num_slots = config.max_num_seqs or max(spec.decode_batch_sizes)
-        sampler_state = slot_state_bytes(num_slots, model_config.vocab_size)  # replicated on every device
-        budget = int(limit - stats.get("bytes_in_use", 0) - weights - sampler_state)
-    return num_blocks_from_budget(
-        bytes_per_block // mesh.size, num_kv_blocks=config.num_kv_blocks,
-        memory_budget_bytes=budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS,
-    )
 
 
 class LLMEngine:

@@ -2,9 +2,10 @@
 
 Place in the data flow: `jaxserve precompile --target NAME` (and `scripts/check_targets.py`). It builds the
 engine exactly as a server on the target would (`engine_bucket_grid` with the target chips' HBM instead of
-this host's memory, abstract weights, the Pallas backend with the target's kernel variant, tensor parallel
-over the topology's chips) and then, per program (every bucket's step, the allocation programs and the
-fork programs):
+this host's memory, so the KV pool leaves room for the largest steps' temporaries, measured by compiling
+them for the target (`kv_sizing`); abstract weights, the Pallas backend with the target's kernel variant,
+tensor parallel over the topology's chips) and then, per program (every bucket's step, the resample
+programs, the allocation programs and the fork programs):
 
 - TPU: compiles it deviceless with the real TPU compiler and Mosaic, reads its `memory_analysis()` and
   stores the serialized executable in the compile cache directory's `ExecutableStore` (keyed by the
@@ -31,8 +32,9 @@ from jaxserve.compile_cache import CacheManifest, record_manifest, resolve_cache
 from jaxserve.config import EngineConfig
 from jaxserve.engine import engine_bucket_grid, runner_sampling_options
 from jaxserve.executable_store import ExecutableStore
+from jaxserve.kv_sizing import largest_of_each_kind
 from jaxserve.logger import init_logger
-from jaxserve.model_runner import ModelRunner, StepShape, executable_name, resample_name, step_shape
+from jaxserve.model_runner import ModelRunner, executable_name, resample_name, step_shape
 from jaxserve.parallel import TP_AXIS, check_tensor_parallel
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.precompile import abstract_params
@@ -155,7 +157,8 @@ def compile_for_target(
     config = dataclasses.replace(resolve_engine_dtype(config, target.devices[0]),
                                  tensor_parallel_size=tensor_parallel_size)
     params = abstract_params(model_config, config.dtype)
-    grid = engine_bucket_grid(config, model_config, params, target.platform, mesh, target.hbm_bytes_per_device)
+    grid = engine_bucket_grid(config, model_config, params, target.platform, mesh, target.hbm_bytes_per_device,
+                              fit_to_steps=not target.lower_only)
     runner = ModelRunner(
         model_config, params, dtype=config.dtype, block_size=grid.block_size, num_blocks=grid.num_blocks,
         max_rows=grid.max_batch_size, attention_backend="pallas", mesh=mesh, abstract=True,
@@ -177,18 +180,6 @@ def compile_for_target(
     if path is not None and not any(p.error for p in programs):
         record_manifest(path, manifest)
     return TargetReport(target, grid, tensor_parallel_size, programs, path)
-
-
-def largest_of_each_kind(shapes: list[StepShape]) -> list[StepShape]:
-    """The largest step (query tokens, then pages) of each kind: prefill, decode and mixed (ragged)."""
-    kind = lambda s: "mixed" if s.ragged else "decode" if s.num_query_tokens == 1 else "prefill"
-    size = lambda s: (s.batch_size * s.num_query_tokens if not s.ragged else s.num_query_tokens, s.batch_size,
-                      s.pages_per_seq)
-    largest: dict[str, StepShape] = {}
-    for shape in shapes:
-        if kind(shape) not in largest or size(shape) > size(largest[kind(shape)]):
-            largest[kind(shape)] = shape
-    return [shape for shape in shapes if shape in largest.values()]
 
 
 def _compile_all(runner: ModelRunner, shapes) -> list[ProgramResult]:

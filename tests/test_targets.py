@@ -19,8 +19,9 @@ from jaxserve.compile_cache import read_manifests
 from jaxserve.config import EngineConfig
 from jaxserve.entrypoints.cli import main
 from jaxserve.executable_store import STORE_DIR_NAME
+from jaxserve.kv_sizing import largest_of_each_kind
 from jaxserve.model_runner import StepShape
-from jaxserve.target_compile import compile_for_target, largest_of_each_kind
+from jaxserve.target_compile import compile_for_target
 from jaxserve.targets import auto_tensor_parallel_size, resolve_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,6 +86,11 @@ def test_embedded_model_compiles_for_v5e_and_every_program_fits(embedded_v5e):
     steps = [p for p in report.programs if p.name.startswith("step-")]
     assert all(pool_bytes <= p.argument_bytes and p.alias_bytes >= pool_bytes for p in steps)  # donated in place
     assert all(p.total_bytes <= report.target.hbm_bytes_per_device for p in report.programs)
+    # the pool left room for the largest step's temporaries, code and outputs, and not a block more
+    usable = 0.9 * report.target.hbm_bytes_per_device  # gpu_memory_utilization
+    block_bytes = 2 * 30 * 3 * 64 * 64 * 2  # K and V of one 64-token block, every layer, bfloat16
+    largest = max(p.total_bytes for p in report.programs)
+    assert largest <= usable < largest + block_bytes, (largest, usable)
     table = report.format_table()
     assert "compiled for v5e:2x2 (TPU v5 lite, 4 devices, tensor parallel 1)" in table
     assert "every program fits" in table
