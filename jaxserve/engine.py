@@ -164,14 +164,15 @@ def engine_bucket_grid(
 
 def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: ModelConfig, params, mesh: Mesh,
                         budget: MemoryBudget, block_bytes: int) -> int:
-    """Blocks ``grid``'s pool gives back so that its largest steps, compiled against it, fit in ``budget``."""
-    probe = ModelRunner(
-        model_config, params, dtype=config.dtype, block_size=grid.block_size, num_blocks=grid.num_blocks,
-        max_rows=grid.max_batch_size, attention_backend=config.attention_backend, mesh=mesh, abstract=True,
-        **runner_sampling_options(config, grid),
-    )
+    """Blocks ``grid``'s pool gives back so that its largest steps fit in ``budget`` (`kv_sizing`): they are
+    compiled against a pool of one sequence's pages."""
     shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in grid.buckets))
-    over, need = blocks_over_budget(probe, shapes, budget, block_bytes)
+    probe = ModelRunner(
+        model_config, params, dtype=config.dtype, block_size=grid.block_size,
+        num_blocks=min(grid.num_blocks, max(s.pages_per_seq for s in shapes)), max_rows=grid.max_batch_size,
+        attention_backend=config.attention_backend, mesh=mesh, abstract=True, **runner_sampling_options(config, grid),
+    )
+    over, need = blocks_over_budget(probe, shapes, budget, block_bytes, grid.num_blocks)
     logger.info("KV pool: %d blocks fill the memory budget (%.0f MB per device); with them the largest step needs "
                 "%.0f MB: %d blocks given back", grid.num_blocks, budget.usable_bytes / 1e6, need / 1e6, over)
     return over

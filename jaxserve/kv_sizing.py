@@ -6,12 +6,14 @@ Place in the data flow: `engine_bucket_grid` (engine start, `jaxserve precompile
 the sampler state. A step needs more while it runs: temporaries (activations, attention scratch),
 outputs that are not donated buffers (logits, prompt logprobs) and its code; for a 16 x 2048-token
 prefill of Llama-3-8B at tensor parallel 4 that is about 2 GB per chip, more than v5e had left.
-`blocks_over_budget` compiles the largest step of each kind (prefill, decode, mixed) against the
-provisional pool and reads their `memory_analysis()`; the grid then gives back as many blocks as the
-largest of them overshoots the budget by. That is vLLM's profiling run, measured on the compiled
-executables instead of on a forward pass. A step's temporaries do not grow with the pool (the pool is
-donated and updated in place), so one probe suffices. On CPU the pool has a fixed default size and
-nothing is probed.
+`blocks_over_budget` compiles the largest step of each kind (prefill, decode, mixed) and reads their
+`memory_analysis()`; the grid then gives back as many blocks as the largest of them overshoots the
+budget by. That is vLLM's profiling run, measured on the compiled executables instead of on a forward
+pass. The probe compiles against a small pool (a step that does not fit cannot even be compiled for
+TPU: "HLO temporaries exceed available HBM") and adds the provisional pool's remaining blocks: a step's
+pool bytes are its argument (donated, updated in place), and its temporaries do not grow with the pool.
+tests/test_targets.py checks the result against the final executables. On CPU the pool has a fixed
+default size and nothing is probed.
 """
 
 from __future__ import annotations
@@ -70,11 +72,13 @@ def largest_of_each_kind(shapes: list[StepShape]) -> list[StepShape]:
     return [shape for shape in shapes if shape in largest.values()]
 
 
-def blocks_over_budget(runner: ModelRunner, shapes: list[StepShape], budget: MemoryBudget,
-                       bytes_per_block: int) -> tuple[int, int]:
-    """(blocks the pool must give back so that the largest of ``shapes``' steps fits in ``budget``, the bytes that
-    step needs with ``runner``'s pool). ``runner`` is abstract and holds the provisional pool; ``bytes_per_block``
-    is one block's bytes per device."""
-    need = max(running_bytes(runner.compile(shape)) for shape in largest_of_each_kind(shapes))
+def blocks_over_budget(runner: ModelRunner, shapes: list[StepShape], budget: MemoryBudget, bytes_per_block: int,
+                       pool_blocks: int) -> tuple[int, int]:
+    """(blocks a pool of ``pool_blocks`` must give back so that the largest of ``shapes``' steps fits in ``budget``,
+    the bytes that step needs with that pool). ``runner`` is abstract with a small pool of its own: a step that
+    does not fit is no executable at all (the TPU compiler refuses it), so the steps are compiled against the
+    small pool and the difference is added, ``bytes_per_block`` (one block's bytes per device) a block."""
+    measured = max(running_bytes(runner.compile(shape)) for shape in largest_of_each_kind(shapes))
+    need = measured + (pool_blocks - runner.num_blocks) * bytes_per_block
     over = need - budget.usable_bytes
     return (max(0, -(-over // bytes_per_block)), need)

@@ -43,8 +43,8 @@ class _Compiled:
 class _Runner:
     """Steps whose temporaries are given per shape; records what was compiled."""
 
-    def __init__(self, temps: dict[StepShape, int]):
-        self.temps, self.compiled = temps, []
+    def __init__(self, temps: dict[StepShape, int], num_blocks: int):
+        self.temps, self.compiled, self.num_blocks = temps, [], num_blocks
 
     def compile(self, shape: StepShape) -> _Compiled:
         self.compiled.append(shape)
@@ -53,9 +53,12 @@ class _Runner:
 
 def test_the_pool_gives_back_the_blocks_its_largest_step_overshoots_by():
     prefill, small_prefill, decode = StepShape(4, 64, 8), StepShape(1, 64, 8), StepShape(8, 1, 8)
-    runner = _Runner({prefill: 400, small_prefill: 10_000, decode: 100})
-    # only the largest of each kind is compiled; it needs 1000 + 30 - 20 + 400 + 5 = 1415 bytes
-    assert blocks_over_budget(runner, [small_prefill, prefill, decode], MemoryBudget(1200), 100) == (3, 1415)
+    runner = _Runner({prefill: 400, small_prefill: 10_000, decode: 100}, num_blocks=2)
+    # only the largest of each kind is compiled; with the probe's 2 blocks it needs 1000 + 30 - 20 + 400 + 5 = 1415
+    # bytes, with a pool of 10 blocks of 100 bytes 800 more
+    shapes = [small_prefill, prefill, decode]
+    assert blocks_over_budget(runner, shapes, MemoryBudget(2000), 100, pool_blocks=10) == (3, 2215)
     assert runner.compiled == [prefill, decode]
-    assert blocks_over_budget(runner, [prefill, decode], MemoryBudget(1315), 100) == (1, 1415)
-    assert blocks_over_budget(runner, [prefill, decode], MemoryBudget(1415), 100) == (0, 1415)
+    assert blocks_over_budget(runner, shapes, MemoryBudget(2115), 100, pool_blocks=10) == (1, 2215)
+    assert blocks_over_budget(runner, shapes, MemoryBudget(2215), 100, pool_blocks=10) == (0, 2215)
+    assert blocks_over_budget(runner, shapes, MemoryBudget(1200), 100, pool_blocks=2) == (3, 1415)

@@ -86,11 +86,12 @@ def test_embedded_model_compiles_for_v5e_and_every_program_fits(embedded_v5e):
     steps = [p for p in report.programs if p.name.startswith("step-")]
     assert all(pool_bytes <= p.argument_bytes and p.alias_bytes >= pool_bytes for p in steps)  # donated in place
     assert all(p.total_bytes <= report.target.hbm_bytes_per_device for p in report.programs)
-    # the pool left room for the largest step's temporaries, code and outputs, and not a block more
+    # the pool left room for the largest step's temporaries, code and outputs, and hardly more: the probe compiles
+    # the steps against a small pool and adds the rest, which comes out a little above the final executables' need
     usable = 0.9 * report.target.hbm_bytes_per_device  # gpu_memory_utilization
     block_bytes = 2 * 30 * 3 * 64 * 64 * 2  # K and V of one 64-token block, every layer, bfloat16
     largest = max(p.total_bytes for p in report.programs)
-    assert largest <= usable < largest + block_bytes, (largest, usable)
+    assert largest <= usable < largest + 2 * block_bytes, (largest, usable)
     table = report.format_table()
     assert "compiled for v5e:2x2 (TPU v5 lite, 4 devices, tensor parallel 1)" in table
     assert "every program fits" in table
