@@ -140,9 +140,9 @@ def engine_bucket_grid(
     spec = load_bucket_spec(config.buckets, platform)
     block_size = config.block_size or spec.block_size
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, max(spec.context_lengths))
-    budget = None
-    weights_bytes = per_device_bytes(params, mesh)
+    budget = weights_bytes = None
     if platform != "cpu" and config.num_kv_blocks is None:
+        weights_bytes = per_device_bytes(params, mesh)
         budget = memory_budget(config.gpu_memory_utilization, params, weights_bytes, device_memory_bytes)
     block_bytes = kv_bytes_per_block(
         num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
