@@ -83,7 +83,6 @@ class InFlightStep:
     prompt_rows: list[tuple[RequestGroup, tuple[int, int], int, int]]
     rows_by_seq: dict[int, int]  # seq_id -> row, for feeding the tokens into the next step
     sampling: SamplingTensors | None = None  # the step's sampling inputs (host arrays)
-    num_rows: int = 0  # rows of real sequences (the rest pad the bucket)
     # samples of constrained rows whose mask waited for the previous step's token: the step only took its
     # argmax, and samples for real once the masks are known (see LLMEngine._resample)
     masks_pending: list[tuple[RequestGroup, Sequence, int, int]] = dataclasses.field(default_factory=list)
@@ -389,7 +388,7 @@ class LLMEngine:
         compiles_before = thread_compile_counts()
         output = self.runner.execute(schedule.bucket, inputs, prev)
         self._check_no_compile(compiles_before, schedule)
-        step = InFlightStep(output, sampling.ints[:, _FLAGS], [], [], {}, sampling, len(rows))
+        step = InFlightStep(output, sampling.ints[:, _FLAGS], [], [], {}, sampling)
         launched: dict[str, RequestGroup] = {}
         for row, (seq, start, num_tokens) in enumerate(rows):
             seq.num_computed_tokens += num_tokens
@@ -423,8 +422,7 @@ class LLMEngine:
             allowed[row] = mask
             ints[row, _FLAGS] |= FLAG_GRAMMAR
             self.stats.num_late_masks += 1
-        rows = np.arange(len(ints)) < step.num_rows
-        step.output = self.runner.resample(step.output, SamplingTensors(step.sampling.floats, ints, allowed), rows)
+        step.output = self.runner.resample(step.output, SamplingTensors(step.sampling.floats, ints, allowed))
         self.stats.num_late_sampled_steps += 1
 
     def _sync_device_state(self, rows: list[tuple[Sequence, int, int]]) -> None:

@@ -90,7 +90,7 @@ def executable_name(shape: StepShape) -> str:
 
 
 def resample_name(batch_size: int) -> str:
-    """The name of the executable that samples again rows of a step of ``batch_size`` rows."""
+    """The name of the executable that samples a step of ``batch_size`` rows after it was dispatched."""
     return f"resample-s{batch_size}"
 
 
@@ -264,8 +264,11 @@ class ModelRunner:
         prompt = None
         if input_ids.shape[1] > 1:
             prompt = self._prompt_logprobs(params, hidden, input_ids, layout, meta, sampling)
-        tokens = jnp.zeros(self.max_rows, jnp.int32).at[: meta.lengths.shape[0]].set(sampled.tokens)
-        return StepOutput(tokens, logits, sampled.logprobs, prompt), kv_pool, slot_state
+        return StepOutput(self._padded(sampled.tokens), logits, sampled.logprobs, prompt), kv_pool, slot_state
+
+    def _padded(self, tokens: jax.Array) -> jax.Array:
+        """A step's S tokens padded with zeros to max_rows (the shape every step's tokens are fed from)."""
+        return jnp.zeros(self.max_rows, jnp.int32).at[: tokens.shape[0]].set(tokens)
 
     def _prompt_logprobs(self, params, hidden, input_ids, layout, meta, sampling) -> TokenLogprobs:
         """Steps of several query tokens: every position's logprobs, computed only when some row asks for them."""
@@ -277,25 +280,18 @@ class ModelRunner:
             lambda: TokenLogprobs.zeros(input_ids.shape, self.num_logprobs),
         )
 
-    def _resample(self, slot_state, logits, sampling, tokens, logprobs, rows):
-        """A step's tokens (i32[max_rows]) and logprobs with ``rows`` (bool[S]) sampled again from its raw
-        logits f32[S, V] under ``sampling`` (the step's own, now with those rows' grammar masks)."""
-        again = sample(logits, sampling, slot_state, self.num_logprobs)
-        s = logits.shape[0]
-        tokens = tokens.at[:s].set(jnp.where(rows, again.tokens, tokens[:s]))
-        pick = lambda new, old: jnp.where(rows.reshape(-1, *(1,) * (new.ndim - 1)), new, old)
-        return tokens, jax.tree.map(pick, again.logprobs, logprobs)
+    def _resample(self, slot_state, logits, sampling):
+        """A step's tokens (i32[max_rows]) and logprobs sampled from its raw logits f32[S, V] under ``sampling``
+        (the step's own, with the grammar masks filled after it was dispatched)."""
+        sampled = sample(logits, sampling, slot_state, self.num_logprobs)
+        return self._padded(sampled.tokens), sampled.logprobs
 
     def _resample_program(self, batch_size: int) -> tuple:
         """(jitted, abstract arguments) of the resample executable for steps of ``batch_size`` rows."""
         rep = replicated(self.mesh)
-        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
-        s, k = batch_size, self.num_logprobs
-        logprobs = TokenLogprobs(sds((s,), jnp.float32), sds((s,), jnp.int32), sds((s, k), jnp.int32),
-                                 sds((s, k), jnp.float32))
-        args = (_abstract(self.slot_state), sds((s, self.config.vocab_size), jnp.float32),
-                SamplingTensors.abstract(s, self.config.vocab_size, rep), sds((self.max_rows,), jnp.int32),
-                logprobs, sds((s,), jnp.bool_))
+        vocab = self.config.vocab_size
+        args = (_abstract(self.slot_state), jax.ShapeDtypeStruct((batch_size, vocab), jnp.float32, sharding=rep),
+                SamplingTensors.abstract(batch_size, vocab, rep))
         return jax.jit(self._resample, out_shardings=rep), args
 
     @staticmethod
@@ -403,13 +399,14 @@ class ModelRunner:
         )
         return output
 
-    def resample(self, output: StepOutput, sampling: SamplingTensors, rows: np.ndarray) -> StepOutput:
-        """A dispatched step's output with the rows where ``rows`` (bool[S]) is set sampled again under
-        ``sampling`` (S rows); dispatched without waiting, after the step and before the next one."""
-        executable = self.resample_executables.get(len(rows))
+    def resample(self, output: StepOutput, sampling: SamplingTensors) -> StepOutput:
+        """A dispatched step's output with its rows sampled under ``sampling`` (its S rows) from its logits;
+        dispatched without waiting, after the step and before the next one."""
+        batch_size = len(sampling.ints)
+        executable = self.resample_executables.get(batch_size)
         if executable is None:
-            raise RuntimeError(f"no compiled resample executable for {len(rows)} rows; warm it up first")
-        tokens, logprobs = executable(self.slot_state, output.logits, sampling, output.tokens, output.logprobs, rows)
+            raise RuntimeError(f"no compiled resample executable for {batch_size} rows; warm it up first")
+        tokens, logprobs = executable(self.slot_state, output.logits, sampling)
         return output.replace(tokens=tokens, logprobs=logprobs)
 
     def copy_blocks(self, block_copies: list[tuple[int, int]], slot_copies: list[tuple[int, int]]) -> None:

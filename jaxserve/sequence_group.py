@@ -127,7 +127,7 @@ class RequestGroup(abc.ABC):
         return False
 
     def mask_waits(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s row samples without its allowed-token mask, to be sampled again once it is known."""
+        """Whether ``seq``'s row waits for its allowed-token mask: its step is sampled once the mask is known."""
         return False
 
     def grammar_mask(self, seq: Sequence, index: int) -> np.ndarray | None:
@@ -243,7 +243,7 @@ class SamplingGroup(RequestGroup):
 
     def mask_waits(self, seq: Sequence) -> bool:
         """A constrained sequence whose last token is still on the device: its grammar has not seen that token,
-        so its next mask is not known yet (the engine samples its row again once it is: LLMEngine._resample)."""
+        so its next mask is not known yet (the engine samples its step once it is: LLMEngine._resample)."""
         return self.states[seq.seq_id].grammar is not None and seq.last_token_id == PLACEHOLDER_TOKEN
 
     def grammar_mask(self, seq: Sequence, index: int) -> np.ndarray | None:

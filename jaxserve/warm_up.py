@@ -119,12 +119,6 @@ def _compile_one(runner: ModelRunner, shape: StepShape) -> tuple[float, str]:
     return seconds, FROM_CACHE if counts.fresh_compiles == 0 else FRESH
 
 
-def _compile_resample(runner: ModelRunner, batch_size: int) -> tuple[float, str]:
-    start = time.perf_counter()
-    runner.compile_resample(batch_size)
-    return time.perf_counter() - start, ""
-
-
 def compile_buckets(
     runner: ModelRunner,
     buckets: Sequence[Bucket],
@@ -147,7 +141,7 @@ def compile_buckets(
     ):
         futures = {pool.submit(_compile_one, runner, shape): shape for shape in shapes}
         for batch_size in dict.fromkeys(shape.batch_size for shape in shapes):
-            futures[pool.submit(_compile_resample, runner, batch_size)] = None
+            futures[pool.submit(runner.compile_resample, batch_size)] = None
         for future in as_completed(futures):
             result = future.result()
             if futures[future] is not None:
