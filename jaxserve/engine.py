@@ -432,7 +432,7 @@ class LLMEngine:
             group = self.requests[seq.request_id]
             if not group.needs_slot() or self.slots.get(seq.seq_id) is not None:
                 continue
-            # a slot taken past position 0 (after a prefix cache hit) starts with the counts of [0, start)
+            # the whole prompt's mask; a slot taken past the prompt (prefix cache hit) the counts up to start
             counts = _token_counts(seq, start, self.model_config.vocab_size)
             writes.append((self.slots.assign(seq.seq_id), (*group.slot_rows(), *counts)))
         block_copies, slot_copies = self.block_manager.take_pending_copies(), self._slot_copies
@@ -546,12 +546,13 @@ def _scheduling_summary(scheduler: Scheduler) -> str:
 
 
 def _token_counts(seq: Sequence, start: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(output counts i32[V], prompt mask bool[V]) of ``seq``'s tokens before position ``start``: what the
-    steps would have counted into its sampler slot had they fed those tokens (`update_token_counts`)."""
-    tokens = np.asarray(seq.all_token_ids[:start], np.int64)
+    """(output counts i32[V], prompt mask bool[V]) that ``seq``'s sampler slot starts with when its first step
+    starts at position ``start``: the counts of the generated tokens before ``start`` (what the steps would
+    have counted had they fed them, `update_token_counts`) and the mask of its whole prompt."""
     prompt_mask = np.zeros(vocab_size, bool)
-    prompt_mask[tokens[: seq.num_prompt_tokens]] = True
-    output_counts = np.bincount(tokens[seq.num_prompt_tokens :], minlength=vocab_size).astype(np.int32)
+    prompt_mask[np.asarray(seq.prompt_token_ids, np.int64)] = True
+    generated = np.asarray(seq.all_token_ids[seq.num_prompt_tokens : max(start, seq.num_prompt_tokens)], np.int64)
+    output_counts = np.bincount(generated, minlength=vocab_size).astype(np.int32)
     return output_counts, prompt_mask
 
 

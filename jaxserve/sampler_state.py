@@ -4,13 +4,16 @@ Penalties need each sequence's token counts, logit_bias and min_tokens need a vo
 request. Rebuilding those [batch, vocab] arrays on the host every step would copy megabytes per step,
 so they live on the device in `SlotState`, one row ("slot") per running sequence that needs them:
 
-* `output_counts` / `prompt_mask` are maintained INSIDE the compiled step from the step's own input
-  tokens (`update_token_counts`): a token at a position past the prompt is a generated one. Feeding a
-  sampled token back as the next input is what counts it, so a recompute after preemption (which
-  re-feeds prompt and outputs from position 0 into a fresh slot) rebuilds the counts exactly.
+* `output_counts` are maintained INSIDE the compiled step from the step's own input tokens
+  (`update_token_counts`): a token at a position past the prompt is a generated one. Feeding a sampled
+  token back as the next input is what counts it, so a recompute after preemption (which re-feeds prompt
+  and outputs from position 0 into a fresh slot) rebuilds the counts exactly.
 * A sequence that gets a slot (new, or recomputed) has it written once (`write_slot`, a small executable):
-  its request's `logit_bias` / `min_tokens_mask` rows, and the counts of the tokens before its first step:
-  none at position 0, those of its cached prefix after a prefix cache hit (counted on the host).
+  its request's `logit_bias` / `min_tokens_mask` rows, its whole prompt's `prompt_mask` (the prompt is
+  known then; no step before the prompt's last samples from the slot), and the counts of the generated
+  tokens before its first step (none, unless a prefix cache hit skips some). Not scattering the prompt
+  mask in the step matters on TPU: a scatter into a bool [N, V] array is lowered through two relayouting
+  reshapes of the whole array, which took 20-40 s of every step's compile for a 128k vocabulary.
 * A forked sequence (n > 1) copies its parent's slot (`copy_slots`, with the KV copy-on-write copies).
 
 `SlotTable` (host, numpy-free) hands slots out and takes them back; a sequence without penalties,
@@ -29,7 +32,7 @@ from jaxserve.attention import TokenLayout
 @struct.dataclass
 class SlotState:
     output_counts: jax.Array  # i32[N, V]: times each token was generated (frequency/presence/repetition)
-    prompt_mask: jax.Array  # bool[N, V]: tokens of the prompt (repetition penalty)
+    prompt_mask: jax.Array  # bool[N, V]: tokens of the prompt (repetition penalty), written with the slot
     logit_bias: jax.Array  # f32[N, V]: the request's logit_bias, dense
     min_tokens_mask: jax.Array  # bool[N, V]: EOS and stop_token_ids, suppressed until min_tokens
 
@@ -67,16 +70,14 @@ def update_token_counts(
     prompt_len: jax.Array,  # i32[S]
     slots: jax.Array,  # i32[S], num_slots = none
 ) -> SlotState:
-    """Counts the step's input tokens into their rows' slots: two scatters of one element per input slot, no
-    copy of the state (rows without a slot scatter out of range and are dropped). `write_slot` sets a slot's
-    counts when a sequence gets it."""
+    """Counts the step's generated input tokens (positions past the prompt) into their rows' slots: one
+    scatter-add of an element per input token, no copy of the state (tokens of the prompt and rows without a
+    slot scatter out of range and are dropped). `write_slot` sets a slot's prompt mask and first counts."""
     n = state.num_slots
     token_slots = slots[layout.rows]
-    real = (token_slots < n) & layout.valid
-    in_prompt = layout.positions < prompt_len[layout.rows]
-    counts = state.output_counts.at[jnp.where(real & ~in_prompt, token_slots, n), input_ids].add(1, mode="drop")
-    prompt_mask = state.prompt_mask.at[jnp.where(real & in_prompt, token_slots, n), input_ids].set(True, mode="drop")
-    return state.replace(output_counts=counts, prompt_mask=prompt_mask)
+    generated = (token_slots < n) & layout.valid & (layout.positions >= prompt_len[layout.rows])
+    counts = state.output_counts.at[jnp.where(generated, token_slots, n), input_ids].add(1, mode="drop")
+    return state.replace(output_counts=counts)
 
 
 def write_slot(
@@ -87,8 +88,8 @@ def write_slot(
     output_counts: jax.Array,  # i32[V]
     prompt_mask: jax.Array,  # bool[V]
 ) -> SlotState:
-    """A sequence takes `slot`: its request's bias and min_tokens rows, and the counts of the tokens before
-    its first step (zero at position 0; a prefix cache hit's tokens otherwise, counted on the host)."""
+    """A sequence takes `slot`: its request's bias and min_tokens rows, its whole prompt's mask, and the counts
+    of the generated tokens before its first step (zero, unless a prefix cache hit skips some; host-counted)."""
     return SlotState(
         output_counts=state.output_counts.at[slot].set(output_counts),
         prompt_mask=state.prompt_mask.at[slot].set(prompt_mask),

@@ -3,12 +3,15 @@ definitions), the token-count state it reads, its logprobs, and seeded sampling'
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve.attention import AttentionMetadata, token_layout
+from jaxserve.engine import _token_counts
 from jaxserve.logprobs import prompt_logprobs, prompt_targets, token_logprobs
 from jaxserve.sampler import (
     FLAG_GRAMMAR,
@@ -25,6 +28,7 @@ from jaxserve.sampler import (
     sample,
 )
 from jaxserve.sampler_state import SlotState, SlotTable, copy_slots, update_token_counts, write_slot
+from jaxserve.sequence import Sequence
 from jaxserve.structured_outputs import bitmask_words
 
 V = 64
@@ -330,16 +334,37 @@ def test_update_token_counts_on_a_ragged_step_counts_the_same():
     _check_counts(out, num_slots)
 
 
+def test_a_step_scatters_no_bool_array():
+    """The step only scatter-adds generated tokens into the i32 counts; the prompt mask comes with the slot.
+    A scatter into a bool [N, V] array costs 20-40 s of every TPU step's compile at a 128k vocabulary."""
+    state = SlotState.abstract(4, V)
+    input_ids = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    meta = AttentionMetadata(np.zeros((2, 1), np.int32), np.zeros(2, np.int32), np.full(2, 8, np.int32))
+    layout = token_layout(meta, input_ids.shape)
+    text = jax.jit(update_token_counts).lower(state, input_ids, layout, np.zeros(2, np.int32),
+                                              np.zeros(2, np.int32)).as_text()
+    scattered = re.findall(r'"stablehlo.scatter".*?\}\) : \(tensor<([^>]*)>', text, re.S)  # operand types
+    assert scattered == [f"4x{V}xi32"]
+
+
+def test_a_slot_starts_with_its_whole_prompt_mask_and_earlier_generated_counts():
+    seq = Sequence("r", [5, 7, 5, 9])
+    seq.output_token_ids += [7, 11, 11, 3]
+    for start, generated in [(0, []), (2, []), (4, []), (7, [7, 11, 11])]:  # 7: a cached prefix past the prompt
+        counts, prompt = _token_counts(seq, start, V)
+        np.testing.assert_array_equal(prompt, np.isin(np.arange(V), [5, 7, 9]))
+        np.testing.assert_array_equal(counts, np.bincount(np.array(generated, int), minlength=V))
+
+
 def _check_counts(out, num_slots):
     counts, prompt = np.zeros((num_slots, V), np.int32), np.zeros((num_slots, V), bool)
     counts[1, 7] = 4  # row 1 continues (q_start 10): kept, plus its generated token 8
     counts[1, 8] = 1
-    prompt[0, [3, 4, 5]] = True  # row 0: positions 0-3 are prompt, 4-5 generated (token 6 twice)
-    counts[0, 6] = 2
+    counts[0, 6] = 2  # row 0: positions 0-3 are prompt (not counted), 4-5 generated (token 6 twice)
     counts[2, 9], prompt[2, 11] = 2, True  # earlier counts stay (write_slot resets a slot, not the step)
-    prompt[2, 12] = True  # row 2: a one-token prompt, then one generated token
-    counts[2, 13] = 1
+    counts[2, 13] = 1  # row 2: a one-token prompt, then one generated token
     np.testing.assert_array_equal(np.asarray(out.output_counts), counts)
+    # the prompt mask is written with the slot (the whole prompt, `write_slot`): steps leave it alone
     np.testing.assert_array_equal(np.asarray(out.prompt_mask), prompt)
 
 
