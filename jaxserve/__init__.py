@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from jaxserve.targets import quiet_libtpu_without_tpu
+from jaxserve.compilation.targets import quiet_libtpu_without_tpu
 
 __version__ = "0.1.0"
 
@@ -19,14 +19,14 @@ _EXPORTS = {
     "SamplingParams": "jaxserve.sampling_params",
     "BeamSearchParams": "jaxserve.sampling_params",
     "RequestOutputKind": "jaxserve.sampling_params",
-    "StructuredOutputsParams": "jaxserve.structured_outputs",
+    "StructuredOutputsParams": "jaxserve.engine.structured_outputs",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "Logprob": "jaxserve.outputs",
     "BeamSearchOutput": "jaxserve.outputs",
     "BeamSearchSequence": "jaxserve.outputs",
-    "LLMEngine": "jaxserve.engine",
-    "AsyncLLMEngine": "jaxserve.async_engine",
+    "LLMEngine": "jaxserve.engine.llm_engine",
+    "AsyncLLMEngine": "jaxserve.engine.async_engine",
     "EngineConfig": "jaxserve.config",
 }
 

@@ -205,11 +205,11 @@ class EngineConfig:
     `max_num_seqs` from the largest decode bucket, `max_num_batched_tokens` from the largest prefill
     bucket, `block_size` from the bucket file, and `num_kv_blocks` from the memory budget.
     `tensor_parallel_size` devices (of all hosts, after `distributed_init`) hold one engine, its weights and
-    KV pool split by attention heads (see `jaxserve.parallel` and `jaxserve.distributed`).
+    KV pool split by attention heads (see `jaxserve.distributed.sharding` and `jaxserve.distributed.multihost`).
     `compile_cache_dir` is JAX's persistent compilation cache, where warm-up loads and stores executables:
     None (the default) is ``$JAXSERVE_COMPILE_CACHE_DIR`` if set (empty: disabled), else the per-user
     ``~/.cache/jaxserve/compile_cache``; a path overrides; ``""`` disables it. The value is kept as given and
-    resolved when the engine starts (`jaxserve.compile_cache.resolve_cache_dir`).
+    resolved when the engine starts (`jaxserve.compilation.compile_cache.resolve_cache_dir`).
     `strict_no_compile` turns a compilation after warm-up into a RuntimeError (vLLM TPU's check).
     """
 
@@ -231,7 +231,7 @@ class EngineConfig:
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
-    compile_cache_dir: str | None = None  # None: the per-user default; "": disabled (see jaxserve/compile_cache.py)
+    compile_cache_dir: str | None = None  # None: the per-user default; "": disabled (compilation/compile_cache.py)
     strict_no_compile: bool = False  # raise if anything compiles after warm-up
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     enable_prefix_caching: bool = True  # reuse cached KV blocks of repeated prompt prefixes (vLLM's default)

@@ -15,9 +15,9 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from jaxserve.chat_template import is_batch_of_conversations, render_chat
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.chat_template import is_batch_of_conversations, render_chat
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 

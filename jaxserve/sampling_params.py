@@ -12,8 +12,8 @@ import dataclasses
 import math
 from enum import IntEnum
 
+from jaxserve.engine.structured_outputs import StructuredOutputsParams
 from jaxserve.logger import init_logger
-from jaxserve.structured_outputs import StructuredOutputsParams
 
 logger = init_logger("jaxserve.sampling_params")
 

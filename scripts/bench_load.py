@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def load_safetensors(hf_dir: Path, dtype: str, mesh):
     import jax
 
-    from jaxserve.parallel import shard_params
+    from jaxserve.distributed.sharding import shard_params
     from jaxserve.weights.safetensors_dir import load_safetensors_dir, read_hf_config
 
     params = shard_params(load_safetensors_dir(hf_dir, read_hf_config(hf_dir), dtype), mesh)
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from baselines import embedded_hf_dir
     from convert_checkpoint import convert
 
-    from jaxserve.parallel import make_mesh
+    from jaxserve.distributed.sharding import make_mesh
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_load_"))
     work.mkdir(parents=True, exist_ok=True)

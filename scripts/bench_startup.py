@@ -50,8 +50,8 @@ def child_start(args: argparse.Namespace) -> dict:
 
 def child_precompile(args: argparse.Namespace) -> dict:
     """A cold precompile with ``args.threads`` threads in this (fresh) process."""
+    from jaxserve.compilation.precompile import precompile
     from jaxserve.config import EngineConfig
-    from jaxserve.precompile import precompile
 
     cpu_before = time.process_time()
     result = precompile(

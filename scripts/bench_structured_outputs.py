@@ -28,7 +28,7 @@ LONG_TEXT = {"type": "object", "properties": {"text": {"type": "string", "minLen
 
 def run(llm, prompt: dict, batch: int, num_constrained: int, max_tokens: int) -> dict:
     from jaxserve import SamplingParams, StructuredOutputsParams
-    from jaxserve.structured_outputs import GrammarMatcher
+    from jaxserve.engine.structured_outputs import GrammarMatcher
 
     engine = llm.llm_engine
     schema = StructuredOutputsParams(json=LONG_TEXT)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from jaxserve.compilation.target_compile import compile_for_target  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.target_compile import compile_for_target  # noqa: E402
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,

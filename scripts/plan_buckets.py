@@ -2,7 +2,7 @@
 
 Reads a jsonl trace (`{"prompt_len", "output_len"}` a line, like shared/workloads/mixed_lengths.jsonl),
 writes the bucket file with the least expected padding within the budget, and prints its expected
-padding against the best power-of-two buckets under the same budget (see jaxserve/bucket_planner.py):
+padding against the best power-of-two buckets under the same budget (see jaxserve/compilation/bucket_planner.py):
 
     python scripts/plan_buckets.py ../shared/workloads/mixed_lengths.jsonl --budget 24 --out mine.toml
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from jaxserve.bucket_planner import describe_trace, plan_buckets, read_trace  # noqa: E402
-from jaxserve.buckets import load_bucket_spec  # noqa: E402
+from jaxserve.compilation.bucket_planner import describe_trace, plan_buckets, read_trace  # noqa: E402
+from jaxserve.core.buckets import load_bucket_spec  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention import AttentionMetadata, get_attention_backend
+from jaxserve.attention.backends import AttentionMetadata, get_attention_backend
 from jaxserve.models import get_model_class
 from jaxserve.models.common import unstack_layers
 

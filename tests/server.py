@@ -10,7 +10,7 @@ import uvicorn
 
 from jaxserve import AsyncLLMEngine
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.api_server import build_app
 
 MODEL_NAME = "tiny-llama"

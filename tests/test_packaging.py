@@ -45,7 +45,7 @@ def test_wheel_ships_bucket_specs_and_installed_package_loads_them(tmp_path):
         zf.extractall(site)
     # A fresh interpreter that imports jaxserve from the unpacked wheel (no checkout next to it).
     probe = (
-        "import json, jaxserve; from jaxserve.buckets import available_bucket_specs, load_bucket_spec; "
+        "import json, jaxserve; from jaxserve.core.buckets import available_bucket_specs, load_bucket_spec; "
         "spec = load_bucket_spec(None, 'cpu'); "
         "print(json.dumps([jaxserve.__file__, spec.source, available_bucket_specs(), spec.context_lengths]))"
     )
@@ -57,6 +57,6 @@ def test_wheel_ships_bucket_specs_and_installed_package_loads_them(tmp_path):
     assert Path(module_file) == site / "jaxserve" / "__init__.py"
     assert Path(source) == site / "jaxserve" / "_buckets" / "cpu.toml"
     assert names == ["cpu", "gpu", "tpu"]
-    from jaxserve.buckets import load_bucket_spec
+    from jaxserve.core.buckets import load_bucket_spec
 
     assert contexts == list(load_bucket_spec("cpu", "cpu").context_lengths)

@@ -29,9 +29,9 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
-from jaxserve.async_engine import AsyncLLMEngine
-from jaxserve.compile_cache import num_backend_compiles
-from jaxserve.engine import LLMEngine
+from jaxserve.compilation.compile_cache import num_backend_compiles
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.args import add_engine_args, add_server_args, engine_config_from_args, model_from_args
 from jaxserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -47,7 +47,7 @@ from jaxserve.entrypoints.serving_engine import ServingError, error_body
 from jaxserve.entrypoints.serving_generate import GenerateServing
 from jaxserve.entrypoints.serving_tokenization import OpenAIServingTokenization
 from jaxserve.logger import init_logger
-from jaxserve.metrics import ServingMetrics
+from jaxserve.metrics.prometheus import ServingMetrics
 
 logger = init_logger("jaxserve.api_server")
 

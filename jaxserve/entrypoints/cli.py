@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_precompile(args: argparse.Namespace) -> int:
-    from jaxserve.precompile import precompile
-    from jaxserve.warm_up import DEFAULT_COMPILE_THREADS
+    from jaxserve.compilation.precompile import precompile
+    from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS
 
     if args.target is not None or args.lower_only:
         return run_target_precompile(args)
@@ -78,7 +78,7 @@ def run_precompile(args: argparse.Namespace) -> int:
 
 
 def run_target_precompile(args: argparse.Namespace) -> int:
-    from jaxserve.target_compile import compile_for_target
+    from jaxserve.compilation.target_compile import compile_for_target
 
     if args.target is None:
         raise SystemExit("jaxserve precompile: --lower-only needs --target cuda")

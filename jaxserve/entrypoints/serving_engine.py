@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
-from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.request_checks import check_beam_search_request, check_sampling_request
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxserve.request_checks import check_beam_search_request, check_sampling_request
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 MIN_LOGPROB = -9999.0  # OpenAI's JSON has no -inf

@@ -14,7 +14,7 @@ pool write and attention run per device on that device's heads (`shard_map`): no
 device, only the row-parallel output projection sums across devices.
 
 Parameter names are the same in every family (q_proj/k_proj/v_proj/o_proj, gate_proj/up_proj/down_proj)
-so that one rule table (`jaxserve.parallel`) shards them all.
+so that one rule table (`jaxserve.distributed.sharding`) shards them all.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.attention import AttentionBackend, AttentionMetadata, write_kv
+from jaxserve.attention.backends import AttentionBackend, AttentionMetadata, write_kv
 from jaxserve.config import ModelConfig
+from jaxserve.distributed.sharding import TP_AXIS
 from jaxserve.models.rotary import apply_rotary
-from jaxserve.parallel import TP_AXIS
 
 ACTIVATIONS = {
     "silu": nn.silu,

@@ -126,7 +126,7 @@ def load_model(model: str | None, dtype: str = "float32", mesh=None) -> LoadedMo
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
     path = resolve_model_path(model)
     if is_orbax_dir(path):
-        from jaxserve.parallel import make_mesh
+        from jaxserve.distributed.sharding import make_mesh
 
         config, params = load_orbax_dir(path, dtype, mesh if mesh is not None else make_mesh(1))
     elif path.suffix == ".gguf":

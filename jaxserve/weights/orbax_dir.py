@@ -90,7 +90,7 @@ def load_orbax_dir(path: Path, dtype: str, mesh) -> tuple[ModelConfig, dict]:
     """Returns (ModelConfig, params): each array restored directly into its mesh sharding, cast to `dtype`."""
     import orbax.checkpoint as ocp
 
-    from jaxserve.parallel import check_tensor_parallel, param_shardings
+    from jaxserve.distributed.sharding import check_tensor_parallel, param_shardings
 
     config = read_orbax_config(path)
     check_tensor_parallel(config, mesh.size)

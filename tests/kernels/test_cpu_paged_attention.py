@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kernels_cpu
-from jaxserve.attention import AttentionMetadata, CpuBackend, ReferenceBackend, get_attention_backend
+from jaxserve.attention.backends import AttentionMetadata, CpuBackend, ReferenceBackend, get_attention_backend
 
 POOL_DTYPES = pytest.mark.parametrize("pool_dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 

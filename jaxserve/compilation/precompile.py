@@ -1,0 +1,126 @@
+"""Precompile: every feasible bucket of an engine configuration into JAX's persistent compilation cache.
+
+Place in the data flow: run once per (model, dtype, bucket file, engine limits, machine) before serving,
+by `jaxserve precompile` or `scripts/precompile.py` (the same code). It derives the bucket grid exactly
+as `LLMEngine` does (`engine_bucket_grid`), lowers every bucket from `ShapeDtypeStruct`s (parameter
+shapes come from `jax.eval_shape` of the model's init: no weights are read and no device memory is
+used), compiles them into the cache directory and records a manifest there. An engine started with
+the same `compile_cache_dir` then loads every executable instead of compiling it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.attention.backends import AttentionMetadata, get_attention_backend
+from jaxserve.compilation.compile_cache import (
+    CacheCheck,
+    CacheManifest,
+    enable_persistent_cache,
+    num_cache_entries,
+    record_manifest,
+    resolve_cache_dir,
+)
+from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.buckets import BucketGrid
+from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
+from jaxserve.distributed.sharding import engine_mesh
+from jaxserve.engine.llm_engine import engine_bucket_grid, runner_sampling_options
+from jaxserve.logger import init_logger
+from jaxserve.models import get_model_class
+from jaxserve.precision import resolve_engine_dtype
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.weights import load_config, resolve_model_path
+
+logger = init_logger("jaxserve.compilation.precompile")
+
+
+def abstract_params(model_config: ModelConfig, dtype: str) -> dict:
+    """``{"params": ...}`` as ``ShapeDtypeStruct``s: the tree the weight loaders build, without weights."""
+    model = get_model_class(model_config.architecture)(
+        model_config, jnp.dtype(dtype), get_attention_backend("reference")
+    )
+    cfg = model_config
+    pool = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, 1, 1, cfg.head_dim), jnp.dtype(dtype))
+    i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
+    meta = AttentionMetadata(block_tables=i32(1, 1), q_start=i32(1), lengths=i32(1))
+
+    def forward_and_logits(module, input_ids, kv_pool, meta):  # touches every parameter, lm_head included
+        hidden, _ = module(input_ids, kv_pool, meta)
+        return module.logits(hidden)
+
+    init = lambda rng, ids, kv_pool, meta: model.init(rng, ids, kv_pool, meta, method=forward_and_logits)
+    raw_key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # abstract too: nothing runs, nothing compiles
+    return _plain_dicts(jax.eval_shape(init, raw_key, i32(1, 1), (pool, pool), meta))
+
+
+def _plain_dicts(tree: Any) -> Any:
+    """Nested plain dicts, as the loaders build them (the pytree structure is part of the program)."""
+    if hasattr(tree, "items"):
+        return {key: _plain_dicts(value) for key, value in tree.items()}
+    return tree
+
+
+@dataclasses.dataclass
+class PrecompileResult:
+    cache_dir: Path
+    grid: BucketGrid
+    report: WarmUpReport
+    check_before: CacheCheck  # what the directory held for this configuration before
+    manifest: CacheManifest
+    num_cache_entries: int
+
+    def describe(self) -> str:
+        return "\n".join([
+            self.report.format_table(),
+            f"before: {self.check_before.describe()}",
+            f"manifest recorded in {self.cache_dir} ({self.num_cache_entries} executables in the directory); "
+            f"start the engine with compile_cache_dir={str(self.cache_dir)!r} "
+            f"(--compile-cache-dir {self.cache_dir})",
+        ])
+
+
+def precompile(
+    config: EngineConfig,
+    cache_dir: str | Path | None = None,
+    *,
+    num_threads: int = DEFAULT_COMPILE_THREADS,
+    progress: bool = False,
+) -> PrecompileResult:
+    """Compiles every feasible bucket of ``config`` into ``cache_dir`` (default: ``config.compile_cache_dir``,
+    resolved as the engine does: ``$JAXSERVE_COMPILE_CACHE_DIR``, else ``~/.cache/jaxserve/compile_cache``)
+    and records the manifest. A disabled cache (``""``) raises ValueError: precompiling needs a directory."""
+    if distributed_init_requested(config.distributed_init):  # as LLMEngine does, before anything else
+        initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
+    path = enable_persistent_cache(resolve_cache_dir(
+        config.compile_cache_dir if cache_dir is None else cache_dir, required=True
+    ))
+    mesh = engine_mesh(config.tensor_parallel_size)
+    config = resolve_engine_dtype(config, mesh.devices.flat[0])
+    model_path = resolve_model_path(config.model)
+    model_config = load_config(model_path)
+    params = abstract_params(model_config, config.dtype)
+    grid = engine_bucket_grid(config, model_config, params, jax.default_backend(), mesh)
+    runner = ModelRunner(
+        model_config, params, dtype=config.dtype, block_size=grid.block_size, num_blocks=grid.num_blocks,
+        max_rows=grid.max_batch_size, attention_backend=config.attention_backend, mesh=mesh, abstract=True,
+        **runner_sampling_options(config, grid),
+    )
+    manifest = CacheManifest.current(
+        model_config, config.dtype, grid, runner.backend.name, mesh.size, max_logprobs=config.max_logprobs,
+        model=str(model_path), written_by="precompile",
+    )
+    logger.info("%s", grid.format_table())
+    check = use_compile_cache(runner, path, manifest)
+    report = compile_buckets(
+        runner, grid.buckets, num_threads=num_threads, progress=progress, cache_dir=path, cache_check=check
+    )
+    runner.compile_allocations()  # the engine's only other programs: then its start compiles nothing
+    record_manifest(path, manifest)
+    return PrecompileResult(path, grid, report, check, manifest, num_cache_entries(path))

@@ -1,0 +1,239 @@
+"""Precompile for hardware this host does not have: every bucket compiled for a TPU topology, or lowered for CUDA.
+
+Place in the data flow: `jaxserve precompile --target NAME` (and `scripts/check_targets.py`). It builds the
+engine exactly as a server on the target would (`engine_bucket_grid` with the target chips' HBM instead of
+this host's memory, so the KV pool leaves room for the largest steps' temporaries, measured by compiling
+them for the target (`kv_sizing`); abstract weights, the Pallas backend with the target's kernel variant,
+tensor parallel over the topology's chips) and then, per program (every bucket's step, the resample
+programs, the allocation programs and the fork programs):
+
+- TPU: compiles it deviceless with the real TPU compiler and Mosaic, reads its `memory_analysis()` and
+  stores the serialized executable in the compile cache directory's `ExecutableStore` (keyed by the
+  manifest, whose platform and device kind are the target's) with a manifest entry, so that a TPU host
+  started with the same flags and directory loads it instead of compiling;
+- CUDA: lowers it through the Triton kernels (`lowering_platforms=("cuda",)`); compiling needs a GPU.
+
+The report is a table per program (seconds; argument, output, aliased, temporary and code bytes; their sum
+against HBM per device) and the list of programs that failed or do not fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxserve.compilation.compile_cache import CacheManifest, record_manifest, resolve_cache_dir
+from jaxserve.compilation.executable_store import ExecutableStore
+from jaxserve.compilation.precompile import abstract_params
+from jaxserve.compilation.sizing import largest_of_each_kind
+from jaxserve.compilation.targets import CompileTarget, auto_tensor_parallel_size, resolve_target
+from jaxserve.config import EngineConfig
+from jaxserve.core.buckets import BucketGrid
+from jaxserve.distributed.sharding import TP_AXIS, check_tensor_parallel
+from jaxserve.engine.llm_engine import engine_bucket_grid, runner_sampling_options
+from jaxserve.logger import init_logger
+from jaxserve.precision import resolve_engine_dtype
+from jaxserve.runner.model_runner import ModelRunner, executable_name, resample_name, step_shape
+from jaxserve.weights import load_config, resolve_model_path
+
+MB = 1e6
+logger = init_logger("jaxserve.compilation.target_compile")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramResult:
+    """One program built for the target: its memory per device (TPU), or only that it lowered (CUDA)."""
+
+    name: str
+    seconds: float
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0  # outputs that reuse donated arguments (the KV pool, the sampler state)
+    temp_bytes: int = 0
+    code_bytes: int = 0
+    error: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """Device memory while it runs: arguments, outputs not aliased to arguments, temporaries, code."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+
+@dataclasses.dataclass
+class TargetReport:
+    target: CompileTarget
+    grid: BucketGrid
+    tensor_parallel_size: int
+    programs: list[ProgramResult]
+    cache_dir: Path | None = None
+
+    def failures(self) -> list[str]:
+        """Programs that failed to compile (lower) or, on a TPU, do not fit in a device's HBM."""
+        failed = [f"{p.name}: {p.error}" for p in self.programs if p.error]
+        if not self.target.lower_only:
+            hbm = self.target.hbm_bytes_per_device
+            failed += [
+                f"{p.name}: needs {p.total_bytes / MB:.0f} MB of {hbm / MB:.0f} MB HBM per device"
+                for p in self.programs if not p.error and p.total_bytes > hbm
+            ]
+        return failed
+
+    def format_table(self) -> str:
+        t = self.target
+        verb = "lowered for" if t.lower_only else "compiled for"
+        head = (
+            f"{len(self.programs)} programs {verb} {t.name} ({t.device_kind}, {len(t.devices)} devices, "
+            f"tensor parallel {self.tensor_parallel_size}); KV pool {self.grid.num_blocks} blocks of "
+            f"{self.grid.block_size} tokens"
+        )
+        if t.lower_only:
+            rows = [(p.name, f"{p.seconds:.2f}", "failed (below)" if p.error else "lowered") for p in self.programs]
+            return "\n".join([head, *_table(("program", "seconds", "result"), rows), *self._failure_lines()])
+        hbm = t.hbm_bytes_per_device
+        rows = [
+            (p.name, f"{p.seconds:.2f}", *(f"{b / MB:.1f}" for b in (p.argument_bytes, p.output_bytes, p.alias_bytes,
+                                                                      p.temp_bytes, p.code_bytes, p.total_bytes)),
+             "failed (below)" if p.error else f"{100 * p.total_bytes / hbm:.1f}%")
+            for p in self.programs
+        ]
+        headers = ("program", "seconds", "args MB", "out MB", "alias MB", "temp MB", "code MB", "total MB",
+                   f"of {hbm / MB:.0f} MB")
+        return "\n".join([head, *_table(headers, rows), *self._failure_lines()])
+
+    def _failure_lines(self) -> list[str]:
+        failures = self.failures()
+        if failures:
+            return [f"{len(failures)} failed:", *(f"  {f}" for f in failures)]
+        return ["every program lowered" if self.target.lower_only else "every program fits"]
+
+
+def _table(headers, rows) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(
+        c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+    )
+    return [line(headers), line(["-" * w for w in widths]), *map(line, rows)]
+
+
+def target_mesh(target: CompileTarget, tensor_parallel_size: int) -> Mesh:
+    if tensor_parallel_size > len(target.devices):
+        raise ValueError(
+            f"tensor_parallel_size ({tensor_parallel_size}) exceeds the {len(target.devices)} devices of target "
+            f"{target.name}"
+        )
+    return Mesh(np.array(target.devices[:tensor_parallel_size]), (TP_AXIS,))
+
+
+def compile_for_target(
+    config: EngineConfig,
+    target_name: str,
+    *,
+    tensor_parallel_size: int | None = None,
+    cache_dir: str | None = None,
+    max_buckets: int | None = None,
+    largest_only: bool = False,
+) -> TargetReport:
+    """Builds every program of ``config``'s engine for ``target_name`` (see the module docstring).
+
+    ``tensor_parallel_size`` None: as many of the target's devices as the model's heads divide evenly.
+    ``max_buckets``: only the first buckets of the grid (tests); ``largest_only``: only the largest step of
+    each kind (prefill, decode, mixed), the quick worst-case check. Executables go to ``cache_dir`` (resolved
+    like ``EngineConfig.compile_cache_dir``; disabled: none are stored) for TPU targets."""
+    config = dataclasses.replace(config, attention_backend="pallas")
+    model_path = resolve_model_path(config.model)
+    model_config = load_config(model_path)
+    host_devices = tensor_parallel_size or 1
+    target = resolve_target(target_name, host_devices)
+    if tensor_parallel_size is None:
+        heads = (model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size)
+        tensor_parallel_size = 1 if target.lower_only else auto_tensor_parallel_size(len(target.devices), *heads)
+    check_tensor_parallel(model_config, tensor_parallel_size)
+    mesh = target_mesh(target, tensor_parallel_size)
+    config = dataclasses.replace(resolve_engine_dtype(config, target.devices[0]),
+                                 tensor_parallel_size=tensor_parallel_size)
+    params = abstract_params(model_config, config.dtype)
+    grid = engine_bucket_grid(config, model_config, params, target.platform, mesh, target.hbm_bytes_per_device,
+                              fit_to_steps=not target.lower_only)
+    runner = ModelRunner(
+        model_config, params, dtype=config.dtype, block_size=grid.block_size, num_blocks=grid.num_blocks,
+        max_rows=grid.max_batch_size, attention_backend="pallas", mesh=mesh, abstract=True,
+        platform=target.platform, **runner_sampling_options(config, grid),
+    )
+    shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in grid.buckets))[:max_buckets]
+    if largest_only:
+        shapes = largest_of_each_kind(shapes)
+    if target.lower_only:
+        return TargetReport(target, grid, tensor_parallel_size, _lower_all(runner, shapes))
+    path = resolve_cache_dir(config.compile_cache_dir if cache_dir is None else cache_dir)
+    manifest = CacheManifest.current(
+        model_config, config.dtype, grid, runner.backend.name, mesh.size, max_logprobs=config.max_logprobs,
+        device=target.devices[0], model=str(model_path), written_by=f"precompile --target {target.name}",
+    )
+    if path is not None:
+        runner.executable_store = ExecutableStore(path, manifest, num_devices=len(target.devices))
+    programs = _compile_all(runner, shapes)
+    if path is not None and not any(p.error for p in programs):
+        record_manifest(path, manifest)
+    return TargetReport(target, grid, tensor_parallel_size, programs, path)
+
+
+def _compile_all(runner: ModelRunner, shapes) -> list[ProgramResult]:
+    """Every step of ``shapes``, the resample program of each of their batch sizes, then the allocations and forks."""
+    programs = [(executable_name(shape), lambda shape=shape: runner.compile(shape)) for shape in shapes]
+    programs += [(resample_name(size), lambda size=size: runner.compile_resample(size))
+                 for size in dict.fromkeys(shape.batch_size for shape in shapes)]
+    results = []
+    for i, (name, compile_program) in enumerate(programs):
+        results.append(_compile_program(name, compile_program))
+        done = results[-1]
+        outcome = done.error or f"{done.total_bytes / MB:.0f} MB per device"
+        logger.info("%s (%d of %d) in %.1fs: %s", done.name, i + 1, len(programs), done.seconds, outcome)
+    start = time.perf_counter()
+    try:
+        helpers = runner.compile_allocations()
+    except Exception as err:  # noqa: BLE001
+        return [*results, ProgramResult("allocations and forks", time.perf_counter() - start, error=_brief(err))]
+    seconds = (time.perf_counter() - start) / max(len(helpers), 1)
+    return [*results, *(_measured(name, seconds, compiled) for name, compiled in helpers.items())]
+
+
+def _compile_program(name: str, compile_program) -> ProgramResult:
+    start = time.perf_counter()
+    try:
+        compiled = compile_program()
+    except Exception as err:  # noqa: BLE001 - reported per program, the others still compile
+        return ProgramResult(name, time.perf_counter() - start, error=_brief(err))
+    return _measured(name, time.perf_counter() - start, compiled)
+
+
+def _measured(name: str, seconds: float, compiled: jax.stages.Compiled) -> ProgramResult:
+    memory = compiled.memory_analysis()
+    return ProgramResult(
+        name, seconds, argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
+        alias_bytes=memory.alias_size_in_bytes, temp_bytes=memory.temp_size_in_bytes,
+        code_bytes=memory.generated_code_size_in_bytes,
+    )
+
+
+def _lower_all(runner: ModelRunner, shapes) -> list[ProgramResult]:
+    """Lowers every program for CUDA (through the Triton kernels); compiling them needs a GPU."""
+    results = []
+    for name, (jitted, args) in runner.programs(shapes).items():
+        start = time.perf_counter()
+        try:
+            jitted.trace(*args).lower(lowering_platforms=("cuda",))
+        except Exception as err:  # noqa: BLE001 - reported per program, the others still lower
+            results.append(ProgramResult(name, time.perf_counter() - start, error=_brief(err)))
+            continue
+        results.append(ProgramResult(name, time.perf_counter() - start))
+    return results
+
+
+def _brief(err: Exception) -> str:
+    text = f"{type(err).__name__}: {err}".strip().splitlines()
+    return text[0][:300] if text else type(err).__name__

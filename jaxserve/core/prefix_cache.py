@@ -1,0 +1,109 @@
+"""Automatic prefix caching: KV blocks addressed by their content (host side, no JAX).
+
+A full block's hash covers its parent block's hash and its own token ids (and ``extra``, for any
+future input that changes its K/V), so equal hashes mean equal K/V for the whole prefix up to and
+including that block. The ``BlockManager`` keeps one ``PrefixCache``: a table from hash to block id
+for every block whose K/V are in the pool, and, among those, the blocks nobody holds any more in an
+LRU list. Those stay cached and are reused by a later hit; one is evicted (its hash dropped, so it can
+never serve stale K/V) only when a fresh block is needed and no never-cached block is free.
+
+The scheduler asks for the longest cached prefix of a new request's full blocks (``BlockManager.
+cached_prefix``); the engine registers blocks once their K/V are computed (``BlockManager.cache_blocks``,
+right after the step that computes them is dispatched: later steps run after it on the device).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: list[int], extra: bytes = b"") -> BlockHash:
+    """SHA-256 of (parent hash, token ids as int64, extra): collisions are not a practical concern."""
+    digest = hashlib.sha256(parent or b"root")
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    digest.update(extra)
+    return digest.digest()
+
+
+def hash_full_blocks(seq: Sequence, block_size: int, num_tokens: int) -> int:
+    """Extends ``seq.block_hashes`` to the full blocks within its first ``num_tokens`` tokens (each block is
+    hashed once per sequence) and returns how many of them are hashed: it stops before a block holding a
+    token still on the device."""
+    hashes = seq.block_hashes
+    num_full = min(num_tokens, seq.num_tokens) // block_size
+    if len(hashes) < num_full:
+        tokens = seq.all_token_ids
+        for index in range(len(hashes), num_full):
+            block = tokens[index * block_size : (index + 1) * block_size]
+            if PLACEHOLDER_TOKEN in block:
+                break
+            hashes.append(hash_block(hashes[-1] if hashes else None, block))
+    return min(len(hashes), num_full)
+
+
+@dataclass
+class PrefixCacheStats:
+    """vLLM's counters, in tokens: prompt tokens looked up at admission, and those found cached."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+class PrefixCache:
+    """Hash -> block table, and the LRU list of cached blocks that no sequence holds (evictable)."""
+
+    def __init__(self) -> None:
+        self.block_of: dict[BlockHash, int] = {}
+        self.hash_of: dict[int, BlockHash] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.hash_of)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.evictable)
+
+    def longest_prefix(self, hashes: list[BlockHash], num_blocks: int) -> list[int]:
+        """Block ids of the cached blocks of ``hashes[:num_blocks]``, from the first, up to the first miss."""
+        blocks = []
+        for block_hash in hashes[:num_blocks]:
+            block_id = self.block_of.get(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def insert(self, block_id: int, block_hash: BlockHash) -> None:
+        """Register a held block whose K/V are computed. A block already cached, or content another block
+        already caches (two requests computed the same prefix at once), changes nothing."""
+        if block_id in self.hash_of or block_hash in self.block_of:
+            return
+        self.block_of[block_hash] = block_id
+        self.hash_of[block_id] = block_hash
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self.hash_of
+
+    def release(self, block_id: int) -> None:
+        """A cached block nobody holds any more: most recently used end of the LRU list."""
+        self.evictable[block_id] = None
+
+    def touch(self, block_id: int) -> None:
+        """A hit on a block nobody held: it leaves the LRU list (no-op for a held block)."""
+        self.evictable.pop(block_id, None)
+
+    def evict(self) -> int:
+        """The least recently used evictable block, its hash dropped: a fresh block."""
+        block_id, _ = self.evictable.popitem(last=False)
+        del self.block_of[self.hash_of.pop(block_id)]
+        return block_id

@@ -1,0 +1,111 @@
+"""Tensor parallelism: the device mesh and where every array of the step lives on it.
+
+Place in the data flow: the engine builds a one-axis mesh ("tp") over `tensor_parallel_size` devices
+(all hosts' devices after `jaxserve.distributed.multihost.initialize`); the weight loaders restore (orbax) or place
+(safetensors, GGUF) every parameter with `param_shardings`, and the model runner allocates the KV pool
+with `kv_pool_sharding` and compiles its steps with these shardings as in- and out-shardings.
+
+Megatron-style split: q/k/v, gate and up projections are column-parallel (output features sharded, so
+each device holds whole attention heads and a slice of the MLP's hidden dimension); o and down
+projections are row-parallel (input features sharded; XLA sums the partial products across devices).
+The KV pool `[L, Hkv, blocks, block_size, D]` is sharded on its kv-head axis. Embeddings, norms and the
+LM head are replicated. Every head count must divide by the mesh size: kv heads are not replicated, so
+a GQA model with fewer kv heads than devices is refused with an error naming both numbers.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.config import ModelConfig
+
+TP_AXIS = "tp"
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
+    """A one-axis mesh over the first `tensor_parallel_size` devices (of every process)."""
+    devices = jax.devices() if devices is None else devices
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+    if tensor_parallel_size > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size ({tensor_parallel_size}) exceeds the {len(devices)} available "
+            f"{devices[0].platform} devices"
+        )
+    return Mesh(np.array(devices[:tensor_parallel_size]), (TP_AXIS,))
+
+
+def engine_mesh(tensor_parallel_size: int) -> Mesh:
+    """The engine's mesh. Across processes (multi-host) it must span every device of every host, so that
+    each process holds a part of it: tensor_parallel_size must equal the global device count there."""
+    if jax.process_count() > 1 and tensor_parallel_size != jax.device_count():
+        raise ValueError(
+            f"with {jax.process_count()} processes, tensor_parallel_size ({tensor_parallel_size}) must equal the "
+            f"global device count ({jax.device_count()}): one engine spans every host's devices"
+        )
+    return make_mesh(tensor_parallel_size)
+
+
+def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:
+    """Clear errors for a model the mesh cannot split evenly (heads, kv heads, MLP hidden dimension)."""
+    sizes = {
+        "num_heads": config.num_heads,
+        "num_kv_heads": config.num_kv_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    for name, size in sizes.items():
+        if size % tensor_parallel_size:
+            raise ValueError(
+                f"the model's {name} ({size}) is not divisible by tensor_parallel_size ({tensor_parallel_size}); "
+                f"choose a tensor_parallel_size that divides it"
+            )
+
+
+def param_spec(path: tuple[str, ...], ndim: int) -> P:
+    """The partition of one parameter from its tree path, e.g. ("params", "layers", "mlp", "up_proj",
+    "kernel"); kernels are `[..., in, out]` (stacked layers add a leading axis), biases `[..., out]`."""
+    module, leaf = path[-2], path[-1]
+    if module in COLUMN_PARALLEL:
+        return P(*([None] * (ndim - 1)), TP_AXIS)
+    if module in ROW_PARALLEL and leaf == "kernel":
+        return P(*([None] * (ndim - 2)), TP_AXIS, None)
+    return P()
+
+
+def _path_names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(key, "key", key)) for key in path)
+
+
+def param_shardings(params, mesh: Mesh):
+    """A NamedSharding per leaf of a parameter tree (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, param_spec(_path_names(path), len(x.shape))), params
+    )
+
+
+def kv_pool_sharding(mesh: Mesh) -> NamedSharding:
+    """The KV pool `[L, Hkv, blocks, block_size, D]`: each device holds its kv heads' pages."""
+    return NamedSharding(mesh, P(None, TP_AXIS))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def shard_params(params, mesh: Mesh):
+    """Places a parameter tree (numpy or jax arrays) on the mesh; already placed arrays are not copied."""
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def per_device_bytes(params, mesh: Mesh) -> int:
+    """Bytes of one device's shards of a parameter tree placed with `param_shardings` (the largest shard)."""
+    shardings = param_shardings(params, mesh)
+    return sum(
+        int(np.prod(sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+        for x, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True)
+    )

@@ -1,0 +1,132 @@
+"""AsyncLLMEngine: the server's engine. A background task drives LLMEngine.step() in a worker thread
+and fans the outputs out to one asyncio queue per request.
+
+Adds and aborts are queued and applied by the worker between steps, so the engine is only ever touched
+from one thread. An error while adding a request reaches that request's stream, not the loop;
+cancelling a consumer (client disconnect) aborts its request and frees its blocks. An optional
+observer (the server's `ServingMetrics`) hears of each arrival and of every delivered output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.logger import init_logger
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
+
+logger = init_logger("jaxserve.engine.async_engine")
+
+
+class OutputObserver(Protocol):
+    def request_arrived(self, request_id: str) -> None: ...
+
+    def outputs_delivered(self, delivered: list[tuple[str, RequestOutput | BaseException]]) -> None: ...
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None):
+        self.engine = engine
+        self.observer = observer
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._pending_adds: collections.deque = collections.deque()
+        self._pending_aborts: collections.deque = collections.deque()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-step")
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    def _ensure_loop(self) -> None:
+        if not self.is_running:
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    async def generate(
+        self, prompt, sampling_params: SamplingParams | BeamSearchParams | None, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams RequestOutputs for one request until it finishes (a beam search: only its final output)."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._ensure_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        if self.observer is not None:
+            self.observer.request_arrived(request_id)
+        self._pending_adds.append((request_id, prompt, sampling_params or SamplingParams()))
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._request_abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._request_abort(request_id)
+
+    def _request_abort(self, request_id: str) -> None:
+        self._pending_aborts.append(request_id)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not (self._pending_adds or self._pending_aborts or self.engine.has_unfinished_requests()):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            try:
+                delivered = await loop.run_in_executor(self._executor, self._step_once)
+            except Exception as err:  # a bug in a step: fail the running requests, keep serving
+                logger.exception("engine step failed")
+                delivered = [(rid, err) for rid in list(self.engine.requests)]
+                for rid in list(self.engine.requests):
+                    self.engine.abort_request(rid)
+            if self.observer is not None:
+                self.observer.outputs_delivered(delivered)
+            for request_id, item in delivered:
+                queue = self._streams.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(item)
+
+    def _step_once(self) -> list[tuple[str, RequestOutput | BaseException]]:
+        """Runs in the worker thread: apply adds and aborts, then one engine step."""
+        delivered: list = []
+        while self._pending_adds:  # adds first: an abort queued with its own add must find the request
+            request_id, prompt, params = self._pending_adds.popleft()
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except Exception as err:
+                delivered.append((request_id, err))
+        while self._pending_aborts:
+            request_id = self._pending_aborts.popleft()
+            aborted = self.engine.abort_request(request_id)
+            if aborted is not None:
+                delivered.append((request_id, aborted))
+        if self.engine.has_unfinished_requests():
+            delivered += [(out.request_id, out) for out in self.engine.step()]
+        return delivered
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,569 @@
+"""LLMEngine: add_request / step / abort, the loop that LLM.generate and AsyncLLMEngine both drive.
+
+Each `step()` asks the Scheduler for a Schedule, applies pending copy-on-write copies and new sampler
+slots on the device, pads the step to the chosen bucket and dispatches the ModelRunner's precompiled
+executable. With `async_scheduling` (the default) it does not wait for that step: every sampling row gets
+a placeholder token at once, so the scheduler can plan the next step, and the next step reads the real
+tokens on the device. While the device runs step N, the host reads step N-1's tokens (and logprobs) and
+hands each to its request's group (`sequence_group.py`, `beam_search.py`), which detokenizes, applies
+stop conditions and forks; the engine applies the forks and frees and returns a RequestOutput for every
+request that advanced. A sequence that stops on a token the host had not yet seen was already scheduled
+once more: that extra row's token is dropped. Beam search needs every step's logprobs before it can
+pick the next beams, so while a beam search request runs, each step is read before the next is planned.
+Structured outputs do not hold the batch back either. A constrained row's mask needs the token before
+it: when step N+1 has a row whose grammar waits for step N's token, N+1 is dispatched at once taking
+only its argmax, and once N's tokens are read (while N+1 runs) those rows' masks are filled and
+`ModelRunner.resample` samples all of N+1's rows from its logits, on the device, before step N+2
+reads its tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxserve.compilation.compile_cache import (
+    CACHE_DIR_ENV,
+    CacheManifest,
+    CompileCounts,
+    record_manifest,
+    resolve_cache_dir,
+    thread_compile_counts,
+    use_persistent_cache,
+)
+from jaxserve.compilation.sizing import MemoryBudget, blocks_over_budget, memory_budget
+from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.block_manager import BlockManager, kv_bytes_per_block, num_blocks_from_budget
+from jaxserve.core.buckets import BucketGrid, load_bucket_spec
+from jaxserve.core.prefix_cache import PrefixCacheStats
+from jaxserve.core.scheduler import Schedule, Scheduler
+from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence
+from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
+from jaxserve.distributed.sharding import engine_mesh, per_device_bytes
+from jaxserve.engine.beam_search import BeamSearchGroup
+from jaxserve.engine.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
+from jaxserve.engine.request_group import (
+    EngineContext,
+    GroupUpdate,
+    RequestGroup,
+    SampledToken,
+    SamplingGroup,
+)
+from jaxserve.logger import init_logger
+from jaxserve.metrics.stat_logger import StatLogger
+from jaxserve.outputs import RequestOutput
+from jaxserve.precision import resolve_engine_dtype
+from jaxserve.runner.logprobs import TokenTexts
+from jaxserve.runner.model_runner import ModelRunner, StepInputs, StepOutput, step_shape
+from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
+from jaxserve.runner.sampler_state import SlotTable, slot_state_bytes
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
+from jaxserve.weights import LoadedModel, load_model
+
+logger = init_logger("jaxserve.engine.llm_engine")
+
+DEFAULT_CPU_KV_BLOCKS = 2048
+_FLAGS = INT_COLUMNS.index("flags")
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step whose results the host has not read yet."""
+
+    output: StepOutput  # on the device
+    flags: np.ndarray  # i32[S], the rows' sampling flags (which rows want logprobs)
+    samples: list[tuple[RequestGroup, Sequence, int, int]]  # (group, seq, row, output index; -1: a beam)
+    # (group, (index, column) of the row's first token in the step's prompt logprobs, first position, tokens)
+    prompt_rows: list[tuple[RequestGroup, tuple[int, int], int, int]]
+    rows_by_seq: dict[int, int]  # seq_id -> row, for feeding the tokens into the next step
+    sampling: SamplingTensors | None = None  # the step's sampling inputs (host arrays)
+    # samples of constrained rows whose mask waited for the previous step's token: the step only took its
+    # argmax, and samples for real once the masks are known (see LLMEngine._resample)
+    masks_pending: list[tuple[RequestGroup, Sequence, int, int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters the benchmarks and the metrics endpoint read."""
+
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_mixed_steps: int = 0  # decode rows and prefill chunks in one step
+    num_real_tokens: int = 0
+    num_padded_tokens: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model: cache hits excluded
+    num_generation_tokens: int = 0
+    num_compiles_after_warm_up: int = 0  # executables built while serving: should stay 0
+    num_late_sampled_steps: int = 0  # steps sampled after dispatch, once their rows' grammar masks were known
+    num_late_masks: int = 0  # constrained rows of those steps whose mask was filled after dispatch
+    prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)  # the block manager's
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens of admitted sequences looked up in the prefix cache (vLLM's prefix_cache_queries)."""
+        return self.prefix_cache.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, tokens found cached (vLLM's prefix_cache_hits)."""
+        return self.prefix_cache.hits
+
+    @property
+    def padding_waste(self) -> float:
+        """Padded slots per real token over all steps."""
+        return self.num_padded_tokens / max(self.num_real_tokens, 1)
+
+
+def engine_bucket_grid(
+    config: EngineConfig, model_config: ModelConfig, params, platform: str, mesh: Mesh,
+    device_memory_bytes: int | None = None, *, fit_to_steps: bool = True,
+) -> BucketGrid:
+    """The bucket grid (with block size and KV-pool size) an engine with ``config`` runs on.
+
+    ``params`` (arrays or ``ShapeDtypeStruct``s) only count towards the memory budget off CPU. The
+    precompile command calls this too, so that it compiles exactly the engine's executables;
+    ``device_memory_bytes`` is a target device's memory when compiling for hardware this host does not
+    have (default: the local device's reported limit). Off CPU, unless ``num_kv_blocks`` is given, the pool
+    is what the memory holds besides the weights, the sampler state and what the largest steps need while
+    they run (`kv_sizing`; ``fit_to_steps=False`` skips that probe, for targets that only lower).
+    """
+    spec = load_bucket_spec(config.buckets, platform)
+    block_size = config.block_size or spec.block_size
+    max_model_len = config.max_model_len or min(model_config.max_position_embeddings, max(spec.context_lengths))
+    budget = weights_bytes = None
+    if platform != "cpu" and config.num_kv_blocks is None:
+        weights_bytes = per_device_bytes(params, mesh)
+        budget = memory_budget(config.gpu_memory_utilization, params, weights_bytes, device_memory_bytes)
+    block_bytes = kv_bytes_per_block(
+        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
+        head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(config.dtype).itemsize,
+    ) // mesh.size  # per device: the pool is split over the heads
+    num_slots = config.max_num_seqs or max(spec.decode_batch_sizes)
+    pool_budget = None if budget is None else budget.pool_bytes(
+        weights_bytes, slot_state_bytes(num_slots, model_config.vocab_size))
+    num_blocks = num_blocks_from_budget(block_bytes, num_kv_blocks=config.num_kv_blocks,
+                                        memory_budget_bytes=pool_budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS)
+    grid = _grid(spec, config, block_size, max_model_len, num_blocks)
+    if budget is not None and fit_to_steps:
+        over = _blocks_over_budget(grid, config, model_config, params, mesh, budget, block_bytes)
+        if over:
+            grid = _grid(spec, config, block_size, max_model_len, num_blocks - over)
+    grid.check_max_model_len(max_model_len)
+    return grid
+
+
+def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: ModelConfig, params, mesh: Mesh,
+                        budget: MemoryBudget, block_bytes: int) -> int:
+    """Blocks ``grid``'s pool gives back so that its largest steps fit in ``budget`` (`kv_sizing`): they are
+    compiled against a pool of one sequence's pages."""
+    shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in grid.buckets))
+    probe = ModelRunner(
+        model_config, params, dtype=config.dtype, block_size=grid.block_size,
+        num_blocks=min(grid.num_blocks, max(s.pages_per_seq for s in shapes)), max_rows=grid.max_batch_size,
+        attention_backend=config.attention_backend, mesh=mesh, abstract=True, **runner_sampling_options(config, grid),
+    )
+    over, need = blocks_over_budget(probe, shapes, budget, block_bytes, grid.num_blocks)
+    logger.info("KV pool: %d blocks fill the memory budget (%.0f MB per device); with them the largest step needs "
+                "%.0f MB: %d blocks given back", grid.num_blocks, budget.usable_bytes / 1e6, need / 1e6, over)
+    return over
+
+
+def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_blocks: int) -> BucketGrid:
+    return BucketGrid(
+        spec, block_size=block_size, max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs or max(spec.decode_batch_sizes),
+        max_num_batched_tokens=config.max_num_batched_tokens
+        or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths),
+        num_blocks=num_blocks,
+    )
+
+
+def runner_sampling_options(config: EngineConfig, grid: BucketGrid) -> dict:
+    """The ModelRunner's sampler sizes (one slot per possible running sequence, K = max_logprobs): the
+    engine and the precompile command pass the same, so they build the same executables."""
+    return {"num_sampler_slots": grid.max_num_seqs, "num_logprobs": config.max_logprobs}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, warm_up: bool = True):
+        self.config = config
+        if distributed_init_requested(config.distributed_init):
+            initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
+        # The persistent compile cache's directory (absolute; None: disabled), set before anything compiles
+        # so that every executable is cached.
+        self.compile_cache_dir: Path | None = use_persistent_cache(resolve_cache_dir(config.compile_cache_dir))
+        if self.compile_cache_dir is None:
+            logger.info("persistent compile cache: disabled (compile_cache_dir='' or %s='')", CACHE_DIR_ENV)
+        else:
+            logger.info("persistent compile cache: %s", self.compile_cache_dir)
+        self.mesh = engine_mesh(config.tensor_parallel_size)
+        self.config = config = resolve_engine_dtype(config, self.mesh.devices.flat[0])
+        loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh)
+        self.model_config = loaded.config
+        self.model_path = loaded.path
+        self.tokenizer = loaded.tokenizer
+        self.grid = engine_bucket_grid(config, loaded.config, loaded.params, jax.default_backend(), self.mesh)
+        self.block_size, num_blocks = self.grid.block_size, self.grid.num_blocks
+        self.block_manager = BlockManager(num_blocks, self.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.max_model_len = self.grid.max_model_len
+        self.scheduler = Scheduler(
+            self.block_manager, self.grid,
+            max_num_seqs=self.grid.max_num_seqs, max_num_batched_tokens=self.grid.max_num_batched_tokens,
+            **({} if config.waiting_served_ratio is None else {"waiting_served_ratio": config.waiting_served_ratio}),
+        )
+        logger.info("%s", _scheduling_summary(self.scheduler))
+        self.runner = ModelRunner(
+            loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
+            num_blocks=num_blocks, max_rows=self.grid.max_batch_size, attention_backend=config.attention_backend,
+            mesh=self.mesh, **runner_sampling_options(config, self.grid),
+        )
+        self._in_flight: InFlightStep | None = None
+        self.async_scheduling = config.async_scheduling
+        self._num_sync_groups = 0  # requests that need each step's results before the next is planned
+        self.requests: dict[str, RequestGroup] = {}
+        self.stats = EngineStats(prefix_cache=self.block_manager.prefix_cache_stats)
+        self.stat_logger = None if config.disable_log_stats else StatLogger(self)
+        self.warm_up_report: WarmUpReport | None = None
+        self._rng = random.Random(config.seed)
+        self.eos_token_ids = set(loaded.config.eos_token_id)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.slots = SlotTable(self.grid.max_num_seqs)
+        self._slot_copies: list[tuple[int, int]] = []  # (parent slot, child slot) of forks not yet copied
+        self.context = EngineContext(
+            tokenizer=self.tokenizer, texts=TokenTexts(self.tokenizer), eos_token_ids=frozenset(self.eos_token_ids),
+            max_model_len=self.max_model_len, vocab_size=loaded.config.vocab_size,
+        )
+        self.limits = EngineLimits(
+            vocab_size=loaded.config.vocab_size, max_logprobs=config.max_logprobs,
+            max_num_seqs=self.grid.max_num_seqs, num_kv_blocks=num_blocks, block_size=self.block_size,
+        )
+        if warm_up:
+            self.warm_up()
+
+    # ----- construction -------------------------------------------------------------------------
+    def warm_up(self, num_threads: int = DEFAULT_COMPILE_THREADS) -> WarmUpReport:
+        """Compiles (or loads from the compile cache) every feasible bucket and the fork executables;
+        after this nothing compiles."""
+        logger.info("%s", self.grid.format_table())
+        check = manifest = None
+        cache_dir = use_persistent_cache(self.compile_cache_dir)  # again: another engine may have moved it
+        if cache_dir is not None:
+            manifest = CacheManifest.current(
+                self.model_config, self.config.dtype, self.grid, self.runner.backend.name, self.mesh.size,
+                max_logprobs=self.config.max_logprobs, model=str(self.model_path), written_by="engine warm-up",
+            )
+            check = use_compile_cache(self.runner, cache_dir, manifest)
+        self.runner.compile_helpers()
+        report = compile_buckets(
+            self.runner, self.grid.buckets, num_threads=num_threads, cache_dir=cache_dir, cache_check=check
+        )
+        if manifest is not None and not check.ok:
+            record_manifest(cache_dir, manifest)  # every bucket of this configuration is in the cache now
+        logger.info("warm-up: %s", report.summary())
+        self.warm_up_report = report
+        return report
+
+    # ----- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None = None) -> None:
+        """Queues a request; BeamSearchParams make it a beam search (one final output, beams best first)."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        seed = self._rng.getrandbits(32)
+        if isinstance(params, BeamSearchParams):
+            check_beam_search_request(params, len(token_ids), self.limits)
+            self.grid.check_request(len(token_ids), params.max_tokens)
+            group = BeamSearchGroup(request_id, text, token_ids, params, seed, self.context)
+        elif isinstance(params, SamplingParams):
+            check_sampling_request(params, self.limits)
+            self.grid.check_request(len(token_ids), params.max_tokens or self.max_model_len - len(token_ids))
+            seed = params.seed if params.seed is not None else seed
+            group = SamplingGroup(request_id, text, token_ids, params, seed, self.context)
+        else:
+            raise TypeError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
+        self.requests[request_id] = group
+        self._num_sync_groups += group.needs_host_sync
+        self.scheduler.add(group.seq)
+        self.stats.num_prompt_tokens += len(token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request at once; its tokens still on the device are dropped."""
+        group = self.requests.get(request_id)
+        if group is None:
+            return None
+        for seq in self.scheduler.abort(request_id):
+            self.slots.release(seq.seq_id)
+        group.abort()
+        output = group.make_output()
+        self._remove(group)
+        return output
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----- one iteration ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedules and dispatches one step, then returns the outputs of the step before it (or of
+        this one, without async scheduling)."""
+        outputs = []
+        if self._in_flight is not None and self._num_sync_groups:
+            outputs += self._complete(self._in_flight)  # beams pick their next tokens before scheduling
+            self._in_flight = None
+        schedule = self.scheduler.schedule()
+        self.stats.num_preemptions += len(schedule.preempted)
+        for seq in schedule.preempted:
+            self.slots.release(seq.seq_id)  # a recompute starts at position 0 in a fresh slot
+        outputs += self._finish_ignored(schedule.ignored)
+        launched = None if schedule.is_idle else self._launch(schedule)
+        if self._in_flight is not None:
+            outputs += self._complete(self._in_flight)
+        if launched is not None and launched.masks_pending:
+            self._resample(launched)
+        self._in_flight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._complete(launched)
+            self._in_flight = None
+        if self.stat_logger is not None:
+            self.stat_logger.maybe_log()
+        return outputs
+
+    def _check_no_compile(self, before: CompileCounts, schedule: Schedule) -> None:
+        """Counts executables built during a step (a bug: warm-up covers every bucket); strict mode raises."""
+        num_compiles = (thread_compile_counts() - before).backend_compiles
+        if not num_compiles:
+            return
+        self.stats.num_compiles_after_warm_up += num_compiles
+        message = (
+            f"{num_compiles} XLA compilation(s) after warm-up, during a step on bucket {schedule.bucket}: "
+            "warm-up did not cover this shape"
+        )
+        if self.config.strict_no_compile:
+            raise RuntimeError(f"strict_no_compile: {message}")
+        logger.warning("%s", message)
+
+    def _finish_ignored(self, ignored: list[Sequence]) -> list[RequestOutput]:
+        """Sequences the scheduler could never run (they reached max_model_len) end with "length"."""
+        groups = {}
+        for seq in ignored:
+            self.slots.release(seq.seq_id)
+            group = self.requests[seq.request_id]
+            group.on_ignored(seq)
+            groups[group.request_id] = group
+        return self._report(groups.values())
+
+    def _launch(self, schedule: Schedule) -> InFlightStep:
+        """Dispatches the step and advances host state as if its tokens were known (placeholders)."""
+        rows = schedule.rows
+        self._sync_device_state(rows)
+        inputs = self._prepare_inputs(schedule, rows)
+        sampling = inputs.sampling
+        masks_wait = {i for i, (seq, start, num_tokens) in enumerate(rows)
+                      if start + num_tokens == seq.num_tokens and self.requests[seq.request_id].mask_waits(seq)}
+        if masks_wait:  # sampled in _resample, once the masks are known
+            inputs = dataclasses.replace(inputs, sampling=sampling.argmax_only())
+        prev = self._in_flight.output.tokens if self._in_flight is not None else None
+        compiles_before = thread_compile_counts()
+        output = self.runner.execute(schedule.bucket, inputs, prev)
+        self._check_no_compile(compiles_before, schedule)
+        step = InFlightStep(output, sampling.ints[:, _FLAGS], [], [], {}, sampling)
+        launched: dict[str, RequestGroup] = {}
+        for row, (seq, start, num_tokens) in enumerate(rows):
+            seq.num_computed_tokens += num_tokens
+            self.block_manager.cache_blocks(seq)  # later steps that hit them run after this one on the device
+            group = self.requests[seq.request_id]
+            if step.flags[row] & FLAG_PROMPT_LOGPROBS:
+                first = (0, int(inputs.query_starts[row])) if inputs.query_starts is not None else (row, 0)
+                step.prompt_rows.append((group, first, start, num_tokens))
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt samples nothing
+            index = group.on_launch(seq)
+            step.samples.append((group, seq, row, index))
+            if row in masks_wait:
+                step.masks_pending.append((group, seq, row, index))
+            step.rows_by_seq[seq.seq_id] = row
+            launched[group.request_id] = group
+        for group in launched.values():
+            self._apply(group.take_update())  # forks of n > 1, sequences at their length limit
+        self._count_step(schedule)
+        return step
+
+    def _resample(self, step: InFlightStep) -> None:
+        """The step just dispatched only took its argmax: some of its constrained rows' grammars waited for the
+        previous step's tokens, which were read since. Those rows' masks are filled now, and every row of the
+        step is sampled from its logits (`ModelRunner.resample`), once: the sampling costs what it would have."""
+        ints, allowed = step.sampling.ints.copy(), step.sampling.allowed.copy()
+        for group, seq, row, index in step.masks_pending:
+            mask = group.grammar_mask(seq, index) if self.requests.get(group.request_id) is group else None
+            if mask is None:
+                continue  # stopped (or aborted) on the previous token: this row's token is dropped
+            allowed[row] = mask
+            ints[row, _FLAGS] |= FLAG_GRAMMAR
+            self.stats.num_late_masks += 1
+        step.output = self.runner.resample(step.output, SamplingTensors(step.sampling.floats, ints, allowed))
+        self.stats.num_late_sampled_steps += 1
+
+    def _sync_device_state(self, rows: list[tuple[Sequence, int, int]]) -> None:
+        """Before the step: copy-on-write copies (KV blocks, forked sampler slots), then new slots' reset."""
+        writes = []
+        for seq, start, _ in rows:
+            group = self.requests[seq.request_id]
+            if not group.needs_slot() or self.slots.get(seq.seq_id) is not None:
+                continue
+            # the whole prompt's mask; a slot taken past the prompt (prefix cache hit) the counts up to start
+            counts = _token_counts(seq, start, self.model_config.vocab_size)
+            writes.append((self.slots.assign(seq.seq_id), (*group.slot_rows(), *counts)))
+        block_copies, slot_copies = self.block_manager.take_pending_copies(), self._slot_copies
+        self._slot_copies = []
+        if block_copies or slot_copies:
+            self.runner.copy_blocks(block_copies, slot_copies)
+        for slot, rows_of_slot in writes:
+            self.runner.write_slot(slot, *rows_of_slot)
+
+    def _prepare_inputs(self, schedule: Schedule, rows: list[tuple[Sequence, int, int]]) -> StepInputs:
+        shape = step_shape(schedule.bucket, self.block_size)
+        s, p = shape.batch_size, shape.pages_per_seq
+        input_ids = np.zeros(shape.input_shape, np.int32)
+        block_tables = np.zeros((s, p), np.int32)
+        q_start = np.zeros(s, np.int32)
+        lengths = np.zeros(s, np.int32)
+        sample_index = np.zeros(s, np.int32)
+        feed_rows = np.zeros(s, np.int32)
+        feed_cols = np.full(s, -1, np.int32)
+        # ragged: row i's tokens start where row i-1's end; padding rows start past the last token
+        query_starts = np.full(s, shape.num_query_tokens, np.int32) if shape.ragged else None
+        flat = input_ids.reshape(-1)
+        sampling_rows = []
+        offset = 0
+        for i, (seq, start, num_tokens) in enumerate(rows):
+            if query_starts is not None:
+                query_starts[i] = offset
+            else:
+                offset = i * shape.num_query_tokens
+            flat[offset : offset + num_tokens] = seq.all_token_ids[start : start + num_tokens]
+            if flat[offset + num_tokens - 1] == PLACEHOLDER_TOKEN:  # only ever a sequence's last token
+                feed_rows[i], feed_cols[i] = self._in_flight.rows_by_seq[seq.seq_id], num_tokens - 1
+            offset += num_tokens
+            table = seq.block_table[:p]  # blocks past this step's context (reserved ahead) are not read
+            block_tables[i, : len(table)] = table
+            q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
+            group = self.requests[seq.request_id]
+            sampling_rows.append(group.sampling_row(seq, start, num_tokens, self.slots.get(seq.seq_id)))
+        sampling = SamplingTensors.from_rows(sampling_rows, s, self.slots.no_slot, self.model_config.vocab_size)
+        return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling, feed_rows, feed_cols,
+                          query_starts)
+
+    def _count_step(self, schedule: Schedule) -> None:
+        self.stats.num_steps += 1
+        if schedule.is_mixed:
+            self.stats.num_mixed_steps += 1
+        elif schedule.is_prefill:
+            self.stats.num_prefill_steps += 1
+        else:
+            self.stats.num_decode_steps += 1
+        self.stats.num_real_tokens += schedule.num_batched_tokens
+        self.stats.num_prefill_tokens += sum(chunk.num_tokens for chunk in schedule.prefill_chunks)
+        self.stats.num_padded_tokens += schedule.num_padded_tokens
+
+    def _complete(self, step: InFlightStep) -> list[RequestOutput]:
+        """Reads a dispatched step's results (waits for the device) and hands them to their groups."""
+        tokens = np.asarray(step.output.tokens)
+        logprobs = _host(step.output.logprobs) if np.any(step.flags & FLAG_LOGPROBS) else None
+        prompt_logprobs = _host(step.output.prompt_logprobs) if step.prompt_rows else None
+        for group, (index, column), start, num_tokens in step.prompt_rows:
+            if self.requests.get(group.request_id) is group:
+                group.add_prompt_logprobs(start, num_tokens, [x[index, column:] for x in prompt_logprobs])
+        touched: dict[str, RequestGroup] = {}
+        for group, seq, row, index in step.samples:
+            if self.requests.get(group.request_id) is not group:
+                continue  # aborted: this row's token is dropped
+            if group.on_sample(seq, index, _sampled(tokens, logprobs, row)):
+                self.stats.num_generation_tokens += 1
+                touched[group.request_id] = group
+        for group in touched.values():
+            group.after_step()
+            self._apply(group.take_update())
+        return self._report(touched.values())
+
+    def _apply(self, update: GroupUpdate) -> None:
+        """Forks first (they share blocks that a finished parent is about to release), then frees."""
+        for parent, child in update.forks:
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_forked(child)
+            parent_slot = self.slots.get(parent.seq_id)
+            if parent_slot is not None:
+                self._slot_copies.append((parent_slot, self.slots.assign(child.seq_id)))
+        for seq in update.finished:
+            self.scheduler.finish(seq)
+            self.slots.release(seq.seq_id)
+
+    def _report(self, groups) -> list[RequestOutput]:
+        outputs = []
+        for group in list(groups):
+            output = group.make_output()
+            if group.is_finished:
+                self._remove(group)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _remove(self, group: RequestGroup) -> None:
+        del self.requests[group.request_id]
+        self._num_sync_groups -= group.needs_host_sync
+
+
+def _scheduling_summary(scheduler: Scheduler) -> str:
+    """The start-up line that says how steps are formed and their token budget."""
+    grid = scheduler.bucket_grid
+    if not grid.has_mixed:
+        return (f"scheduling: prefill-or-decode steps (no [mixed] buckets in {grid.spec.source}), "
+                f"max_num_batched_tokens={scheduler.max_num_batched_tokens}")
+    return (f"scheduling: mixed steps (decode rows first, then prefill chunks) of up to {scheduler.max_mixed_tokens} "
+            f"tokens and {grid.max_mixed_batch_size} rows; prefill-only steps up to max_num_batched_tokens="
+            f"{scheduler.max_num_batched_tokens}")
+
+
+def _token_counts(seq: Sequence, start: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(output counts i32[V], prompt mask bool[V]) that ``seq``'s sampler slot starts with when its first step
+    starts at position ``start``: the counts of the generated tokens before ``start`` (what the steps would
+    have counted had they fed them, `update_token_counts`) and the mask of its whole prompt."""
+    prompt_mask = np.zeros(vocab_size, bool)
+    prompt_mask[np.asarray(seq.prompt_token_ids, np.int64)] = True
+    generated = np.asarray(seq.all_token_ids[seq.num_prompt_tokens : max(start, seq.num_prompt_tokens)], np.int64)
+    output_counts = np.bincount(generated, minlength=vocab_size).astype(np.int32)
+    return output_counts, prompt_mask
+
+
+def _host(logprobs) -> tuple[np.ndarray, ...]:
+    """(token logprob, rank, top ids, top logprobs) as numpy arrays."""
+    return tuple(np.asarray(x) for x in (logprobs.token_logprob, logprobs.token_rank, logprobs.top_ids,
+                                         logprobs.top_logprobs))
+
+
+def _sampled(tokens: np.ndarray, logprobs: tuple[np.ndarray, ...] | None, i: int) -> SampledToken:
+    if logprobs is None:
+        return SampledToken(int(tokens[i]))
+    token_logprob, rank, top_ids, top_logprobs = logprobs
+    return SampledToken(int(tokens[i]), float(token_logprob[i]), int(rank[i]), top_ids[i], top_logprobs[i])

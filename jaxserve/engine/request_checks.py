@@ -1,0 +1,62 @@
+"""Checks of one request against the engine's limits, before it is queued (vLLM's messages).
+
+`SamplingParams` / `BeamSearchParams` validate themselves; what depends on the model and the engine
+(vocabulary size, max_logprobs, max_num_seqs, the KV pool) is checked here by `LLMEngine.add_request`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.core.block_manager import cdiv
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    vocab_size: int
+    max_logprobs: int
+    max_num_seqs: int
+    num_kv_blocks: int
+    block_size: int
+
+
+def check_sampling_request(params: SamplingParams, limits: EngineLimits) -> None:
+    for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        value = getattr(params, name)
+        if value is not None and value > limits.max_logprobs:
+            raise ValueError(
+                f"Requested {kind} logprobs of {value}, which is greater than max allowed: {limits.max_logprobs}"
+            )
+    if params.top_k > limits.vocab_size:
+        raise ValueError(
+            f"top_k cannot be greater than vocabulary size({limits.vocab_size}), but got {params.top_k}."
+        )
+    if params.logit_bias:
+        invalid = sorted(t for t in params.logit_bias if not 0 <= t < limits.vocab_size)
+        if invalid:
+            raise ValueError(
+                f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. "
+                f"Vocabulary size: {limits.vocab_size}"
+            )
+    if params.best_of > limits.max_num_seqs:
+        raise ValueError(
+            f"best_of={params.best_of} sequences cannot run at once: max_num_seqs is {limits.max_num_seqs}"
+        )
+
+
+def check_beam_search_request(params: BeamSearchParams, num_prompt_tokens: int, limits: EngineLimits) -> None:
+    width = params.beam_width
+    if 2 * width > limits.max_logprobs:
+        raise ValueError(
+            f"beam_width={width} needs the top {2 * width} logprobs per step, more than max_logprobs="
+            f"{limits.max_logprobs}; raise max_logprobs or lower beam_width"
+        )
+    if width > limits.max_num_seqs:
+        raise ValueError(f"beam_width={width} beams cannot run at once: max_num_seqs is {limits.max_num_seqs}")
+    blocks = width * cdiv(num_prompt_tokens + params.max_tokens, limits.block_size)
+    if blocks > limits.num_kv_blocks:
+        raise ValueError(
+            f"beam_width={width} beams of up to {num_prompt_tokens + params.max_tokens} tokens need up to "
+            f"{blocks} KV blocks, more than the pool's {limits.num_kv_blocks}"
+        )

@@ -1,0 +1,444 @@
+"""The only owner of device state: parameters, the KV pool and one compiled executable per bucket.
+
+The engine hands it a bucket and numpy arrays padded to it (rows of equal length, or for a mixed step
+the rows' tokens back to back: `StepShape.ragged`); it dispatches the bucket's executable, which runs
+the model over the paged KV pool and the per-sequence sampler state (both donated, so updated in place)
+and samples one token per sequence (`sampler.py`), with logprobs and prompt logprobs when a row asks.
+Dispatch is asynchronous: a step may take some of its input tokens from the previous step's sampled
+tokens while they are still on the device (`feed_rows`/`feed_cols`), so the host can schedule and
+prepare step N+1 before it has read step N's tokens.
+A step with a constrained row (structured outputs) whose grammar waits for the previous step's token is
+dispatched taking only each row's argmax; once the host has read that token and filled the masks, the
+small `resample` executable of its batch size samples the step's rows from its raw logits (same keys,
+penalties and logprobs as in the step), so the step was never held back (`LLMEngine._resample`).
+Two small executables serve forks (n > 1, beam search) and new sequences: `copy_blocks` (copy-on-write
+of KV blocks and sampler slots) and `write_slot` (a slot's reset and its request's logit_bias /
+min_tokens rows). Everything is compiled ahead of time from `ShapeDtypeStruct`s
+(`jit(...).lower(...).compile()`), so serving never compiles; `num_compiles` counts every executable.
+Everything lives on a device mesh (`jaxserve.distributed.sharding`; one device unless tensor parallel): the structs
+carry the params', pool's and sampler state's shardings and the donated state's out-sharding equals its
+in-sharding, so warm-up and serving agree and the donated buffers stay in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxserve.attention.backends import (
+    AttentionMetadata,
+    get_attention_backend,
+    kv_storage_dtype,
+    pool_page_shape,
+    row_offsets,
+    token_layout,
+)
+from jaxserve.compilation.compile_cache import thread_compile_counts
+from jaxserve.compilation.executable_store import ExecutableStore
+from jaxserve.config import ModelConfig
+from jaxserve.core.buckets import MixedBucket
+from jaxserve.distributed.sharding import (
+    check_tensor_parallel,
+    kv_pool_sharding,
+    make_mesh,
+    param_shardings,
+    replicated,
+    shard_params,
+)
+from jaxserve.models import get_model_class
+from jaxserve.models.common import unstack_layers, untie_lm_head
+from jaxserve.runner.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
+from jaxserve.runner.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sample
+from jaxserve.runner.sampler_state import SlotState, copy_slots, update_token_counts, write_slot
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The static shape of one executable: S sequences, P pages of block table, and either Q query tokens per
+    sequence (padded: input `[S, Q]`) or Q query tokens in all, rows back to back (ragged: input `[1, Q]`)."""
+
+    batch_size: int
+    num_query_tokens: int
+    pages_per_seq: int
+    ragged: bool = False
+
+    @property
+    def input_shape(self) -> tuple[int, int]:
+        return (1, self.num_query_tokens) if self.ragged else (self.batch_size, self.num_query_tokens)
+
+
+def step_shape(bucket, block_size: int) -> StepShape:
+    """Prefill buckets have `chunk_len` query tokens per sequence, decode buckets one; a mixed bucket has
+    `num_tokens` in all, laid out ragged."""
+    pages = -(-bucket.context_len // block_size)
+    if isinstance(bucket, MixedBucket):
+        return StepShape(bucket.batch_size, bucket.num_tokens, pages, ragged=True)
+    return StepShape(bucket.batch_size, getattr(bucket, "chunk_len", 1), pages)
+
+
+def executable_name(shape: StepShape) -> str:
+    """The step executable's name in an `ExecutableStore`."""
+    kind = "t" if shape.ragged else "q"
+    return f"step-s{shape.batch_size}-{kind}{shape.num_query_tokens}-p{shape.pages_per_seq}"
+
+
+def resample_name(batch_size: int) -> str:
+    """The name of the executable that samples a step of ``batch_size`` rows after it was dispatched."""
+    return f"resample-s{batch_size}"
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """Host-side, already padded to the bucket's shape. Columns count from a row's first query token."""
+
+    input_ids: np.ndarray  # i32[S, Q] (ragged: i32[1, T])
+    block_tables: np.ndarray  # i32[S, P]
+    q_start: np.ndarray  # i32[S]
+    lengths: np.ndarray  # i32[S]
+    sample_index: np.ndarray  # i32[S], the column of the query token whose logits are sampled
+    sampling: SamplingTensors
+    feed_rows: np.ndarray | None = None  # i32[S], row of the previous step's tokens to feed in
+    feed_cols: np.ndarray | None = None  # i32[S], column of the row that token replaces; -1: none
+    query_starts: np.ndarray | None = None  # i32[S], ragged steps: each row's first token in input_ids[0]
+
+
+def feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols, row_starts):
+    """input_ids with the slot at flat index `row_starts[s] + feed_cols[s]` replaced by `prev_tokens[feed_rows[s]]`
+    (rows with `feed_cols[s] < 0` feed nothing)."""
+    fed = jnp.take(prev_tokens, feed_rows, mode="clip")
+    flat = input_ids.reshape(-1)
+    index = jnp.where(feed_cols >= 0, row_starts + feed_cols, flat.shape[0])
+    return flat.at[index].set(fed, mode="drop").reshape(input_ids.shape)
+
+
+@struct.dataclass
+class StepOutput:
+    """Device arrays of one step; only `tokens` is always needed on the host."""
+
+    tokens: jax.Array  # i32[max_rows], rows past the bucket's batch are 0 (fed to the next step)
+    logits: jax.Array  # f32[S, V], the raw logits sampled from (tests and debugging; not read by the engine)
+    logprobs: TokenLogprobs  # [S(, K)]: the sampled token's raw logprob and rank, and the top K
+    prompt_logprobs: TokenLogprobs | None  # input-shaped [S, Q(, K)] or [1, T(, K)]: each position's next token
+
+
+@functools.cache
+def _zeros_program(struct: jax.ShapeDtypeStruct):
+    """A program that allocates a zeroed array with ``struct``'s shape, dtype and sharding on the device(s):
+    one named program, so precompile can put it in the persistent cache."""
+
+    def zeros() -> jax.Array:
+        return jnp.zeros(struct.shape, struct.dtype)
+
+    return jax.jit(zeros, out_shardings=struct.sharding)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        params: dict,
+        *,
+        dtype: str,
+        block_size: int,
+        num_blocks: int,
+        max_rows: int,
+        attention_backend: str = "auto",
+        mesh: jax.sharding.Mesh | None = None,
+        abstract: bool = False,
+        num_sampler_slots: int = 1,
+        num_logprobs: int = 20,
+        platform: str | None = None,
+    ):
+        """``abstract=True``: ``params`` are ``ShapeDtypeStruct``s and no KV pool (nor sampler state) is
+        allocated; such a runner only compiles (precompilation into the persistent cache needs no device
+        memory). ``platform``: what the steps are built for, by default the mesh's devices' platform (a
+        deviceless TPU topology's devices say "tpu"; "cuda" builds for GPUs on a CPU mesh, lowering only)."""
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.mesh = mesh if mesh is not None else make_mesh(1)
+        self.platform = platform = platform or self.mesh.devices.flat[0].platform
+        self.backend = get_attention_backend(attention_backend, platform)
+        check_tensor_parallel(config, self.mesh.size)
+        model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
+        self.kv_storage_dtype = kv_storage_dtype(self.dtype, platform)
+        # XLA:CPU keeps bf16 matmuls on its fast path only with one weight array per layer and with
+        # untransposed weights (common.layer_stack, common.untie_lm_head); in float32 the scan is as fast and
+        # compiles faster, and TPU and GPU keep it
+        cpu_bf16 = platform == "cpu" and self.dtype == jnp.bfloat16
+        self.model = get_model_class(config.architecture)(
+            config, self.dtype, self.backend, model_mesh, scan_layers=not cpu_bf16,
+            untie_lm_head=cpu_bf16 and config.tie_word_embeddings,
+        )
+        if not self.model.scan_layers:
+            params = unstack_layers(params, config.num_layers)
+        if self.model.untie_lm_head:
+            params = untie_lm_head(params)
+        if abstract:
+            self.params = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                param_shardings(params, self.mesh),
+            )
+        else:
+            self.params = shard_params(params, self.mesh)
+        self.kv_pool = self._abstract_pool() if abstract else self._allocate_pool()
+        self.max_rows = max_rows  # every step returns its tokens padded to this many rows
+        self.no_tokens = self._no_tokens_struct() if abstract else _zeros_program(self._no_tokens_struct())()
+        self.num_sampler_slots = num_sampler_slots
+        self.slot_state = self._abstract_slot_state()
+        if not abstract:
+            self.slot_state = jax.tree.map(lambda spec: _zeros_program(spec)(), self.slot_state)
+        self.num_logprobs = max(num_logprobs, 1)  # K of the step's top-K logprobs (a static shape)
+        self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
+        self.executables: dict[StepShape, jax.stages.Compiled] = {}
+        self.resample_executables: dict[int, jax.stages.Compiled] = {}  # by batch size
+        self.executable_store: ExecutableStore | None = None  # set by warm-up when there is a compile cache
+        self.num_compiles = 0
+        self.compile_seconds = 0.0
+        self._compile_lock = threading.Lock()  # warm-up compiles buckets from several threads
+        self._copy_executable = None
+        self._write_slot_executable = None
+
+    def _abstract_pool(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        cfg = self.config
+        tokens_per_row = self.backend.tokens_per_row(self.block_size, cfg.head_dim)
+        page = pool_page_shape(self.block_size, cfg.head_dim, tokens_per_row)
+        shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, *page)
+        pool = jax.ShapeDtypeStruct(shape, self.kv_storage_dtype, sharding=kv_pool_sharding(self.mesh))
+        return pool, pool
+
+    def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
+        zeros = _zeros_program(self._abstract_pool()[0])
+        return zeros(), zeros()
+
+    def _no_tokens_struct(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=replicated(self.mesh))
+
+    def _abstract_slot_state(self) -> SlotState:
+        """The sampler state's structs, replicated on the mesh (every device samples the same rows)."""
+        abstract = SlotState.abstract(self.num_sampler_slots, self.config.vocab_size)
+        rep = replicated(self.mesh)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), abstract)
+
+    def compile_allocations(self) -> dict[str, jax.stages.Compiled]:
+        """Compiles the programs that allocate the pool, `no_tokens` and the sampler state, and the fork
+        executables (so precompile caches them too: then an engine's start compiles nothing); returns them
+        by name."""
+        compiled = {name: jitted.lower().compile() for name, (jitted, _) in self._allocation_programs().items()}
+        self.compile_helpers()
+        return {**compiled, "copy_blocks": self._copy_executable, "write_slot": self._write_slot_executable}
+
+    def _allocation_programs(self) -> dict[str, tuple]:
+        """The programs that allocate the pool, `no_tokens` and the sampler state, by name: (jitted, no args)."""
+        structs = [self._abstract_pool()[0], self._no_tokens_struct(), *jax.tree.leaves(self._abstract_slot_state())]
+        return {
+            f"zeros-{'x'.join(map(str, spec.shape))}-{spec.dtype}": (_zeros_program(spec), ())
+            for spec in dict.fromkeys(structs)
+        }
+
+    def programs(self, shapes) -> dict[str, tuple]:
+        """Every program the engine runs, by name: (jitted function, abstract arguments) of the steps of
+        ``shapes``, the allocations and the forks (to lower them for a platform this host does not have)."""
+        steps = {executable_name(shape): (self._step_jit(), self._abstract_inputs(shape)) for shape in shapes}
+        resamples = {resample_name(s): self._resample_program(s) for s in dict.fromkeys(x.batch_size for x in shapes)}
+        return {**steps, **resamples, **self._allocation_programs(), **self._helper_programs()}
+
+    def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
+              feed_cols):
+        row_starts = row_offsets(meta, input_ids.shape)
+        input_ids = feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols, row_starts)
+        hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
+        layout = token_layout(meta, input_ids.shape)
+        slot_state = update_token_counts(slot_state, input_ids, layout, sampling.prompt_len, sampling.slot)
+        last = hidden.reshape(-1, hidden.shape[-1])[row_starts + sample_index]
+        logits = self.model.apply(params, last, method=self.model.logits)
+        sampled = sample(logits, sampling, slot_state, self.num_logprobs)
+        prompt = None
+        if input_ids.shape[1] > 1:
+            prompt = self._prompt_logprobs(params, hidden, input_ids, layout, meta, sampling)
+        return StepOutput(self._padded(sampled.tokens), logits, sampled.logprobs, prompt), kv_pool, slot_state
+
+    def _padded(self, tokens: jax.Array) -> jax.Array:
+        """A step's S tokens padded with zeros to max_rows (the shape every step's tokens are fed from)."""
+        return jnp.zeros(self.max_rows, jnp.int32).at[: tokens.shape[0]].set(tokens)
+
+    def _prompt_logprobs(self, params, hidden, input_ids, layout, meta, sampling) -> TokenLogprobs:
+        """Steps of several query tokens: every position's logprobs, computed only when some row asks for them."""
+        targets = prompt_targets(input_ids, layout, meta.lengths, sampling.prompt_next_token)
+        logits_fn = lambda h: self.model.apply(params, h, method=self.model.logits)
+        return jax.lax.cond(
+            jnp.any(sampling.flag(FLAG_PROMPT_LOGPROBS)),
+            lambda: prompt_logprobs(hidden, targets, logits_fn, self.num_logprobs),
+            lambda: TokenLogprobs.zeros(input_ids.shape, self.num_logprobs),
+        )
+
+    def _resample(self, slot_state, logits, sampling):
+        """A step's tokens (i32[max_rows]) and logprobs sampled from its raw logits f32[S, V] under ``sampling``
+        (the step's own, with the grammar masks filled after it was dispatched)."""
+        sampled = sample(logits, sampling, slot_state, self.num_logprobs)
+        return self._padded(sampled.tokens), sampled.logprobs
+
+    def _resample_program(self, batch_size: int) -> tuple:
+        """(jitted, abstract arguments) of the resample executable for steps of ``batch_size`` rows."""
+        rep = replicated(self.mesh)
+        vocab = self.config.vocab_size
+        args = (_abstract(self.slot_state), jax.ShapeDtypeStruct((batch_size, vocab), jnp.float32, sharding=rep),
+                SamplingTensors.abstract(batch_size, vocab, rep))
+        return jax.jit(self._resample, out_shardings=rep), args
+
+    @staticmethod
+    def _copy_blocks(kv_pool, slot_state, block_src, block_dst, slot_src, slot_dst):
+        """Copy-on-write: KV block dst[i] := block src[i] in every layer, slot dst[i] := slot src[i].
+
+        Sources are read before anything is written; out-of-range dst entries (padding) are no-ops."""
+        k_pool, v_pool = kv_pool
+        copy = lambda pool: pool.at[:, :, block_dst].set(pool[:, :, block_src], mode="drop")
+        return (copy(k_pool), copy(v_pool)), copy_slots(slot_state, slot_src, slot_dst)
+
+    def _abstract_inputs(self, shape: StepShape):
+        s, p = shape.batch_size, shape.pages_per_seq
+        rep = replicated(self.mesh)
+        i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32, sharding=rep)
+        query_starts = i32(s) if shape.ragged else None
+        meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s), query_starts=query_starts)
+        return (
+            _abstract(self.params), _abstract(self.kv_pool), _abstract(self.slot_state), i32(*shape.input_shape),
+            meta, i32(s),
+            SamplingTensors.abstract(s, self.config.vocab_size, rep), i32(self.max_rows), i32(s), i32(s),
+        )
+
+    def compile(self, shape: StepShape) -> jax.stages.Compiled:
+        """Compiles (once) the executable for one step shape. Thread-safe for different shapes."""
+        if shape not in self.executables:
+            executable = self._compile(self._step_jit(), self._abstract_inputs(shape), executable_name(shape))
+            with self._compile_lock:
+                self.executables[shape] = executable
+        return self.executables[shape]
+
+    def compile_resample(self, batch_size: int) -> jax.stages.Compiled:
+        """Compiles (once) the resample executable of steps of ``batch_size`` rows. Thread-safe for different sizes."""
+        if batch_size not in self.resample_executables:
+            executable = self._compile(*self._resample_program(batch_size), resample_name(batch_size))
+            with self._compile_lock:
+                self.resample_executables[batch_size] = executable
+        return self.resample_executables[batch_size]
+
+    def _step_jit(self):
+        rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
+        return jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep))
+
+    def _compile(self, jitted, abstract_args, name: str) -> jax.stages.Compiled:
+        """The executable of ``jitted`` on ``abstract_args``: from the executable store when it has it (no
+        tracing, no lowering), else lowered and compiled (and then stored, if XLA compiled it: an executable
+        JAX loaded from its persistent cache serializes without part of its code on XLA:CPU, and fails with
+        "Function ... not found" once loaded again, so it is left to JAX's cache)."""
+        store = self.executable_store
+        start = time.perf_counter()
+        compiled = store.load(name, abstract_args) if store is not None else None
+        if compiled is None:
+            before = thread_compile_counts()
+            compiled = jitted.lower(*abstract_args).compile()
+            if store is not None and (thread_compile_counts() - before).fresh_compiles:
+                store.save(name, compiled)
+        with self._compile_lock:
+            self.compile_seconds += time.perf_counter() - start
+            self.num_compiles += 1
+        return compiled
+
+    def compile_helpers(self) -> None:
+        """The fork executables, copy_blocks and write_slot (once; warm-up builds them with the buckets)."""
+        if self._copy_executable is not None:
+            return
+        programs = self._helper_programs()
+        self._copy_executable = self._compile(*programs["copy_blocks"], "copy_blocks")
+        self._write_slot_executable = self._compile(*programs["write_slot"], "write_slot")
+
+    def _helper_programs(self) -> dict[str, tuple]:
+        """The fork programs by name: (jitted function, abstract arguments)."""
+        m, vocab = self.max_copies, self.config.vocab_size
+        rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+        idx = sds((m,), jnp.int32)
+        return {
+            "copy_blocks": (
+                jax.jit(self._copy_blocks, donate_argnums=(0, 1), out_shardings=((pool, pool), rep)),
+                (_abstract(self.kv_pool), _abstract(self.slot_state), idx, idx, idx, idx),
+            ),
+            "write_slot": (
+                jax.jit(write_slot, donate_argnums=(0,), out_shardings=rep),
+                (_abstract(self.slot_state), sds((), jnp.int32), sds((vocab,), jnp.float32),
+                 sds((vocab,), jnp.bool_), sds((vocab,), jnp.int32), sds((vocab,), jnp.bool_)),
+            ),
+        }
+
+    def execute(self, bucket, inputs: StepInputs, prev_tokens: jax.Array | None = None) -> StepOutput:
+        """Dispatches one step without waiting for it; returns its StepOutput as device arrays.
+
+        `prev_tokens` is an earlier step's `tokens`, read where `inputs.feed_cols >= 0`."""
+        shape = step_shape(bucket, self.block_size)
+        executable = self.executables.get(shape)
+        if executable is None:
+            raise RuntimeError(f"no compiled executable for bucket {bucket} (shape {shape}); warm it up first")
+        if shape.ragged != (inputs.query_starts is not None):
+            raise ValueError(f"bucket {bucket} needs {'ragged' if shape.ragged else 'padded'} inputs")
+        meta = AttentionMetadata(inputs.block_tables, inputs.q_start, inputs.lengths, inputs.query_starts)
+        no_feed = np.full(shape.batch_size, -1, np.int32)
+        feed_rows = no_feed if inputs.feed_rows is None else inputs.feed_rows
+        feed_cols = no_feed if inputs.feed_cols is None else inputs.feed_cols
+        output, self.kv_pool, self.slot_state = executable(
+            self.params, self.kv_pool, self.slot_state, inputs.input_ids, meta, inputs.sample_index,
+            inputs.sampling, self.no_tokens if prev_tokens is None else prev_tokens, feed_rows, feed_cols,
+        )
+        return output
+
+    def resample(self, output: StepOutput, sampling: SamplingTensors) -> StepOutput:
+        """A dispatched step's output with its rows sampled under ``sampling`` (its S rows) from its logits;
+        dispatched without waiting, after the step and before the next one."""
+        batch_size = len(sampling.ints)
+        executable = self.resample_executables.get(batch_size)
+        if executable is None:
+            raise RuntimeError(f"no compiled resample executable for {batch_size} rows; warm it up first")
+        tokens, logprobs = executable(self.slot_state, output.logits, sampling)
+        return output.replace(tokens=tokens, logprobs=logprobs)
+
+    def copy_blocks(self, block_copies: list[tuple[int, int]], slot_copies: list[tuple[int, int]]) -> None:
+        """Applies copy-on-write pairs (src, dst) of KV blocks and sampler slots before the next step."""
+        self.compile_helpers()
+        m = self.max_copies
+        for i in range(0, max(len(block_copies), len(slot_copies)), m):
+            blocks, slots = block_copies[i : i + m], slot_copies[i : i + m]
+            block_src, block_dst = _padded_pairs(blocks, m, self.num_blocks)
+            slot_src, slot_dst = _padded_pairs(slots, m, self.slot_state.num_slots)
+            self.kv_pool, self.slot_state = self._copy_executable(
+                self.kv_pool, self.slot_state, block_src, block_dst, slot_src, slot_dst
+            )
+
+    def write_slot(self, slot: int, logit_bias: np.ndarray, min_tokens_mask: np.ndarray,
+                   output_counts: np.ndarray, prompt_mask: np.ndarray) -> None:
+        """Sets a sampler slot's rows: logit_bias f32[V], min_tokens mask bool[V], and the counts of the tokens
+        before the sequence's first step, output_counts i32[V] and prompt_mask bool[V]."""
+        self.compile_helpers()
+        self.slot_state = self._write_slot_executable(
+            self.slot_state, np.int32(slot), logit_bias.astype(np.float32), min_tokens_mask.astype(bool),
+            output_counts.astype(np.int32), prompt_mask.astype(bool),
+        )
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _padded_pairs(pairs: list[tuple[int, int]], size: int, out_of_range: int) -> tuple[np.ndarray, np.ndarray]:
+    src = np.zeros(size, np.int32)
+    dst = np.full(size, out_of_range, np.int32)
+    if pairs:
+        src[: len(pairs)], dst[: len(pairs)] = zip(*pairs, strict=True)
+    return src, dst

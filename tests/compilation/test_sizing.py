@@ -1,0 +1,65 @@
+"""The KV pool's memory budget off CPU (`jaxserve/compilation/sizing.py`): weights already on the device are
+counted once, and the pool gives back exactly the blocks its largest step overshoots the budget by. Host only:
+the device's memory statistics and the compiled steps are stand-ins (tests/compilation/test_targets.py compiles
+real ones for TPU)."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.compilation.sizing import MemoryBudget, blocks_over_budget, memory_budget
+from jaxserve.runner.model_runner import StepShape
+
+
+@pytest.fixture
+def device_with_300_of_1000_bytes_in_use(monkeypatch):
+    device = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 1000, "bytes_in_use": 300})
+    monkeypatch.setattr(jax, "local_devices", lambda: [device])
+
+
+def test_weights_already_on_the_device_are_not_counted_twice(device_with_300_of_1000_bytes_in_use):
+    on_device, on_host = {"w": jnp.zeros(4)}, {"w": np.zeros(4)}
+    assert memory_budget(0.9, on_device, weights_bytes=200).usable_bytes == 900 - (300 - 200)
+    assert memory_budget(0.9, on_host, weights_bytes=200).usable_bytes == 900 - 300
+    abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    assert memory_budget(0.5, abstract, weights_bytes=200, device_memory_bytes=4000).usable_bytes == 2000
+    assert MemoryBudget(900).pool_bytes(weights_bytes=200, sampler_state_bytes=50) == 650
+
+
+class _Compiled:
+    def __init__(self, temp: int):
+        self.memory = types.SimpleNamespace(argument_size_in_bytes=1000, output_size_in_bytes=30,
+                                            alias_size_in_bytes=20, temp_size_in_bytes=temp,
+                                            generated_code_size_in_bytes=5)
+
+    def memory_analysis(self):
+        return self.memory
+
+
+class _Runner:
+    """Steps whose temporaries are given per shape; records what was compiled."""
+
+    def __init__(self, temps: dict[StepShape, int], num_blocks: int):
+        self.temps, self.compiled, self.num_blocks = temps, [], num_blocks
+
+    def compile(self, shape: StepShape) -> _Compiled:
+        self.compiled.append(shape)
+        return _Compiled(self.temps[shape])
+
+
+def test_the_pool_gives_back_the_blocks_its_largest_step_overshoots_by():
+    prefill, small_prefill, decode = StepShape(4, 64, 8), StepShape(1, 64, 8), StepShape(8, 1, 8)
+    runner = _Runner({prefill: 400, small_prefill: 10_000, decode: 100}, num_blocks=2)
+    # only the largest of each kind is compiled; with the probe's 2 blocks it needs 1000 + 30 - 20 + 400 + 5 = 1415
+    # bytes, with a pool of 10 blocks of 100 bytes 800 more
+    shapes = [small_prefill, prefill, decode]
+    assert blocks_over_budget(runner, shapes, MemoryBudget(2000), 100, pool_blocks=10) == (3, 2215)
+    assert runner.compiled == [prefill, decode]
+    assert blocks_over_budget(runner, shapes, MemoryBudget(2115), 100, pool_blocks=10) == (1, 2215)
+    assert blocks_over_budget(runner, shapes, MemoryBudget(2215), 100, pool_blocks=10) == (0, 2215)
+    assert blocks_over_budget(runner, shapes, MemoryBudget(1200), 100, pool_blocks=2) == (3, 1415)

@@ -1,0 +1,112 @@
+"""`jaxserve serve` and `python -m jaxserve.entrypoints.api_server`: flags map one to one onto EngineConfig,
+and the server process announces its address and a curl example once warm, then serves."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.entrypoints import api_server, cli
+from jaxserve.entrypoints.args import ENGINE_FLAGS, engine_config_from_args
+from tests.hf_tiny import make_tiny_model
+from tests.server import SERVER_BUCKETS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_engine_config_field_has_its_flag():
+    assert set(ENGINE_FLAGS) | {"model"} == {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def test_serve_flags_become_the_engine_config(monkeypatch):
+    seen = {}
+
+    def fake_run_server(args) -> int:
+        seen["args"] = args
+        return 0
+
+    monkeypatch.setattr(api_server, "run_server", fake_run_server)
+    argv = ["serve", "some/model", "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "8",
+            "--max-num-batched-tokens", "256", "--block-size", "32", "--num-kv-blocks", "64",
+            "--gpu-memory-utilization", "0.5", "--buckets", "gpu", "--seed", "3", "--attention-backend", "pallas",
+            "--waiting-served-ratio", "1.5", "--max-logprobs", "5", "--compile-cache-dir", "/tmp/cc",
+            "--no-async-scheduling", "-tp", "2", "--distributed-init", "--coordinator-address", "h:1",
+            "--num-processes", "2", "--process-id", "1", "--strict-no-compile", "--host", "127.0.0.1",
+            "--port", "9000", "--api-key", "k"]
+    assert cli.main(argv) == 0
+    args = seen["args"]
+    assert engine_config_from_args(args) == EngineConfig(
+        model="some/model", dtype="bfloat16", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
+        block_size=32, num_kv_blocks=64, gpu_memory_utilization=0.5, buckets="gpu", seed=3,
+        attention_backend="pallas", waiting_served_ratio=1.5, max_logprobs=5, compile_cache_dir="/tmp/cc",
+        async_scheduling=False, tensor_parallel_size=2, distributed_init=True, coordinator_address="h:1",
+        num_processes=2, process_id=1, strict_no_compile=True,
+    )
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 9000, "k")
+    defaults = cli.build_parser().parse_args(["serve"])
+    assert engine_config_from_args(defaults) == EngineConfig()  # no MODEL: the embedded SmolLM2
+    assert (defaults.host, defaults.port) == ("0.0.0.0", 8000)  # vLLM's defaults
+
+
+def test_startup_message_has_the_address_and_a_curl_example():
+    message = api_server.startup_message("0.0.0.0", 8123, "m")
+    assert "http://localhost:8123" in message
+    assert "curl http://localhost:8123/v1/chat/completions" in message and '"model": "m"' in message
+
+
+@pytest.fixture
+def server_process(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "tiny", "llama", seed=5)
+    cache_dir = tmp_path / "xla-cache"
+    buckets = tmp_path / "buckets.toml"
+    buckets.write_text(SERVER_BUCKETS)
+    command = [sys.executable, "-m", "jaxserve.entrypoints.api_server", "--model", str(model_dir), "--dtype", "float32",
+               "--host", "127.0.0.1", "--port", "0", "--max-model-len", "512", "--buckets", str(buckets),
+               "--api-key", "secret", "--compile-cache-dir", str(cache_dir), "--served-model-name", "tiny",
+               "--uvicorn-log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAXSERVE_LOGGING_LEVEL": "WARNING"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        yield process, cache_dir
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _read_announcement(process: subprocess.Popen, timeout: float = 240.0) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            raise AssertionError("the server exited:\n" + "".join(lines))
+        lines.append(line)
+        if "curl http://" in line:
+            return lines
+    raise AssertionError("no announcement:\n" + "".join(lines))
+
+
+def test_api_server_module_announces_then_serves(server_process):
+    process, cache_dir = server_process
+    lines = _read_announcement(process)
+    ready = next(line for line in lines if line.startswith("jaxserve is ready at "))
+    base_url = re.search(r"http://127\.0\.0\.1:\d+", ready).group(0)
+    assert httpx.get(base_url + "/health").status_code == 200
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(base_url + "/v1/completions", json=body).status_code == 401
+    response = httpx.post(base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer secret"})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    assert any(cache_dir.iterdir())  # the buckets' executables went to the persistent cache

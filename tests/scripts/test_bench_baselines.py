@@ -1,0 +1,113 @@
+"""The bench scripts' baseline plumbing that needs neither vLLM nor a model: the command lines they build,
+the vLLM environment, the check of output lengths and the tables (vLLM itself runs only in the scripts)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def load_script(name: str):
+    sys.path.insert(0, str(SCRIPTS))  # the scripts import `baselines` as their neighbour
+    try:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+bench_serving = load_script("bench_serving")
+plot_itl = load_script("plot_itl")
+bench_throughput = load_script("bench_throughput")
+baselines = load_script("baselines")
+
+
+def client_result(output_lens: list[int], throughput: float, ttft: float) -> dict:
+    """The fields `vllm bench serve --save-result --save-detailed` writes that the table reads."""
+    return {"completed": sum(1 for n in output_lens if n), "failed": sum(1 for n in output_lens if not n),
+            "output_throughput": throughput, "output_lens": output_lens,
+            "mean_ttft_ms": ttft, "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "mean_tpot_ms": 10.0,
+            "mean_itl_ms": 10.0, "p99_itl_ms": 20.0}
+
+
+def test_serving_table_rows_and_ratios():
+    jax = bench_serving.summarize_client_result("jaxserve", client_result([16, 16, 16], 300.0, 50.0), 16)
+    vllm = bench_serving.summarize_client_result("vllm", client_result([16, 16, 0], 100.0, 100.0), 16)
+    assert (jax["completed"], jax["failed"], jax["wrong_length"]) == (3, 0, 0)
+    assert (vllm["completed"], vllm["failed"], vllm["wrong_length"]) == (2, 1, 1)
+    lines = bench_serving.comparison_table([jax, vllm]).splitlines()
+    assert lines[0].startswith("| server | ok / failed / wrong length | output tok/s | mean TTFT ms")
+    assert lines[2] == "| jaxserve | 3 / 0 / 0 | 300.0 | 50.0 | 50.0 | 100.0 | 10.0 | 10.0 | 20.0 |"
+    assert lines[4] == "| jaxserve / vllm | | 3.00x | 0.50x | 0.50x | 0.50x | 1.00x | 1.00x | 1.00x |"
+    assert len(bench_serving.comparison_table([jax]).splitlines()) == 3  # one server: no ratio row
+
+
+def test_client_command_matches_the_served_name():
+    args = argparse.Namespace(random_input_len=256, random_output_len=128, num_prompts=64, request_rate=2.0,
+                              seed=0, max_concurrency=None)
+    cmd = bench_serving.client_command(args, 1234, Path("/tmp/results"), "vllm.json")
+    assert cmd[1:3] == ["bench", "serve"]
+    flag = dict(zip(cmd[3:], cmd[4:], strict=False))
+    assert flag["--base-url"] == "http://127.0.0.1:1234"
+    assert flag["--model"] == bench_serving.SERVED_MODEL_NAME
+    assert (flag["--random-output-len"], flag["--request-rate"], flag["--num-prompts"]) == ("128", "2.0", "64")
+    assert "--ignore-eos" in cmd and "--save-detailed" in cmd and "--max-concurrency" not in cmd
+    server, _ = bench_serving.server_command(argparse.Namespace(max_model_len=2048, dtype="float32"), "jaxserve", 1)
+    assert server[server.index("--served-model-name") + 1] == bench_serving.SERVED_MODEL_NAME
+
+
+def test_the_prefill_or_decode_server_runs_the_shipped_cpu_grid_without_its_mixed_table(tmp_path):
+    from jaxserve.core.buckets import BucketSpec, load_bucket_spec
+
+    args = argparse.Namespace(max_model_len=2048, dtype="auto", result_dir=str(tmp_path), jaxserve_args="--seed 3")
+    server, _ = bench_serving.server_command(args, bench_serving.PREFILL_OR_DECODE, 1)
+    assert server[-2:] == ["--seed", "3"]
+    spec = BucketSpec.from_toml(server[server.index("--buckets") + 1])
+    shipped = load_bucket_spec("cpu")
+    assert shipped.mixed_token_counts and not spec.mixed_token_counts and not spec.mixed_batch_sizes
+    assert spec.replace(source="") == shipped.replace(source="", mixed_batch_sizes=(), mixed_token_counts=())
+
+
+def test_itl_points_put_every_gap_at_its_token_arrival():
+    result = {"start_times": [10.0, 10.5], "ttfts": [0.2, 0.1], "itls": [[0.05, 0.03], [0.04]]}
+    times, gaps = plot_itl.itl_points(result)
+    assert times.tolist() == pytest.approx([0.25, 0.28, 0.64])
+    assert gaps.tolist() == pytest.approx([50.0, 30.0, 40.0])
+    seconds, largest, mean = plot_itl.per_second(times + [0.0, 0.0, 1.0], gaps)  # seconds 0, 0 and 1
+    assert seconds.tolist() == [0.5, 1.5] and largest.tolist() == [50.0, 40.0] and mean.tolist() == [40.0, 40.0]
+    svg = plot_itl.itl_svg("t", [("jaxserve", times, gaps)])
+    assert svg.count("<polyline") == 2 and "mean 40 ms, P99 50 ms" in svg  # largest and mean per second
+
+
+def test_vllm_env(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    env = baselines.vllm_env(kv_cache_gib=3, omp_threads_bind="0-1", reserved_cpus=0)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert "PYTHONPATH" not in env  # jaxserve's path is not for the vLLM virtualenv
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in baselines.vllm_env(reserved_cpus=None)
+
+
+def test_token_count_check_and_throughput_table():
+    requests = [([1, 2], 3), ([4], 5)]
+    bench_throughput.check_token_counts("x", [3, 5], requests)
+    with pytest.raises(AssertionError, match=r"\(1, 4, 5\)"):
+        bench_throughput.check_token_counts("x", [3, 4], requests)
+    results = [
+        {"engine": "jaxserve", "seconds": 2.0, "output_tokens": 8, "startup_s": 1.0, "padding_waste": 0.1,
+         "peak_kv_usage": 0.5, "preemptions": 0},
+        {"engine": "vllm bfloat16", "seconds": 1.0, "output_tokens": 8, "requests": 2, "startup_s": 3.0},
+    ]
+    table = bench_throughput.report(results, 2)
+    assert "| jaxserve | 2.0 | 4.0 | 1.00 | 1.00x | 0.100 |" in table
+    assert "| vllm bfloat16 | 1.0 | 8.0 | 2.00 | 0.50x | n/a |" in table
+    assert "vllm bfloat16: start-up" in table
