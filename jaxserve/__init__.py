@@ -19,7 +19,7 @@ _EXPORTS = {
     "SamplingParams": "jaxserve.sampling_params",
     "BeamSearchParams": "jaxserve.sampling_params",
     "RequestOutputKind": "jaxserve.sampling_params",
-    "StructuredOutputsParams": "jaxserve.engine.structured_outputs",
+    "StructuredOutputsParams": "jaxserve.sampling_params",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "Logprob": "jaxserve.outputs",

@@ -28,7 +28,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_kernels import time_call  # noqa: E402
 
-from jaxserve.attention.backends import AttentionMetadata, CpuBackend, ReferenceBackend  # noqa: E402
+from jaxserve.attention.backends import CpuBackend, ReferenceBackend  # noqa: E402
+from jaxserve.attention.metadata import AttentionMetadata
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK, BLOCKS = 30, 3, 9, 64, 16, 4096
 LAYER = 7

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.attention.backends import AttentionMetadata, get_attention_backend
+from jaxserve.attention.backends import get_attention_backend
+from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.models import get_model_class
 from jaxserve.models.common import unstack_layers
 

@@ -1,22 +1,10 @@
-"""Attention over the paged KV pool: batch metadata, K/V writes, and the backend registry.
+"""Attention backends: how a model attends each query token over its sequence's cached context.
 
-The model calls `write_kv` to scatter a step's new keys and values into its layer of the pool, then
-`backend.attend(...)` to attend each query token over its sequence's cached context. A step's tokens are
-laid out padded (`[S, Q]`: prefill and decode buckets) or ragged (`[1, T]`: a mixed step of decode rows
-and prefill chunks); `AttentionMetadata` says which and `token_layout` maps every query slot to its row
-and position. Backends: "reference" (plain XLA, gathers pages through the block table), "pallas" (the
-kernels in `kernels_pallas`, imported lazily) and "cpu" (the native XLA:CPU kernel of `kernels_cpu`,
-ragged itself; the default on CPU).
-
-The pool is one array per K and V for all layers, `[num_layers, num_kv_heads, num_blocks, rows, lanes]`:
-a block of `block_size` tokens is `rows` rows of `lanes` values (`pool_page_shape`). Usually a row is one
-token (`rows, lanes = block_size, head_dim`); the Pallas backend's TPU kernels take the lane-dense layout
-(`128 // head_dim` tokens per 128-lane row when head_dim < 128): XLA lays out an array whose last dimension
-is 64 with another dimension minor, and a Mosaic kernel reads only row-major tiles, so a plain pool of
-head_dim 64 would be relaid out (copied whole) at every kernel call. The layers' scan carries the whole
-pool and indexes it with the layer number, so writes update the donated buffer in place and reads touch
-only the pages of the block tables (the kernels read the stacked pool at the layer index): the step never
-copies the pool.
+The model calls `write_kv` (`kv_cache.py`) to scatter a step's new keys and values into its layer of the
+pool, then `backend.attend(...)`. Backends: "reference" (plain XLA, gathers pages through the block
+table), "pallas" (the kernels in `kernels_pallas`, imported lazily; they read the stacked pool at the layer
+index) and "cpu" (the native XLA:CPU kernel of `kernels_cpu`, ragged itself; the default on CPU).
+`get_attention_backend` picks one by name and platform.
 """
 
 from __future__ import annotations
@@ -26,198 +14,12 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from jaxserve.attention.kv_cache import gather_context, pool_values
+from jaxserve.attention.metadata import AttentionMetadata, per_token_rows, token_positions
 from jaxserve.logger import init_logger
 
 logger = init_logger("jaxserve.attention.backends")
-
-
-@struct.dataclass
-class AttentionMetadata:
-    """Per-step batch layout, passed into the jitted step as an explicit pytree.
-
-    Padded layout (``query_starts`` None): a batch of `S` rows with `Q` query tokens each (Q == 1 for
-    decode), the model's input `[S, Q]`. Query token `i` of row `s` sits at position `q_start[s] + i`;
-    tokens at positions `>= lengths[s]` are padding (not written to the pool, their outputs are garbage).
-
-    Ragged layout (``query_starts`` given, a mixed step): the model's input is `[1, T]`, every row's query
-    tokens back to back; row `s` is the `lengths[s] - q_start[s]` tokens from flat index `query_starts[s]`
-    (non-decreasing; padding rows have no tokens: `q_start = lengths = 0`), at positions `q_start[s]`
-    onwards. Flat tokens past every row are padding.
-    """
-
-    block_tables: jax.Array  # i32[S, pages_per_seq]
-    q_start: jax.Array  # i32[S], position of each sequence's first query token
-    lengths: jax.Array  # i32[S], context length after this step (q_start + real query tokens)
-    query_starts: jax.Array | None = None  # i32[S], ragged layout only: flat index of each row's first token
-
-    @property
-    def is_ragged(self) -> bool:
-        return self.query_starts is not None
-
-    @property
-    def query_lens(self) -> jax.Array:
-        """i32[S]: each row's real query tokens (0 for padding rows)."""
-        return jnp.maximum(self.lengths - self.q_start, 0)
-
-
-@struct.dataclass
-class TokenLayout:
-    """Where every query slot of a step's input (`[S, Q]` or `[1, T]`) belongs: arrays of the input's shape."""
-
-    rows: jax.Array  # i32: the row (sequence) of the slot
-    positions: jax.Array  # i32: its position in that sequence
-    valid: jax.Array  # bool: a real token (False: padding)
-
-
-def token_positions(q_start: jax.Array, num_query_tokens: int) -> jax.Array:
-    """i32[S, Q]: the position of every query slot of the padded batch."""
-    return q_start[:, None] + jnp.arange(num_query_tokens, dtype=jnp.int32)[None, :]
-
-
-def token_layout(meta: AttentionMetadata, query_shape: tuple[int, int]) -> TokenLayout:
-    """The row, position and validity of every slot of an input of ``query_shape`` laid out as ``meta`` says."""
-    if not meta.is_ragged:
-        num_rows, num_query = query_shape
-        positions = token_positions(meta.q_start, num_query)
-        rows = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], query_shape)
-        return TokenLayout(rows, positions, positions < meta.lengths[:, None])
-    flat = jnp.arange(query_shape[1], dtype=jnp.int32)
-    rows = jnp.sum(flat[:, None] >= meta.query_starts[None, :], axis=1, dtype=jnp.int32) - 1
-    rows = jnp.maximum(rows, 0)
-    positions = meta.q_start[rows] + flat - meta.query_starts[rows]
-    valid = positions < meta.lengths[rows]
-    return TokenLayout(*(x.reshape(query_shape) for x in (rows, positions, valid)))
-
-
-def row_offsets(meta: AttentionMetadata, query_shape: tuple[int, int]) -> jax.Array:
-    """i32[S]: the flat index (in the input reshaped to one dimension) of each row's first query slot."""
-    if meta.is_ragged:
-        return meta.query_starts
-    num_rows, num_query = query_shape
-    return jnp.arange(num_rows, dtype=jnp.int32) * num_query
-
-
-def slot_mapping(meta: AttentionMetadata, query_shape: tuple[int, int], block_size: int, num_slots: int) -> jax.Array:
-    """i32[N]: flat pool slot of each query slot (flattened); padding maps to `num_slots` (dropped)."""
-    layout = token_layout(meta, query_shape)
-    tables = meta.block_tables[layout.rows]  # [..., pages_per_seq]
-    block_idx = jnp.take_along_axis(tables, (layout.positions // block_size)[..., None], axis=-1, mode="clip")[..., 0]
-    slots = block_idx * block_size + layout.positions % block_size
-    return jnp.where(layout.valid, slots, num_slots).reshape(-1)
-
-
-def per_token_rows(meta: AttentionMetadata, query_shape: tuple[int, int]) -> AttentionMetadata:
-    """Padded metadata with every query slot as its own one-token row (`[N, 1]`): a token at position p is a
-    decode row of length p + 1 with its sequence's block table, which is exactly causal attention. Lets a
-    decode-only attention serve a ragged step (more page reads than a ragged kernel: one row per token)."""
-    layout = token_layout(meta, query_shape)
-    rows, positions, valid = (x.reshape(-1) for x in (layout.rows, layout.positions, layout.valid))
-    lengths = jnp.where(valid, positions + 1, 0)
-    return AttentionMetadata(meta.block_tables[rows], jnp.where(valid, positions, 0), lengths)
-
-
-def pool_page_shape(block_size: int, head_dim: int, tokens_per_row: int = 1) -> tuple[int, int]:
-    """(rows, lanes) of one block of the pool when a row holds ``tokens_per_row`` tokens."""
-    return block_size // tokens_per_row, tokens_per_row * head_dim
-
-
-def write_kv(
-    k_pool: jax.Array,  # [L, Hkv, num_blocks, rows, lanes] (see pool_page_shape)
-    v_pool: jax.Array,  # [L, Hkv, num_blocks, rows, lanes]
-    layer: jax.Array,  # i32[], the layer whose pages are written
-    k: jax.Array,  # [S, Q, Hkv, D]
-    v: jax.Array,  # [S, Q, Hkv, D]
-    meta: AttentionMetadata,
-    *,
-    head_windows: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatters the step's new K/V into one layer of the pool, in place; padding tokens are dropped.
-
-    ``head_windows`` (the Pallas backend; always for a lane-dense pool): one head_dim-wide window per
-    (token, kv head), which TPUs update in place. Otherwise one [kv heads, head_dim] window per token
-    (XLA:CPU's fast path)."""
-    num_layers, num_kv_heads, num_blocks, rows, lanes = k_pool.shape
-    head_dim = k.shape[-1]
-    if head_windows or lanes != head_dim:
-        return _write_kv_head_windows(k_pool, v_pool, layer, k, v, meta)
-    block_size = rows
-    num_slots = num_blocks * block_size
-    slots = slot_mapping(meta, k.shape[:2], block_size, num_slots)
-    if slots.shape[0] == 1:  # XLA turns a one-row scatter into a dynamic-update-slice that copies the pool
-        slots = jnp.concatenate([slots, jnp.full((1,), num_slots, jnp.int32)])  # a second row, dropped
-        k, v = (jnp.concatenate([x.reshape(1, *x.shape[2:])] * 2) for x in (k, v))
-
-    def scatter(pool: jax.Array, new: jax.Array) -> jax.Array:
-        flat = pool.reshape(num_layers, num_kv_heads, num_slots, head_dim)
-        new = to_pool_dtype(new.reshape(-1, num_kv_heads, head_dim), pool.dtype)  # [S*Q, Hkv, D], index order
-        return flat.at[layer, :, slots].set(new, mode="drop").reshape(pool.shape)
-
-    return scatter(k_pool, k), scatter(v_pool, v)
-
-
-def _write_kv_head_windows(k_pool, v_pool, layer, k, v, meta):
-    """write_kv as one scatter of head_dim-wide windows, one per (token, kv head), into any pool layout: token
-    t of a block goes to row t // r, lanes (t % r) * D onwards (r tokens per row). On TPU this keeps the
-    pool's row-major layout and updates it in place; a window spanning the kv heads made XLA pick a
-    heads-minor layout for the scatter loop and relay out the whole pool around every kernel call."""
-    num_layers, num_kv_heads, num_blocks, rows, lanes = k_pool.shape
-    head_dim = k.shape[-1]
-    tokens_per_row = lanes // head_dim
-    block_size = rows * tokens_per_row
-    slots = slot_mapping(meta, k.shape[:2], block_size, num_blocks * block_size)  # padding: past the pool
-    block, offset = slots // block_size, slots % block_size
-    grid = (slots.shape[0], num_kv_heads)  # (token, kv head), token-major like the values
-    per_token = lambda x: jnp.broadcast_to(x[:, None], grid)
-    indices = jnp.stack([
-        jnp.broadcast_to(layer, grid),
-        jnp.broadcast_to(jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :], grid),
-        per_token(block),
-        per_token(offset // tokens_per_row),  # row
-        per_token((offset % tokens_per_row) * head_dim),  # first lane
-    ], axis=-1).reshape(-1, 5)  # i32[N * Hkv, 5]: layer, head, block, row, first lane
-    numbers = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=(1,), inserted_window_dims=(0, 1, 2, 3), scatter_dims_to_operand_dims=(0, 1, 2, 3, 4)
-    )
-
-    def scatter(pool: jax.Array, new: jax.Array) -> jax.Array:
-        new = to_pool_dtype(new.reshape(-1, head_dim), pool.dtype)  # [N * Hkv, D]
-        return jax.lax.scatter(
-            pool, indices, new, numbers, indices_are_sorted=False, unique_indices=False,
-            mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
-        )
-
-    return scatter(k_pool, k), scatter(v_pool, v)
-
-
-def kv_storage_dtype(kv_dtype, platform: str) -> jnp.dtype:
-    """The dtype the pool is stored in for K/V values of ``kv_dtype``. On XLA:CPU a bfloat16 pool is stored as
-    its raw bits (uint16): XLA:CPU has no bfloat16 scatter, and rewrites the K/V write into a bf16 pool as a
-    float32 scatter into a converted copy of the whole pool (every layer's pages, every layer, every step),
-    while an integer scatter updates the donated pool in place. Readers widen pages with `pool_values`."""
-    kv_dtype = jnp.dtype(kv_dtype)
-    return jnp.dtype(jnp.uint16) if platform == "cpu" and kv_dtype == jnp.bfloat16 else kv_dtype
-
-
-def to_pool_dtype(values: jax.Array, pool_dtype) -> jax.Array:
-    """K/V values as the pool stores them (bfloat16 bits for a uint16 pool)."""
-    if pool_dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
-    return values.astype(pool_dtype)
-
-
-def pool_values(pages: jax.Array) -> jax.Array:
-    """Pages read from the pool as K/V values (uint16 storage is bfloat16 bits)."""
-    return jax.lax.bitcast_convert_type(pages, jnp.bfloat16) if pages.dtype == jnp.uint16 else pages
-
-
-def gather_context(pool: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """[S, Hkv, P * block_size, D]: one layer's pages of every sequence's block table, in position order."""
-    _, num_kv_heads, _, block_size, head_dim = pool.shape
-    num_seqs, pages_per_seq = block_tables.shape
-    pages = pool_values(pool[layer, :, block_tables])  # one gather: [S, P, Hkv, block_size, D]
-    return pages.transpose(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, pages_per_seq * block_size, head_dim)
 
 
 class AttentionBackend(Protocol):

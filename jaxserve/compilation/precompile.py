@@ -17,7 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.attention.backends import AttentionMetadata, get_attention_backend
+from jaxserve.attention.backends import get_attention_backend
+from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.compilation.compile_cache import (
     CacheCheck,
     CacheManifest,

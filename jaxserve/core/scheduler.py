@@ -46,10 +46,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from jaxserve.core.block_manager import BlockManager
-from jaxserve.core.buckets import BucketGrid, DecodeBucket, MixedBucket, PrefillBucket
+from jaxserve.core.buckets import BucketGrid, DecodeBucket, MixedBucket
+from jaxserve.core.schedule import PrefillChunk, Schedule
 from jaxserve.core.sequence import Sequence, SequenceStatus
 
 # Prefill-vs-decode knob (TGI's waiting_served_ratio; TGI ships 1.2 with max_waiting_tokens=20).
@@ -71,123 +71,6 @@ def _num_requests(seqs: Iterable[Sequence]) -> int:
 
 def _age(seq: Sequence) -> tuple[float, int]:
     return seq.arrival_time, seq.seq_id
-
-
-@dataclass
-class PrefillChunk:
-    """Tokens ``[start, start + num_tokens)`` of ``seq.all_token_ids``; ``start == num_computed_tokens``."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def context_len(self) -> int:
-        """Tokens in the cache after this chunk: what its row attends to."""
-        return self.end
-
-    @property
-    def is_last(self) -> bool:
-        """The chunk reaches the end of the sequence: its last logits are sampled."""
-        return self.end == self.seq.num_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.all_token_ids[self.start : self.end]
-
-
-@dataclass
-class Schedule:
-    """One model step, decided by ``Scheduler.schedule()``.
-
-    The bucket's rows are ``rows``: the decode sequences (longest first), then the prefill chunks; rows
-    past them are padding. The blocks for every row's new tokens are already allocated.
-
-    The scheduler does not advance sequences: after the step the engine does, for each prefill
-    chunk, ``seq.num_computed_tokens += num_tokens`` and, if the chunk ``is_last``, appends the
-    sampled token; for each decode sequence ``num_computed_tokens += 1`` and appends the sampled
-    token. ``advance`` does exactly that.
-
-    ``preempted``: sequences moved back to the waiting queue during this call (recompute).
-    ``ignored``: sequences finished here (``FINISHED_LENGTH``) because they can never run; the engine
-    must emit their final output.
-    """
-
-    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
-    decode_seqs: list[Sequence] = field(default_factory=list)
-    bucket: PrefillBucket | DecodeBucket | MixedBucket | None = None
-    preempted: list[Sequence] = field(default_factory=list)
-    ignored: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_prefill(self) -> bool:
-        return bool(self.prefill_chunks)
-
-    @property
-    def is_decode(self) -> bool:
-        return bool(self.decode_seqs)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.decode_seqs) + len(self.prefill_chunks)
-
-    @property
-    def is_mixed(self) -> bool:
-        """Decode rows and prefill chunks in one step."""
-        return bool(self.decode_seqs) and bool(self.prefill_chunks)
-
-    @property
-    def is_idle(self) -> bool:
-        return not self.prefill_chunks and not self.decode_seqs
-
-    @property
-    def rows(self) -> list[tuple[Sequence, int, int]]:
-        """(sequence, first position, number of tokens) of every row, in row order: decode rows longest first
-        (rows of similar length share the attention's row groups, see attention.py), then the chunks."""
-        decode = sorted(self.decode_seqs, key=lambda seq: -seq.num_computed_tokens)
-        chunks = [(c.seq, c.start, c.num_tokens) for c in self.prefill_chunks]
-        return [(seq, seq.num_computed_tokens, 1) for seq in decode] + chunks
-
-    @property
-    def seqs(self) -> list[Sequence]:
-        """The sequences of the rows, in row order."""
-        return [seq for seq, _, _ in self.rows]
-
-    @property
-    def context_lens(self) -> list[int]:
-        """Per row: tokens in the cache after the step."""
-        return [start + num_tokens for _, start, num_tokens in self.rows]
-
-    @property
-    def num_batched_tokens(self) -> int:
-        """Real query tokens of the step."""
-        return sum(c.num_tokens for c in self.prefill_chunks) + len(self.decode_seqs)
-
-    @property
-    def num_padded_tokens(self) -> int:
-        """Bucket query tokens minus real ones."""
-        return self.bucket.num_tokens - self.num_batched_tokens if self.bucket is not None else 0
-
-    def advance(self, sampled_token_ids: Iterable[int]) -> list[Sequence]:
-        """Apply the step's results (one sampled token per row, padding rows ignored).
-
-        Returns the sequences that received a new token, in row order.
-        """
-        sampled = list(sampled_token_ids)
-        rows = self.rows
-        if len(sampled) < len(rows):
-            raise ValueError(f"advance needs a sampled token per row: {len(rows)} rows, got {len(sampled)}")
-        updated = []
-        for (seq, _, num_tokens), token in zip(rows, sampled, strict=False):
-            seq.num_computed_tokens += num_tokens
-            if seq.num_computed_tokens == seq.num_tokens:  # a decode row, or a chunk that ends the sequence
-                seq.append_token(token)
-                updated.append(seq)
-        return updated
 
 
 class Scheduler:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.core.sequence import Sequence, SequenceStatus
+from jaxserve.engine.logprobs import logprob_dict
 from jaxserve.engine.request_group import EngineContext, RequestGroup, SampledToken
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.runner.logprobs import logprob_dict
 from jaxserve.runner.sampler import FLAG_LOGPROBS, SamplingRow
 from jaxserve.sampling_params import BeamSearchParams
 
@@ -217,4 +217,3 @@ class BeamSearchGroup(RequestGroup):
         c = step.candidates
         return logprob_dict(c.token_id, c.logprob, c.rank, c.top_ids, c.top_logprobs, self.num_candidates,
                             self.ctx.texts)
-

@@ -42,11 +42,13 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.block_manager import BlockManager, kv_bytes_per_block, num_blocks_from_budget
 from jaxserve.core.buckets import BucketGrid, load_bucket_spec
 from jaxserve.core.prefix_cache import PrefixCacheStats
-from jaxserve.core.scheduler import Schedule, Scheduler
+from jaxserve.core.schedule import Schedule
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence
 from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
 from jaxserve.distributed.sharding import engine_mesh, per_device_bytes
 from jaxserve.engine.beam_search import BeamSearchGroup
+from jaxserve.engine.logprobs import TokenTexts
 from jaxserve.engine.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
 from jaxserve.engine.request_group import (
     EngineContext,
@@ -59,7 +61,6 @@ from jaxserve.logger import init_logger
 from jaxserve.metrics.stat_logger import StatLogger
 from jaxserve.outputs import RequestOutput
 from jaxserve.precision import resolve_engine_dtype
-from jaxserve.runner.logprobs import TokenTexts
 from jaxserve.runner.model_runner import ModelRunner, StepInputs, StepOutput, step_shape
 from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
 from jaxserve.runner.sampler_state import SlotTable, slot_state_bytes

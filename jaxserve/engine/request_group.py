@@ -29,10 +29,10 @@ import numpy as np
 
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.logprobs import TokenTexts, logprob_dict
 from jaxserve.engine.structured_outputs import GrammarCompiler, GrammarMatcher
 from jaxserve.logger import init_logger
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.runner.logprobs import TokenTexts, logprob_dict
 from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGIT_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SamplingRow
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 

@@ -1,14 +1,14 @@
 """Structured outputs: a JSON schema, a JSON object, a regex, a choice or a grammar, enforced on the device.
 
-Data flow. ``SamplingParams(structured_outputs=StructuredOutputsParams(...))`` turns the constraint into a
-grammar for llguidance and validates it when the params are made (an invalid schema, regex or grammar is
-a ValueError naming the problem). The engine's ``GrammarCompiler`` (one per engine, built on the first
-constrained request: llguidance's view of the tokenizer) gives each constrained sequence a
-``GrammarMatcher``; grammars are compiled once per text (``functools.lru_cache``) when a request is added,
-never in the step loop. Before every row that samples, the host fills the row's packed int32 bitmask
-(``SamplingRow.allowed``: bit ``v % 32`` of word ``v // 32`` allows token ``v``) and the compiled step
-masks the logits (``sampler.apply_grammar``); the sampled token is then fed to the matcher. EOS is allowed
-only where the grammar accepts, and the sequence finishes when the matcher stops.
+Data flow. ``SamplingParams(structured_outputs=StructuredOutputsParams(...))`` (``sampling_params.py``)
+turns the constraint into a grammar for llguidance and validates it when the params are made (an invalid
+schema, regex or grammar is a ValueError naming the problem). The engine's ``GrammarCompiler`` (one per
+engine, built on the first constrained request: llguidance's view of the tokenizer) gives each
+constrained sequence a ``GrammarMatcher``; grammars are compiled once per text (``functools.lru_cache``)
+when a request is added, never in the step loop. Before every row that samples, the host fills the row's
+packed int32 bitmask (``SamplingRow.allowed``: bit ``v % 32`` of word ``v // 32`` allows token ``v``) and
+the compiled step masks the logits (``sampler.apply_grammar``); the sampled token is then fed to the
+matcher. EOS is allowed only where the grammar accepts, and the sequence finishes when the matcher stops.
 
 llguidance was chosen over xgrammar by measurement (``scripts/bench_grammar_engines.py``): it has no
 dependencies, while xgrammar needs torch and triton at run time.
@@ -16,102 +16,13 @@ dependencies, while xgrammar needs torch and triton at run time.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words of a packed per-row allowed-token bitmask."""
-    return -(-vocab_size // 32)
-
-
-@dataclasses.dataclass
-class StructuredOutputsParams:
-    """vLLM's names: exactly one of ``json`` (a JSON schema, dict or string), ``regex``, ``choice`` (a list of
-    strings), ``grammar`` (Lark or GBNF) or ``json_object=True`` (any JSON object)."""
-
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False  # JSON: no whitespace but single spaces after ':' and ','
-
-    def __post_init__(self) -> None:
-        given = self._given_kinds()
-        if len(given) > 1:
-            raise ValueError("You can only use one kind of structured outputs constraint but multiple are "
-                             f"specified: {', '.join(given)}")
-        if not given:
-            raise ValueError("You must use one kind of structured outputs constraint but none are specified")
-        if self.choice is not None and (not isinstance(self.choice, list | tuple) or not self.choice
-                                        or not all(isinstance(c, str) for c in self.choice)):
-            raise ValueError(f"structured outputs choice must be a non-empty list of strings, got {self.choice!r}")
-        error = validate_grammar(self.grammar_text())
-        if error:
-            raise ValueError(f"invalid structured outputs {given[0]}: {error}")
-
-    def _given_kinds(self) -> list[str]:
-        return [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
-
-    @property
-    def kind(self) -> str:
-        return self._given_kinds()[0]
-
-    def grammar_text(self) -> str:
-        """The llguidance grammar of the constraint (a cached function of its text)."""
-        kind = self.kind
-        value = getattr(self, kind)
-        if kind == "json":
-            value = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-        elif kind == "choice":
-            value = json.dumps(list(value))
-        elif kind == "json_object":
-            value = '{"type": "object"}'
-        return _grammar(kind, value, self.disable_any_whitespace)
-
-
-@functools.lru_cache(maxsize=256)
-def _grammar(kind: str, text: str, compact_json: bool = False) -> str:
-    from llguidance import LLMatcher, grammar_from
-
-    if kind in ("json", "json_object"):
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"invalid structured outputs json: the schema is not JSON ({err})") from None
-        if not isinstance(schema, dict):
-            raise ValueError(f"invalid structured outputs json: a schema is a JSON object, got {text!r}")
-        options = {"whitespace_flexible": False} if compact_json else None
-        return LLMatcher.grammar_from_json_schema(schema, overrides=options)
-    if kind == "regex":  # \d, \w, \s as ASCII classes (OpenAI's and JSON Schema's regexes), not Rust's Unicode
-        from llguidance import regex_to_lark
-
-        try:
-            return LLMatcher.grammar_from_regex(regex_to_lark(text, "dws"))
-        except Exception as err:  # noqa: BLE001 - llguidance's converter raises on what it cannot parse
-            raise ValueError(f"invalid structured outputs regex: {err}") from None
-    if kind == "choice":
-        return grammar_from("choice", text)
-    try:
-        return grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
-    except Exception as err:  # noqa: BLE001 - llguidance's converter raises whatever its parser raises
-        raise ValueError(f"invalid structured outputs grammar: {err}") from None
-
-
-@functools.lru_cache(maxsize=256)
-def validate_grammar(grammar: str) -> str:
-    """llguidance's message for a grammar it cannot compile; empty when valid."""
-    from llguidance import LLMatcher
-
-    return LLMatcher.validate_grammar(grammar)
+from jaxserve.runner.sampler import bitmask_words
+from jaxserve.sampling_params import StructuredOutputsParams
 
 
 class GrammarCompiler:

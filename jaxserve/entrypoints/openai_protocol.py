@@ -13,8 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jaxserve.engine.structured_outputs import StructuredOutputsParams
-from jaxserve.sampling_params import BeamSearchParams, SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:

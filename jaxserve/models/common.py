@@ -28,7 +28,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.attention.backends import AttentionBackend, AttentionMetadata, write_kv
+from jaxserve.attention.backends import AttentionBackend
+from jaxserve.attention.kv_cache import write_kv
+from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.sharding import TP_AXIS
 from jaxserve.models.rotary import apply_rotary

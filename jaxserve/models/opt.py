@@ -16,7 +16,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxserve.attention.backends import AttentionBackend, AttentionMetadata, token_layout
+from jaxserve.attention.backends import AttentionBackend
+from jaxserve.attention.metadata import AttentionMetadata, token_layout
 from jaxserve.config import ModelConfig
 from jaxserve.models.common import ACTIVATIONS, Attention, dense, embedding, layer_stack
 

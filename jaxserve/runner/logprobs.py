@@ -1,4 +1,4 @@
-"""Log probabilities: computed on the device inside the step, turned into vLLM's Logprob dicts on the host.
+"""Log probabilities on the device, inside the step (the host turns them into vLLM's dicts: `engine/logprobs.py`).
 
 As vLLM's default (`logprobs_mode="raw_logprobs"`), logprobs are the log_softmax of the model's raw
 logits, before logit_bias, penalties, temperature and top-k/top-p/min-p. The step returns, per row, the
@@ -15,11 +15,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from jaxserve.attention.backends import TokenLayout
-from jaxserve.outputs import Logprob
+from jaxserve.attention.metadata import TokenLayout
 
 PROMPT_LOGPROBS_CHUNK = 32  # prompt positions whose logits exist at once
 
@@ -81,33 +79,3 @@ def prompt_logprobs(
     out = jax.lax.map(one_chunk, (hidden_chunks, target_chunks))  # leaves [Q/C, S*C(, K)]
     return jax.tree.map(lambda x: x.reshape(q // chunk, s, chunk, *x.shape[2:]).swapaxes(0, 1)
                         .reshape(s, q, *x.shape[2:]), out)
-
-
-# ----- host side ---------------------------------------------------------------------------------
-
-
-class TokenTexts:
-    """`decoded_token` of each token id (vLLM decodes each id alone), cached: the vocabulary is finite."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id]) or ""
-            self._cache[token_id] = text
-        return text
-
-
-def logprob_dict(
-    token_id: int, token_logprob: float, token_rank: int, top_ids: np.ndarray, top_logprobs: np.ndarray,
-    num_top: int, texts: TokenTexts,
-) -> dict[int, Logprob]:
-    """vLLM's dict for one position: the chosen token first, then the top `num_top` (ranks 1..num_top)."""
-    entries = {token_id: Logprob(float(token_logprob), int(token_rank), texts(token_id))}
-    top = zip(top_ids[:num_top].tolist(), top_logprobs[:num_top].tolist(), strict=True)
-    for rank, (top_id, top_logprob) in enumerate(top, start=1):
-        entries[top_id] = Logprob(top_logprob, rank, texts(top_id))
-    return entries

@@ -32,14 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxserve.attention.backends import (
-    AttentionMetadata,
-    get_attention_backend,
-    kv_storage_dtype,
-    pool_page_shape,
-    row_offsets,
-    token_layout,
-)
+from jaxserve.attention.backends import get_attention_backend
+from jaxserve.attention.kv_cache import kv_storage_dtype, pool_page_shape
+from jaxserve.attention.metadata import AttentionMetadata, row_offsets, token_layout
 from jaxserve.compilation.compile_cache import thread_compile_counts
 from jaxserve.compilation.executable_store import ExecutableStore
 from jaxserve.config import ModelConfig

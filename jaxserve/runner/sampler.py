@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxserve.engine.structured_outputs import bitmask_words
 from jaxserve.runner.logprobs import TokenLogprobs, token_logprobs
 from jaxserve.runner.sampler_state import SlotState
 
@@ -40,6 +39,11 @@ FLAG_LOGPROBS = 2
 FLAG_PROMPT_LOGPROBS = 4
 FLAG_GRAMMAR = 8  # the row's `allowed` bitmask applies (structured outputs)
 PAD_FLOATS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # a padding row is greedy and changes nothing
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of a packed per-row allowed-token bitmask."""
+    return -(-vocab_size // 32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxserve.attention.backends import TokenLayout
+from jaxserve.attention.metadata import TokenLayout
 
 
 @struct.dataclass

@@ -6,7 +6,8 @@ import pytest
 
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid, BucketSpec, DecodeBucket, MixedBucket, PrefillBucket
-from jaxserve.core.scheduler import PrefillChunk, Schedule, Scheduler
+from jaxserve.core.schedule import PrefillChunk, Schedule
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Sequence, SequenceStatus
 
 SPEC = BucketSpec.from_dict(

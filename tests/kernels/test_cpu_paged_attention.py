@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import kernels_cpu
-from jaxserve.attention.backends import AttentionMetadata, CpuBackend, ReferenceBackend, get_attention_backend
+from jaxserve.attention.backends import CpuBackend, ReferenceBackend, get_attention_backend
+from jaxserve.attention.metadata import AttentionMetadata
 
 POOL_DTYPES = pytest.mark.parametrize("pool_dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 

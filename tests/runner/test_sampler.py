@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.attention.backends import AttentionMetadata, token_layout
+from jaxserve.attention.metadata import AttentionMetadata, token_layout
 from jaxserve.core.sequence import Sequence
 from jaxserve.engine.llm_engine import _token_counts
-from jaxserve.engine.structured_outputs import bitmask_words
 from jaxserve.runner.logprobs import prompt_logprobs, prompt_targets, token_logprobs
 from jaxserve.runner.sampler import (
     FLAG_GRAMMAR,
@@ -26,6 +25,7 @@ from jaxserve.runner.sampler import (
     _prefix_cutoff,
     apply_bias_and_min_tokens,
     apply_penalties,
+    bitmask_words,
     filter_logits,
     sample,
 )
