@@ -27,12 +27,12 @@ from jaxserve.compilation.compile_cache import (
     record_manifest,
     resolve_cache_dir,
 )
+from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
 from jaxserve.distributed.sharding import engine_mesh
-from jaxserve.engine.llm_engine import engine_bucket_grid, runner_sampling_options
 from jaxserve.logger import init_logger
 from jaxserve.models import get_model_class
 from jaxserve.precision import resolve_engine_dtype
@@ -108,11 +108,7 @@ def precompile(
     model_config = load_config(model_path)
     params = abstract_params(model_config, config.dtype)
     grid = engine_bucket_grid(config, model_config, params, jax.default_backend(), mesh)
-    runner = ModelRunner(
-        model_config, params, dtype=config.dtype, block_size=grid.block_size, num_blocks=grid.num_blocks,
-        max_rows=grid.max_batch_size, attention_backend=config.attention_backend, mesh=mesh, abstract=True,
-        **runner_sampling_options(config, grid),
-    )
+    runner = ModelRunner.for_engine(model_config, params, config, grid, mesh, abstract=True)
     manifest = CacheManifest.current(
         model_config, config.dtype, grid, runner.backend.name, mesh.size, max_logprobs=config.max_logprobs,
         model=str(model_path), written_by="precompile",

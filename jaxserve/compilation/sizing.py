@@ -1,19 +1,20 @@
-"""How many KV blocks the pool gets on a TPU or GPU: what the device's memory holds once the weights, the
-sampler state and the largest steps' own needs are counted.
+"""The bucket grid and KV pool an engine runs on: its block size, limits and number of KV blocks.
 
-Place in the data flow: `engine_bucket_grid` (engine start, `jaxserve precompile`, target compiles) calls
-`memory_budget` for the device's usable bytes and sizes a provisional pool from them less the weights and
-the sampler state. A step needs more while it runs: temporaries (activations, attention scratch),
-outputs that are not donated buffers (logits, prompt logprobs) and its code; for a 16 x 2048-token
-prefill of Llama-3-8B at tensor parallel 4 that is about 2 GB per chip, more than v5e had left.
-`blocks_over_budget` compiles the largest step of each kind (prefill, decode, mixed) and reads their
-`memory_analysis()`; the grid then gives back as many blocks as the largest of them overshoots the
-budget by. That is vLLM's profiling run, measured on the compiled executables instead of on a forward
-pass. The probe compiles against a small pool (a step that does not fit cannot even be compiled for
-TPU: "HLO temporaries exceed available HBM") and adds the provisional pool's remaining blocks: a step's
-pool bytes are its argument (donated, updated in place), and its temporaries do not grow with the pool.
-tests/compilation/test_targets.py checks the result against the final executables. On CPU the pool has a fixed
-default size and nothing is probed.
+Place in the data flow: `engine_bucket_grid` is called at engine start, by `jaxserve precompile` and by
+target compiles, so that all of them build the same executables. It reads the bucket file, takes the
+engine's limits, and sizes the KV pool: on CPU a fixed default (or `num_kv_blocks`); on a TPU or GPU
+what the device's memory holds once the weights, the sampler state and the largest steps' own needs are
+counted. `memory_budget` gives the device's usable bytes and a provisional pool is sized from them less
+the weights and the sampler state. A step needs more while it runs: temporaries (activations, attention
+scratch), outputs that are not donated buffers (logits, prompt logprobs) and its code; for a 16 x
+2048-token prefill of Llama-3-8B at tensor parallel 4 that is about 2 GB per chip, more than v5e had
+left. `blocks_over_budget` compiles the largest step of each kind (prefill, decode, mixed) and reads their
+`memory_analysis()`; the grid then gives back as many blocks as the largest of them overshoots the budget
+by. That is vLLM's profiling run, measured on the compiled executables instead of on a forward pass. The
+probe compiles against a small pool (a step that does not fit cannot even be compiled for TPU: "HLO
+temporaries exceed available HBM") and adds the provisional pool's remaining blocks: a step's pool bytes
+are its argument (donated, updated in place), and its temporaries do not grow with the pool.
+tests/compilation/test_targets.py checks the result against the final executables.
 """
 
 from __future__ import annotations
@@ -21,8 +22,122 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.sharding import Mesh
 
-from jaxserve.runner.model_runner import ModelRunner, StepShape
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.buckets import BucketGrid, load_bucket_spec
+from jaxserve.distributed.sharding import per_device_bytes
+from jaxserve.logger import init_logger
+from jaxserve.runner.input_batch import StepShape, step_shape
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.sampler_state import slot_state_bytes
+
+logger = init_logger(__name__)
+
+
+DEFAULT_CPU_KV_BLOCKS = 2048
+
+
+def engine_bucket_grid(
+    config: EngineConfig, model_config: ModelConfig, params, platform: str, mesh: Mesh,
+    device_memory_bytes: int | None = None, *, fit_to_steps: bool = True,
+) -> BucketGrid:
+    """The bucket grid (with block size and KV-pool size) an engine with ``config`` runs on.
+
+    ``params`` (arrays or ``ShapeDtypeStruct``s) only count towards the memory budget off CPU. The
+    precompile command calls this too, so that it compiles exactly the engine's executables;
+    ``device_memory_bytes`` is a target device's memory when compiling for hardware this host does not
+    have (default: the local device's reported limit). Off CPU, unless ``num_kv_blocks`` is given, the pool
+    is what the memory holds besides the weights, the sampler state and what the largest steps need while
+    they run (``fit_to_steps=False`` skips that probe, for targets that only lower).
+    """
+    spec = load_bucket_spec(config.buckets, platform)
+    block_size = config.block_size or spec.block_size
+    max_model_len = config.max_model_len or min(model_config.max_position_embeddings, max(spec.context_lengths))
+    budget = weights_bytes = None
+    if platform != "cpu" and config.num_kv_blocks is None:
+        weights_bytes = per_device_bytes(params, mesh)
+        budget = memory_budget(config.gpu_memory_utilization, params, weights_bytes, device_memory_bytes)
+    block_bytes = kv_bytes_per_block(
+        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
+        head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(config.dtype).itemsize,
+    ) // mesh.size  # per device: the pool is split over the heads
+    num_slots = config.max_num_seqs or max(spec.decode_batch_sizes)
+    pool_budget = None if budget is None else budget.pool_bytes(
+        weights_bytes, slot_state_bytes(num_slots, model_config.vocab_size))
+    num_blocks = num_blocks_from_budget(block_bytes, num_kv_blocks=config.num_kv_blocks,
+                                        memory_budget_bytes=pool_budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS)
+    grid = _grid(spec, config, block_size, max_model_len, num_blocks)
+    if budget is not None and fit_to_steps:
+        over = _blocks_over_budget(grid, config, model_config, params, mesh, budget, block_bytes)
+        if over:
+            grid = _grid(spec, config, block_size, max_model_len, num_blocks - over)
+    grid.check_max_model_len(max_model_len)
+    return grid
+
+
+def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_blocks: int) -> BucketGrid:
+    return BucketGrid(
+        spec, block_size=block_size, max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs or max(spec.decode_batch_sizes),
+        max_num_batched_tokens=config.max_num_batched_tokens
+        or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths),
+        num_blocks=num_blocks,
+    )
+
+
+def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: ModelConfig, params, mesh: Mesh,
+                        budget: MemoryBudget, block_bytes: int) -> int:
+    """Blocks ``grid``'s pool gives back so that its largest steps fit in ``budget`` (`blocks_over_budget`): they are
+    compiled against a pool of one sequence's pages."""
+    shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in grid.buckets))
+    probe = ModelRunner.for_engine(model_config, params, config, grid, mesh, abstract=True,
+                                   num_blocks=min(grid.num_blocks, max(s.pages_per_seq for s in shapes)))
+    over, need = blocks_over_budget(probe, shapes, budget, block_bytes, grid.num_blocks)
+    logger.info("KV pool: %d blocks fill the memory budget (%.0f MB per device); with them the largest step needs "
+                "%.0f MB: %d blocks given back", grid.num_blocks, budget.usable_bytes / 1e6, need / 1e6, over)
+    return over
+
+
+def kv_bytes_per_block(
+    *, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype_bytes: int
+) -> int:
+    """Device bytes of one block across all layers: K and V."""
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype_bytes
+
+
+def num_blocks_from_budget(
+    bytes_per_block: int,
+    *,
+    num_kv_blocks: int | None,
+    memory_budget_bytes: int | None,
+    default_cpu_blocks: int,
+) -> int:
+    """Size of the KV pool in blocks.
+
+    An explicit ``num_kv_blocks`` wins; else ``memory_budget_bytes // bytes_per_block`` (GPU/TPU: the
+    caller passes gpu_memory_utilization * device memory - weights - activations); else
+    ``default_cpu_blocks``. Raises ValueError when the result would be zero blocks.
+    """
+    if bytes_per_block < 1:
+        raise ValueError(f"bytes_per_block must be >= 1, got {bytes_per_block}")
+    if num_kv_blocks is not None:
+        if num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        return num_kv_blocks
+    if memory_budget_bytes is not None:
+        num_blocks = memory_budget_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory left for the KV cache: the budget is {memory_budget_bytes} bytes "
+                f"({memory_budget_bytes / 2**20:.1f} MiB) but one block needs {bytes_per_block} bytes "
+                f"({bytes_per_block / 2**20:.1f} MiB); raise gpu_memory_utilization, use a smaller "
+                "model or block_size, or set num_kv_blocks"
+            )
+        return num_blocks
+    if default_cpu_blocks < 1:
+        raise ValueError(f"default_cpu_blocks must be >= 1, got {default_cpu_blocks}")
+    return default_cpu_blocks
 
 
 @dataclasses.dataclass(frozen=True)

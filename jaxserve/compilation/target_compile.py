@@ -30,15 +30,15 @@ from jax.sharding import Mesh
 from jaxserve.compilation.compile_cache import CacheManifest, record_manifest, resolve_cache_dir
 from jaxserve.compilation.executable_store import ExecutableStore
 from jaxserve.compilation.precompile import abstract_params
-from jaxserve.compilation.sizing import largest_of_each_kind
+from jaxserve.compilation.sizing import engine_bucket_grid, largest_of_each_kind
 from jaxserve.compilation.targets import CompileTarget, auto_tensor_parallel_size, resolve_target
 from jaxserve.config import EngineConfig
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.distributed.sharding import TP_AXIS, check_tensor_parallel
-from jaxserve.engine.llm_engine import engine_bucket_grid, runner_sampling_options
 from jaxserve.logger import init_logger
 from jaxserve.precision import resolve_engine_dtype
-from jaxserve.runner.model_runner import ModelRunner, executable_name, resample_name, step_shape
+from jaxserve.runner.input_batch import step_shape
+from jaxserve.runner.model_runner import ModelRunner, executable_name, resample_name
 from jaxserve.weights import load_config, resolve_model_path
 
 MB = 1e6
@@ -159,11 +159,7 @@ def compile_for_target(
     params = abstract_params(model_config, config.dtype)
     grid = engine_bucket_grid(config, model_config, params, target.platform, mesh, target.hbm_bytes_per_device,
                               fit_to_steps=not target.lower_only)
-    runner = ModelRunner(
-        model_config, params, dtype=config.dtype, block_size=grid.block_size, num_blocks=grid.num_blocks,
-        max_rows=grid.max_batch_size, attention_backend="pallas", mesh=mesh, abstract=True,
-        platform=target.platform, **runner_sampling_options(config, grid),
-    )
+    runner = ModelRunner.for_engine(model_config, params, config, grid, mesh, abstract=True, platform=target.platform)
     shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in grid.buckets))[:max_buckets]
     if largest_only:
         shapes = largest_of_each_kind(shapes)

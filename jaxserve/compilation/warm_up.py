@@ -26,7 +26,8 @@ from jaxserve.compilation.compile_cache import CacheCheck, CacheManifest, check_
 from jaxserve.compilation.executable_store import ExecutableStore
 from jaxserve.core.buckets import Bucket, MixedBucket, PrefillBucket
 from jaxserve.logger import init_logger
-from jaxserve.runner.model_runner import ModelRunner, StepShape, executable_name, step_shape
+from jaxserve.runner.input_batch import StepShape, step_shape
+from jaxserve.runner.model_runner import ModelRunner, executable_name
 
 logger = init_logger("jaxserve.compilation.warm_up")
 

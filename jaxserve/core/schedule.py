@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jaxserve.core.buckets import DecodeBucket, MixedBucket, PrefillBucket
@@ -48,10 +47,9 @@ class Schedule:
     The bucket's rows are ``rows``: the decode sequences (longest first), then the prefill chunks; rows
     past them are padding. The blocks for every row's new tokens are already allocated.
 
-    The scheduler does not advance sequences: after the step the engine does, for each prefill
-    chunk, ``seq.num_computed_tokens += num_tokens`` and, if the chunk ``is_last``, appends the
-    sampled token; for each decode sequence ``num_computed_tokens += 1`` and appends the sampled
-    token. ``advance`` does exactly that.
+    The scheduler does not advance sequences: once the step is dispatched the engine calls ``advance``,
+    which counts every row's tokens as computed and names the rows that sample (decode rows and chunks
+    that end their sequence); the engine appends each one's token (a placeholder until it is read).
 
     ``preempted``: sequences moved back to the waiting queue during this call (recompute).
     ``ignored``: sequences finished here (``FINISHED_LENGTH``) because they can never run; the engine
@@ -113,19 +111,12 @@ class Schedule:
         """Bucket query tokens minus real ones."""
         return self.bucket.num_tokens - self.num_batched_tokens if self.bucket is not None else 0
 
-    def advance(self, sampled_token_ids: Iterable[int]) -> list[Sequence]:
-        """Apply the step's results (one sampled token per row, padding rows ignored).
-
-        Returns the sequences that received a new token, in row order.
-        """
-        sampled = list(sampled_token_ids)
-        rows = self.rows
-        if len(sampled) < len(rows):
-            raise ValueError(f"advance needs a sampled token per row: {len(rows)} rows, got {len(sampled)}")
-        updated = []
-        for (seq, _, num_tokens), token in zip(rows, sampled, strict=False):
+    def advance(self) -> list[int]:
+        """Counts the step's tokens as computed (``num_computed_tokens``) and returns, in row order, the rows
+        whose sequence reached its last token: the rows whose sampled token it appends."""
+        sampling = []
+        for row, (seq, _, num_tokens) in enumerate(self.rows):
             seq.num_computed_tokens += num_tokens
             if seq.num_computed_tokens == seq.num_tokens:  # a decode row, or a chunk that ends the sequence
-                seq.append_token(token)
-                updated.append(seq)
-        return updated
+                sampling.append(row)
+        return sampling

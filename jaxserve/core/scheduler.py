@@ -1,9 +1,10 @@
 """Continuous batching policy (host side, no JAX).
 
 ``LLMEngine.step()`` calls ``Scheduler.schedule()``, which only changes host state (queues, block
-tables) and returns a plain ``Schedule``: the sequences of one step and the bucket it runs on. The
-``ModelRunner`` pads the batch to that bucket and runs its executable; the engine then advances the
-sequences (``Schedule.advance``), checks stop conditions and calls ``finish`` on finished ones.
+tables) and returns a plain ``Schedule`` (``schedule.py``): the rows of one step and the bucket it runs
+on. The engine builds the step's inputs from the rows (``runner/input_batch.py``), dispatches the bucket's
+executable and advances the rows' sequences (``Schedule.advance``); it checks stop conditions and calls
+``finish`` on finished ones.
 
 A step is a prefill step (chunks of prompts, on a ``PrefillBucket``), a decode step (one token per
 running sequence, on a ``DecodeBucket``) or, when the grid has mixed buckets, a mixed step (decode rows

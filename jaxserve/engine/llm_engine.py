@@ -25,7 +25,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from jaxserve.compilation.compile_cache import (
     CACHE_DIR_ENV,
@@ -36,17 +35,16 @@ from jaxserve.compilation.compile_cache import (
     thread_compile_counts,
     use_persistent_cache,
 )
-from jaxserve.compilation.sizing import MemoryBudget, blocks_over_budget, memory_budget
+from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.core.block_manager import BlockManager, kv_bytes_per_block, num_blocks_from_budget
-from jaxserve.core.buckets import BucketGrid, load_bucket_spec
+from jaxserve.config import EngineConfig
+from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.prefix_cache import PrefixCacheStats
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence
+from jaxserve.core.sequence import Sequence
 from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
-from jaxserve.distributed.sharding import engine_mesh, per_device_bytes
+from jaxserve.distributed.sharding import engine_mesh
 from jaxserve.engine.beam_search import BeamSearchGroup
 from jaxserve.engine.logprobs import TokenTexts
 from jaxserve.engine.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
@@ -61,15 +59,15 @@ from jaxserve.logger import init_logger
 from jaxserve.metrics.stat_logger import StatLogger
 from jaxserve.outputs import RequestOutput
 from jaxserve.precision import resolve_engine_dtype
-from jaxserve.runner.model_runner import ModelRunner, StepInputs, StepOutput, step_shape
+from jaxserve.runner.input_batch import StepInputs, initial_token_counts, prepare_step_inputs, step_shape
+from jaxserve.runner.model_runner import ModelRunner, StepOutput
 from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
-from jaxserve.runner.sampler_state import SlotTable, slot_state_bytes
+from jaxserve.runner.sampler_state import SlotTable
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.weights import LoadedModel, load_model
 
 logger = init_logger("jaxserve.engine.llm_engine")
 
-DEFAULT_CPU_KV_BLOCKS = 2048
 _FLAGS = INT_COLUMNS.index("flags")
 
 
@@ -124,76 +122,6 @@ class EngineStats:
         return self.num_padded_tokens / max(self.num_real_tokens, 1)
 
 
-def engine_bucket_grid(
-    config: EngineConfig, model_config: ModelConfig, params, platform: str, mesh: Mesh,
-    device_memory_bytes: int | None = None, *, fit_to_steps: bool = True,
-) -> BucketGrid:
-    """The bucket grid (with block size and KV-pool size) an engine with ``config`` runs on.
-
-    ``params`` (arrays or ``ShapeDtypeStruct``s) only count towards the memory budget off CPU. The
-    precompile command calls this too, so that it compiles exactly the engine's executables;
-    ``device_memory_bytes`` is a target device's memory when compiling for hardware this host does not
-    have (default: the local device's reported limit). Off CPU, unless ``num_kv_blocks`` is given, the pool
-    is what the memory holds besides the weights, the sampler state and what the largest steps need while
-    they run (`kv_sizing`; ``fit_to_steps=False`` skips that probe, for targets that only lower).
-    """
-    spec = load_bucket_spec(config.buckets, platform)
-    block_size = config.block_size or spec.block_size
-    max_model_len = config.max_model_len or min(model_config.max_position_embeddings, max(spec.context_lengths))
-    budget = weights_bytes = None
-    if platform != "cpu" and config.num_kv_blocks is None:
-        weights_bytes = per_device_bytes(params, mesh)
-        budget = memory_budget(config.gpu_memory_utilization, params, weights_bytes, device_memory_bytes)
-    block_bytes = kv_bytes_per_block(
-        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
-        head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(config.dtype).itemsize,
-    ) // mesh.size  # per device: the pool is split over the heads
-    num_slots = config.max_num_seqs or max(spec.decode_batch_sizes)
-    pool_budget = None if budget is None else budget.pool_bytes(
-        weights_bytes, slot_state_bytes(num_slots, model_config.vocab_size))
-    num_blocks = num_blocks_from_budget(block_bytes, num_kv_blocks=config.num_kv_blocks,
-                                        memory_budget_bytes=pool_budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS)
-    grid = _grid(spec, config, block_size, max_model_len, num_blocks)
-    if budget is not None and fit_to_steps:
-        over = _blocks_over_budget(grid, config, model_config, params, mesh, budget, block_bytes)
-        if over:
-            grid = _grid(spec, config, block_size, max_model_len, num_blocks - over)
-    grid.check_max_model_len(max_model_len)
-    return grid
-
-
-def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: ModelConfig, params, mesh: Mesh,
-                        budget: MemoryBudget, block_bytes: int) -> int:
-    """Blocks ``grid``'s pool gives back so that its largest steps fit in ``budget`` (`kv_sizing`): they are
-    compiled against a pool of one sequence's pages."""
-    shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in grid.buckets))
-    probe = ModelRunner(
-        model_config, params, dtype=config.dtype, block_size=grid.block_size,
-        num_blocks=min(grid.num_blocks, max(s.pages_per_seq for s in shapes)), max_rows=grid.max_batch_size,
-        attention_backend=config.attention_backend, mesh=mesh, abstract=True, **runner_sampling_options(config, grid),
-    )
-    over, need = blocks_over_budget(probe, shapes, budget, block_bytes, grid.num_blocks)
-    logger.info("KV pool: %d blocks fill the memory budget (%.0f MB per device); with them the largest step needs "
-                "%.0f MB: %d blocks given back", grid.num_blocks, budget.usable_bytes / 1e6, need / 1e6, over)
-    return over
-
-
-def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_blocks: int) -> BucketGrid:
-    return BucketGrid(
-        spec, block_size=block_size, max_model_len=max_model_len,
-        max_num_seqs=config.max_num_seqs or max(spec.decode_batch_sizes),
-        max_num_batched_tokens=config.max_num_batched_tokens
-        or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths),
-        num_blocks=num_blocks,
-    )
-
-
-def runner_sampling_options(config: EngineConfig, grid: BucketGrid) -> dict:
-    """The ModelRunner's sampler sizes (one slot per possible running sequence, K = max_logprobs): the
-    engine and the precompile command pass the same, so they build the same executables."""
-    return {"num_sampler_slots": grid.max_num_seqs, "num_logprobs": config.max_logprobs}
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, warm_up: bool = True):
         self.config = config
@@ -223,11 +151,7 @@ class LLMEngine:
             **({} if config.waiting_served_ratio is None else {"waiting_served_ratio": config.waiting_served_ratio}),
         )
         logger.info("%s", _scheduling_summary(self.scheduler))
-        self.runner = ModelRunner(
-            loaded.config, loaded.params, dtype=config.dtype, block_size=self.block_size,
-            num_blocks=num_blocks, max_rows=self.grid.max_batch_size, attention_backend=config.attention_backend,
-            mesh=self.mesh, **runner_sampling_options(config, self.grid),
-        )
+        self.runner = ModelRunner.for_engine(loaded.config, loaded.params, config, self.grid, self.mesh)
         self._in_flight: InFlightStep | None = None
         self.async_scheduling = config.async_scheduling
         self._num_sync_groups = 0  # requests that need each step's results before the next is planned
@@ -379,7 +303,7 @@ class LLMEngine:
         """Dispatches the step and advances host state as if its tokens were known (placeholders)."""
         rows = schedule.rows
         self._sync_device_state(rows)
-        inputs = self._prepare_inputs(schedule, rows)
+        inputs = self._step_inputs(schedule, rows)
         sampling = inputs.sampling
         masks_wait = {i for i, (seq, start, num_tokens) in enumerate(rows)
                       if start + num_tokens == seq.num_tokens and self.requests[seq.request_id].mask_waits(seq)}
@@ -390,15 +314,31 @@ class LLMEngine:
         output = self.runner.execute(schedule.bucket, inputs, prev)
         self._check_no_compile(compiles_before, schedule)
         step = InFlightStep(output, sampling.ints[:, _FLAGS], [], [], {}, sampling)
+        self._advance(schedule, rows, inputs, step, masks_wait)
+        self._count_step(schedule)
+        return step
+
+    def _step_inputs(self, schedule: Schedule, rows: list[tuple[Sequence, int, int]]) -> StepInputs:
+        """The step's padded device inputs, with each row's sampling values from its request group."""
+        sampling_rows = [self.requests[seq.request_id].sampling_row(seq, start, num_tokens, self.slots.get(seq.seq_id))
+                         for seq, start, num_tokens in rows]
+        previous_rows = self._in_flight.rows_by_seq if self._in_flight is not None else {}
+        return prepare_step_inputs(rows, step_shape(schedule.bucket, self.block_size), sampling_rows, previous_rows,
+                                   self.slots.no_slot, self.model_config.vocab_size)
+
+    def _advance(self, schedule: Schedule, rows: list[tuple[Sequence, int, int]], inputs: StepInputs,
+                 step: InFlightStep, masks_wait: set[int]) -> None:
+        """The dispatched step's rows count as computed; each row that samples announces its token to its group
+        (a placeholder) and is recorded in ``step`` for `_complete`."""
+        sampling_rows = set(schedule.advance())
         launched: dict[str, RequestGroup] = {}
         for row, (seq, start, num_tokens) in enumerate(rows):
-            seq.num_computed_tokens += num_tokens
             self.block_manager.cache_blocks(seq)  # later steps that hit them run after this one on the device
             group = self.requests[seq.request_id]
             if step.flags[row] & FLAG_PROMPT_LOGPROBS:
                 first = (0, int(inputs.query_starts[row])) if inputs.query_starts is not None else (row, 0)
                 step.prompt_rows.append((group, first, start, num_tokens))
-            if seq.num_computed_tokens < seq.num_tokens:
+            if row not in sampling_rows:
                 continue  # a prefill chunk that did not reach the end of the prompt samples nothing
             index = group.on_launch(seq)
             step.samples.append((group, seq, row, index))
@@ -408,8 +348,6 @@ class LLMEngine:
             launched[group.request_id] = group
         for group in launched.values():
             self._apply(group.take_update())  # forks of n > 1, sequences at their length limit
-        self._count_step(schedule)
-        return step
 
     def _resample(self, step: InFlightStep) -> None:
         """The step just dispatched only took its argmax: some of its constrained rows' grammars waited for the
@@ -434,7 +372,7 @@ class LLMEngine:
             if not group.needs_slot() or self.slots.get(seq.seq_id) is not None:
                 continue
             # the whole prompt's mask; a slot taken past the prompt (prefix cache hit) the counts up to start
-            counts = _token_counts(seq, start, self.model_config.vocab_size)
+            counts = initial_token_counts(seq, start, self.model_config.vocab_size)
             writes.append((self.slots.assign(seq.seq_id), (*group.slot_rows(), *counts)))
         block_copies, slot_copies = self.block_manager.take_pending_copies(), self._slot_copies
         self._slot_copies = []
@@ -442,39 +380,6 @@ class LLMEngine:
             self.runner.copy_blocks(block_copies, slot_copies)
         for slot, rows_of_slot in writes:
             self.runner.write_slot(slot, *rows_of_slot)
-
-    def _prepare_inputs(self, schedule: Schedule, rows: list[tuple[Sequence, int, int]]) -> StepInputs:
-        shape = step_shape(schedule.bucket, self.block_size)
-        s, p = shape.batch_size, shape.pages_per_seq
-        input_ids = np.zeros(shape.input_shape, np.int32)
-        block_tables = np.zeros((s, p), np.int32)
-        q_start = np.zeros(s, np.int32)
-        lengths = np.zeros(s, np.int32)
-        sample_index = np.zeros(s, np.int32)
-        feed_rows = np.zeros(s, np.int32)
-        feed_cols = np.full(s, -1, np.int32)
-        # ragged: row i's tokens start where row i-1's end; padding rows start past the last token
-        query_starts = np.full(s, shape.num_query_tokens, np.int32) if shape.ragged else None
-        flat = input_ids.reshape(-1)
-        sampling_rows = []
-        offset = 0
-        for i, (seq, start, num_tokens) in enumerate(rows):
-            if query_starts is not None:
-                query_starts[i] = offset
-            else:
-                offset = i * shape.num_query_tokens
-            flat[offset : offset + num_tokens] = seq.all_token_ids[start : start + num_tokens]
-            if flat[offset + num_tokens - 1] == PLACEHOLDER_TOKEN:  # only ever a sequence's last token
-                feed_rows[i], feed_cols[i] = self._in_flight.rows_by_seq[seq.seq_id], num_tokens - 1
-            offset += num_tokens
-            table = seq.block_table[:p]  # blocks past this step's context (reserved ahead) are not read
-            block_tables[i, : len(table)] = table
-            q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
-            group = self.requests[seq.request_id]
-            sampling_rows.append(group.sampling_row(seq, start, num_tokens, self.slots.get(seq.seq_id)))
-        sampling = SamplingTensors.from_rows(sampling_rows, s, self.slots.no_slot, self.model_config.vocab_size)
-        return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling, feed_rows, feed_cols,
-                          query_starts)
 
     def _count_step(self, schedule: Schedule) -> None:
         self.stats.num_steps += 1
@@ -544,17 +449,6 @@ def _scheduling_summary(scheduler: Scheduler) -> str:
     return (f"scheduling: mixed steps (decode rows first, then prefill chunks) of up to {scheduler.max_mixed_tokens} "
             f"tokens and {grid.max_mixed_batch_size} rows; prefill-only steps up to max_num_batched_tokens="
             f"{scheduler.max_num_batched_tokens}")
-
-
-def _token_counts(seq: Sequence, start: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(output counts i32[V], prompt mask bool[V]) that ``seq``'s sampler slot starts with when its first step
-    starts at position ``start``: the counts of the generated tokens before ``start`` (what the steps would
-    have counted had they fed them, `update_token_counts`) and the mask of its whole prompt."""
-    prompt_mask = np.zeros(vocab_size, bool)
-    prompt_mask[np.asarray(seq.prompt_token_ids, np.int64)] = True
-    generated = np.asarray(seq.all_token_ids[seq.num_prompt_tokens : max(start, seq.num_prompt_tokens)], np.int64)
-    output_counts = np.bincount(generated, minlength=vocab_size).astype(np.int32)
-    return output_counts, prompt_mask
 
 
 def _host(logprobs) -> tuple[np.ndarray, ...]:

@@ -22,7 +22,6 @@ in-sharding, so warm-up and serving agree and the donated buffers stay in place.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import time
@@ -37,8 +36,8 @@ from jaxserve.attention.kv_cache import kv_storage_dtype, pool_page_shape
 from jaxserve.attention.metadata import AttentionMetadata, row_offsets, token_layout
 from jaxserve.compilation.compile_cache import thread_compile_counts
 from jaxserve.compilation.executable_store import ExecutableStore
-from jaxserve.config import ModelConfig
-from jaxserve.core.buckets import MixedBucket
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.buckets import BucketGrid
 from jaxserve.distributed.sharding import (
     check_tensor_parallel,
     kv_pool_sharding,
@@ -49,33 +48,10 @@ from jaxserve.distributed.sharding import (
 )
 from jaxserve.models import get_model_class
 from jaxserve.models.common import unstack_layers, untie_lm_head
+from jaxserve.runner.input_batch import StepInputs, StepShape, step_shape
 from jaxserve.runner.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
 from jaxserve.runner.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sample
 from jaxserve.runner.sampler_state import SlotState, copy_slots, update_token_counts, write_slot
-
-
-@dataclasses.dataclass(frozen=True)
-class StepShape:
-    """The static shape of one executable: S sequences, P pages of block table, and either Q query tokens per
-    sequence (padded: input `[S, Q]`) or Q query tokens in all, rows back to back (ragged: input `[1, Q]`)."""
-
-    batch_size: int
-    num_query_tokens: int
-    pages_per_seq: int
-    ragged: bool = False
-
-    @property
-    def input_shape(self) -> tuple[int, int]:
-        return (1, self.num_query_tokens) if self.ragged else (self.batch_size, self.num_query_tokens)
-
-
-def step_shape(bucket, block_size: int) -> StepShape:
-    """Prefill buckets have `chunk_len` query tokens per sequence, decode buckets one; a mixed bucket has
-    `num_tokens` in all, laid out ragged."""
-    pages = -(-bucket.context_len // block_size)
-    if isinstance(bucket, MixedBucket):
-        return StepShape(bucket.batch_size, bucket.num_tokens, pages, ragged=True)
-    return StepShape(bucket.batch_size, getattr(bucket, "chunk_len", 1), pages)
 
 
 def executable_name(shape: StepShape) -> str:
@@ -87,21 +63,6 @@ def executable_name(shape: StepShape) -> str:
 def resample_name(batch_size: int) -> str:
     """The name of the executable that samples a step of ``batch_size`` rows after it was dispatched."""
     return f"resample-s{batch_size}"
-
-
-@dataclasses.dataclass
-class StepInputs:
-    """Host-side, already padded to the bucket's shape. Columns count from a row's first query token."""
-
-    input_ids: np.ndarray  # i32[S, Q] (ragged: i32[1, T])
-    block_tables: np.ndarray  # i32[S, P]
-    q_start: np.ndarray  # i32[S]
-    lengths: np.ndarray  # i32[S]
-    sample_index: np.ndarray  # i32[S], the column of the query token whose logits are sampled
-    sampling: SamplingTensors
-    feed_rows: np.ndarray | None = None  # i32[S], row of the previous step's tokens to feed in
-    feed_cols: np.ndarray | None = None  # i32[S], column of the row that token replaces; -1: none
-    query_starts: np.ndarray | None = None  # i32[S], ragged steps: each row's first token in input_ids[0]
 
 
 def feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols, row_starts):
@@ -201,6 +162,20 @@ class ModelRunner:
         self._compile_lock = threading.Lock()  # warm-up compiles buckets from several threads
         self._copy_executable = None
         self._write_slot_executable = None
+
+    @classmethod
+    def for_engine(cls, model_config: ModelConfig, params: dict, config: EngineConfig, grid: BucketGrid,
+                   mesh: jax.sharding.Mesh, *, abstract: bool = False, num_blocks: int | None = None,
+                   platform: str | None = None) -> ModelRunner:
+        """The runner of an engine with ``config`` on ``grid``. The engine, its KV sizing probe, precompile and
+        target compiles all build it here, so they build the same executables: one sampler slot per sequence
+        the grid may run, K = max_logprobs. ``num_blocks``: a pool of another size than the grid's (the probe)."""
+        return cls(
+            model_config, params, dtype=config.dtype, block_size=grid.block_size,
+            num_blocks=grid.num_blocks if num_blocks is None else num_blocks, max_rows=grid.max_batch_size,
+            attention_backend=config.attention_backend, mesh=mesh, abstract=abstract, platform=platform,
+            num_sampler_slots=grid.max_num_seqs, num_logprobs=config.max_logprobs,
+        )
 
     def _abstract_pool(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
         cfg = self.config

@@ -12,8 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.compilation.sizing import MemoryBudget, blocks_over_budget, memory_budget
-from jaxserve.runner.model_runner import StepShape
+from jaxserve.compilation.sizing import (
+    MemoryBudget,
+    blocks_over_budget,
+    kv_bytes_per_block,
+    memory_budget,
+    num_blocks_from_budget,
+)
+from jaxserve.runner.input_batch import StepShape
 
 
 @pytest.fixture
@@ -63,3 +69,33 @@ def test_the_pool_gives_back_the_blocks_its_largest_step_overshoots_by():
     assert blocks_over_budget(runner, shapes, MemoryBudget(2115), 100, pool_blocks=10) == (1, 2215)
     assert blocks_over_budget(runner, shapes, MemoryBudget(2215), 100, pool_blocks=10) == (0, 2215)
     assert blocks_over_budget(runner, shapes, MemoryBudget(1200), 100, pool_blocks=2) == (3, 1415)
+
+
+def test_kv_bytes_per_block():
+    # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, bf16, 16-token pages
+    assert kv_bytes_per_block(num_layers=30, num_kv_heads=3, block_size=16, head_dim=64, dtype_bytes=2) == (
+        2 * 30 * 3 * 16 * 64 * 2
+    )
+
+
+def test_num_blocks_from_budget():
+    def size(num_kv_blocks=None, memory_budget_bytes=None, bytes_per_block=1000):
+        return num_blocks_from_budget(
+            bytes_per_block,
+            num_kv_blocks=num_kv_blocks,
+            memory_budget_bytes=memory_budget_bytes,
+            default_cpu_blocks=3,
+        )
+
+    assert size(num_kv_blocks=7, memory_budget_bytes=10**9) == 7  # explicit wins
+    assert size(memory_budget_bytes=10_999) == 10
+    assert size() == 3
+    msg = r"^no memory left for the KV cache: the budget is 999 bytes \(0.0 MiB\) but one block needs 1000"
+    with pytest.raises(ValueError, match=msg):
+        size(memory_budget_bytes=999)
+    with pytest.raises(ValueError, match="budget is -5 bytes"):
+        size(memory_budget_bytes=-5)
+    with pytest.raises(ValueError, match="num_kv_blocks must be >= 1, got 0"):
+        size(num_kv_blocks=0)
+    with pytest.raises(ValueError, match="bytes_per_block must be >= 1"):
+        size(bytes_per_block=0)

@@ -22,7 +22,7 @@ from jaxserve.compilation.target_compile import compile_for_target
 from jaxserve.compilation.targets import auto_tensor_parallel_size, resolve_target
 from jaxserve.config import EngineConfig
 from jaxserve.entrypoints.cli import main
-from jaxserve.runner.model_runner import StepShape
+from jaxserve.runner.input_batch import StepShape
 
 REPO = Path(__file__).resolve().parents[2]
 

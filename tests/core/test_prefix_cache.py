@@ -9,7 +9,7 @@ from jaxserve.core.buckets import BucketGrid
 from jaxserve.core.prefix_cache import hash_block, hash_full_blocks
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
-from tests.core.test_scheduler import SPEC
+from tests.core.test_scheduler import SPEC, advance
 
 BS = 4
 
@@ -146,7 +146,7 @@ def test_the_scheduler_starts_the_first_chunk_after_the_cached_prefix():
     scheduler.add(first)
     sched = scheduler.schedule()
     assert [(c.start, c.num_tokens) for c in sched.prefill_chunks] == [(0, 16)]
-    sched.advance([7])
+    advance(sched, [7])
     bm.cache_blocks(first)  # the engine does this once the step is dispatched
     second = seq_of(list(range(1, 13)) + [40, 41, 42, 43, 44], "second")  # 17 tokens, the first 12 cached
     scheduler.add(second)

@@ -42,6 +42,18 @@ def make_seq(request_id, num_prompt_tokens, arrival_time, max_tokens=8, first_to
     return Sequence(request_id, prompt, SimpleNamespace(max_tokens=max_tokens), arrival_time=arrival_time)
 
 
+def advance(schedule, tokens) -> list[Sequence]:
+    """What the engine does after a step: its rows count as computed (``Schedule.advance``) and each row that
+    samples appends its token, ``tokens[row]``. Returns those rows' sequences, in row order."""
+    rows, tokens = schedule.rows, list(tokens)
+    updated = []
+    for row in schedule.advance():
+        seq = rows[row][0]
+        seq.append_token(tokens[row])
+        updated.append(seq)
+    return updated
+
+
 def next_token(context: list[int]) -> int:
     """A deterministic 'model' whose output depends on the whole context, in order."""
     h = 17
@@ -109,7 +121,7 @@ def run_engine(scheduler, arrivals, max_steps=10_000):
         if schedule.is_idle:
             assert not scheduler.has_unfinished() or step < max(arrivals), "idle with work left"
             continue
-        for seq in schedule.advance(model.step(schedule)):
+        for seq in advance(schedule, model.step(schedule)):
             if seq.num_output_tokens >= seq.sampling_params.max_tokens:
                 scheduler.finish(seq, SequenceStatus.FINISHED_LENGTH)
                 finished.append(seq)
@@ -151,7 +163,7 @@ def test_admission_counts_the_sequences_a_request_will_fork():
     s = sched.schedule()
     assert [c.seq for c in s.prefill_chunks] == [parent, others[0]]  # 1 + 2 pending + 1 = 4
     assert (sched.num_running, sched.num_waiting) == (2, 2)
-    s.advance([5, 6])
+    advance(s, [5, 6])
     parent.num_pending_forks = 0
     children = []
     for _ in range(2):
@@ -196,12 +208,12 @@ def test_admission_needs_blocks_for_the_whole_prompt_and_the_decoders_next_token
 
     sched = make_scheduler(num_blocks=8, max_model_len=32, waiting_served_ratio=0.0)
     (a,) = start_decoders(sched, 1)
-    sched.schedule().advance([1])  # a: 5 tokens, 4 computed; its next token (index 4) needs a 2nd block
+    advance(sched.schedule(), [1])  # a: 5 tokens, 4 computed; its next token (index 4) needs a 2nd block
     assert a.block_table == [0]
     sched.add(make_seq("c", 28, 1.0))  # 7 blocks + 1 kept for a > 7 free: not admitted
     s = sched.schedule()
     assert s.is_decode and a.block_table == [0, 1] and sched.num_waiting == 1
-    s.advance([1])
+    advance(s, [1])
     sched.abort("c")
     sched.add(make_seq("d", 24, 2.0))  # 6 blocks, a's next token (index 5) fits block 1: admitted
     assert sched.schedule().is_prefill
@@ -248,7 +260,7 @@ def test_first_chunk_is_split_when_that_saves_padding(prompt_len, chunks):
     while sum(taken) < prompt_len:
         s = sched.schedule()
         taken.append(s.prefill_chunks[0].num_tokens if s.is_prefill else 1)  # a 1-token rest decodes
-        s.advance([1])
+        advance(s, [1])
     assert taken == chunks
 
 
@@ -300,7 +312,7 @@ def start_decoders(sched, n):
         sched.add(seq)
     s = sched.schedule()
     assert s.is_prefill and len(s.prefill_chunks) == n
-    s.advance([1] * n)
+    advance(s, [1] * n)
     return seqs
 
 
@@ -313,7 +325,7 @@ def test_waiting_served_ratio_decides_prefill_or_decode():
     s = sched.schedule()
     assert s.is_decode and s.decode_seqs == decoders and s.bucket == DecodeBucket(4, 16)
     assert s.context_lens == [4, 4, 4, 4]
-    s.advance([1] * 4)
+    advance(s, [1] * 4)
     sched.add(make_seq("w4", 3, 20.0))
     # 5 / 4 = 1.25 >= 1.2: prefill, up to max_num_seqs=8 running
     s = sched.schedule()
@@ -344,7 +356,7 @@ def test_max_waiting_steps_forces_a_prefill():
     for _ in range(5):
         s = sched.schedule()
         kinds.append("prefill" if s.is_prefill else "decode")
-        s.advance([1] * len(s.seqs))
+        advance(s, [1] * len(s.seqs))
     assert kinds == ["decode", "decode", "decode", "prefill", "decode"]
     assert sched.num_decode_steps_waited == 0
 
@@ -358,7 +370,7 @@ def test_a_sequence_mid_prefill_keeps_priority():
     for _ in range(6):
         s = sched.schedule()
         steps.append([(c.seq.request_id, c.start, c.num_tokens) for c in s.prefill_chunks] or s.decode_seqs)
-        s.advance([1] * len(s.seqs))
+        advance(s, [1] * len(s.seqs))
     assert steps == [
         [a],  # ratio 1/1 < 100: decode, then max_waiting_steps=1 forces the admission
         [("b", 0, 16)],
@@ -387,7 +399,7 @@ def test_decode_preempts_the_newest_sequence():
         sched.add(seq)
     s = sched.schedule()
     assert s.bucket == PrefillBucket(4, 4, 16) and [q.block_table for q in (a, b, c)] == [[0], [1], [2]]
-    s.advance([5, 6, 7])
+    advance(s, [5, 6, 7])
     s = sched.schedule()
     assert s.is_decode and s.decode_seqs == [a, b] and s.preempted == [c]
     assert s.bucket == DecodeBucket(2, 16)
@@ -395,7 +407,7 @@ def test_decode_preempts_the_newest_sequence():
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and c.num_preemptions == 1
     assert c.output_token_ids == [7] and list(sched.waiting) == [c]
     assert sched.num_preemptions == 1
-    s.advance([8, 9])
+    advance(s, [8, 9])
     # c cannot come back yet (it needs 2 blocks, none free): decode again
     s = sched.schedule()
     assert s.is_decode and s.decode_seqs == [a, b] and s.preempted == []
@@ -408,7 +420,7 @@ def test_preempted_sequences_go_back_in_arrival_order():
         sched.add(seq)
     s = sched.schedule()
     assert len(s.prefill_chunks) == 4 and sched.block_manager.num_free_blocks == 0
-    s.advance([1, 2, 3, 4])
+    advance(s, [1, 2, 3, 4])
     s = sched.schedule()
     # r0 needs a block: r3 goes; r1 needs one: r2 goes
     assert s.decode_seqs == seqs[:2] and s.preempted == [seqs[3], seqs[2]]
@@ -468,7 +480,7 @@ def test_a_sequence_beyond_max_model_len_is_ignored_not_looped():
     sched.add(seq)
     s = sched.schedule()
     assert s.prefill_chunks[0].num_tokens == 16
-    s.advance([1])  # 17 tokens now: the next step would attend to 17 > max_model_len
+    advance(s, [1])  # 17 tokens now: the next step would attend to 17 > max_model_len
     s = sched.schedule()
     assert s.is_idle and s.ignored == [seq]
     assert seq.status is SequenceStatus.FINISHED_LENGTH
@@ -486,13 +498,17 @@ def test_engine_must_advance_before_scheduling_again():
         sched.schedule()
 
 
-def test_advance_checks_the_number_of_rows():
-    sched = make_scheduler()
-    sched.add(make_seq("a", 3, 0.0))
-    sched.add(make_seq("b", 3, 1.0))
+def test_advance_counts_every_row_and_returns_the_rows_that_sample():
+    sched = make_scheduler(spec=MIXED_SPEC)
+    decoding, long_prompt = make_seq("a", 2, 0.0), make_seq("b", 20, 1.0)
+    sched.add(decoding)
+    advance(sched.schedule(), [9])  # a's prompt: it decodes from now on
+    sched.add(long_prompt)
     s = sched.schedule()
-    with pytest.raises(ValueError, match="advance needs a sampled token per row: 2 rows, got 1"):
-        s.advance([1])
+    assert [(seq.request_id, start, n) for seq, start, n in s.rows] == [("a", 2, 1), ("b", 0, 15)]
+    assert s.advance() == [0]  # b's chunk does not reach its last token: it samples nothing
+    assert (decoding.num_computed_tokens, long_prompt.num_computed_tokens) == (3, 15)
+    assert decoding.output_token_ids == [9]  # nothing appended: the engine appends the sampled tokens
 
 
 # -- abort and finish -------------------------------------------------------------------------------
@@ -505,7 +521,7 @@ def test_abort_waiting_and_running_frees_blocks():
         sched.add(seq)
     s = sched.schedule()
     assert [ch.seq for ch in s.prefill_chunks] == [a, b]
-    s.advance([1, 2])
+    advance(s, [1, 2])
     assert sched.block_manager.num_used_blocks == 4
     assert sched.abort("b") == [b]
     assert b.status is SequenceStatus.FINISHED_ABORTED and b.block_table == []
@@ -573,7 +589,7 @@ def test_mixed_steps_never_make_a_decoding_sequence_wait_for_a_prefill():
         schedule = sched.schedule()
         assert decoding <= {s.seq_id for s in schedule.decode_seqs}
         kinds.append("mixed" if schedule.is_mixed else "prefill" if schedule.is_prefill else "decode")
-        for seq in schedule.advance(model.step(schedule)):
+        for seq in advance(schedule, model.step(schedule)):
             if seq.num_output_tokens >= seq.sampling_params.max_tokens:
                 sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
                 finished.append(seq)
@@ -591,7 +607,7 @@ def start_mixed_decoders(sched, n):
         sched.add(seq)
     while any(s.status is SequenceStatus.WAITING or s.num_uncomputed_tokens > 1 for s in seqs):
         s = sched.schedule()
-        s.advance([1] * len(s.rows))
+        advance(s, [1] * len(s.rows))
     return seqs
 
 
@@ -606,7 +622,7 @@ def test_a_mixed_step_puts_decode_rows_first_and_cuts_the_chunk_to_fill_a_bucket
     assert s.is_mixed and s.bucket == MixedBucket(8, 4, 16) and s.num_padded_tokens == 0
     assert [seq for seq, _, _ in s.rows] == [*decoders, prompt]
     assert len(prompt.block_table) == 8  # admission took the blocks of the whole prompt
-    s.advance([7, 7, 7, 0])
+    advance(s, [7, 7, 7, 0])
     s = sched.schedule()
     assert [(c.start, c.num_tokens) for c in s.prefill_chunks] == [(5, 5)] and s.bucket == MixedBucket(8, 4, 16)
 
@@ -619,7 +635,7 @@ def test_the_last_chunk_of_a_prompt_is_not_cut_and_pads_to_the_next_bucket():
     s = sched.schedule()
     assert [(c.start, c.num_tokens) for c in s.prefill_chunks] == [(0, 7)]
     assert s.bucket == MixedBucket(16, 4, 16) and (s.num_batched_tokens, s.num_padded_tokens) == (9, 7)
-    assert s.advance([3, 4, 5]) == [*decoders, prompt] and prompt.output_token_ids == [5]
+    assert advance(s, [3, 4, 5]) == [*decoders, prompt] and prompt.output_token_ids == [5]
 
 
 def test_decode_rows_that_fill_the_token_budget_leave_no_room_for_a_prefill():
@@ -629,7 +645,7 @@ def test_decode_rows_that_fill_the_token_budget_leave_no_room_for_a_prefill():
     s = sched.schedule()
     assert not s.is_mixed and s.decode_seqs == decoders and s.bucket == DecodeBucket(8, 16)
     assert sched.num_waiting == 1
-    s.advance([1] * 6)
+    advance(s, [1] * 6)
     sched.finish(decoders[0], SequenceStatus.FINISHED_STOPPED)
     s = sched.schedule()  # five decode rows leave one token of the budget: a one-token chunk
     assert s.is_mixed and [(c.start, c.num_tokens) for c in s.prefill_chunks] == [(0, 1)]

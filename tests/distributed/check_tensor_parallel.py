@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import LLM, BeamSearchParams, SamplingParams
 from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.core.sequence import Sequence
-from jaxserve.runner.model_runner import StepInputs, step_shape
+from jaxserve.runner.input_batch import StepInputs, step_shape
 from jaxserve.runner.sampler import PAD_FLOATS, SamplingRow, SamplingTensors
 from tests.hf_tiny import hf_greedy, make_tiny_model, small_bucket_file
 

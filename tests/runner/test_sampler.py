@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 
 from jaxserve.attention.metadata import AttentionMetadata, token_layout
-from jaxserve.core.sequence import Sequence
-from jaxserve.engine.llm_engine import _token_counts
 from jaxserve.runner.logprobs import prompt_logprobs, prompt_targets, token_logprobs
 from jaxserve.runner.sampler import (
     FLAG_GRAMMAR,
@@ -345,15 +343,6 @@ def test_a_step_scatters_no_bool_array():
                                               np.zeros(2, np.int32)).as_text()
     scattered = re.findall(r'"stablehlo.scatter".*?\}\) : \(tensor<([^>]*)>', text, re.S)  # operand types
     assert scattered == [f"4x{V}xi32"]
-
-
-def test_a_slot_starts_with_its_whole_prompt_mask_and_earlier_generated_counts():
-    seq = Sequence("r", [5, 7, 5, 9])
-    seq.output_token_ids += [7, 11, 11, 3]
-    for start, generated in [(0, []), (2, []), (4, []), (7, [7, 11, 11])]:  # 7: a cached prefix past the prompt
-        counts, prompt = _token_counts(seq, start, V)
-        np.testing.assert_array_equal(prompt, np.isin(np.arange(V), [5, 7, 9]))
-        np.testing.assert_array_equal(counts, np.bincount(np.array(generated, int), minlength=V))
 
 
 def _check_counts(out, num_slots):

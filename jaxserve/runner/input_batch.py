@@ -1,0 +1,104 @@
+"""A step's inputs: the static shape of each bucket's executable and the padded host arrays of one step.
+
+Place in the data flow: the engine takes a `Schedule`'s rows (sequence, first position, number of tokens)
+and each row's `SamplingRow` and calls `prepare_step_inputs`, which lays the rows' tokens out as the
+bucket's executable takes them (rows of equal length, or for a mixed step back to back: `StepShape.ragged`),
+with their block tables, positions and the sampling arrays, padded to the bucket's shape. The `ModelRunner`
+dispatches the executable of `step_shape(bucket)` on them. A row whose last token is still on the device
+(async scheduling: a placeholder) is fed from the previous step's output, at `feed_rows`/`feed_cols`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.core.buckets import MixedBucket
+from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence
+from jaxserve.math_utils import cdiv
+from jaxserve.runner.sampler import SamplingRow, SamplingTensors
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The static shape of one executable: S sequences, P pages of block table, and either Q query tokens per
+    sequence (padded: input `[S, Q]`) or Q query tokens in all, rows back to back (ragged: input `[1, Q]`)."""
+
+    batch_size: int
+    num_query_tokens: int
+    pages_per_seq: int
+    ragged: bool = False
+
+    @property
+    def input_shape(self) -> tuple[int, int]:
+        return (1, self.num_query_tokens) if self.ragged else (self.batch_size, self.num_query_tokens)
+
+
+def step_shape(bucket, block_size: int) -> StepShape:
+    """Prefill buckets have `chunk_len` query tokens per sequence, decode buckets one; a mixed bucket has
+    `num_tokens` in all, laid out ragged."""
+    pages = cdiv(bucket.context_len, block_size)
+    if isinstance(bucket, MixedBucket):
+        return StepShape(bucket.batch_size, bucket.num_tokens, pages, ragged=True)
+    return StepShape(bucket.batch_size, getattr(bucket, "chunk_len", 1), pages)
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """Host-side, already padded to the bucket's shape. Columns count from a row's first query token."""
+
+    input_ids: np.ndarray  # i32[S, Q] (ragged: i32[1, T])
+    block_tables: np.ndarray  # i32[S, P]
+    q_start: np.ndarray  # i32[S]
+    lengths: np.ndarray  # i32[S]
+    sample_index: np.ndarray  # i32[S], the column of the query token whose logits are sampled
+    sampling: SamplingTensors
+    feed_rows: np.ndarray | None = None  # i32[S], row of the previous step's tokens to feed in
+    feed_cols: np.ndarray | None = None  # i32[S], column of the row that token replaces; -1: none
+    query_starts: np.ndarray | None = None  # i32[S], ragged steps: each row's first token in input_ids[0]
+
+
+Row = tuple[Sequence, int, int]  # (sequence, first position, number of tokens): a Schedule's row
+
+
+def prepare_step_inputs(rows: list[Row], shape: StepShape, sampling_rows: list[SamplingRow],
+                        previous_rows: dict[int, int], no_slot: int, vocab_size: int) -> StepInputs:
+    """The padded inputs of a step of ``rows`` on an executable of ``shape``; ``sampling_rows`` are the rows'
+    sampling values. A row whose last token is a placeholder takes it from the previous step's output, at that
+    sequence's row there (``previous_rows``: seq_id -> row)."""
+    s, p = shape.batch_size, shape.pages_per_seq
+    input_ids = np.zeros(shape.input_shape, np.int32)
+    block_tables = np.zeros((s, p), np.int32)
+    q_start, lengths, sample_index, feed_rows = (np.zeros(s, np.int32) for _ in range(4))
+    feed_cols = np.full(s, -1, np.int32)
+    # ragged: row i's tokens start where row i-1's end; padding rows start past the last token
+    query_starts = np.full(s, shape.num_query_tokens, np.int32) if shape.ragged else None
+    flat = input_ids.reshape(-1)
+    offset = 0
+    for i, (seq, start, num_tokens) in enumerate(rows):
+        if query_starts is not None:
+            query_starts[i] = offset
+        else:
+            offset = i * shape.num_query_tokens
+        flat[offset : offset + num_tokens] = seq.all_token_ids[start : start + num_tokens]
+        if flat[offset + num_tokens - 1] == PLACEHOLDER_TOKEN:  # only ever a sequence's last token
+            feed_rows[i], feed_cols[i] = previous_rows[seq.seq_id], num_tokens - 1
+        offset += num_tokens
+        table = seq.block_table[:p]  # blocks past this step's context (reserved ahead) are not read
+        block_tables[i, : len(table)] = table
+        q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
+    sampling = SamplingTensors.from_rows(sampling_rows, s, no_slot, vocab_size)
+    return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling, feed_rows, feed_cols,
+                      query_starts)
+
+
+def initial_token_counts(seq: Sequence, start: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(output counts i32[V], prompt mask bool[V]) that ``seq``'s sampler slot starts with when its first step
+    starts at position ``start``: the counts of the generated tokens before ``start`` (what the steps would
+    have counted had they fed them, `update_token_counts`) and the mask of its whole prompt."""
+    prompt_mask = np.zeros(vocab_size, bool)
+    prompt_mask[np.asarray(seq.prompt_token_ids, np.int64)] = True
+    generated = np.asarray(seq.all_token_ids[seq.num_prompt_tokens : max(start, seq.num_prompt_tokens)], np.int64)
+    output_counts = np.bincount(generated, minlength=vocab_size).astype(np.int32)
+    return output_counts, prompt_mask
