@@ -41,7 +41,6 @@ from bench_throughput import add_requests, check_token_counts, in_fresh_process 
 
 DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "shared_prefix.jsonl"
 JAXSERVE_ON, JAXSERVE_OFF = "jaxserve prefix caching on", "jaxserve prefix caching off"
-COUNTERS = ("num_prefill_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")  # EngineStats'
 
 
 # ----- the workload ------------------------------------------------------------------------------------
@@ -77,6 +76,13 @@ def repeated_prefix_tokens(workload: list[dict], block_size: int = 1) -> int:
 # ----- the runs ----------------------------------------------------------------------------------------
 
 
+def _counters(engine) -> dict[str, int]:
+    stats = engine.make_stats()
+    return {"num_prefill_tokens": stats.engine.num_prefill_tokens, "num_preemptions": stats.engine.num_preemptions,
+            "prefix_cache_queries": stats.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": stats.scheduler.prefix_cache_hits}
+
+
 def bench_jaxserve(args, requests: list[tuple[list[int], int]], caching: bool) -> dict:
     from jaxserve import LLM
 
@@ -85,7 +91,7 @@ def bench_jaxserve(args, requests: list[tuple[list[int], int]], caching: bool) -
               enable_prefix_caching=caching)
     startup = time.perf_counter() - start
     engine = llm.llm_engine
-    before = {name: getattr(engine.stats, name) for name in COUNTERS}  # values: the stats hold live objects
+    before = _counters(engine)
 
     start = time.perf_counter()
     add_requests(engine, requests)
@@ -98,7 +104,8 @@ def bench_jaxserve(args, requests: list[tuple[list[int], int]], caching: bool) -
                 counts[i], cached[i] = len(out.outputs[0].token_ids), out.num_cached_tokens or 0
     elapsed = time.perf_counter() - start
     check_token_counts("jaxserve", [counts.get(i, 0) for i in range(len(requests))], requests)
-    grown = lambda name: getattr(engine.stats, name) - before[name]  # this run's share of a counter
+    after = _counters(engine)
+    grown = lambda name: after[name] - before[name]  # this run's share of a counter
     return {
         "engine": JAXSERVE_ON if caching else JAXSERVE_OFF, "seconds": elapsed, "startup_s": startup,
         "output_tokens": sum(counts.values()), "prompt_tokens": sum(len(p) for p, _ in requests),

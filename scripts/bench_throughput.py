@@ -6,7 +6,8 @@ token ids and exactly `output_len` new tokens (greedy, ignore_eos), so every eng
 each engine is checked to have produced exactly `output_len` tokens for every request. Each engine is
 measured in a fresh process of its own; start-up (load, warm-up, compilation) is not counted, only the
 generation. Prints a markdown table: seconds, output tokens/s, requests/s, jaxserve's throughput over
-each engine's ("jaxserve / it", above 1 means jaxserve is faster), padding waste, and jaxserve's KV usage.
+each engine's ("jaxserve / it", above 1 means jaxserve is faster), padded tokens per real token, and
+jaxserve's KV usage.
 
     python scripts/bench_throughput.py                      # all 256 requests, embedded model, transformers
     python scripts/bench_throughput.py --num-requests 64 --hf-batch-sizes 16
@@ -75,7 +76,7 @@ def bench_jaxserve(args, requests) -> dict:
     check_token_counts("jaxserve", [counts.get(i, 0) for i in range(len(requests))], requests)
     return {
         "engine": "jaxserve", "seconds": elapsed, "startup_s": startup, "output_tokens": sum(counts.values()),
-        "padding_waste": engine.stats.padding_waste, "peak_kv_usage": peak_usage,
+        "padding_per_real_token": engine.stats.padding_per_real_token, "peak_kv_usage": peak_usage,
         "preemptions": engine.stats.num_preemptions,
     }
 
@@ -112,7 +113,7 @@ def bench_transformers(args, requests, batch_size: int, dtype: str) -> dict:
     real = sum(len(p) + n for p, n in requests)
     return {
         "engine": f"transformers {dtype} (static batch {batch_size})", "seconds": elapsed, "output_tokens": num_out,
-        "padding_waste": (padded - real) / real,
+        "padding_per_real_token": (padded - real) / real,
     }
 
 
@@ -139,15 +140,15 @@ def report(results: list[dict], num_requests: int) -> str:
     jax_result = next(r for r in results if r["engine"] == "jaxserve")
     jax_tps = jax_result["output_tokens"] / jax_result["seconds"]
     lines = [
-        "| engine | seconds | output tok/s | requests/s | jaxserve / it | padding waste |",
+        "| engine | seconds | output tok/s | requests/s | jaxserve / it | padding per real token |",
         "|---|---|---|---|---|---|",
     ]
     for r in results:
         tps = r["output_tokens"] / r["seconds"]
-        waste = f"{r['padding_waste']:.3f}" if "padding_waste" in r else "n/a"
+        padding = f"{r['padding_per_real_token']:.3f}" if "padding_per_real_token" in r else "n/a"
         lines.append(
             f"| {r['engine']} | {r['seconds']:.1f} | {tps:.1f} | {num_requests / r['seconds']:.2f} | "
-            f"{jax_tps / tps:.2f}x | {waste} |"
+            f"{jax_tps / tps:.2f}x | {padding} |"
         )
     lines.append("")
     lines.append(

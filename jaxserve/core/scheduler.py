@@ -117,7 +117,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_decode_steps_waited = 0  # decode steps since the last admission while requests waited
-        self.num_preemptions = 0  # total, for metrics
 
     # -- queues -------------------------------------------------------------------------------------
 
@@ -418,4 +417,3 @@ class Scheduler:
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         sched.preempted.append(seq)
-        self.num_preemptions += 1

@@ -39,7 +39,6 @@ from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
 from jaxserve.config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
-from jaxserve.core.prefix_cache import PrefixCacheStats
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Sequence
@@ -57,6 +56,7 @@ from jaxserve.engine.request_group import (
 )
 from jaxserve.logger import init_logger
 from jaxserve.metrics.stat_logger import StatLogger
+from jaxserve.metrics.stats import EngineStats, SchedulerStats, StatsSnapshot
 from jaxserve.outputs import RequestOutput
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.runner.input_batch import StepInputs, initial_token_counts, prepare_step_inputs, step_shape
@@ -85,41 +85,6 @@ class InFlightStep:
     # samples of constrained rows whose mask waited for the previous step's token: the step only took its
     # argmax, and samples for real once the masks are known (see LLMEngine._resample)
     masks_pending: list[tuple[RequestGroup, Sequence, int, int]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters the benchmarks and the metrics endpoint read."""
-
-    num_steps: int = 0
-    num_prefill_steps: int = 0
-    num_decode_steps: int = 0
-    num_mixed_steps: int = 0  # decode rows and prefill chunks in one step
-    num_real_tokens: int = 0
-    num_padded_tokens: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0
-    num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model: cache hits excluded
-    num_generation_tokens: int = 0
-    num_compiles_after_warm_up: int = 0  # executables built while serving: should stay 0
-    num_late_sampled_steps: int = 0  # steps sampled after dispatch, once their rows' grammar masks were known
-    num_late_masks: int = 0  # constrained rows of those steps whose mask was filled after dispatch
-    prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)  # the block manager's
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        """Tokens of admitted sequences looked up in the prefix cache (vLLM's prefix_cache_queries)."""
-        return self.prefix_cache.queries
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        """Of those, tokens found cached (vLLM's prefix_cache_hits)."""
-        return self.prefix_cache.hits
-
-    @property
-    def padding_waste(self) -> float:
-        """Padded slots per real token over all steps."""
-        return self.num_padded_tokens / max(self.num_real_tokens, 1)
 
 
 class LLMEngine:
@@ -156,8 +121,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._num_sync_groups = 0  # requests that need each step's results before the next is planned
         self.requests: dict[str, RequestGroup] = {}
-        self.stats = EngineStats(prefix_cache=self.block_manager.prefix_cache_stats)
-        self.stat_logger = None if config.disable_log_stats else StatLogger(self)
+        self.stats = EngineStats()
+        self.stat_logger = None if config.disable_log_stats else StatLogger(self.make_stats())
         self.warm_up_report: WarmUpReport | None = None
         self._rng = random.Random(config.seed)
         self.eos_token_ids = set(loaded.config.eos_token_id)
@@ -249,6 +214,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def make_stats(self) -> StatsSnapshot:
+        """The engine's counters and its scheduler's state now, copied: what the stats line and /metrics read."""
+        prefix_cache = self.block_manager.prefix_cache_stats
+        scheduler = SchedulerStats(
+            num_running_reqs=self.scheduler.num_running_requests, num_waiting_reqs=self.scheduler.num_waiting_requests,
+            kv_cache_usage=self.block_manager.usage, prefix_cache_queries=prefix_cache.queries,
+            prefix_cache_hits=prefix_cache.hits,
+        )
+        return StatsSnapshot(scheduler, dataclasses.replace(self.stats))
+
     # ----- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and dispatches one step, then returns the outputs of the step before it (or of
@@ -271,8 +246,8 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             outputs += self._complete(launched)
             self._in_flight = None
-        if self.stat_logger is not None:
-            self.stat_logger.maybe_log()
+        if self.stat_logger is not None and self.stat_logger.is_due():
+            self.stat_logger.log(self.make_stats())
         return outputs
 
     def _check_no_compile(self, before: CompileCounts, schedule: Schedule) -> None:

@@ -217,7 +217,7 @@ def build_app(
     engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None, model_path: str | None = None
 ) -> FastAPI:
     """The app over a warm engine; its metrics registry is its own."""
-    metrics = ServingMetrics(engine.engine, num_backend_compiles)
+    metrics = ServingMetrics(engine.engine.make_stats, num_backend_compiles)
     engine.observer = metrics
 
     @contextlib.asynccontextmanager

@@ -1,8 +1,9 @@
 """Prometheus metrics of a serving engine, with vLLM's names under a `jaxserve:` prefix.
 
 Two sources feed one `CollectorRegistry` per server (so two apps in one process never collide):
-- engine state read at scrape time (`EngineStateCollector`): requests running and waiting, KV cache
-  usage, prompt and generation token counters, preemptions, compiles after warm-up, bucket padding;
+- the engine's stats snapshot (`stats.py`) taken at scrape time (`EngineStateCollector`): requests running
+  and waiting, KV cache usage, prompt and generation token counters, preemptions, compiles after warm-up,
+  bucket padding;
 - request timings observed as the AsyncLLMEngine delivers outputs (`ServingMetrics`): time to first
   token, inter-token latency, end-to-end latency and finished requests by reason.
 """
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.metrics.stats import StatsSnapshot
 from jaxserve.outputs import RequestOutput
 
 disable_created_metrics()  # no `_created` series next to every counter and histogram (as vLLM)
@@ -33,35 +34,34 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class EngineStateCollector:
-    """Reads the engine's counters at scrape time; nothing to keep in sync with the step loop."""
+    """Reads a stats snapshot of the engine at scrape time; nothing to keep in sync with the step loop."""
 
-    def __init__(self, engine: LLMEngine, compiles_now: Callable[[], int]):
-        self.engine = engine
+    def __init__(self, make_stats: Callable[[], StatsSnapshot], compiles_now: Callable[[], int]):
+        self.make_stats = make_stats
         self.compiles_now = compiles_now
         self.compiles_at_start = compiles_now()  # the engine is warm when the server is built
 
     def collect(self) -> Iterable:
-        engine, stats = self.engine, self.engine.stats
+        stats = self.make_stats()
+        scheduler, engine = stats.scheduler, stats.engine
         yield _gauge("num_requests_running", "Number of requests in model execution batches.",
-                     engine.scheduler.num_running_requests)
-        yield _gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-                     engine.scheduler.num_waiting_requests)
-        yield _gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                     engine.block_manager.usage)
-        yield _counter("prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens)
-        yield _counter("generation_tokens", "Number of generation tokens processed.", stats.num_generation_tokens)
+                     scheduler.num_running_reqs)
+        yield _gauge("num_requests_waiting", "Number of requests waiting to be processed.", scheduler.num_waiting_reqs)
+        yield _gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", scheduler.kv_cache_usage)
+        yield _counter("prompt_tokens", "Number of prefill tokens processed.", engine.num_prompt_tokens)
+        yield _counter("generation_tokens", "Number of generation tokens processed.", engine.num_generation_tokens)
         yield _counter("num_preemptions", "Cumulative number of preemptions from the engine.",
-                       stats.num_preemptions)
+                       engine.num_preemptions)
         yield _counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                       stats.prefix_cache_queries)
+                       scheduler.prefix_cache_queries)
         yield _counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                       stats.prefix_cache_hits)
+                       scheduler.prefix_cache_hits)
         yield _counter("compiles_after_warmup", "XLA compilations since the server finished warm-up "
                        "(anything but 0 is a bug).", self.compiles_now() - self.compiles_at_start)
-        yield _counter("bucket_real_tokens", "Real query tokens run in bucketed steps.", stats.num_real_tokens)
-        yield _counter("bucket_padded_tokens", "Padding query slots run to fill buckets.", stats.num_padded_tokens)
-        yield _gauge("bucket_padding_waste", "Padded query slots per real token over all steps.",
-                     stats.padding_waste)
+        yield _counter("bucket_real_tokens", "Real query tokens run in bucketed steps.", engine.num_real_tokens)
+        yield _counter("bucket_padded_tokens", "Padding query slots run to fill buckets.", engine.num_padded_tokens)
+        yield _gauge("bucket_padding_per_real_token", "Padded query slots per real token over all steps.",
+                     engine.padding_per_real_token)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -82,9 +82,9 @@ class _RequestTiming:
 class ServingMetrics:
     """The server's registry. AsyncLLMEngine calls `request_arrived` and `outputs_delivered`."""
 
-    def __init__(self, engine: LLMEngine, compiles_now: Callable[[], int]):
+    def __init__(self, make_stats: Callable[[], StatsSnapshot], compiles_now: Callable[[], int]):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStateCollector(engine, compiles_now))
+        self.registry.register(EngineStateCollector(make_stats, compiles_now))
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
             buckets=TTFT_BUCKETS, registry=self.registry,

@@ -406,7 +406,6 @@ def test_decode_preempts_the_newest_sequence():
     assert (a.block_table, b.block_table, c.block_table) == ([0, 3], [1, 2], [])
     assert c.status is SequenceStatus.WAITING and c.num_computed_tokens == 0 and c.num_preemptions == 1
     assert c.output_token_ids == [7] and list(sched.waiting) == [c]
-    assert sched.num_preemptions == 1
     advance(s, [8, 9])
     # c cannot come back yet (it needs 2 blocks, none free): decode again
     s = sched.schedule()
@@ -439,7 +438,7 @@ def test_tiny_pool_with_preemption_gives_the_same_tokens_as_alone(ratio, chunked
     for seq in seqs:
         assert seq.output_token_ids == generate_alone(seq.prompt_token_ids, 24), seq
         assert seq.status is SequenceStatus.FINISHED_LENGTH
-    assert sum(len(s.preempted) for s in log) == sched.num_preemptions > 0
+    assert sum(len(s.preempted) for s in log) == sum(seq.num_preemptions for seq in seqs) > 0
     assert any(seq.num_preemptions > 0 for seq in seqs)
     assert_all_free(sched)
 

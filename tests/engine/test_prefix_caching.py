@@ -56,6 +56,12 @@ def _tokens(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def _prefix_counters(llm: LLM) -> tuple[int, int, int]:
+    """(prefix cache queries, hits, prefill tokens) so far, from the engine's stats snapshot."""
+    stats = llm.llm_engine.make_stats()
+    return stats.scheduler.prefix_cache_queries, stats.scheduler.prefix_cache_hits, stats.engine.num_prefill_tokens
+
+
 def _all_free_or_evictable(llm: LLM) -> None:
     bm = llm.llm_engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not np.any(bm.ref_counts)
@@ -74,18 +80,18 @@ def test_hit_counts_are_exact_for_a_constructed_sequence_of_requests(llms, engin
         (a + a_out[:10] + [5, 6, 7], 48),  # a's prompt and its first generated block
         (_random_tokens(30 + engine, 20), 0),
     ]
-    stats = on.llm_engine.stats
-    before = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_prefill_tokens)
+    before = _prefix_counters(on)
     for prompt, expected_cached in requests:
         output = on.generate([tokens_prompt(prompt)], _greedy(14), use_tqdm=False)[0]
         assert output.num_cached_tokens == expected_cached
         assert output.outputs[0].token_ids == _tokens(off, [prompt], _greedy(14))[0]
     num_tokens = sum(len(p) for p, _ in requests)
     num_hits = sum(n for _, n in requests)
-    assert (stats.prefix_cache_queries - before[0], stats.prefix_cache_hits - before[1]) == (num_tokens, num_hits)
-    assert stats.num_prefill_tokens - before[2] == num_tokens - num_hits
+    after = _prefix_counters(on)
+    assert (after[0] - before[0], after[1] - before[1]) == (num_tokens, num_hits)
+    assert after[2] - before[2] == num_tokens - num_hits
     assert off.generate([tokens_prompt(a)], _greedy(2), use_tqdm=False)[0].num_cached_tokens == 0
-    assert off.llm_engine.stats.prefix_cache_queries == 0
+    assert _prefix_counters(off)[:2] == (0, 0)
     _all_free_or_evictable(on)
 
 
@@ -165,7 +171,7 @@ def test_preemptions_and_aborts_leave_every_block_free_or_evictable(small, llms)
     engine = small.llm_engine
     assert _tokens(small, prompts, params) == expected
     # unique prompts: every hit is a preempted sequence re-admitted on its own cached blocks
-    assert engine.stats.num_preemptions > 0 and engine.stats.prefix_cache_hits > 0
+    assert engine.stats.num_preemptions > 0 and _prefix_counters(small)[1] > 0
     _all_free_or_evictable(small)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"abort-{i}", tokens_prompt(prompt), params)
@@ -194,13 +200,14 @@ def test_the_periodic_stats_line_reports_the_prefix_cache_hit_rate(llms):
 
     on = llms[1]
     now = [0.0]
-    stat_logger = StatLogger(on.llm_engine, interval=10.0, clock=lambda: now[0])
+    stat_logger = StatLogger(on.llm_engine.make_stats(), interval=10.0, clock=lambda: now[0])
     prompt = _random_tokens(95, 33)
     for _ in range(2):  # 33 prompt tokens computed, then 1 (32 cached); 4 generated each
         on.generate([tokens_prompt(prompt)], _greedy(4), use_tqdm=False)
     now[0] = 5.0
-    assert stat_logger.maybe_log() is None
+    assert not stat_logger.is_due()
     now[0] = 10.0
-    assert stat_logger.maybe_log() == (
+    assert stat_logger.is_due()
+    assert stat_logger.log(on.llm_engine.make_stats()) == (
         "Avg prompt throughput: 3.4 tokens/s, Avg generation throughput: 0.8 tokens/s, Running: 0 reqs, "
         "Waiting: 0 reqs, KV cache usage: 0.0%, Prefix cache hit rate: 48.5%")

@@ -371,7 +371,7 @@ def test_metrics_count_one_request_exactly(http, expected, engine):
     assert after["jaxserve:num_requests_running"] == after["jaxserve:num_requests_waiting"] == 0
     assert after["jaxserve:kv_cache_usage_perc"] == 0.0
     assert after["jaxserve:compiles_after_warmup_total"] == 0
-    assert after["jaxserve:bucket_padding_waste"] == pytest.approx(
+    assert after["jaxserve:bucket_padding_per_real_token"] == pytest.approx(
         after["jaxserve:bucket_padded_tokens_total"] / after["jaxserve:bucket_real_tokens_total"])
     http.post("/generate", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})  # its prompt is cached now
     again = scrape()

@@ -103,7 +103,7 @@ def test_token_count_check_and_throughput_table():
     with pytest.raises(AssertionError, match=r"\(1, 4, 5\)"):
         bench_throughput.check_token_counts("x", [3, 4], requests)
     results = [
-        {"engine": "jaxserve", "seconds": 2.0, "output_tokens": 8, "startup_s": 1.0, "padding_waste": 0.1,
+        {"engine": "jaxserve", "seconds": 2.0, "output_tokens": 8, "startup_s": 1.0, "padding_per_real_token": 0.1,
          "peak_kv_usage": 0.5, "preemptions": 0},
         {"engine": "vllm bfloat16", "seconds": 1.0, "output_tokens": 8, "requests": 2, "startup_s": 3.0},
     ]

@@ -1,0 +1,56 @@
+"""What the engine reports, as plain values: its counters since start and the scheduler's state at one moment.
+
+Place in the data flow: `LLMEngine` keeps an `EngineStats` and bumps its counters as it steps;
+`LLMEngine.make_stats()` copies them into a `StatsSnapshot` together with a `SchedulerStats` (requests
+running and waiting, KV cache usage, the prefix cache's counters). The periodic stats line
+(`stat_logger.py`) and the Prometheus collector (`prometheus.py`) read snapshots only, never the engine
+(vLLM's `record(scheduler_stats, iteration_stats)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since the engine started: what the benchmarks, the stats line and /metrics read."""
+
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_mixed_steps: int = 0  # decode rows and prefill chunks in one step
+    num_real_tokens: int = 0  # query tokens of the steps' rows
+    num_padded_tokens: int = 0  # query slots run only to fill the steps' buckets
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model: cache hits excluded
+    num_generation_tokens: int = 0
+    num_compiles_after_warm_up: int = 0  # executables built while serving: should stay 0
+    num_late_sampled_steps: int = 0  # steps sampled after dispatch, once their rows' grammar masks were known
+    num_late_masks: int = 0  # constrained rows of those steps whose mask was filled after dispatch
+
+    @property
+    def padding_per_real_token(self) -> float:
+        """Padded query slots per real query token, over all steps (a bucket's own share of padding is
+        `core.buckets.padding_waste`)."""
+        return self.num_padded_tokens / max(self.num_real_tokens, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler at one moment (vLLM's SchedulerStats)."""
+
+    num_running_reqs: int = 0  # requests, not sequences (n > 1 and beams run several)
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of the KV pool's blocks in use
+    prefix_cache_queries: int = 0  # tokens of admitted sequences looked up in the prefix cache, so far
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsSnapshot:
+    """The engine's counters and its scheduler's state, copied at one moment."""
+
+    scheduler: SchedulerStats
+    engine: EngineStats
