@@ -54,12 +54,14 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # JAX records it when it writes an entry
 
-# Files whose code is traced into the step executables: a change there changes the compiled programs.
-_PACKAGE_DIR = Path(__file__).resolve().parents[1]
-_STEP_CODE = [
-    "runner/model_runner.py", "runner/sampler.py", "runner/sampler_state.py", "runner/logprobs.py",
-    "attention/backends.py", "distributed/sharding.py", "models", "../kernels_pallas", "../kernels_cpu",
-]
+# The code traced into the step executables: a change there changes the compiled programs, so the manifest
+# hashes it (folders whole: every .py and .cc file). tests/compilation/test_step_code.py lowers every program
+# of each model family on each attention backend and checks that every file the lowering runs is listed.
+STEP_CODE = (
+    "jaxserve/runner", "jaxserve/models", "jaxserve/attention", "jaxserve/distributed/sharding.py",
+    "kernels_pallas", "kernels_cpu",
+)
+_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds jaxserve/ and the kernel packages
 
 
 # -- the cache directory ----------------------------------------------------------------------------
@@ -210,19 +212,26 @@ def model_config_hash(config: ModelConfig) -> str:
 
 def bucket_spec_hash(spec: BucketSpec) -> str:
     """Hash of the bucket file's values (comments and formatting do not change any executable)."""
-    fields = ("decode_batch_sizes", "prefill_batch_sizes", "prefill_lengths", "context_lengths", "block_size")
+    fields = ("decode_batch_sizes", "prefill_batch_sizes", "prefill_lengths", "context_lengths", "block_size",
+              "mixed_batch_sizes", "mixed_token_counts")
     return _sha256({name: getattr(spec, name) for name in fields})
 
 
+def step_code_files() -> list[Path]:
+    """The source files of `STEP_CODE`, in a fixed order."""
+    files = []
+    for entry in STEP_CODE:
+        path = _ROOT / entry
+        files += sorted([*path.rglob("*.py"), *path.rglob("*.cc")]) if path.is_dir() else [path]
+    return [file for file in files if file.is_file()]
+
+
 def step_code_hash() -> str:
-    """Hash of the source files traced into the step executables."""
+    """Hash of the source files traced into the step executables (each with its path)."""
     digest = hashlib.sha256()
-    for entry in _STEP_CODE:
-        path = (_PACKAGE_DIR / entry).resolve()
-        files = sorted([*path.rglob("*.py"), *path.rglob("*.cc")]) if path.is_dir() else [path]
-        for file in (f for f in files if f.is_file()):
-            digest.update(file.name.encode())
-            digest.update(file.read_bytes())
+    for file in step_code_files():
+        digest.update(file.relative_to(_ROOT).as_posix().encode())
+        digest.update(file.read_bytes())
     return digest.hexdigest()
 
 

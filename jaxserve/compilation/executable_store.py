@@ -1,10 +1,11 @@
 """Serialized bucket executables, kept next to JAX's persistent cache: a warm start neither traces nor lowers.
 
 Place in the data flow: `LLMEngine.warm_up()` and the precompile command hand the `ModelRunner` an
-`ExecutableStore` for their compile cache directory. Before the runner lowers a bucket it asks the store
-for that bucket's executable; after compiling one it stores it. JAX's persistent cache alone cannot skip
-lowering: its key is a hash of the lowered program, so every warm start still traced the Flax model and
-emitted MLIR for every bucket (about 0.5 s each on 2 CPU cores, most of a warm start).
+`ExecutableStore` for their compile cache directory, and the runner builds every program through its
+`load_or_compile`: the stored executable if there is one, else lowered, compiled and stored. JAX's
+persistent cache alone cannot skip lowering: its key is a hash of the lowered program, so every warm start
+still traced the Flax model and emitted MLIR for every bucket (about 0.5 s each on 2 CPU cores, most of a
+warm start).
 
 An executable is stored with `jax.experimental.serialize_executable` under a directory named by a key of
 everything that decides the compiled program without being an input shape: the cache manifest (model
@@ -31,7 +32,7 @@ from typing import Any
 import jax
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
-from jaxserve.compilation.compile_cache import CacheManifest
+from jaxserve.compilation.compile_cache import CacheManifest, thread_compile_counts
 from jaxserve.logger import init_logger
 
 logger = init_logger("jaxserve.compilation.executable_store")
@@ -122,3 +123,16 @@ class ExecutableStore:
         tmp.write_bytes(data)
         tmp.replace(path)
         self.num_saved += 1
+
+    def load_or_compile(self, name: str, jitted, abstract_args: tuple) -> jax.stages.Compiled:
+        """The executable of ``jitted`` on ``abstract_args``: the stored one (no tracing, no lowering), else
+        lowered and compiled, and then stored if XLA compiled it (an executable JAX loaded from its persistent
+        cache serializes without part of its code on XLA:CPU, and fails with "Function ... not found" once
+        loaded again, so it is left to JAX's cache)."""
+        compiled = self.load(name, abstract_args)
+        if compiled is None:
+            before = thread_compile_counts()
+            compiled = jitted.lower(*abstract_args).compile()
+            if (thread_compile_counts() - before).fresh_compiles:
+                self.save(name, compiled)
+        return compiled

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +35,6 @@ from flax import struct
 from jaxserve.attention.backends import get_attention_backend
 from jaxserve.attention.kv_cache import kv_storage_dtype, pool_page_shape
 from jaxserve.attention.metadata import AttentionMetadata, row_offsets, token_layout
-from jaxserve.compilation.compile_cache import thread_compile_counts
-from jaxserve.compilation.executable_store import ExecutableStore
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.distributed.sharding import (
@@ -54,8 +53,16 @@ from jaxserve.runner.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sampl
 from jaxserve.runner.sampler_state import SlotState, copy_slots, update_token_counts, write_slot
 
 
+class ExecutableSource(Protocol):
+    """Where the runner gets its executables when there is a compile cache (`compilation.ExecutableStore`)."""
+
+    loaded: set[str]  # names it gave out without compiling
+
+    def load_or_compile(self, name: str, jitted, abstract_args: tuple) -> jax.stages.Compiled: ...
+
+
 def executable_name(shape: StepShape) -> str:
-    """The step executable's name in an `ExecutableStore`."""
+    """The step executable's name in an `ExecutableSource`."""
     kind = "t" if shape.ragged else "q"
     return f"step-s{shape.batch_size}-{kind}{shape.num_query_tokens}-p{shape.pages_per_seq}"
 
@@ -156,7 +163,7 @@ class ModelRunner:
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.resample_executables: dict[int, jax.stages.Compiled] = {}  # by batch size
-        self.executable_store: ExecutableStore | None = None  # set by warm-up when there is a compile cache
+        self.executable_store: ExecutableSource | None = None  # set by warm-up when there is a compile cache
         self.num_compiles = 0
         self.compile_seconds = 0.0
         self._compile_lock = threading.Lock()  # warm-up compiles buckets from several threads
@@ -306,18 +313,13 @@ class ModelRunner:
         return jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep))
 
     def _compile(self, jitted, abstract_args, name: str) -> jax.stages.Compiled:
-        """The executable of ``jitted`` on ``abstract_args``: from the executable store when it has it (no
-        tracing, no lowering), else lowered and compiled (and then stored, if XLA compiled it: an executable
-        JAX loaded from its persistent cache serializes without part of its code on XLA:CPU, and fails with
-        "Function ... not found" once loaded again, so it is left to JAX's cache)."""
-        store = self.executable_store
+        """The executable of ``jitted`` on ``abstract_args``: through the executable store when there is one
+        (stored executables are loaded, not traced), else lowered and compiled."""
         start = time.perf_counter()
-        compiled = store.load(name, abstract_args) if store is not None else None
-        if compiled is None:
-            before = thread_compile_counts()
+        if self.executable_store is not None:
+            compiled = self.executable_store.load_or_compile(name, jitted, abstract_args)
+        else:
             compiled = jitted.lower(*abstract_args).compile()
-            if store is not None and (thread_compile_counts() - before).fresh_compiles:
-                store.save(name, compiled)
         with self._compile_lock:
             self.compile_seconds += time.perf_counter() - start
             self.num_compiles += 1

@@ -265,6 +265,10 @@ def test_manifest_detects_changed_bucket_file_model_dtype_and_limits(precompiled
     check = check_manifest(cache, _manifest(model_dir, more_contexts))
     assert check.state == "stale" and len(check.differences) == 1
     assert check.differences[0].startswith("bucket_file_hash: cache has '")
+    more_mixed = tmp_path / "more_mixed.toml"
+    more_mixed.write_text(SMALL_SPEC.replace("token_counts = [16]", "token_counts = [16, 32]"))
+    check = check_manifest(cache, _manifest(model_dir, more_mixed))  # the [mixed] table decides executables too
+    assert check.state == "stale" and check.differences[0].startswith("bucket_file_hash: cache has '")
 
     other_model = make_tiny_model(tmp_path / "other", "llama", seed=3, num_hidden_layers=3)
     check = check_manifest(cache, _manifest(other_model, bucket_file))
