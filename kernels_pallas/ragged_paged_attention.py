@@ -96,7 +96,7 @@ class _Items:
     def __init__(self, query_starts, query_lens, positions, lengths, *, num_tokens, block_q, num_items):
         num_rows = query_lens.shape[0]
         query_lens = jnp.clip(query_lens, 0, num_tokens)
-        per_row = (query_lens + block_q - 1) // block_q  # items of each row
+        per_row = pl.cdiv(query_lens, block_q)  # items of each row
         ends = jnp.cumsum(per_row)  # items of rows 0..s
         item = jnp.arange(num_items, dtype=jnp.int32)
         row = jnp.searchsorted(ends, item, side="right").astype(jnp.int32)  # num_rows past the last item
@@ -401,7 +401,7 @@ def ragged_paged_attention(
     else:
         cm.check_gpu_layout(geometry)
         # Triton tensors need power-of-two sizes and dots >= 16 rows: pad the group with zero heads
-        group_p = max(cm.next_power_of_2(group), -(-MIN_GPU_ROWS // block_q))
+        group_p = max(cm.next_power_of_2(group), pl.cdiv(MIN_GPU_ROWS, block_q))
         call = functools.partial(_gpu_call, num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
     q_items = _gather_items(q, items, num_kv_heads, group_p, block_q)
     out = call(q_items, k_pool, v_pool, layer_index, block_tables, items, geometry, **common)

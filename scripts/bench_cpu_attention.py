@@ -29,15 +29,16 @@ import numpy as np  # noqa: E402
 from bench_kernels import time_call  # noqa: E402
 
 from jaxserve.attention.backends import CpuBackend, ReferenceBackend  # noqa: E402
-from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.attention.metadata import AttentionMetadata  # noqa: E402
+from jaxserve.math_utils import cdiv  # noqa: E402
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK, BLOCKS = 30, 3, 9, 64, 16, 4096
 LAYER = 7
 
 
 def make_batch(rng, lengths: np.ndarray) -> AttentionMetadata:
-    pages_per_seq = -(-int(lengths.max()) // BLOCK)
-    needed = -(-lengths // BLOCK)
+    pages_per_seq = cdiv(int(lengths.max()), BLOCK)
+    needed = cdiv(lengths, BLOCK)
     if needed.sum() > BLOCKS:
         raise SystemExit(f"{needed.sum()} pages do not fit the {BLOCKS}-block pool: use smaller batches or contexts")
     pages = rng.permutation(BLOCKS)

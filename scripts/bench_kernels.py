@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxserve.math_utils import cdiv  # noqa: E402
 from kernels_pallas._common import GPU_PLATFORMS  # noqa: E402
 from kernels_pallas.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
 from kernels_pallas.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
@@ -84,7 +85,7 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
 
 def make_pool(key, shape: Shape, batch: int, context: int):
     """Random pool with each sequence's pages scattered over it; all sequences hold `context` tokens."""
-    pages_per_seq = -(-context // shape.page_size)
+    pages_per_seq = cdiv(context, shape.page_size)
     total_pages = batch * pages_per_seq
     dims = (shape.num_kv_heads, total_pages, shape.page_size, shape.head_dim)
     kk, kv, kp = jax.random.split(key, 3)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxserve.attention.kv_cache import gather_context, pool_values
 from jaxserve.attention.metadata import AttentionMetadata, per_token_rows, token_positions
 from jaxserve.logger import init_logger
+from jaxserve.math_utils import cdiv, round_up
 
 logger = init_logger("jaxserve.attention.backends")
 
@@ -86,7 +87,7 @@ def chunked_paged_attention(q, k_pool, v_pool, layer, meta, *, chunk_pages, sm_s
     num_kv_heads, block_size = k_pool.shape[1], k_pool.shape[3]
     chunk_len = chunk_pages * block_size
     pages_per_seq = meta.block_tables.shape[1]
-    padded_pages = -(-pages_per_seq // chunk_pages) * chunk_pages
+    padded_pages = round_up(pages_per_seq, chunk_pages)
     block_tables = jnp.pad(meta.block_tables, ((0, 0), (0, padded_pages - pages_per_seq)))
     qg = q.astype(jnp.float32).reshape(num_seqs, num_q, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     rows = token_positions(meta.q_start, num_q)[:, None, None, :, None]  # [S, 1, 1, Q, 1]
@@ -117,7 +118,7 @@ def chunked_paged_attention(q, k_pool, v_pool, layer, meta, *, chunk_pages, sm_s
         jnp.zeros((num_seqs, num_kv_heads, group, num_q), jnp.float32),
         jnp.zeros((num_seqs, num_kv_heads, group, num_q, head_dim), jnp.float32),
     )
-    num_chunks = (jnp.max(meta.lengths) + chunk_len - 1) // chunk_len
+    num_chunks = cdiv(jnp.max(meta.lengths), chunk_len)
     _, denom, acc = jax.lax.fori_loop(0, num_chunks, chunk, init)
     out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [S, Hkv, G, Q, D]
     out = out.transpose(0, 3, 1, 2, 4).reshape(q.shape)

@@ -37,11 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.core.buckets import BucketGrid, BucketSpec
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
+from jaxserve.math_utils import round_up
 
 # -- the trace --------------------------------------------------------------------------------------
 
@@ -129,9 +125,9 @@ def optimal_boundaries(counts: dict[int, int], multiple: int, max_boundaries: in
     """
     rounded: dict[int, list[int]] = {}
     for value, weight in counts.items():
-        rounded.setdefault(_round_up(value, multiple), [0, 0])
-        rounded[_round_up(value, multiple)][0] += weight
-        rounded[_round_up(value, multiple)][1] += weight * value
+        rounded.setdefault(round_up(value, multiple), [0, 0])
+        rounded[round_up(value, multiple)][0] += weight
+        rounded[round_up(value, multiple)][1] += weight * value
     cands = np.asarray(sorted(rounded), np.int64)
     n = len(cands)
     weight_prefix = np.concatenate([[0], np.cumsum([rounded[c][0] for c in cands])])
@@ -328,8 +324,8 @@ def plan_buckets(
         profile, limits, output_source,
     )
     if planned is None:
-        smallest = _candidate(base, [_round_up(profile.max_chunk_len, chunk_multiple)],
-                              [_round_up(longest, base.block_size)], profile, limits, output_source)
+        smallest = _candidate(base, [round_up(profile.max_chunk_len, chunk_multiple)],
+                              [round_up(longest, base.block_size)], profile, limits, output_source)
         raise ValueError(
             f"budget {budget} is below the smallest grid: one chunk length and one context length already "
             f"make {smallest.num_executables} executables with the batch sizes of {base.source}"

@@ -28,6 +28,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.buckets import BucketGrid, load_bucket_spec
 from jaxserve.distributed.sharding import per_device_bytes
 from jaxserve.logger import init_logger
+from jaxserve.math_utils import cdiv
 from jaxserve.runner.input_batch import StepShape, step_shape
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.sampler_state import slot_state_bytes
@@ -196,4 +197,4 @@ def blocks_over_budget(runner: ModelRunner, shapes: list[StepShape], budget: Mem
     measured = max(running_bytes(runner.compile(shape)) for shape in largest_of_each_kind(shapes))
     need = measured + (pool_blocks - runner.num_blocks) * bytes_per_block
     over = need - budget.usable_bytes
-    return (max(0, -(-over // bytes_per_block)), need)
+    return (max(0, cdiv(over, bytes_per_block)), need)

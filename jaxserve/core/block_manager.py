@@ -23,10 +23,7 @@ import numpy as np
 
 from jaxserve.core.prefix_cache import PrefixCache, PrefixCacheStats, hash_full_blocks
 from jaxserve.core.sequence import Sequence
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from jaxserve.math_utils import cdiv
 
 
 class BlockManager:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jaxserve.math_utils import cdiv
+
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
@@ -46,10 +48,6 @@ _SPEC_KEYS = {
 # Tables a spec may leave out: then all their fields are () and the grid has none of those buckets.
 _OPTIONAL_TABLES = ("mixed",)
 _FIELD_NAMES = {f: f"[{table}] {key}" for table, keys in _SPEC_KEYS.items() for key, f in keys.items()}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True, order=True)
@@ -355,7 +353,7 @@ class BucketGrid:
         return (
             b0 < self.max_num_seqs  # D1
             and c0 < self.max_model_len  # D2
-            and b0 + _cdiv(c0 + 1, self.block_size) <= self.num_blocks  # D3
+            and b0 + cdiv(c0 + 1, self.block_size) <= self.num_blocks  # D3
         )
 
     def _prefill_feasible(self, b: int, n: int, c: int) -> bool:
@@ -368,7 +366,7 @@ class BucketGrid:
             b0 < self.max_num_seqs  # P1
             and budget_ok  # P2
             and min_context <= self.max_model_len  # P3
-            and b0 + _cdiv(min_context, self.block_size) <= self.num_blocks  # P4
+            and b0 + cdiv(min_context, self.block_size) <= self.num_blocks  # P4
             and n0 < c  # P5
         )
 
@@ -379,7 +377,7 @@ class BucketGrid:
             r0 < self.max_num_seqs and r >= 2  # M1
             and t0 < self.max_num_batched_tokens and r0 + 1 <= t  # M2
             and c0 < self.max_model_len  # M3
-            and r0 + _cdiv(c0 + 1, self.block_size) <= self.num_blocks  # M4
+            and r0 + cdiv(c0 + 1, self.block_size) <= self.num_blocks  # M4
             and t0 < r * c  # M5
         )
 

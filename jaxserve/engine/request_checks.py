@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.core.block_manager import cdiv
+from jaxserve.math_utils import cdiv
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 

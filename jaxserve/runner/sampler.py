@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxserve.math_utils import cdiv
 from jaxserve.runner.logprobs import TokenLogprobs, token_logprobs
 from jaxserve.runner.sampler_state import SlotState
 
@@ -43,7 +44,7 @@ PAD_FLOATS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)  # a padding row is greedy and chang
 
 def bitmask_words(vocab_size: int) -> int:
     """int32 words of a packed per-row allowed-token bitmask."""
-    return -(-vocab_size // 32)
+    return cdiv(vocab_size, 32)
 
 
 @dataclasses.dataclass(frozen=True)
