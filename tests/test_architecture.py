@@ -1,0 +1,147 @@
+"""The package's shape: imports point down the layers of the data flow (README, "Layout"), no module imports
+itself back through others, `jaxserve.core` runs without JAX, and every module says its place in a docstring.
+
+The import graph is read from the source (every `import` statement, those inside functions too), so a lazy
+import cannot hide a cycle or an upward dependency."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxserve", "kernels_pallas", "kernels_cpu")
+# Lowest first. A module may import from its own group and from groups of lower layers, nothing above and
+# no other group of its own layer. A group is a folder of jaxserve/ or a top-level module.
+LAYERS = (
+    {"jaxserve.logger", "jaxserve.math_utils", "jaxserve.user_cache", "jaxserve.config", "jaxserve.outputs"},
+    {"jaxserve.sampling_params", "jaxserve.precision"},
+    {"jaxserve.core", "jaxserve.metrics", "jaxserve.distributed", "kernels_pallas", "kernels_cpu"},
+    {"jaxserve.attention"},
+    {"jaxserve.models", "jaxserve.weights"},
+    {"jaxserve.runner"},
+    {"jaxserve.compilation"},
+    {"jaxserve.engine"},
+    {"jaxserve.llm", "jaxserve"},  # the public API: the offline LLM and the package root's lazy exports
+    {"jaxserve.entrypoints"},
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _imports(name: str) -> set[str]:
+    """The package's modules that ``name`` imports (`from package import module` imports the module)."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & MODULES.keys()
+            found |= submodules or {node.module}
+    return {module for module in found if module in MODULES and module != name}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _group(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] != "jaxserve" or len(parts) == 1:
+        return parts[0]
+    return ".".join(parts[:2])
+
+
+def _layer(group: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if group in layer)
+
+
+def _cycle() -> list[str] | None:
+    """One import cycle of the module graph, or None (depth-first search for a back edge)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(GRAPH[module]):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(GRAPH):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_no_module_imports_itself_back_through_others():
+    assert _cycle() is None, " -> ".join(_cycle())
+
+
+def test_the_cycle_check_finds_a_cycle(monkeypatch):
+    monkeypatch.setitem(GRAPH, "jaxserve.core.sequence", GRAPH["jaxserve.core.sequence"] | {"jaxserve.core.scheduler"})
+    cycle = _cycle()  # the scheduler imports the sequence (directly, and through the block manager)
+    assert cycle[0] == cycle[-1] and {"jaxserve.core.sequence", "jaxserve.core.scheduler"} <= set(cycle)
+    assert all(b in GRAPH[a] for a, b in zip(cycle[:-1], cycle[1:], strict=True))
+
+
+def test_every_group_has_a_layer():
+    groups = {_group(module) for module in MODULES}
+    assert groups == set().union(*LAYERS)
+
+
+def test_imports_point_down_the_layers():
+    upward = [
+        f"{module} imports {dep}"
+        for module, deps in sorted(GRAPH.items())
+        for dep in sorted(deps)
+        if _group(dep) != _group(module) and _layer(_group(dep)) >= _layer(_group(module))
+    ]
+    assert upward == []
+
+
+def test_core_imports_without_jax():
+    """Every module of jaxserve.core in a process where jax, jaxlib and flax cannot be imported; the same
+    blocker stops the runner, so the check cannot pass by accident."""
+    script = textwrap.dedent("""
+        import importlib, importlib.abc, pkgutil, sys
+        class NoJax(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("jax", "jaxlib", "flax"):
+                    raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
+        sys.meta_path.insert(0, NoJax())
+        import jaxserve.core
+        names = [m.name for m in pkgutil.walk_packages(jaxserve.core.__path__, "jaxserve.core.")]
+        for name in names:
+            importlib.import_module(name)
+        assert not any(m.split(".")[0] in ("jax", "jaxlib", "flax") for m in sys.modules), "jax was imported"
+        try:
+            importlib.import_module("jaxserve.runner.model_runner")
+        except ModuleNotFoundError as err:
+            print("runner blocked:", err)
+        print("core:", " ".join(sorted(names)))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "runner blocked: No module named 'jax' (blocked)" in result.stdout
+    core = result.stdout.split("core: ", 1)[1].split()
+    assert {"jaxserve.core.scheduler", "jaxserve.core.schedule", "jaxserve.core.block_manager",
+            "jaxserve.core.buckets", "jaxserve.core.prefix_cache", "jaxserve.core.sequence"} <= set(core)
+
+
+def test_every_module_says_its_place_in_a_docstring():
+    missing = [name for name, path in MODULES.items() if not ast.get_docstring(ast.parse(path.read_text()))]
+    assert missing == []
