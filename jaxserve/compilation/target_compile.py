@@ -3,7 +3,7 @@
 Place in the data flow: `jaxserve precompile --target NAME` (and `scripts/check_targets.py`). It builds the
 engine exactly as a server on the target would (`engine_bucket_grid` with the target chips' HBM instead of
 this host's memory, so the KV pool leaves room for the largest steps' temporaries, measured by compiling
-them for the target (`kv_sizing`); abstract weights, the Pallas backend with the target's kernel variant,
+them for the target (`sizing.py`); abstract weights, the Pallas backend with the target's kernel variant,
 tensor parallel over the topology's chips) and then, per program (every bucket's step, the resample
 programs, the allocation programs and the fork programs):
 

@@ -4,7 +4,7 @@ The KV cache on the device is one pool of ``num_blocks`` pages of ``block_size``
 layer. This module only does the bookkeeping: which pages are free, how many sequences share each
 page (reference counts, for n > 1 and beam search), and each sequence's ``block_table``. The
 ``Scheduler`` asks ``can_allocate`` / ``allocate`` before it schedules a chunk or a decode token, and
-the ``ModelRunner`` turns the block tables into padded int32 arrays for the step.
+the step's inputs carry the rows' block tables as padded int32 arrays (``runner/input_batch.py``).
 
 Token ``i`` of a sequence lives in slot ``i % block_size`` of page ``block_table[i // block_size]``.
 

@@ -86,7 +86,7 @@ class Schedule:
     @property
     def rows(self) -> list[tuple[Sequence, int, int]]:
         """(sequence, first position, number of tokens) of every row, in row order: decode rows longest first
-        (rows of similar length share the attention's row groups, see attention.py), then the chunks."""
+        (rows of similar length share the attention's row groups, see attention/backends.py), then the chunks."""
         decode = sorted(self.decode_seqs, key=lambda seq: -seq.num_computed_tokens)
         chunks = [(c.seq, c.start, c.num_tokens) for c in self.prefill_chunks]
         return [(seq, seq.num_computed_tokens, 1) for seq in decode] + chunks

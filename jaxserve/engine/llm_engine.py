@@ -1,21 +1,20 @@
 """LLMEngine: add_request / step / abort, the loop that LLM.generate and AsyncLLMEngine both drive.
 
 Each `step()` asks the Scheduler for a Schedule, applies pending copy-on-write copies and new sampler
-slots on the device, pads the step to the chosen bucket and dispatches the ModelRunner's precompiled
-executable. With `async_scheduling` (the default) it does not wait for that step: every sampling row gets
-a placeholder token at once, so the scheduler can plan the next step, and the next step reads the real
+slots on the device, builds the step's inputs padded to the chosen bucket (`runner/input_batch.py`) and
+dispatches the ModelRunner's precompiled executable; `Schedule.advance` then counts the rows as computed.
+With `async_scheduling` (the default) it does not wait for that step: every sampling row gets a
+placeholder token at once, so the scheduler can plan the next step, and the next step reads the real
 tokens on the device. While the device runs step N, the host reads step N-1's tokens (and logprobs) and
-hands each to its request's group (`sequence_group.py`, `beam_search.py`), which detokenizes, applies
-stop conditions and forks; the engine applies the forks and frees and returns a RequestOutput for every
-request that advanced. A sequence that stops on a token the host had not yet seen was already scheduled
-once more: that extra row's token is dropped. Beam search needs every step's logprobs before it can
-pick the next beams, so while a beam search request runs, each step is read before the next is planned.
-Structured outputs do not hold the batch back either. A constrained row's mask needs the token before
-it: when step N+1 has a row whose grammar waits for step N's token, N+1 is dispatched at once taking
-only its argmax, and once N's tokens are read (while N+1 runs) those rows' masks are filled and
-`ModelRunner.resample` samples all of N+1's rows from its logits, on the device, before step N+2
-reads its tokens.
-"""
+hands each to its request's group (`request_group.py`, `beam_search.py`), which detokenizes, applies stop
+conditions and forks; the engine applies the forks and frees and returns a RequestOutput for every request
+that advanced. A sequence that stops on a token the host had not yet seen was already scheduled once more:
+that extra row's token is dropped. Beam search needs every step's logprobs before it can pick the next
+beams, so while a beam search request runs, each step is read before the next is planned. Structured
+outputs do not hold the batch back either. A constrained row's mask needs the token before it: when step
+N+1 has a row whose grammar waits for step N's token, N+1 is dispatched at once taking only its argmax,
+and once N's tokens are read (while N+1 runs) those rows' masks are filled and `ModelRunner.resample`
+samples all of N+1's rows from its logits, on the device, before step N+2 reads its tokens."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """The only owner of device state: parameters, the KV pool and one compiled executable per bucket.
 
-The engine hands it a bucket and numpy arrays padded to it (rows of equal length, or for a mixed step
-the rows' tokens back to back: `StepShape.ragged`); it dispatches the bucket's executable, which runs
-the model over the paged KV pool and the per-sequence sampler state (both donated, so updated in place)
-and samples one token per sequence (`sampler.py`), with logprobs and prompt logprobs when a row asks.
+The engine hands it a bucket and the step's inputs, already padded to it (`input_batch.py`: rows of equal
+length, or for a mixed step the rows' tokens back to back); it dispatches the executable of the bucket's
+`StepShape`, which runs the model over the paged KV pool and the per-sequence sampler state (both donated,
+so updated in place) and samples one token per sequence (`sampler.py`), with logprobs and prompt logprobs
+when a row asks.
 Dispatch is asynchronous: a step may take some of its input tokens from the previous step's sampled
 tokens while they are still on the device (`feed_rows`/`feed_cols`), so the host can schedule and
 prepare step N+1 before it has read step N's tokens.
@@ -15,9 +16,10 @@ Two small executables serve forks (n > 1, beam search) and new sequences: `copy_
 of KV blocks and sampler slots) and `write_slot` (a slot's reset and its request's logit_bias /
 min_tokens rows). Everything is compiled ahead of time from `ShapeDtypeStruct`s
 (`jit(...).lower(...).compile()`), so serving never compiles; `num_compiles` counts every executable.
-Everything lives on a device mesh (`jaxserve.distributed.sharding`; one device unless tensor parallel): the structs
-carry the params', pool's and sampler state's shardings and the donated state's out-sharding equals its
-in-sharding, so warm-up and serving agree and the donated buffers stay in place.
+Everything lives on a device mesh (`distributed/sharding.py`; one device unless tensor parallel): the
+structs carry the params', pool's and sampler state's shardings and the donated state's out-sharding
+equals its in-sharding, so warm-up and serving agree and the donated buffers stay in place. The engine,
+its KV sizing probe, precompile and target compiles all build their runner with `ModelRunner.for_engine`.
 """
 
 from __future__ import annotations
