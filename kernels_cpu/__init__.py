@@ -1,18 +1,18 @@
 """A native XLA:CPU kernel for jaxserve: paged attention over the stacked KV pool, decode rows and
 prefill chunks alike.
 
-Place in the data flow: the "cpu" attention backend (`jaxserve.attention.backends.CpuBackend`, chosen by "auto"
-on CPU) calls `paged_attention` once per layer of every step. The plain-XLA attention gathers every page
-of every row into a copy before its dot products, and XLA:CPU's gather moves about 2.4 GB/s where a copy
-moves 8 (docs/benchmarks.md), so it is bound by that copy; for prefill it also computes the masked half
-of each causal square. This kernel (`paged_attention.cc`, an XLA FFI custom call) reads the pages in
-place and stops at each token's own position. Its rows are ragged: row s is `query_lens[s]` tokens of q
-from `query_starts[s]`, at positions `positions[s]` onwards, seeing the first `lengths[s]` tokens of its
-sequence, so one call takes a padded [rows, chunk] batch (the engine's steps today) or a flat mix of
-decode rows and prefill chunks.
-The pool may be float32 or bfloat16 (`POOL_DTYPES`; bfloat16 also as its uint16 bits, the engine's CPU
-storage, see `jaxserve.attention.backends.kv_storage_dtype`): one FFI target reads either, widening bfloat16
-elements to float32 as it loads them, and computes in float32.
+Place in the data flow: the "cpu" attention backend (`jaxserve.attention.backends.CpuBackend`, chosen by
+"auto" on CPU) calls `paged_attention` once per layer of every step. The plain-XLA attention gathers every
+page of every row into a copy before its dot products, and XLA:CPU's gather moves about 2.4 GB/s where a
+copy moves 8 (docs/benchmarks/kernels-and-sampling.md), so it is bound by that copy; for prefill it also
+computes the masked half of each causal square. This kernel (`paged_attention.cc`, an XLA FFI custom call)
+reads the pages in place and stops at each token's own position. Its rows are ragged: row s is
+`query_lens[s]` tokens of q from `query_starts[s]`, at positions `positions[s]` onwards, seeing the first
+`lengths[s]` tokens of its sequence, so one call takes a padded [rows, chunk] batch (the engine's steps
+today) or a flat mix of decode rows and prefill chunks. The pool may be float32 or bfloat16 (`POOL_DTYPES`;
+bfloat16 also as its uint16 bits, the engine's CPU storage, see
+`jaxserve.attention.kv_cache.kv_storage_dtype`): one FFI target reads either, widening bfloat16 elements to
+float32 as it loads them, and computes in float32.
 
 The C++ source ships with the package and is compiled on first use with the system C++ compiler
 against jaxlib's FFI headers, into ``$XDG_CACHE_HOME/jaxserve/kernels_cpu/<hash>/`` (hash of the

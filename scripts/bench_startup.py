@@ -11,7 +11,7 @@ Each start runs in its own interpreter, so no in-memory JAX cache survives betwe
 wall seconds of `LLM(...)` (load, pool allocation and warm-up), of which warm-up, the process's CPU
 seconds (all threads; steadier than wall time on a shared machine), buckets from the cache and
 fresh, and warm/cold. `--compare-threads` also precompiles the grid cold into fresh directories with
-each thread count (parallel compilation). Output is markdown, for docs/benchmarks.md.
+each thread count (parallel compilation). Output is markdown, for docs/benchmarks/startup.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Compile every bucket of the default TPU grid for TPU topologies, and lower the GPU grid for CUDA, on this host.
 
-The checks `jaxserve precompile --target` runs, over the configurations docs/benchmarks.md reports: the
+The checks `jaxserve precompile --target` runs, over the configurations docs/benchmarks/targets.md reports: the
 embedded SmolLM2-135M and a Llama-3-8B-shaped config (abstract weights: only its config.json is written)
 on each topology, tensor parallel over as many chips as the heads divide. Prints each target's table
 (compile seconds, memory per device against HBM) and exits 1 if any program fails or does not fit.

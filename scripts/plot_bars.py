@@ -1,6 +1,6 @@
-"""A horizontal bar chart as a standalone SVG (no plotting library needed), for docs/benchmarks.md.
+"""A horizontal bar chart as a standalone SVG (no plotting library needed), for docs/benchmarks/.
 
-    python scripts/plot_bars.py docs/cpu_throughput.svg "output tok/s, 128 requests" \\
+    python scripts/plot_bars.py docs/benchmarks/cpu_bf16_offline.svg "output tok/s, 128 requests" \\
         "jaxserve auto (bfloat16)=250" "vLLM CPU bfloat16=180"
 """
 

@@ -1,4 +1,4 @@
-"""Inter-token latency over time as a standalone SVG (no plotting library needed), for docs/benchmarks.md.
+"""Inter-token latency over time as a standalone SVG (no plotting library needed), for docs/benchmarks/.
 
 Reads the JSON results `vllm bench serve --save-result --save-detailed` writes (per request: `start_times`,
 `ttfts`, `itls`, in seconds), places every inter-token gap of every request at the time its token arrived,
@@ -6,7 +6,7 @@ and draws per result, for each second of the run, the largest gap (solid) and th
 tokens that arrived in it, on a log scale; the legend gives the whole run's mean and P99 ITL.
 `scripts/bench_serving.py --servers ...` writes this plot for the servers it measured.
 
-    python scripts/plot_itl.py docs/itl_over_time.svg "ITL over time" jaxserve=results/jaxserve.json \\
+    python scripts/plot_itl.py docs/benchmarks/itl_over_time.svg "ITL over time" jaxserve=results/jaxserve.json \\
         vllm=results/vllm.json
 """
 

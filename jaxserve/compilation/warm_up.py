@@ -9,7 +9,7 @@ compiled fresh. Both kinds of load count as "cache hit". The `WarmUpReport` is w
 what the precompile command prints as its table.
 
 Buckets may compile in several threads (`num_threads`): tracing and lowering hold the GIL, XLA's
-compilation releases it. Whether that helps depends on the host (see docs/benchmarks.md).
+compilation releases it. Whether that helps depends on the host (see docs/benchmarks/startup.md).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from jaxserve.runner.model_runner import ModelRunner, executable_name
 logger = init_logger("jaxserve.compilation.warm_up")
 
 FROM_CACHE, FRESH, IN_MEMORY = "cache hit", "fresh", "in memory"
-# Measured (docs/benchmarks.md): on a 2-core CPU host two threads compiled 26 buckets no faster than one.
+# Measured (docs/benchmarks/startup.md): on a 2-core CPU host two threads compiled 26 buckets no faster than one.
 DEFAULT_COMPILE_THREADS = 1
 
 

@@ -5,7 +5,7 @@ column per parameter), so a new value never recompiles and a step copies two sma
 device. The order is vLLM's:
 
   raw logits ── logprobs (raw_logprobs mode, `logprobs.py`)
-      └─ tokens a row's grammar forbids masked (packed allowed-token bitmask, `structured_outputs.py`)
+      └─ tokens a row's grammar forbids masked (packed allowed-token bitmask, `engine/structured_outputs.py`)
        └─ + logit_bias, EOS/stop ids masked while fewer than min_tokens    (slot rows, `sampler_state.py`)
          └─ repetition / frequency / presence penalties                    (slot token counts)
             ├─ greedy rows: argmax

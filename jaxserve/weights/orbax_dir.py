@@ -59,7 +59,7 @@ def save_orbax_dir(
     """Writes params (numpy or jax arrays), the config and the tokenizer files into a new directory `out`.
 
     Arrays are stored uncompressed unless `compress` (zstd): decompression made restoring the embedded
-    SmolLM2 about 2x slower on CPU (docs/benchmarks.md), and serving start-up is what this format is for."""
+    SmolLM2 about 2x slower on CPU (docs/benchmarks/startup.md), and serving start-up is what this format is for."""
     import orbax.checkpoint as ocp
 
     out = Path(out).absolute()

@@ -3,7 +3,7 @@ small TPU grid compiled deviceless for v5e (real TPU compiler and Mosaic), every
 serialized executable and manifest are stored; the decode step updates the stacked pool in place (no
 temporary of a layer's pool size); a Llama-3-8B-shaped config at tensor parallel 4 over v5e:2x2 on
 representative buckets; the GPU grid's programs lowered for CUDA through the Triton kernels; the CLI's
-exit code and errors. The full grids run in `scripts/check_targets.py` (docs/benchmarks.md)."""
+exit code and errors. The full grids run in `scripts/check_targets.py` (docs/benchmarks/targets.md)."""
 
 from __future__ import annotations
 

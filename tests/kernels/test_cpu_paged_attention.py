@@ -181,7 +181,7 @@ def test_cpu_backend_equals_the_plain_xla_backend_on_decode_and_prefill(pool_dty
 
 
 def test_a_bfloat16_pool_stored_as_its_bits_reads_the_same_values():
-    """The engine stores a bf16 pool as uint16 on CPU (attention.kv_storage_dtype): the kernel and the plain-XLA
+    """The engine stores a bf16 pool as uint16 on CPU (kv_cache.kv_storage_dtype): the kernel and the plain-XLA
     path read those bits as the bf16 values, bit for bit."""
     rng = np.random.default_rng(11)
     q, k_pool, v_pool, block_tables, lengths = _inputs(rng, 9, 3, 64, 16, 6, jnp.bfloat16)
