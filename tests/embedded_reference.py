@@ -17,9 +17,9 @@ import numpy as np
 from filelock import FileLock
 
 from jaxserve.weights import embedded_model_path
+from tests.paths import SHARED_WORKLOADS
 
-WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
-CHATS = WORKLOADS / "chat_questions.jsonl"
+CHATS = SHARED_WORKLOADS / "chat_questions.jsonl"
 NEW_TOKENS = 32
 
 

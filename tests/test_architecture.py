@@ -12,7 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import REPO_ROOT
+
 PACKAGES = ("jaxserve", "kernels_pallas", "kernels_cpu")
 # Lowest first. A module may import from its own group and from groups of lower layers, nothing above and
 # no other group of its own layer. A group is a folder of jaxserve/ or a top-level module.
@@ -31,11 +32,11 @@ LAYERS = (
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+MODULES = {_module_name(p): p for package in PACKAGES for p in sorted((REPO_ROOT / package).rglob("*.py"))}
 
 
 def _imports(name: str) -> set[str]:
@@ -134,7 +135,7 @@ def test_core_imports_without_jax():
             print("runner blocked:", err)
         print("core:", " ".join(sorted(names)))
     """)
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "runner blocked: No module named 'jax' (blocked)" in result.stdout
     core = result.stdout.split("core: ", 1)[1].split()

@@ -10,8 +10,9 @@ import sys
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SHIPPED = sorted(p.name for p in (REPO / "jaxserve" / "_buckets").glob("*.toml"))
+from tests.paths import REPO_ROOT
+
+SHIPPED = sorted(p.name for p in (REPO_ROOT / "jaxserve" / "_buckets").glob("*.toml"))
 
 
 def _build_wheel(tmp_path: Path) -> Path:
@@ -19,10 +20,10 @@ def _build_wheel(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, src / name)
+        shutil.copy(REPO_ROOT / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for package in ("jaxserve", "kernels_pallas"):
-        shutil.copytree(REPO / package, src / package, ignore=ignore)
+        shutil.copytree(REPO_ROOT / package, src / package, ignore=ignore)
     out = tmp_path / "wheel"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
@@ -34,13 +35,13 @@ def _build_wheel(tmp_path: Path) -> Path:
 
 def test_wheel_ships_bucket_specs_and_installed_package_loads_them(tmp_path):
     assert SHIPPED == ["cpu.toml", "gpu.toml", "tpu.toml"]
-    assert (REPO / "buckets").resolve() == (REPO / "jaxserve" / "_buckets").resolve()  # the repo-root link
+    assert (REPO_ROOT / "buckets").resolve() == (REPO_ROOT / "jaxserve" / "_buckets").resolve()  # the repo-root link
     wheel = _build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as zf:
         packaged = sorted(n.rsplit("/", 1)[1] for n in zf.namelist() if n.startswith("jaxserve/_buckets/"))
         assert packaged == SHIPPED
         for name in SHIPPED:
-            assert zf.read(f"jaxserve/_buckets/{name}").decode() == (REPO / "buckets" / name).read_text()
+            assert zf.read(f"jaxserve/_buckets/{name}").decode() == (REPO_ROOT / "buckets" / name).read_text()
         site = tmp_path / "site"
         zf.extractall(site)
     # A fresh interpreter that imports jaxserve from the unpacked wheel (no checkout next to it).

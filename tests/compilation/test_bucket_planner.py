@@ -7,7 +7,6 @@ import itertools
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +21,9 @@ from jaxserve.compilation.bucket_planner import (
     read_trace,
 )
 from jaxserve.core.buckets import BucketGrid, BucketSpec, load_bucket_spec
+from tests.paths import REPO_ROOT, SHARED_WORKLOADS
 
-REPO = Path(__file__).resolve().parents[2]
-WORKLOAD = REPO.parent / "shared" / "workloads" / "mixed_lengths.jsonl"
+WORKLOAD = SHARED_WORKLOADS / "mixed_lengths.jsonl"
 # A fixed base (batch sizes, block size), so the expected plans do not move when buckets/cpu.toml does.
 BASE_TOML = """
 block_size = 16
@@ -71,7 +70,7 @@ def test_planned_file_for_the_shared_trace_covers_it_fits_the_budget_and_beats_p
     result = subprocess.run(
         [sys.executable, "scripts/plan_buckets.py", str(WORKLOAD), "--budget", "24", "--out", str(out),
          "--base", str(base)],
-        cwd=REPO, capture_output=True, text=True, check=True, timeout=120,
+        cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=120,
     )
     trace = read_trace(WORKLOAD)
     spec = load_bucket_spec(str(out))

@@ -46,8 +46,8 @@ from jaxserve.entrypoints.cli import build_parser
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.weights import load_config, load_model
 from tests.hf_tiny import make_tiny_model
+from tests.paths import REPO_ROOT, SCRIPTS
 
-REPO = Path(__file__).resolve().parents[2]
 SMALL_SPEC = """
 block_size = 16
 [decode]
@@ -88,11 +88,11 @@ def no_persistent_cache_after_test():
 
 
 def _run(args: list[str], timeout: int = 600, devices: int = 1) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAXSERVE_LOGGING_LEVEL": "WARNING"}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAXSERVE_LOGGING_LEVEL": "WARNING"}
     if devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     result = subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *args], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -485,7 +485,7 @@ def test_precompile_and_engine_flags_parse():
     args = build_parser().parse_args(["serve", "--compile-cache-dir", ""])
     assert engine_config_from_args(args).compile_cache_dir == ""  # disabled
     assert engine_config_from_args(build_parser().parse_args(["serve"])).compile_cache_dir is None  # the default
-    script = (REPO / "scripts" / "precompile.py").read_text()
+    script = (SCRIPTS / "precompile.py").read_text()
     assert 'main(["precompile", *sys.argv[1:]])' in script  # the script is the same command
 
 

@@ -17,8 +17,8 @@ from jaxserve.runner.input_batch import StepShape
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.weights import load_config
 from tests.hf_tiny import tiny_hf_config
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 # Files whose functions run while a step is lowered but do not decide the program.
 NOT_PROGRAM_CODE = {
     "jaxserve/compilation/compile_cache.py",  # its jax.monitoring listeners count compile events
@@ -57,7 +57,7 @@ def _files_run_while_lowering(model_config, backend: str, dtype: str) -> set[str
     finally:
         sys.setprofile(None)
     ours = [Path(f).resolve() for f in files if Path(f).is_absolute()]
-    return {f.relative_to(ROOT).as_posix() for f in ours if f.is_relative_to(ROOT) and ".venv" not in f.parts}
+    return {f.relative_to(REPO_ROOT).as_posix() for f in ours if f.is_relative_to(REPO_ROOT) and ".venv" not in f.parts}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def traced_files(tmp_path_factory) -> set[str]:
 
 
 def test_every_file_a_step_traces_is_in_the_step_code_hash(traced_files):
-    covered = {file.relative_to(ROOT).as_posix() for file in step_code_files()}
+    covered = {file.relative_to(REPO_ROOT).as_posix() for file in step_code_files()}
     # the profile saw the steps' code: the runner, the sampler, the model, the pool writes and all three kernels
     assert {"jaxserve/runner/model_runner.py", "jaxserve/runner/sampler.py", "jaxserve/models/llama.py",
             "jaxserve/models/opt.py", "jaxserve/attention/kv_cache.py", "kernels_pallas/ragged_paged_attention.py",
@@ -80,7 +80,7 @@ def test_every_file_a_step_traces_is_in_the_step_code_hash(traced_files):
 
 
 def test_the_step_code_is_the_traced_folders_whole():
-    relative = [file.relative_to(ROOT).as_posix() for file in step_code_files()]
+    relative = [file.relative_to(REPO_ROOT).as_posix() for file in step_code_files()]
     assert "jaxserve/runner/sampler.py" in relative and "jaxserve/models/gpt2.py" in relative
     assert "kernels_cpu/paged_attention.cc" in relative  # the native kernel's C++ source too
     assert not [f for f in relative if f.startswith(("jaxserve/engine/", "jaxserve/core/", "jaxserve/entrypoints/"))]
@@ -91,6 +91,6 @@ def test_the_step_code_is_the_traced_folders_whole():
 def test_a_change_to_any_step_code_file_changes_the_hash(monkeypatch):
     before = step_code_hash()
     original = Path.read_bytes
-    target = ROOT / "jaxserve/runner/sampler.py"
+    target = REPO_ROOT / "jaxserve/runner/sampler.py"
     monkeypatch.setattr(Path, "read_bytes", lambda self: original(self) + (b"#" if self == target else b""))
     assert step_code_hash() != before

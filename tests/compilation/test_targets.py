@@ -23,12 +23,11 @@ from jaxserve.compilation.targets import auto_tensor_parallel_size, resolve_targ
 from jaxserve.config import EngineConfig
 from jaxserve.entrypoints.cli import main
 from jaxserve.runner.input_batch import StepShape
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import SCRIPTS
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -12,8 +12,7 @@ from jaxserve.core.buckets import (
     load_bucket_spec,
     padding_waste,
 )
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import REPO_ROOT
 
 CPU_LIKE = """
 block_size = 16
@@ -128,8 +127,8 @@ def test_invalid_toml_names_the_file():
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
 def test_shipped_specs_load_and_build(platform):
     spec = load_bucket_spec(None, platform)
-    assert Path(spec.source) == REPO / "jaxserve" / "_buckets" / f"{platform}.toml"
-    assert spec == load_bucket_spec(str(REPO / "buckets" / f"{platform}.toml"), "cpu")  # the repo-root link
+    assert Path(spec.source) == REPO_ROOT / "jaxserve" / "_buckets" / f"{platform}.toml"
+    assert spec == load_bucket_spec(str(REPO_ROOT / "buckets" / f"{platform}.toml"), "cpu")  # the repo-root link
     assert spec == load_bucket_spec(platform, "cpu")
     assert spec.block_size is not None
     grid = BucketGrid(

@@ -15,9 +15,8 @@ from pathlib import Path
 from jaxserve import LLM, SamplingParams
 from tests.distributed.multihost_worker import MAX_TOKENS, PROMPTS
 from tests.hf_tiny import make_tiny_model, small_bucket_file
+from tests.paths import REPO_ROOT
 from tests.weights.test_orbax import convert_checkpoint
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -32,7 +31,7 @@ def _run_workers(model_dir: Path, orbax_dir: Path, buckets: str, out_dir: Path) 
     for process_id in range(2):
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": str(REPO_ROOT),
             "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
             "JAXSERVE_DISTRIBUTED_INIT": "1",
             "JAXSERVE_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
@@ -43,7 +42,7 @@ def _run_workers(model_dir: Path, orbax_dir: Path, buckets: str, out_dir: Path) 
         cmd = [sys.executable, "-m", "tests.distributed.multihost_worker", str(model_dir), str(orbax_dir), buckets,
                str(out)]
         log = open(out_dir / f"process{process_id}.log", "w")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, out))
+        procs.append((subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, out))
     results = []
     for proc, log, out in procs:
         try:

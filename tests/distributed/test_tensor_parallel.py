@@ -20,19 +20,19 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ROOT / "tests" / "distributed" / "check_tensor_parallel.py"
+from tests.paths import REPO_ROOT
+
+CHECKS = REPO_ROOT / "tests" / "distributed" / "check_tensor_parallel.py"
 NUM_CHECKS = 16
 
 
 def test_tensor_parallel_checks_pass_on_8_cpu_devices():
     xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-    env = {**os.environ, "XLA_FLAGS": xla_flags, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CHECKS)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=850,
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=850,
     )
     report = result.stdout[-8000:] + result.stderr[-2000:]
     assert result.returncode == 0, report

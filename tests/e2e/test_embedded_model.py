@@ -10,7 +10,8 @@ import pytest
 
 from jaxserve import LLM, AsyncLLMEngine, SamplingParams, StructuredOutputsParams
 from jaxserve.entrypoints.cli import chat_prompt_ids
-from tests.embedded_reference import NEW_TOKENS, WORKLOADS, chats, hf_greedy_references
+from tests.embedded_reference import NEW_TOKENS, chats, hf_greedy_references
+from tests.paths import SHARED_WORKLOADS
 
 BATCHING_TOKENS = 8  # outputs of the batching test are capped so that 32 requests also run alone quickly
 
@@ -62,7 +63,7 @@ def _text_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 
 
 def test_continuous_batching_changes_no_token(llm):
-    rows = [json.loads(line) for line in (WORKLOADS / "mixed_lengths.jsonl").read_text().splitlines()[:32]]
+    rows = [json.loads(line) for line in (SHARED_WORKLOADS / "mixed_lengths.jsonl").read_text().splitlines()[:32]]
     prompts = _text_prompts(llm.get_tokenizer(), [r["prompt_len"] for r in rows])
     assert [len(p) for p in prompts] == [r["prompt_len"] for r in rows]
     params = [SamplingParams(temperature=0.0, max_tokens=min(r["output_len"], BATCHING_TOKENS), ignore_eos=True)

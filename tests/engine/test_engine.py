@@ -4,7 +4,6 @@ next iteration, preemption loses nothing, every block comes back, and nothing co
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +11,9 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.compilation.compile_cache import num_backend_compiles
 from tests.hf_tiny import VOCAB, make_tiny_model
+from tests.paths import SHARED_WORKLOADS
 
-WORKLOAD = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "mixed_lengths.jsonl"
+WORKLOAD = SHARED_WORKLOADS / "mixed_lengths.jsonl"
 MAX_OUTPUT = 40  # output lengths of the workload are capped so that 32 requests run alone in seconds
 
 

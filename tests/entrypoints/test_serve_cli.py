@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,9 +18,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.entrypoints import api_server, cli
 from jaxserve.entrypoints.args import ENGINE_FLAGS, engine_config_from_args
 from tests.hf_tiny import make_tiny_model
+from tests.paths import REPO_ROOT
 from tests.server import SERVER_BUCKETS
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_engine_config_field_has_its_flag():

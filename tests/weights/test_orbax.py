@@ -18,9 +18,10 @@ from jaxserve.weights import load_config, load_model
 from jaxserve.weights.orbax_dir import MARKER_FILE
 from tests.forward import PagedForward
 from tests.hf_tiny import hf_logits, make_tiny_gguf, make_tiny_model, small_bucket_file
+from tests.paths import SCRIPTS
 
 TOKENS = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64, 7, 31]
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "convert_checkpoint.py"
+SCRIPT = SCRIPTS / "convert_checkpoint.py"
 
 
 def convert_checkpoint(*argv: str) -> int:
