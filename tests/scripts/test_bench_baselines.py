@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.paths import SCRIPTS
 
 
 def load_script(name: str):
@@ -51,11 +51,14 @@ def test_serving_table_rows_and_ratios():
     assert len(bench_serving.comparison_table([jax]).splitlines()) == 3  # one server: no ratio row
 
 
-def test_client_command_matches_the_served_name():
+def test_client_command_matches_the_served_name(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").touch()  # a vLLM virtualenv as the install script leaves it
+    monkeypatch.setattr(bench_serving.baselines, "VLLM_VENV", tmp_path)
     args = argparse.Namespace(random_input_len=256, random_output_len=128, num_prompts=64, request_rate=2.0,
                               seed=0, max_concurrency=None)
     cmd = bench_serving.client_command(args, 1234, Path("/tmp/results"), "vllm.json")
-    assert cmd[1:3] == ["bench", "serve"]
+    assert cmd[:3] == [str(tmp_path / "bin" / "vllm"), "bench", "serve"]
     flag = dict(zip(cmd[3:], cmd[4:], strict=False))
     assert flag["--base-url"] == "http://127.0.0.1:1234"
     assert flag["--model"] == bench_serving.SERVED_MODEL_NAME
@@ -111,3 +114,10 @@ def test_token_count_check_and_throughput_table():
     assert "| jaxserve | 2.0 | 4.0 | 1.00 | 1.00x | 0.100 |" in table
     assert "| vllm bfloat16 | 1.0 | 8.0 | 2.00 | 0.50x | n/a |" in table
     assert "vllm bfloat16: start-up" in table
+
+
+def test_a_missing_vllm_names_its_install_script(tmp_path, monkeypatch):
+    monkeypatch.setattr(baselines, "VLLM_VENV", tmp_path / "absent")
+    with pytest.raises(FileNotFoundError, match=r"vLLM's CPU build is not installed at .*absent; run: bash .*"
+                                                r"install_vllm_cpu\.sh"):
+        baselines.vllm_bin()
