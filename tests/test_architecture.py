@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests.paths import REPO_ROOT
 
 PACKAGES = ("jaxserve", "kernels_pallas", "kernels_cpu")
@@ -146,3 +148,16 @@ def test_core_imports_without_jax():
 def test_every_module_says_its_place_in_a_docstring():
     missing = [name for name, path in MODULES.items() if not ast.get_docstring(ast.parse(path.read_text()))]
     assert missing == []
+
+
+def test_the_public_api_resolves_from_the_package_root():
+    """What users import today, `from jaxserve import LLM, SamplingParams, ...`, finds each name wherever its
+    module now lives (the root's exports are lazy: a stale path would fail only when a user asks)."""
+    import jaxserve
+    from jaxserve.entrypoints import api_server
+
+    assert {name: getattr(jaxserve, name).__name__ for name in jaxserve.__all__} == {n: n for n in jaxserve.__all__}
+    assert {"LLM", "SamplingParams", "LLMEngine", "AsyncLLMEngine", "StructuredOutputsParams"} <= set(jaxserve.__all__)
+    assert callable(api_server.main) and callable(api_server.build_app)
+    with pytest.raises(AttributeError, match="module 'jaxserve' has no attribute 'Engine'"):
+        jaxserve.Engine  # noqa: B018
