@@ -1,5 +1,7 @@
 """The package's shape: imports point down the layers of the data flow (README, "Layout"), no module imports
-itself back through others, `jaxserve.core` runs without JAX, and every module says its place in a docstring.
+itself back through others, `jaxserve.core` runs without JAX, every module says its place in a docstring, the
+README's layout table names every folder and module there is (and nothing that is not), and the public API
+resolves from the package root.
 
 The import graph is read from the source (every `import` statement, those inside functions too), so a lazy
 import cannot hide a cycle or an upward dependency."""
@@ -7,6 +9,8 @@ import cannot hide a cycle or an upward dependency."""
 from __future__ import annotations
 
 import ast
+import fnmatch
+import re
 import subprocess
 import sys
 import textwrap
@@ -161,3 +165,42 @@ def test_the_public_api_resolves_from_the_package_root():
     assert callable(api_server.main) and callable(api_server.build_app)
     with pytest.raises(AttributeError, match="module 'jaxserve' has no attribute 'Engine'"):
         jaxserve.Engine  # noqa: B018
+
+
+def _readme_layout_rows() -> list[tuple[list[str], str]]:
+    """The README's layout table: each row's paths (first column) and the rest of its text."""
+    section = (REPO_ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ", 1) for line in section.splitlines() if line.startswith("| `")]
+    return [(re.findall(r"`([^`]+)`", paths), text) for paths, text in rows]
+
+
+def test_the_readme_layout_names_every_folder_and_module_of_the_package():
+    """A folder of jaxserve/ has a row of its own that names each of its modules (a `*` stands for several);
+    a top-level module is named in the rows of the top level."""
+    rows = _readme_layout_rows()
+    folder_rows = {paths[0]: text for paths, text in rows if len(paths) == 1 and paths[0].endswith("/")}
+    top_level = {Path(path).name for paths, _ in rows if paths[0].startswith("jaxserve/") and paths[0].endswith(".py")
+                 for path in paths}
+    package = REPO_ROOT / "jaxserve"
+    unnamed = [f"jaxserve/{m.name}" for m in package.glob("*.py") if m.name not in top_level | {"__init__.py"}]
+    for folder in sorted(p for p in package.iterdir() if (p / "__init__.py").is_file()):
+        text = folder_rows.get(f"jaxserve/{folder.name}/")
+        if text is None:
+            unnamed.append(f"jaxserve/{folder.name}/ (no row of its own)")
+            continue
+        named = re.findall(r"`([\w*]+\.py)`", text)
+        unnamed += [f"jaxserve/{folder.name}/{m.name}" for m in folder.glob("*.py")
+                    if m.name != "__init__.py" and not any(fnmatch.fnmatch(m.name, n) for n in named)]
+    assert unnamed == []
+
+
+def test_every_path_the_readme_layout_names_exists():
+    missing = []
+    for paths, text in _readme_layout_rows():
+        folder = REPO_ROOT / paths[0] if len(paths) == 1 and paths[0].endswith("/") else None
+        for path in paths:
+            missing += [path] if "/" in path and not (REPO_ROOT / path).exists() else []
+        if folder is not None:
+            missing += [f"{paths[0]}{name}" for name in re.findall(r"`([\w]+\.(?:py|toml))`", text)
+                        if not (folder / name).exists()]
+    assert missing == []
