@@ -7,7 +7,6 @@ exit code and errors. The full grids run in `scripts/check_targets.py` (docs/ben
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -23,17 +22,9 @@ from jaxserve.compilation.targets import auto_tensor_parallel_size, resolve_targ
 from jaxserve.config import EngineConfig
 from jaxserve.entrypoints.cli import main
 from jaxserve.runner.input_batch import StepShape
-from tests.paths import SCRIPTS
+from tests.paths import load_script
 
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-LLAMA3_8B = _script("check_targets").LLAMA3_8B  # the same config the full-grid check compiles
+LLAMA3_8B = load_script("check_targets").LLAMA3_8B  # the same config the full-grid check compiles
 # One bucket of each kind, pages of 64 tokens as in buckets/tpu.toml.
 SMALL_TPU_GRID = """
 block_size = 64
@@ -139,7 +130,7 @@ def test_gpu_grid_lowers_for_cuda(small_grid):
 def test_lane_dense_pool_removes_the_relayout_of_the_pool(topology):
     """The issue's float32 decode call (batch 8, 9/3 heads, 2048 pages of 16 x 64): the plain pool is copied
     whole before the kernel (2 or 3 pool-shaped copies, >= 2x the pool in bytes accessed); lane-dense none."""
-    layouts = _script("tpu_kernel_layouts")
+    layouts = load_script("tpu_kernel_layouts")
     plain = layouts.compile_decode(topology, jnp.float32, 1, lane_dense=False)
     dense = layouts.compile_decode(topology, jnp.float32, 1, lane_dense=True)
     cost = lambda c: (c.cost_analysis() if isinstance(c.cost_analysis(), dict) else c.cost_analysis()[0])

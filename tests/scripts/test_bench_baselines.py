@@ -4,31 +4,16 @@ the vLLM environment, the check of output lengths and the tables (vLLM itself ru
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.paths import SCRIPTS
-
-
-def load_script(name: str):
-    sys.path.insert(0, str(SCRIPTS))  # the scripts import `baselines` as their neighbour
-    try:
-        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPTS))
-
+from tests.paths import load_script
 
 bench_serving = load_script("bench_serving")
 plot_itl = load_script("plot_itl")
 bench_throughput = load_script("bench_throughput")
-baselines = load_script("baselines")
+baselines = bench_serving.baselines  # the module the scripts call (loading it again would make a second copy)
 
 
 def client_result(output_lens: list[int], throughput: float, ttft: float) -> dict:
@@ -54,7 +39,7 @@ def test_serving_table_rows_and_ratios():
 def test_client_command_matches_the_served_name(tmp_path, monkeypatch):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "python").touch()  # a vLLM virtualenv as the install script leaves it
-    monkeypatch.setattr(bench_serving.baselines, "VLLM_VENV", tmp_path)
+    monkeypatch.setattr(baselines, "VLLM_VENV", tmp_path)
     args = argparse.Namespace(random_input_len=256, random_output_len=128, num_prompts=64, request_rate=2.0,
                               seed=0, max_concurrency=None)
     cmd = bench_serving.client_command(args, 1234, Path("/tmp/results"), "vllm.json")

@@ -4,7 +4,6 @@ restore, and clear errors. (Restoring into a multi-device sharding is tested in 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,17 +17,13 @@ from jaxserve.weights import load_config, load_model
 from jaxserve.weights.orbax_dir import MARKER_FILE
 from tests.forward import PagedForward
 from tests.hf_tiny import hf_logits, make_tiny_gguf, make_tiny_model, small_bucket_file
-from tests.paths import SCRIPTS
+from tests.paths import load_script
 
 TOKENS = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64, 7, 31]
-SCRIPT = SCRIPTS / "convert_checkpoint.py"
 
 
 def convert_checkpoint(*argv: str) -> int:
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main([str(a) for a in argv])
+    return load_script("convert_checkpoint").main([str(a) for a in argv])
 
 
 def assert_same_params(got: dict, expected: dict) -> None:
