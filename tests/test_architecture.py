@@ -178,28 +178,27 @@ def test_the_readme_layout_names_every_folder_and_module_of_the_package():
     """A folder of jaxserve/ has a row of its own that names each of its modules (a `*` stands for several);
     a top-level module is named in the rows of the top level."""
     rows = _readme_layout_rows()
-    folder_rows = {paths[0]: text for paths, text in rows if len(paths) == 1 and paths[0].endswith("/")}
-    top_level = {Path(path).name for paths, _ in rows if paths[0].startswith("jaxserve/") and paths[0].endswith(".py")
-                 for path in paths}
-    package = REPO_ROOT / "jaxserve"
-    unnamed = [f"jaxserve/{m.name}" for m in package.glob("*.py") if m.name not in top_level | {"__init__.py"}]
-    for folder in sorted(p for p in package.iterdir() if (p / "__init__.py").is_file()):
-        text = folder_rows.get(f"jaxserve/{folder.name}/")
-        if text is None:
-            unnamed.append(f"jaxserve/{folder.name}/ (no row of its own)")
+    named = {paths[0]: re.findall(r"`([\w*]+\.py)`", text) for paths, text in rows
+             if len(paths) == 1 and paths[0].endswith("/")}
+    named["jaxserve/"] = [Path(path).name for paths, _ in rows if paths[0].startswith("jaxserve/")
+                          and paths[0].endswith(".py") for path in paths]
+    unnamed = []
+    for name, path in MODULES.items():
+        folder = path.parent.relative_to(REPO_ROOT).as_posix() + "/"
+        if not folder.startswith("jaxserve/") or path.name == "__init__.py":
             continue
-        named = re.findall(r"`([\w*]+\.py)`", text)
-        unnamed += [f"jaxserve/{folder.name}/{m.name}" for m in folder.glob("*.py")
-                    if m.name != "__init__.py" and not any(fnmatch.fnmatch(m.name, n) for n in named)]
-    assert unnamed == []
+        if folder not in named:
+            unnamed.append(f"{folder} (no row of its own)")
+        elif not any(fnmatch.fnmatch(path.name, pattern) for pattern in named[folder]):
+            unnamed.append(name)
+    assert sorted(set(unnamed)) == []
 
 
 def test_every_path_the_readme_layout_names_exists():
     missing = []
     for paths, text in _readme_layout_rows():
         folder = REPO_ROOT / paths[0] if len(paths) == 1 and paths[0].endswith("/") else None
-        for path in paths:
-            missing += [path] if "/" in path and not (REPO_ROOT / path).exists() else []
+        missing += [path for path in paths if "/" in path and not (REPO_ROOT / path).exists()]
         if folder is not None:
             missing += [f"{paths[0]}{name}" for name in re.findall(r"`([\w]+\.(?:py|toml))`", text)
                         if not (folder / name).exists()]
