@@ -12,7 +12,9 @@ reads the pages in place and stops at each token's own position. Its rows are ra
 today) or a flat mix of decode rows and prefill chunks. The pool may be float32 or bfloat16 (`POOL_DTYPES`;
 bfloat16 also as its uint16 bits, the engine's CPU storage, see
 `jaxserve.attention.kv_cache.kv_storage_dtype`): one FFI target reads either, widening bfloat16 elements to
-float32 as it loads them, and computes in float32.
+float32 as it loads them, and computes in float32. With `logit_softcap` c (Gemma 2's
+attn_logit_softcapping) each scaled score s becomes c * tanh(s / c) before masking and the softmax; without
+it the kernel runs a variant compiled with no trace of the cap.
 
 The C++ source ships with the package and is compiled on first use with the system C++ compiler
 against jaxlib's FFI headers, into ``$XDG_CACHE_HOME/jaxserve/kernels_cpu/<hash>/`` (hash of the
@@ -117,6 +119,13 @@ def _check_pool_dtypes(k_pool: jax.Array, v_pool: jax.Array) -> None:
                          f"not k_pool {k_pool.dtype} and v_pool {v_pool.dtype}")
 
 
+def _softcap_attribute(logit_softcap: float | None) -> np.float32:
+    """The FFI attribute of a soft-cap: the cap, or 0 for none (None or 0)."""
+    if logit_softcap is not None and not 0 <= logit_softcap < float("inf"):
+        raise ValueError(f"logit_softcap must be positive and finite (None or 0: no soft-cap), not {logit_softcap}")
+    return np.float32(logit_softcap or 0.0)
+
+
 def paged_attention(
     q: jax.Array,  # f32[T, Hq, D]: every row's query tokens, back to back (other float dtypes are cast to f32)
     k_pool: jax.Array,  # f32, bf16 or u16 (bf16 bits) [L, Hkv, num_blocks, block_size, D]
@@ -130,17 +139,21 @@ def paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
     """Token i of row s, at position ``positions[s] + i``, attends causally over its sequence's cached tokens
     up to itself (the last ``sliding_window`` of them if set); tokens at or past ``lengths[s]``, and tokens of q
-    that belong to no row, give zeros. Returns f32[T, Hq, D], computed in float32 whatever the pool dtype.
-    Raises ValueError for a pool dtype other than float32 and bfloat16 (`POOL_DTYPES`). Call `load()` first."""
+    that belong to no row, give zeros. With ``logit_softcap`` c, each score s = (q . k) * sm_scale becomes
+    c * tanh(s / c) before masking and the softmax. Returns f32[T, Hq, D], computed in float32 whatever the
+    pool dtype. Raises ValueError for a pool dtype other than float32 and bfloat16 (`POOL_DTYPES`), and for a
+    negative, infinite or NaN ``logit_softcap``. Call `load()` first."""
     _check_pool_dtypes(k_pool, v_pool)
+    softcap = _softcap_attribute(logit_softcap)
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     rows = [jnp.asarray(x).astype(jnp.int32) for x in (block_tables, query_starts, query_lens, positions, lengths)]
     return call(
         q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1), *rows,
-        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0), logit_softcap=softcap,
     )
 
 
@@ -155,13 +168,14 @@ def padded_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
-    """`paged_attention` on the engine's padded layout (a decode step is Q = 1, q_start = lengths - 1);
-    returns f32[S, Q, Hq, D], zeros for padding tokens and rows."""
+    """`paged_attention` on the engine's padded layout (a decode step is Q = 1, q_start = lengths - 1), with
+    the same sliding window and logit soft-cap; returns f32[S, Q, Hq, D], zeros for padding tokens and rows."""
     num_rows, num_query = q.shape[:2]
     out = paged_attention(
         q.reshape(num_rows * num_query, *q.shape[2:]), k_pool, v_pool, layer, block_tables,
         jnp.arange(num_rows, dtype=jnp.int32) * num_query, jnp.full((num_rows,), num_query, jnp.int32),
-        q_start, lengths, sm_scale=sm_scale, sliding_window=sliding_window,
+        q_start, lengths, sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
     return out.reshape(q.shape)

@@ -8,6 +8,8 @@
 // The pool is float32 or bfloat16 (both pools the same; bfloat16 also as its raw bits, uint16, which is
 // how the engine stores it on CPU); bfloat16 elements are widened to float32 as they are loaded, so the
 // math is float32 either way.
+// With a logit soft-cap c > 0 (Gemma 2's attn_logit_softcapping) each scaled score s = (q . k) * sm_scale
+// becomes c * tanh(s / c) before masking and the softmax; c = 0 (none) compiles a variant without it.
 // Work items are (row, kv head, block of up to 16 query tokens): each loads a tile of 16 cached tokens
 // once and uses it for every query token of the block and every query head of the group. Items are
 // shared between the calling thread and XLA's intra-op thread pool through an atomic counter: the
@@ -46,6 +48,7 @@ struct Problem {
   int64_t layer, num_tokens, num_q_heads, num_kv_heads, num_blocks, block_size, head_dim, pages_per_seq;
   int64_t sliding_window;  // 0: none
   float sm_scale;
+  float logit_softcap;  // 0: none
 };
 
 // A pool element as float32. A bfloat16 is the upper half of the float32 with the same value: widening is
@@ -110,6 +113,28 @@ inline Vec ExpNonPositive(Vec x) {
   return poly * (Vec)((n_int + 127) << 23);  // the cast reinterprets the bits: 2^n
 }
 
+// tanh(x) on every lane, in float32 (a few ulp), branch-free: Eigen's rational approximation, an odd
+// degree-13 polynomial over an even degree-6 one on x clamped to [-7.9053, 7.9053] (where tanh rounds to
+// +-1 in float32); below |x| = 4e-4, tanh(x) rounds to x itself. A NaN lane stays NaN.
+inline Vec Tanh(Vec x) {
+  const Vec clamped = x > Broadcast(7.90531110763549805f) ? Broadcast(7.90531110763549805f)
+                      : x < Broadcast(-7.90531110763549805f) ? Broadcast(-7.90531110763549805f) : x;
+  const Vec x2 = clamped * clamped;
+  Vec numerator = Broadcast(-2.76076847742355e-16f);
+  numerator = numerator * x2 + 2.00018790482477e-13f;
+  numerator = numerator * x2 - 8.60467152213735e-11f;
+  numerator = numerator * x2 + 5.12229709037114e-08f;
+  numerator = numerator * x2 + 1.48572235717979e-05f;
+  numerator = numerator * x2 + 6.37261928875436e-04f;
+  numerator = numerator * x2 + 4.89352455891786e-03f;
+  Vec denominator = Broadcast(1.19825839466702e-06f);
+  denominator = denominator * x2 + 1.18534705686654e-04f;
+  denominator = denominator * x2 + 2.26843463243900e-03f;
+  denominator = denominator * x2 + 4.89352518554385e-03f;
+  const VecInt is_tiny = (x < Broadcast(4e-4f)) & (x > Broadcast(-4e-4f));
+  return is_tiny ? x : clamped * numerator / denominator;
+}
+
 // Folds a vector's 16 lanes into one with `combine` (elementwise on vectors), by halving: 4 shuffles.
 template <typename Combine>
 inline float ReduceLanes(Vec x, Combine combine) {
@@ -147,8 +172,9 @@ inline void PrefetchPage(const void* page, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first_byte + offset);
 }
 
-// Online-softmax state of one query head of one token: its (pre-scaled) query, running maximum,
-// denominator and weighted sum of values, each [padded_dim / kLanes] vectors.
+// Online-softmax state of one query head of one token: its query (pre-scaled by sm_scale, and with a
+// soft-cap c also by 1 / c), running maximum, denominator and weighted sum of values, each
+// [padded_dim / kLanes] vectors.
 struct HeadState {
   Vec q[kMaxHeadDim / kLanes];
   Vec acc[kMaxHeadDim / kLanes];
@@ -157,9 +183,12 @@ struct HeadState {
 
 // Folds lanes [lo, hi) of a tile of cached tokens into a head's state: 16 scores at once (a dot product
 // per lane, summed by SumEach), the running maximum and denominator rescaled, then the values weighted
-// into acc. Lanes outside [lo, hi) get exactly zero weight; their tile rows are finite (rows the item
-// loaded, or the zeros past them), so they add nothing.
-void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t lo, int64_t hi, int64_t chunks) {
+// into acc. With kSoftCap the dot products are s / softcap (q is pre-scaled, see HeadState) and the scores
+// softcap * tanh of them; the variant without it has no trace of the cap. Lanes outside [lo, hi) get exactly
+// zero weight; their tile rows are finite (rows the item loaded, or the zeros past them), so they add nothing.
+template <bool kSoftCap>
+void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t lo, int64_t hi, int64_t chunks,
+                float softcap) {
   Vec partial[kLanes];
   for (int64_t t = 0; t < kLanes; ++t) {
     Vec dot = head.q[0] * keys[t * chunks];
@@ -167,7 +196,9 @@ void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t lo,
     partial[t] = dot;
   }
   const VecInt in_range = (kLaneIndex >= static_cast<int32_t>(lo)) & (kLaneIndex < static_cast<int32_t>(hi));
-  const Vec scores = in_range ? SumEach(partial) : Broadcast(-std::numeric_limits<float>::infinity());
+  Vec raw = SumEach(partial);
+  if constexpr (kSoftCap) raw = softcap * Tanh(raw);
+  const Vec scores = in_range ? raw : Broadcast(-std::numeric_limits<float>::infinity());
   const float tile_max = std::max(head.max_score, Max(scores));
   const Vec weights = in_range ? ExpNonPositive(scores - tile_max) : Vec{};  // exactly zero when masked
   const float correction = head.max_score == -std::numeric_limits<float>::infinity()
@@ -186,7 +217,8 @@ void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t lo,
 // from the first key any of its tokens sees to its last token's position, 16 cached tokens at a time
 // (never crossing a page); each tile is read from the pool and widened once, then used by every token and
 // query head of the item. Tokens at or past the row's length (padding) are left as the handler's zeros.
-template <typename T>
+// kSoftCap: whether the scores are soft-capped (p.logit_softcap > 0).
+template <typename T, bool kSoftCap>
 void AttendBlock(const Problem& p, int64_t s, int64_t first_query, int64_t h) {
   const int64_t group = p.num_q_heads / p.num_kv_heads, dim = p.head_dim, bs = p.block_size;
   const int64_t chunks = (dim + kLanes - 1) / kLanes, padded_dim = chunks * kLanes;
@@ -207,12 +239,14 @@ void AttendBlock(const Problem& p, int64_t s, int64_t first_query, int64_t h) {
   };
   thread_local std::vector<HeadState> states;
   states.resize(kQueryBlock * kMaxGroup);
+  // q . k times this is the score, or with the soft-cap s / c, the argument of its tanh
+  const float q_scale = kSoftCap ? p.sm_scale / p.logit_softcap : p.sm_scale;
   for (int64_t i = lo_query; i < hi_query; ++i) {
     const float* q = p.q + heads_offset(i);
     for (int64_t g = 0; g < group; ++g) {
       HeadState& head = states[i * group + g];
       float* head_q = reinterpret_cast<float*>(head.q);
-      for (int64_t d = 0; d < padded_dim; ++d) head_q[d] = d < dim ? q[g * dim + d] * p.sm_scale : 0.0f;
+      for (int64_t d = 0; d < padded_dim; ++d) head_q[d] = d < dim ? q[g * dim + d] * q_scale : 0.0f;
       for (int64_t c = 0; c < chunks; ++c) head.acc[c] = Vec{};
       head.max_score = -std::numeric_limits<float>::infinity();
       head.denom = 0.0f;
@@ -249,7 +283,9 @@ void AttendBlock(const Problem& p, int64_t s, int64_t first_query, int64_t h) {
         const int64_t lo = std::max<int64_t>(window_start(position) - tile_position, 0);
         const int64_t hi = std::min<int64_t>(position + 1 - tile_position, count);
         if (lo >= hi) continue;
-        for (int64_t g = 0; g < group; ++g) AttendTile(states[i * group + g], keys, values, lo, hi, chunks);
+        for (int64_t g = 0; g < group; ++g) {
+          AttendTile<kSoftCap>(states[i * group + g], keys, values, lo, hi, chunks, p.logit_softcap);
+        }
       }
     }
   }
@@ -269,10 +305,12 @@ struct Item {
   int32_t row, first_query;
 };
 
+using AttendBlockFn = void (*)(const Problem&, int64_t, int64_t, int64_t);
+
 // Work shared by the caller and pool tasks; kept alive by whichever finishes last.
 struct SharedWork {
   Problem problem;
-  void (*attend_block)(const Problem&, int64_t, int64_t, int64_t);  // AttendBlock<the pool's element type>
+  AttendBlockFn attend_block;  // AttendBlock<the pool's element type, whether soft-capped>
   std::vector<Item> blocks;  // every (row, query block); each is an item per kv head
   int64_t num_items = 0;
   std::atomic<int64_t> next{0};
@@ -294,6 +332,13 @@ struct SharedWork {
   }
 };
 
+// The AttendBlock variant for the pool's element type (float32, else bfloat16 bits) and the soft-cap:
+// choosing it once per call keeps the branches out of the loops.
+AttendBlockFn PickAttendBlock(bool float32_pool, bool softcap) {
+  if (float32_pool) return softcap ? &AttendBlock<float, true> : &AttendBlock<float, false>;
+  return softcap ? &AttendBlock<uint16_t, true> : &AttendBlock<uint16_t, false>;
+}
+
 // The rows' query ranges must lie inside q: a bad range is an error, not a write outside the output.
 ffi::Error CheckRows(const Problem& p, int64_t num_rows) {
   for (int64_t s = 0; s < num_rows; ++s) {
@@ -309,7 +354,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> query_starts, ffi::Buffer<ffi::S32> query_lens,
                               ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> lengths,
-                              ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window) {
+                              ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window,
+                              float logit_softcap) {
   auto q_dims = q.dimensions(), pool_dims = k_pool.dimensions(), table_dims = block_tables.dimensions();
   if (q_dims.size() != 3 || pool_dims.size() != 5 || table_dims.size() != 2 ||
       v_pool.dimensions().size() != 5 || !std::equal(pool_dims.begin(), pool_dims.end(), v_pool.dimensions().begin())) {
@@ -327,18 +373,21 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   Problem p{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(), block_tables.typed_data(),
             query_starts.typed_data(), query_lens.typed_data(), positions.typed_data(), lengths.typed_data(),
             out->typed_data(), layer.typed_data()[0], q_dims[0], q_dims[1], pool_dims[1], pool_dims[2],
-            pool_dims[3], pool_dims[4], table_dims[1], sliding_window, sm_scale};
+            pool_dims[3], pool_dims[4], table_dims[1], sliding_window, sm_scale, logit_softcap};
   if (p.num_kv_heads == 0 || p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > kMaxGroup ||
       p.head_dim > kMaxHeadDim || q_dims[2] != p.head_dim) {
     return ffi::Error::InvalidArgument("unsupported head layout for the CPU paged attention");
   }
   if (p.layer < 0 || p.layer >= pool_dims[0]) return ffi::Error::InvalidArgument("layer out of range");
+  if (!(logit_softcap >= 0.0f) || logit_softcap == std::numeric_limits<float>::infinity()) {
+    return ffi::Error::InvalidArgument("logit_softcap must be finite and positive, or 0 for none");
+  }
   if (ffi::Error error = CheckRows(p, num_rows); error.failure()) return error;
   // Tokens outside every row are zeros, like padding tokens inside a row.
   std::memset(p.out, 0, sizeof(float) * p.num_tokens * p.num_q_heads * p.head_dim);
   auto work = std::make_shared<SharedWork>();
   work->problem = p;
-  work->attend_block = dtype == ffi::F32 ? &AttendBlock<float> : &AttendBlock<uint16_t>;
+  work->attend_block = PickAttendBlock(dtype == ffi::F32, p.logit_softcap > 0.0f);
   for (int32_t s = 0; s < num_rows; ++s) {
     for (int32_t first = 0; first < p.query_lens[s]; first += kQueryBlock) work->blocks.push_back({s, first});
   }
@@ -368,4 +417,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("sliding_window"));
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("logit_softcap"));  // 0: none

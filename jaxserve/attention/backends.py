@@ -40,6 +40,7 @@ class AttentionBackend(Protocol):
         *,
         sm_scale: float,
         sliding_window: int | None,
+        logit_softcap: float | None = None,  # scores become cap * tanh(score / cap) before masking
     ) -> jax.Array: ...  # q's shape
 
 
@@ -50,7 +51,8 @@ class ReferenceBackend:
     decode step on a 2048-token context bucket whose sequences hold 200 tokens reads about 200 tokens per
     sequence, not 2048. Large decode batches are split into groups of `group_rows` rows, each looping to
     its own longest sequence; the engine orders decode rows by length so that groups are homogeneous.
-    Each chunk gathers `chunk_pages` pages of one layer straight from the stacked pool.
+    Each chunk gathers `chunk_pages` pages of one layer straight from the stacked pool. With a
+    ``logit_softcap`` c, the scaled scores become c * tanh(score / c) before masking (Gemma 2).
     """
 
     name = "reference"
@@ -63,12 +65,12 @@ class ReferenceBackend:
     def tokens_per_row(self, block_size: int, head_dim: int) -> int:
         return 1
 
-    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
+    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None):
         block_size = k_pool.shape[3]
         chunk_pages = max(1, min(self.chunk_tokens // block_size, meta.block_tables.shape[1]))
         attend_rows = lambda q, meta: chunked_paged_attention(
             q, k_pool, v_pool, layer, meta, chunk_pages=chunk_pages,
-            sm_scale=sm_scale, sliding_window=sliding_window,
+            sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
         )
         if meta.is_ragged:  # every token as a decode row of its sequence (see per_token_rows)
             tokens = q.reshape(-1, 1, *q.shape[2:])
@@ -81,8 +83,12 @@ class ReferenceBackend:
         return jnp.concatenate(outs, axis=0)
 
 
-def chunked_paged_attention(q, k_pool, v_pool, layer, meta, *, chunk_pages, sm_scale, sliding_window=None):
-    """q [S, Q, Hq, D] attends causally over its sequence's pages; returns [S, Q, Hq, D] (padding rows 0)."""
+def chunked_paged_attention(
+    q, k_pool, v_pool, layer, meta, *, chunk_pages, sm_scale, sliding_window=None, logit_softcap=None
+):
+    """q [S, Q, Hq, D] attends causally over its sequence's pages (the last ``sliding_window`` tokens if set);
+    with ``logit_softcap`` c, each score s = (q . k) * sm_scale becomes c * tanh(s / c) before masking. Returns
+    [S, Q, Hq, D] (padding rows 0)."""
     num_seqs, num_q, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_pool.shape[1], k_pool.shape[3]
     chunk_len = chunk_pages * block_size
@@ -103,6 +109,8 @@ def chunked_paged_attention(q, k_pool, v_pool, layer, meta, *, chunk_pages, sm_s
         if sliding_window is not None:
             mask &= keys > rows - sliding_window
         scores = jnp.einsum("sqhgd,shtd->shgqt", qg, k) * sm_scale
+        if logit_softcap:
+            scores = logit_softcap * jnp.tanh(scores / logit_softcap)
         scores = jnp.where(mask, scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -179,7 +187,7 @@ class CpuBackend(ReferenceBackend):
     """XLA:CPU: decode steps and prefill chunks call the native kernel of `kernels_cpu`, which reads the pages
     in place (plain XLA first copies every page through a slow gather) and attends only up to each token's
     position, when the pool is float32 or bfloat16 (or its uint16 bits); pools of other dtypes take the
-    plain-XLA path of `ReferenceBackend`."""
+    plain-XLA path of `ReferenceBackend`. Both apply the sliding window and the logit soft-cap."""
 
     name = "cpu"
 
@@ -190,21 +198,20 @@ class CpuBackend(ReferenceBackend):
         if kernels_cpu.load() is None:  # builds and registers the kernel (once per process)
             raise RuntimeError(f"the cpu attention backend's kernel could not be built: {kernels_cpu.build_error()}")
 
-    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
+    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None):
         import kernels_cpu
 
+        options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
         if k_pool.dtype not in kernels_cpu.POOL_DTYPES or v_pool.dtype != k_pool.dtype:
-            return super().attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
+            return super().attend(q, k_pool, v_pool, layer, meta, **options)
         if meta.is_ragged:
             out = kernels_cpu.paged_attention(
                 q[0], k_pool, v_pool, layer, meta.block_tables, meta.query_starts, meta.query_lens, meta.q_start,
-                meta.lengths,
-                sm_scale=sm_scale, sliding_window=sliding_window,
+                meta.lengths, **options,
             )[None]
         else:
             out = kernels_cpu.padded_paged_attention(
-                q, k_pool, v_pool, layer, meta.block_tables, meta.q_start, meta.lengths,
-                sm_scale=sm_scale, sliding_window=sliding_window,
+                q, k_pool, v_pool, layer, meta.block_tables, meta.q_start, meta.lengths, **options,
             )
         return out.astype(q.dtype)
 

@@ -1,12 +1,14 @@
 """The native XLA:CPU paged attention (`kernels_cpu`) against a naive numpy attention and the engine's
 plain-XLA attention, on the stacked pool with shuffled pages, float32 and bfloat16 pools (every slot the
 kernel must not read is NaN): decode rows, prefill chunks, and ragged batches mixing both (chunks of 0, 1,
-page-edge and query-block-edge lengths, at page-edge positions, with and without a sliding window); the
-pool dtype and row checks; the build's failure path; the backend choice.
+page-edge and query-block-edge lengths, at page-edge positions, with and without a sliding window); logit
+soft-capping (Gemma 2's c * tanh(score / c)) through the kernel and both backends, on scores well past the
+cap; the pool dtype, soft-cap and row checks; the build's failure path; the backend choice.
 
 Tolerance: rtol 2e-5, atol 2e-6 for both pool dtypes. A bfloat16 pool is compared with the naive attention
 over the same bfloat16 values upcast (exactly) to float64, and the kernel computes in float32 on those
-exact values, so its error is the float32 path's: about 5e-7 absolute at most on these cases."""
+exact values, so its error is the float32 path's: about 5e-7 absolute at most on these cases. The soft-cap's
+tanh is a rational approximation of a few ulp (as XLA:CPU's own), well inside the same tolerance at cap 5."""
 
 from __future__ import annotations
 
@@ -75,8 +77,9 @@ def _ragged_inputs(rng, num_q_heads, num_kv_heads, head_dim, block_size, pool_dt
     return q, k_pool, v_pool, block_tables, (query_starts, query_lens, positions, lengths)
 
 
-def _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window=None):
-    """Token i of row s at position positions[s] + i sees positions (position - window, position]."""
+def _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window=None, softcap=None):
+    """Token i of row s at position positions[s] + i sees positions (position - window, position]; with
+    ``softcap`` c its scores s become c * tanh(s / c)."""
     num_kv_heads, block_size = k_pool.shape[1], k_pool.shape[3]
     group = q.shape[1] // num_kv_heads
     out = np.zeros_like(q, dtype=np.float64)
@@ -91,6 +94,8 @@ def _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window=None):
                 keys = k_pool[LAYER, h // group, blocks, slots].astype(np.float64)
                 values = v_pool[LAYER, h // group, blocks, slots].astype(np.float64)
                 scores = keys @ q[start + i, h] * sm_scale
+                if softcap:
+                    scores = softcap * np.tanh(scores / softcap)
                 weights = np.exp(scores - scores.max())
                 out[start + i, h] = weights @ values / weights.sum()
     return out
@@ -241,9 +246,96 @@ def test_other_pool_dtypes_are_refused_with_a_clear_error():
         with pytest.raises(jax.errors.JaxRuntimeError,
                            match=r"the KV pools must both be float32 or both bfloat16 \(or its uint16 bits\)"):
             call(q, k, v, np.array([LAYER], np.int32), block_tables, *_decode_rows(lengths),
-                 sm_scale=np.float32(0.125), sliding_window=np.int64(0)).block_until_ready()
+                 sm_scale=np.float32(0.125), sliding_window=np.int64(0),
+                 logit_softcap=np.float32(0)).block_until_ready()
     # The cpu backend sends a float16 pool to the plain-XLA path instead.
     meta = AttentionMetadata(jnp.asarray(block_tables), jnp.asarray(np.maximum(lengths - 1, 0)), jnp.asarray(lengths))
     decode_q = jnp.asarray(q[:, None])
     np.testing.assert_array_equal(CpuBackend().attend(decode_q, *half, jnp.int32(LAYER), meta, sm_scale=0.125),
                                   ReferenceBackend().attend(decode_q, *half, jnp.int32(LAYER), meta, sm_scale=0.125))
+
+
+# Soft-capping: q is scaled so that the scores (std 8) lie well past the cap, where it changes the result.
+SOFTCAP, SOFTCAP_Q_SCALE = 5.0, 8.0
+
+
+def _assert_the_cap_matters(expected, rows, q, k_pool, v_pool, block_tables, sm_scale, window):
+    uncapped = _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window)
+    assert np.abs(expected - uncapped).max() > 0.5
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@POOL_DTYPES
+def test_soft_capped_ragged_rows_match_naive_attention(window, pool_dtype):
+    assert kernels_cpu.load() is not None, kernels_cpu.build_error()
+    q, k_pool, v_pool, block_tables, rows = _ragged_inputs(np.random.default_rng(13), 9, 3, 64, 16, pool_dtype)
+    q *= SOFTCAP_Q_SCALE
+    _poison_unseen(k_pool, v_pool, block_tables, rows, window)
+    sm_scale = 64 ** -0.5
+    attend = jax.jit(lambda *args: kernels_cpu.paged_attention(
+        *args, sm_scale=sm_scale, sliding_window=window, logit_softcap=SOFTCAP))
+    out = np.asarray(attend(q, k_pool, v_pool, jnp.int32(LAYER), block_tables, *rows))
+    expected = _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window, SOFTCAP)
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
+    _assert_the_cap_matters(expected, rows, q, k_pool, v_pool, block_tables, sm_scale, window)
+
+
+def _padded_rows(q_start, lengths, num_query):
+    """query_starts, query_lens, positions, lengths of a padded [S, num_query] step, flattened."""
+    num_rows = len(lengths)
+    return (np.arange(num_rows, dtype=np.int32) * num_query, np.full(num_rows, num_query, np.int32),
+            np.asarray(q_start, np.int32), np.asarray(lengths, np.int32))
+
+
+def _step_layouts(rng, lengths, block_tables, num_q_heads, head_dim):
+    """(q, meta, rows) of three steps ending at each sequence's length: a decode step, a padded prefill chunk
+    of 20 tokens and a ragged step of each sequence's last 4 tokens; q scaled past the soft-cap."""
+    tables = jnp.asarray(block_tables)
+    layouts = []
+    for num_query in (1, 20):
+        q_start = np.maximum(lengths - num_query, 0).astype(np.int32)
+        q = rng.standard_normal((len(lengths), num_query, num_q_heads, head_dim)).astype(np.float32)
+        meta = AttentionMetadata(tables, jnp.asarray(q_start), jnp.asarray(lengths))
+        layouts.append((q * SOFTCAP_Q_SCALE, meta, _padded_rows(q_start, lengths, num_query)))
+    q_start = np.maximum(lengths - 4, 0).astype(np.int32)
+    query_lens = (lengths - q_start).astype(np.int32)
+    query_starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int32)
+    q = rng.standard_normal((1, int(query_lens.sum()), num_q_heads, head_dim)).astype(np.float32)
+    meta = AttentionMetadata(tables, jnp.asarray(q_start), jnp.asarray(lengths), jnp.asarray(query_starts))
+    layouts.append((q * SOFTCAP_Q_SCALE, meta, (query_starts, query_lens, q_start, lengths)))
+    return layouts
+
+
+@pytest.mark.parametrize(("pool_dtype", "window"), [(np.float32, None), (jnp.bfloat16, 5)], ids=["f32", "bf16-window5"])
+def test_soft_capped_cpu_and_plain_xla_backends_match_naive_attention(pool_dtype, window):
+    """Decode, padded prefill and ragged steps through both backends' `attend`, with the soft-cap."""
+    rng = np.random.default_rng(17)
+    _, k_pool, v_pool, block_tables, lengths = _inputs(rng, 9, 3, 64, 16, 6, pool_dtype)
+    layouts = _step_layouts(rng, lengths, block_tables, 9, 64)
+    # NaN past what the chunks see (all the others see): not before the window, where plain XLA weights the
+    # values by an exact 0 (finite in a real pool), which a NaN would turn into NaN
+    _poison_unseen(k_pool, v_pool, block_tables, layouts[1][2])
+    for backend in (CpuBackend(), ReferenceBackend()):
+        attend = jax.jit(lambda q, k, v, meta, b=backend: b.attend(
+            q, k, v, jnp.int32(LAYER), meta, sm_scale=0.125, sliding_window=window, logit_softcap=SOFTCAP))
+        for q, meta, rows in layouts:
+            flat_q = q.reshape(-1, *q.shape[2:])
+            expected = _naive_ragged(flat_q, k_pool, v_pool, block_tables, rows, 0.125, window, SOFTCAP)
+            out = np.asarray(attend(jnp.asarray(q), k_pool, v_pool, meta)).reshape(flat_q.shape)
+            np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6, err_msg=f"{backend.name} {q.shape}")
+    _assert_the_cap_matters(expected, rows, flat_q, k_pool, v_pool, block_tables, 0.125, window)
+
+
+def test_no_soft_cap_is_none_or_zero_and_a_bad_cap_is_refused():
+    assert kernels_cpu.load() is not None, kernels_cpu.build_error()
+    q, k_pool, v_pool, block_tables, lengths = _inputs(np.random.default_rng(19), 4, 4, 32, 8, 5)
+    args = q, k_pool, v_pool, jnp.int32(LAYER), block_tables, lengths
+    np.testing.assert_array_equal(_decode(*args, sm_scale=0.125, logit_softcap=0.0), _decode(*args, sm_scale=0.125))
+    for cap in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="logit_softcap must be positive and finite"):
+            _decode(*args, sm_scale=0.125, logit_softcap=cap)
+    # ... and so does the FFI handler, for a caller that goes around the wrapper
+    call = jax.ffi.ffi_call(kernels_cpu.TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="logit_softcap must be finite and positive, or 0 for none"):
+        call(q, k_pool, v_pool, np.array([LAYER], np.int32), block_tables, *_decode_rows(lengths),
+             sm_scale=np.float32(0.125), sliding_window=np.int64(0), logit_softcap=np.float32(-1)).block_until_ready()
