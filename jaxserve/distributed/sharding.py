@@ -11,6 +11,11 @@ projections are row-parallel (input features sharded; XLA sums the partial produ
 The KV pool `[L, Hkv, blocks, block_size, D]` is sharded on its kv-head axis. Embeddings, norms and the
 LM head are replicated. Every head count must divide by the mesh size: kv heads are not replicated, so
 a GQA model with fewer kv heads than devices is refused with an error naming both numbers.
+
+Mixture-of-experts blocks (`jaxserve.models.moe`) are expert-parallel: the stacked experts' weights
+(module "experts": gate_proj, up_proj `[..., E, hidden, I]`, down_proj `[..., E, I, hidden]`) are sharded on
+their expert axis, E / tp whole experts per device; the router is replicated, and Qwen2-MoE's shared expert
+splits like a dense MLP by the rules above. The number of experts must divide by the mesh size.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from jaxserve.config import ModelConfig
 TP_AXIS = "tp"
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
+EXPERTS = "experts"  # the MoE block's stacked experts: these leaves are sharded on their expert axis
+EXPERT_PARALLEL = ("gate_proj", "up_proj", "down_proj")
 
 
 def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
@@ -52,12 +59,21 @@ def engine_mesh(tensor_parallel_size: int) -> Mesh:
 
 
 def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:
-    """Clear errors for a model the mesh cannot split evenly (heads, kv heads, MLP hidden dimension)."""
+    """Clear errors for a model the mesh cannot split evenly (heads, kv heads, MLP hidden dimension, and
+    for mixture-of-experts models the experts and the shared expert's hidden dimension)."""
     sizes = {
         "num_heads": config.num_heads,
         "num_kv_heads": config.num_kv_heads,
         "intermediate_size": config.intermediate_size,
     }
+    for name in ("num_experts", "shared_expert_intermediate_size"):  # MoE configs only
+        if getattr(config, name, None) is not None:
+            sizes[name] = getattr(config, name)
+    check_divisible(sizes, tensor_parallel_size)
+
+
+def check_divisible(sizes: dict[str, int], tensor_parallel_size: int) -> None:
+    """A ValueError naming the first of the model's `sizes` that the mesh size does not divide."""
     for name, size in sizes.items():
         if size % tensor_parallel_size:
             raise ValueError(
@@ -68,8 +84,11 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> Non
 
 def param_spec(path: tuple[str, ...], ndim: int) -> P:
     """The partition of one parameter from its tree path, e.g. ("params", "layers", "mlp", "up_proj",
-    "kernel"); kernels are `[..., in, out]` (stacked layers add a leading axis), biases `[..., out]`."""
+    "kernel"); kernels are `[..., in, out]` (stacked layers add a leading axis), biases `[..., out]`, the MoE
+    experts' weights `[..., E, in, out]`."""
     module, leaf = path[-2], path[-1]
+    if module == EXPERTS and leaf in EXPERT_PARALLEL:
+        return P(*([None] * (ndim - 3)), TP_AXIS, None, None)
     if module in COLUMN_PARALLEL:
         return P(*([None] * (ndim - 1)), TP_AXIS)
     if module in ROW_PARALLEL and leaf == "kernel":

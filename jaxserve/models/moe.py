@@ -1,0 +1,241 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Mixtral, and Qwen2-MoE's with its shared expert.
+
+Place in the data flow: a MoE family's decoder layer calls `SparseMoeBlock` where a dense family calls
+`GatedMLP`, on the normed hidden states after attention (f32[..., hidden]: the engine's `[S, Q, H]` or
+`[1, T, H]`), and adds its float32 output to the residual stream. The weight loaders fill its parameters
+(layout below); with tensor parallelism `jaxserve.distributed.sharding.param_spec` places them.
+
+Semantics are transformers' (`Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock`, `Qwen2MoeSparseMoeBlock`):
+router logits `x @ router` (float32), softmax in float32, the top k experts (lowest index first among
+ties), their weights optionally renormalised to sum 1; a token's output is the sum over its k experts of
+weight * down(act(gate(x)) * up(x)). No capacity limit: no token is ever dropped. The T * k (token, expert)
+assignments are sorted by expert, the three projections run as grouped matmuls over the sorted rows
+(`jax.lax.ragged_dot`, one group per expert), and the rows are unsorted, weighted and summed per token.
+Every shape is static (T * k rows whatever the routing), so one compiled step serves every routing
+pattern. Rows never mix: a padding token, whatever its values (even inf or NaN), changes only its own row.
+
+Expert parallelism (`mesh` given, axis "tp"): each device holds E / tp experts (the experts' weights are
+sharded on their expert axis; E must divide by tp); the router is replicated. Inside one `shard_map`
+every device routes all tokens (x is replicated), runs the grouped matmuls over the assignments to its own
+experts (the other devices' rows sort after every group and are zeroed), and a psum over "tp" sums the
+partial outputs: one all-reduce per block. Qwen2-MoE's shared expert is split like the dense MLP (gate and
+up column-parallel, down row-parallel, so its intermediate size must divide by tp too), and its partial
+product joins the same psum.
+
+Parameters, stored in `dtype`; the names the loaders fill:
+    router/kernel                               [hidden, E]     (a `common.Linear` kernel, no bias)
+    experts/gate_proj, experts/up_proj          [E, hidden, I]
+    experts/down_proj                           [E, I, hidden]
+    shared_expert/{gate_proj,up_proj}/kernel    [hidden, Is]    (Qwen2-MoE; `GatedMLP`'s layout)
+    shared_expert/down_proj/kernel              [Is, hidden]
+    shared_expert_gate/kernel                   [hidden, 1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.distributed.sharding import TP_AXIS, check_divisible
+from jaxserve.models.common import ACTIVATIONS, matmul
+
+
+class SharedExpertParams(NamedTuple):
+    gate_proj: jax.Array  # [hidden, Is]
+    up_proj: jax.Array  # [hidden, Is]
+    down_proj: jax.Array  # [Is, hidden]
+    gate: jax.Array  # [hidden, 1]: the shared expert's output is scaled by sigmoid(x @ gate)
+
+
+class MoeParams(NamedTuple):
+    router: jax.Array  # [hidden, E]
+    gate_proj: jax.Array  # [E, hidden, I]
+    up_proj: jax.Array  # [E, hidden, I]
+    down_proj: jax.Array  # [E, I, hidden]
+    shared: SharedExpertParams | None
+
+
+# How each device holds the parameters inside the shard_map (the layout `sharding.param_spec` gives them).
+EXPERT_PARALLEL_SPECS = MoeParams(P(), P(TP_AXIS, None, None), P(TP_AXIS, None, None), P(TP_AXIS, None, None), None)
+SHARED_EXPERT_SPECS = SharedExpertParams(P(None, TP_AXIS), P(None, TP_AXIS), P(TP_AXIS, None), P())
+
+
+def route(logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """Each token's k experts, best first, and their weights: (f32[T, k], i32[T, k])."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def sort_by_expert(experts: jax.Array, first_expert: jax.Array | int, num_local: int):
+    """The flattened assignments `experts` i32[T, k] ordered by expert, the experts `first_expert ..
+    first_expert + num_local - 1` first and all others after them: (order i32[T*k], group_sizes
+    i32[num_local], is_local bool[T*k] in the original order)."""
+    local = experts.reshape(-1) - first_expert
+    is_local = (local >= 0) & (local < num_local)
+    key = jnp.where(is_local, local, num_local)
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    return order, group_sizes, is_local
+
+
+def inverse_permutation(order: jax.Array) -> jax.Array:
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Consecutive runs of x's rows (`group_sizes[g]` rows each) times their group's `w[g]` ([G, in, out]);
+    rows after the last group give 0. The precision policy of `common.matmul`: x in w's dtype, float32 out."""
+    return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)
+
+
+def grouped_gated_mlp(rows: jax.Array, params: MoeParams, group_sizes: jax.Array, act) -> jax.Array:
+    """down(act(gate(x)) * up(x)) of each group of rows through its expert: f32[rows, hidden]."""
+    gate = grouped_matmul(rows, params.gate_proj, group_sizes)
+    up = grouped_matmul(rows, params.up_proj, group_sizes)
+    return grouped_matmul(act(gate) * up, params.down_proj, group_sizes)
+
+
+def routed_experts(
+    x: jax.Array,  # f32[T, hidden]
+    weights: jax.Array,  # f32[T, k]
+    experts: jax.Array,  # i32[T, k]
+    params: MoeParams,  # the experts first_expert, first_expert + 1, ... (all of them without a mesh)
+    first_expert: jax.Array | int,
+    act: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """f32[T, hidden]: each token's weighted sum over those of its k experts that `params` holds."""
+    num_tokens, top_k = experts.shape
+    order, group_sizes, is_local = sort_by_expert(experts, first_expert, params.gate_proj.shape[0])
+    out = grouped_gated_mlp(x[order // top_k], params, group_sizes, act)[inverse_permutation(order)]
+    out = jnp.where(is_local[:, None], out * weights.reshape(-1, 1), 0.0)
+    return out.reshape(num_tokens, top_k, -1).sum(axis=1)
+
+
+def shared_expert(x: jax.Array, params: SharedExpertParams, act: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Qwen2-MoE's dense gated expert, scaled by sigmoid(x @ gate); a partial sum when its weights are a
+    column- (gate, up) and row-parallel (down) slice."""
+    hidden = act(matmul(x, params.gate_proj)) * matmul(x, params.up_proj)
+    return jax.nn.sigmoid(matmul(x, params.gate)) * matmul(hidden, params.down_proj)
+
+
+def moe_forward(
+    x: jax.Array, params: MoeParams, *, top_k: int, norm_topk_prob: bool, act, first_expert: jax.Array | int = 0
+) -> jax.Array:
+    """The block on f32[T, hidden] with the experts (and shared-expert slice) that `params` holds."""
+    weights, experts = route(matmul(x, params.router), top_k, norm_topk_prob)
+    out = routed_experts(x, weights, experts, params, first_expert, act)
+    if params.shared is not None:
+        out = out + shared_expert(x, params.shared, act)
+    return out
+
+
+def expert_parallel_forward(x: jax.Array, params: MoeParams, mesh: Mesh, **kwargs) -> jax.Array:
+    """`moe_forward` with the experts sharded over the mesh: every device computes its experts' share of
+    every token (and its slice of the shared expert), one psum adds them up."""
+
+    def local(x, params):
+        first_expert = jax.lax.axis_index(TP_AXIS) * params.gate_proj.shape[0]
+        return jax.lax.psum(moe_forward(x, params, first_expert=first_expert, **kwargs), TP_AXIS)
+
+    specs = EXPERT_PARALLEL_SPECS._replace(shared=None if params.shared is None else SHARED_EXPERT_SPECS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs), out_specs=P())(x, params)
+
+
+class Kernel(nn.Module):
+    """A `common.Linear` kernel `[in, out]` (same name, initializer and dtype) returned as the array, for
+    products computed inside the block's shard_map."""
+
+    shape: tuple[int, int]
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("kernel", nn.initializers.lecun_normal(), self.shape, self.param_dtype)
+
+
+class ExpertWeights(nn.Module):
+    """The routed experts' stacked weights (module "experts"): gate_proj and up_proj [E, hidden, I],
+    down_proj [E, I, hidden]."""
+
+    num_experts: int
+    intermediate_size: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, hidden_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        init = nn.initializers.lecun_normal(batch_axis=0)
+        into = (self.num_experts, hidden_size, self.intermediate_size)
+        out_of = (self.num_experts, self.intermediate_size, hidden_size)
+        return (
+            self.param("gate_proj", init, into, self.dtype),
+            self.param("up_proj", init, into, self.dtype),
+            self.param("down_proj", init, out_of, self.dtype),
+        )
+
+
+class SharedExpertWeights(nn.Module):
+    """Qwen2-MoE's shared expert (module "shared_expert"): `GatedMLP`'s gate_proj/up_proj/down_proj kernels."""
+
+    intermediate_size: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, hidden_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        into, out_of = (hidden_size, self.intermediate_size), (self.intermediate_size, hidden_size)
+        return (
+            Kernel(into, self.dtype, name="gate_proj")(),
+            Kernel(into, self.dtype, name="up_proj")(),
+            Kernel(out_of, self.dtype, name="down_proj")(),
+        )
+
+
+class SparseMoeBlock(nn.Module):
+    """The sparse MoE MLP: f32[..., hidden] -> f32[..., hidden], any leading shape (module docstring)."""
+
+    num_experts: int
+    num_experts_per_tok: int  # top k
+    intermediate_size: int  # per expert (HF moe_intermediate_size; Mixtral's intermediate_size)
+    norm_topk_prob: bool  # renormalise the top-k weights to sum 1 (Mixtral: always)
+    hidden_act: str  # a key of common.ACTIVATIONS
+    dtype: jnp.dtype  # parameter dtype
+    mesh: Mesh | None = None
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's shared expert, None without one
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden_size = x.shape[-1]
+        params = self._params(hidden_size)
+        tokens = x.reshape(-1, hidden_size).astype(jnp.float32)
+        routing = dict(top_k=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob)
+        act = ACTIVATIONS[self.hidden_act]
+        if self.mesh is None:
+            out = moe_forward(tokens, params, act=act, **routing)
+        else:
+            self._check_mesh()
+            out = expert_parallel_forward(tokens, params, self.mesh, act=act, **routing)
+        return out.reshape(x.shape)
+
+    def _params(self, hidden_size: int) -> MoeParams:
+        router = Kernel((hidden_size, self.num_experts), self.dtype, name="router")()
+        experts = ExpertWeights(self.num_experts, self.intermediate_size, self.dtype, name="experts")(hidden_size)
+        shared = None
+        if self.shared_expert_intermediate_size is not None:
+            mlp = SharedExpertWeights(self.shared_expert_intermediate_size, self.dtype, name="shared_expert")
+            gate = Kernel((hidden_size, 1), self.dtype, name="shared_expert_gate")()
+            shared = SharedExpertParams(*mlp(hidden_size), gate)
+        return MoeParams(router, *experts, shared)
+
+    def _check_mesh(self) -> None:
+        sizes = {"num_experts": self.num_experts}
+        if self.shared_expert_intermediate_size is not None:
+            sizes["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        check_divisible(sizes, self.mesh.shape[TP_AXIS])
