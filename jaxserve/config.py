@@ -15,10 +15,21 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "OPTForCausalLM": "opt",
     "GPT2LMHeadModel": "gpt2",
 }
 LEARNED_POSITION_FAMILIES = ("opt", "gpt2")  # absolute position tables instead of rotary embeddings
+GEMMA_FAMILIES = ("gemma2", "gemma3")  # (1 + weight) norms, norms around attention and MLP, scaled embeddings
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3")  # an RMSNorm over each head of q and k before rotary
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")  # sparse mixture-of-experts MLPs
+SLIDING_LAYER = "sliding_attention"  # transformers' `layer_types` entry of a sliding-window layer
 SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_DTYPES = ("float32", "bfloat16")  # what weights and the KV pool are stored in
@@ -41,9 +52,12 @@ class RopeConfig:
             )
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
-        """Reads both the old (`rope_theta` + `rope_scaling`) and new (`rope_parameters`) HF layouts."""
+    def from_hf(cls, hf: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
+        """Reads the old (`rope_theta` + `rope_scaling`) and new (`rope_parameters`) HF layouts, the latter
+        also keyed by layer type (Gemma 3: `{"full_attention": {...}, "sliding_attention": {...}}`)."""
         params = dict(hf.get("rope_parameters") or {})
+        if layer_type in params or SLIDING_LAYER in params:
+            params = dict(params.get(layer_type) or {})
         scaling = hf.get("rope_scaling") or {}
         params = {**scaling, **params}
         theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -57,12 +71,26 @@ class RopeConfig:
             original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
         )
 
+    @classmethod
+    def local_from_hf(cls, hf: dict[str, Any]) -> RopeConfig | None:
+        """Gemma 3's rotary embedding of its sliding-window layers (another base, never scaled), or None."""
+        params = hf.get("rope_parameters") or {}
+        if SLIDING_LAYER in params:
+            return cls.from_hf(hf, SLIDING_LAYER)
+        if "rope_local_base_freq" in hf:
+            return cls(theta=float(hf["rope_local_base_freq"]))
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder: the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2), OPT or GPT-2.
+    """Architecture of a decoder: the rotary families (Llama 2/3, Mistral, Qwen2/3, SmolLM2, Phi-3, Gemma 2/3,
+    and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE), OPT or GPT-2.
 
-    The fields after `eos_token_id` only matter to OPT and GPT-2 (LayerNorm models with learned positions).
+    Rotary families share one decoder (`jaxserve.models.llama`, Gemma's in `jaxserve.models.gemma`); the
+    fields after `hidden_act` switch on what a family adds. `layer_types` lists transformers' per-layer
+    attention ("sliding_attention" or "full_attention"); None means every layer slides when `sliding_window`
+    is set. The fields after `eos_token_id` only matter to OPT and GPT-2.
     """
 
     architecture: str
@@ -80,6 +108,20 @@ class ModelConfig:
     attention_bias: bool = False
     sliding_window: int | None = None
     hidden_act: str = "silu"
+    layer_types: tuple[str, ...] | None = None
+    local_rope: RopeConfig | None = None  # Gemma 3: the rotary embedding of sliding-window layers
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: rotary over the first part of each head only
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k
+    query_pre_attn_scalar: float | None = None  # Gemma: softmax scale 1/sqrt(this) instead of 1/sqrt(head_dim)
+    attn_logit_softcap: float | None = None  # Gemma 2: attention scores c * tanh(s / c)
+    final_logit_softcap: float | None = None  # Gemma 2: vocabulary logits c * tanh(l / c)
+    num_experts: int | None = None  # mixture-of-experts families: routed experts per MoE layer
+    num_experts_per_tok: int = 0  # top-k experts of every token
+    moe_intermediate_size: int = 0  # hidden size of one expert's MLP
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum 1
+    decoder_sparse_step: int = 1  # Qwen-MoE: every this-many-th layer is sparse ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE: a gated dense expert every token takes
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     layer_norm_eps: float = 1e-5
@@ -100,8 +142,14 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
             )
-        if self.uses_rope and self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.uses_rope and self.rotary_dim % 2:
+            raise ValueError(f"the rotary dimension must be even, got {self.rotary_dim} (head_dim {self.head_dim})")
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}")
+        if self.num_experts is not None and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts ({self.num_experts})]"
+            )
 
     @property
     def family(self) -> str:
@@ -112,8 +160,31 @@ class ModelConfig:
         return self.family not in LEARNED_POSITION_FAMILIES
 
     @property
+    def rotary_dim(self) -> int:
+        """The leading features of each head that rotary embeddings rotate (all of them but for Phi-4-mini)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it attend over the last `sliding_window` tokens only."""
+        if self.sliding_window is None:
+            return (False,) * self.num_layers
+        if self.layer_types is None:
+            return (True,) * self.num_layers
+        return tuple(kind == SLIDING_LAYER for kind in self.layer_types)
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer: is its MLP a sparse mixture of experts (transformers' Qwen-MoE rule; Mixtral: all)."""
+        if self.num_experts is None:
+            return (False,) * self.num_layers
+        return tuple(
+            i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0 for i in range(self.num_layers)
+        )
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -130,30 +201,78 @@ class ModelConfig:
             return cls(architecture=arch, **_opt_fields(hf))
         if family == "gpt2":
             return cls(architecture=arch, **_gpt2_fields(hf))
-        num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        sliding_window = hf.get("sliding_window")
-        if family == "qwen2" and not hf.get("use_sliding_window", False):
-            sliding_window = None
-        return cls(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope=RopeConfig.from_hf(hf),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
-            sliding_window=sliding_window,
-            hidden_act=hf.get("hidden_act", "silu"),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=_eos_ids(hf.get("eos_token_id")),
-        )
+        fields = _rotary_fields(hf, family)
+        if family in GEMMA_FAMILIES:
+            fields.update(_gemma_fields(hf, family))
+        if family in MOE_FAMILIES:
+            fields.update(_moe_fields(hf, family))
+        return cls(architecture=arch, **fields)
+
+
+def _rotary_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """The fields every rotary family reads (transformers' defaults where a key is absent)."""
+    num_heads = hf["num_attention_heads"]
+    rope_parameters = hf.get("rope_parameters") or {}
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+        rope=RopeConfig.from_hf(hf),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", family in ("qwen2", "qwen2_moe")))),
+        sliding_window=_sliding_window(hf, family),
+        hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
+        layer_types=tuple(hf["layer_types"]) if hf.get("layer_types") else None,
+        partial_rotary_factor=float(rope_parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+        qk_norm=family in QK_NORM_FAMILIES,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=_eos_ids(hf.get("eos_token_id")),
+    )
+
+
+def _sliding_window(hf: dict[str, Any], family: str) -> int | None:
+    """Qwen's configs carry a window they use only with `use_sliding_window`."""
+    if family.startswith("qwen") and not hf.get("use_sliding_window", False):
+        return None
+    return hf.get("sliding_window")
+
+
+def _gemma_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Gemma 2 and 3: the window alternates per layer (transformers' default patterns when `layer_types` is
+    absent: Gemma 2 every other layer from the first, Gemma 3 five sliding layers to one global)."""
+    num_layers = hf["num_hidden_layers"]
+    pattern = 2 if family == "gemma2" else int(hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6)))
+    default_types = tuple(SLIDING_LAYER if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+    return dict(
+        hidden_act=hf.get("hidden_activation") or "gelu_pytorch_tanh",
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        layer_types=tuple(hf["layer_types"]) if hf.get("layer_types") else default_types,
+        local_rope=RopeConfig.local_from_hf(hf) if family == "gemma3" else None,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        attn_logit_softcap=hf.get("attn_logit_softcapping"),
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+    )
+
+
+def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Mixtral (`num_local_experts`, top-k renormalised) and Qwen-MoE (`num_experts`, `norm_topk_prob`)."""
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts")
+    return dict(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+        moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        norm_topk_prob=True if family == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") if family == "qwen2_moe" else None,
+    )
 
 
 def _eos_ids(eos: int | list[int] | None) -> tuple[int, ...]:

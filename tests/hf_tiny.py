@@ -25,10 +25,36 @@ def tiny_hf_config(family: str, **overrides):
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "phi3": transformers.Phi3Config,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
+        "mixtral": transformers.MixtralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
     }
-    config = classes[family](**{**common, **overrides})
+    config = classes[family](**{**common, **FAMILY_DEFAULTS.get(family, {}), **overrides})
     config._attn_implementation = "eager"
     return config
+
+
+# What a tiny config of a family sets beyond the common fields: its own token ids, a head_dim that is not
+# hidden / heads, short sliding windows (so the test prompts cross them), small expert MLPs.
+FAMILY_DEFAULTS = {
+    "qwen3": dict(head_dim=24),
+    "phi3": dict(pad_token_id=0, eos_token_id=2, partial_rotary_factor=0.5),
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=3.0, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gemma3": dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=5, num_hidden_layers=3,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+                   pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "mixtral": dict(num_local_experts=5, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=96),
+}
 
 
 def _tiny_opt_config(**overrides):

@@ -158,10 +158,10 @@ class PallasBackend:
 
         return lane_dense_tokens_per_row(block_size, head_dim)
 
-    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None):
+    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None):
         import kernels_pallas
 
-        if sliding_window is not None:
+        if sliding_window is not None or logit_softcap is not None:
             raise ValueError("the pallas attention backend does not support sliding-window attention")
         # uint16 pools (bfloat16 bits) exist only on XLA:CPU, where the kernels run interpreted
         k_pool, v_pool = pool_values(k_pool), pool_values(v_pool)

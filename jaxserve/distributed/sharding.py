@@ -61,14 +61,13 @@ def engine_mesh(tensor_parallel_size: int) -> Mesh:
 def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:
     """Clear errors for a model the mesh cannot split evenly (heads, kv heads, MLP hidden dimension, and
     for mixture-of-experts models the experts and the shared expert's hidden dimension)."""
-    sizes = {
-        "num_heads": config.num_heads,
-        "num_kv_heads": config.num_kv_heads,
-        "intermediate_size": config.intermediate_size,
-    }
-    for name in ("num_experts", "shared_expert_intermediate_size"):  # MoE configs only
-        if getattr(config, name, None) is not None:
-            sizes[name] = getattr(config, name)
+    sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
+    if config.num_experts is None:
+        sizes["intermediate_size"] = config.intermediate_size  # an MoE model's experts are split whole
+    else:
+        sizes["num_experts"] = config.num_experts
+    if config.shared_expert_intermediate_size is not None:
+        sizes["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
     check_divisible(sizes, tensor_parallel_size)
 
 

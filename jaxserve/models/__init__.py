@@ -2,6 +2,7 @@
 constructor is `(config, dtype, attention_backend, mesh, *, scan_layers=True, untie_lm_head=False)` (the
 layouts of `common.layer_stack` and `common.untie_lm_head`)."""
 
+from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.gpt2 import GPT2LMHeadModel
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.opt import OPTForCausalLM
@@ -10,6 +11,13 @@ MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,  # qkv_proj and gate_up_proj are split by the weight loader
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }

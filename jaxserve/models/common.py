@@ -31,8 +31,9 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.attention.backends import AttentionBackend
 from jaxserve.attention.kv_cache import write_kv
 from jaxserve.attention.metadata import AttentionMetadata
-from jaxserve.config import ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, ModelConfig
 from jaxserve.distributed.sharding import TP_AXIS
+from jaxserve.models.norms import RMSNorm
 from jaxserve.models.rotary import apply_rotary
 
 ACTIVATIONS = {
@@ -100,33 +101,68 @@ def paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    slides: jax.Array | None = None,
+    logit_softcap: float | None = None,
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Writes the step's k/v into the pool and attends; returns ([S, Q, Hq * D], updated pool).
+
+    `sliding_window` applies to every layer when `slides` is None; otherwise `slides` (bool[], traced: the
+    layer's entry of the model's per-layer pattern) picks, in the step, the windowed or the full attention.
 
     With a mesh, every device runs this on its own slice of the heads (q/k/v on axis 2, the pool on axis
     1): contiguous head slices keep each query head with its kv head, since Hq / tp = (Hq / Hkv) * Hkv / tp.
     """
 
-    def local(q, k, v, k_pool, v_pool, layer, meta):
+    def local(q, k, v, k_pool, v_pool, layer, meta, slides):
         k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, meta, head_windows=backend.head_window_writes)
-        out = backend.attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=sliding_window)
+
+        def attend(window):
+            return backend.attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=window,
+                                  logit_softcap=logit_softcap)
+
+        if slides is None:
+            out = attend(sliding_window)
+        else:
+            out = jax.lax.cond(slides, lambda: attend(sliding_window), lambda: attend(None))
         return out, k_pool, v_pool
 
     if mesh is not None:
         heads, pool = P(None, None, TP_AXIS, None), P(None, TP_AXIS)
         local = jax.shard_map(
-            local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, P(), P()),
+            local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, P(), P(), P()),
             out_specs=(heads, pool, pool), check_vma=False,
         )
-    out, k_pool, v_pool = local(q, k, v, *kv_pool, layer, meta)
+    out, k_pool, v_pool = local(q, k, v, *kv_pool, layer, meta, slides)
     num_seqs, num_q = q.shape[:2]
     return out.reshape(num_seqs, num_q, -1), (k_pool, v_pool)
 
 
+def attention_scale(cfg: ModelConfig) -> float:
+    """The softmax scale: 1/sqrt(head_dim), Gemma's 1/sqrt(query_pre_attn_scalar), 1 for unscaled GPT-2."""
+    if cfg.query_pre_attn_scalar is not None:
+        return cfg.query_pre_attn_scalar**-0.5
+    return 1.0 / math.sqrt(cfg.head_dim) if cfg.scale_attn_weights else 1.0
+
+
+def layer_window(cfg: ModelConfig, layer: jax.Array) -> tuple[int | None, jax.Array | None]:
+    """(sliding_window, slides) for `paged_attention`: a static window when every layer is alike, else the
+    window and whether `layer` uses it, looked up in the per-layer pattern inside the step."""
+    pattern = cfg.sliding_layers
+    if all(pattern) or not any(pattern):
+        return (cfg.sliding_window if all(pattern) else None), None
+    return cfg.sliding_window, jnp.asarray(pattern)[layer]
+
+
+def norm_offset(cfg: ModelConfig) -> float:
+    """Gemma's norms scale by (1 + weight)."""
+    return 1.0 if cfg.family in GEMMA_FAMILIES else 0.0
+
+
 class Attention(nn.Module):
     """Self-attention over the paged pool. `rotary` is (cos, sin) for rotary families, None for learned
-    positions; `out_bias` says whether o_proj has a bias (OPT and GPT-2 do, the Llama family does not)."""
+    positions; `out_bias` says whether o_proj has a bias (OPT and GPT-2 do, the Llama family does not).
+    Qwen3 and Gemma 3 normalise every head of q and k (`q_norm`, `k_norm`) before the rotary embedding."""
 
     config: ModelConfig
     dtype: jnp.dtype
@@ -137,24 +173,33 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, kv_pool, layer, meta: AttentionMetadata, rotary=None):
         cfg = self.config
+        q, k, v = self._project_qkv(x)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_offset(cfg), name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_offset(cfg), name="k_norm")(k)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if cfg.scale_attn_by_inverse_layer_idx:  # GPT-2 option: scores of layer i divided by i + 1
+            q = q / (layer + 1).astype(q.dtype)
+        sliding_window, slides = layer_window(cfg, layer)
+        out, kv_pool = paged_attention(
+            q, k, v, kv_pool, layer, meta, self.backend, sm_scale=attention_scale(cfg),
+            sliding_window=sliding_window, slides=slides, logit_softcap=cfg.attn_logit_softcap, mesh=self.mesh,
+        )
+        return dense(cfg.hidden_size, "o_proj", self.dtype, self.out_bias)(out), kv_pool
+
+    def _project_qkv(self, x):
+        cfg = self.config
         num_seqs, num_q = x.shape[:2]
         bias = cfg.attention_bias
         q = dense(cfg.num_heads * cfg.head_dim, "q_proj", self.dtype, bias)(x)
         k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", self.dtype, bias)(x)
         v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", self.dtype, bias)(x)
-        q = q.reshape(num_seqs, num_q, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(num_seqs, num_q, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(num_seqs, num_q, cfg.num_kv_heads, cfg.head_dim)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if cfg.scale_attn_by_inverse_layer_idx:  # GPT-2 option: scores of layer i divided by i + 1
-            q = q / (layer + 1).astype(q.dtype)
-        out, kv_pool = paged_attention(
-            q, k, v, kv_pool, layer, meta, self.backend,
-            sm_scale=1.0 / math.sqrt(cfg.head_dim) if cfg.scale_attn_weights else 1.0,
-            sliding_window=cfg.sliding_window, mesh=self.mesh,
+        return (
+            q.reshape(num_seqs, num_q, cfg.num_heads, cfg.head_dim),
+            k.reshape(num_seqs, num_q, cfg.num_kv_heads, cfg.head_dim),
+            v.reshape(num_seqs, num_q, cfg.num_kv_heads, cfg.head_dim),
         )
-        return dense(cfg.hidden_size, "o_proj", self.dtype, self.out_bias)(out), kv_pool
 
 
 def layer_stack(layer_cls: type[nn.Module], num_layers: int, num_broadcast_inputs: int, *args, scan: bool):

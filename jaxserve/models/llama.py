@@ -1,52 +1,50 @@
-"""The Llama-family decoder in Flax: Llama 2/3, Mistral, Qwen2 (q/k/v bias) and SmolLM2 (tied embeddings).
+"""The rotary decoder in Flax: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norms), SmolLM2 (tied
+embeddings), Phi-3 (its fused projections split at load; partial rotary), and the mixture-of-experts Mixtral,
+Qwen2-MoE and Qwen3-MoE (`moe.SparseMoeBlock` in place of the MLP). Gemma 2 and 3 extend it (`gemma.py`).
 
 Place in the data flow: the model runner calls `LlamaForCausalLM.apply` inside a jitted step with a
 batch of token ids (`[S, Q]` padded or `[1, T]` ragged), the stacked KV pool and the step's
 `AttentionMetadata`; each layer writes its new K/V into its slice of the pool and attends through the chosen
-attention backend
-(`common.Attention`). Layers run under `nn.scan` over stacked weights, so compile time does not grow with
-depth, or unrolled (`scan_layers=False`, on CPU; see `common.layer_stack`). Weights are stored in `dtype`;
-activations are float32 between bf16-or-f32 matmuls (the precision policy of `common`).
+attention backend (`common.Attention`). Layers run under `nn.scan` over stacked weights, so compile time does
+not grow with depth, or unrolled (`scan_layers=False`, on CPU; see `common.layer_stack`). Weights are stored
+in `dtype`; activations are float32 between bf16-or-f32 matmuls (the precision policy of `common`).
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.attention.backends import AttentionBackend
 from jaxserve.attention.metadata import AttentionMetadata, token_layout
 from jaxserve.config import ModelConfig
-from jaxserve.models.common import ACTIVATIONS, Attention, dense, embedding, layer_stack
+from jaxserve.models.common import Attention, dense, embedding, layer_stack, norm_offset
+from jaxserve.models.mlp import GatedMLP
+from jaxserve.models.moe import SparseMoeBlock
+from jaxserve.models.norms import RMSNorm
 from jaxserve.models.rotary import rope_inv_freq, rotary_cos_sin
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm in float32 (weight stored in `dtype`); returns float32."""
-
-    eps: float
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return weight.astype(jnp.float32) * normed
+def feed_forward(cfg: ModelConfig, dtype, mesh: Mesh | None) -> nn.Module:
+    """The layer's MLP: a sparse mixture of experts in the MoE families, else the dense gated MLP."""
+    if cfg.num_experts is None:
+        return GatedMLP(cfg.intermediate_size, cfg.hidden_size, cfg.hidden_act, dtype, name="mlp")
+    return SparseMoeBlock(
+        cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.hidden_act,
+        dtype, mesh, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, name="mlp",
+    )
 
 
-class GatedMLP(nn.Module):
-    config: ModelConfig
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.config
-        gate = dense(cfg.intermediate_size, "gate_proj", self.dtype)(x)
-        up = dense(cfg.intermediate_size, "up_proj", self.dtype)(x)
-        return dense(cfg.hidden_size, "down_proj", self.dtype)(ACTIVATIONS[cfg.hidden_act](gate) * up)
+def layer_rotary(cfg: ModelConfig, layer, rotary):
+    """The (cos, sin) of `layer`: `rotary` is one pair, or (global pair, sliding-layer pair) for Gemma 3."""
+    if cfg.local_rope is None:
+        return rotary
+    (cos, sin), (local_cos, local_sin) = rotary
+    slides = jnp.asarray(cfg.sliding_layers)[layer]
+    return jnp.where(slides, local_cos, cos), jnp.where(slides, local_sin, sin)
 
 
 class DecoderLayer(nn.Module):
@@ -64,10 +62,10 @@ class DecoderLayer(nn.Module):
         hidden, kv_pool = carry
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
         attn = Attention(cfg, self.dtype, self.backend, self.mesh, name="self_attn")
-        attn_out, kv_pool = attn(normed, kv_pool, layer, meta, rotary)
+        attn_out, kv_pool = attn(normed, kv_pool, layer, meta, layer_rotary(cfg, layer, rotary))
         hidden = hidden + attn_out
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        hidden = hidden + GatedMLP(cfg, self.dtype, name="mlp")(normed)
+        hidden = hidden + feed_forward(cfg, self.dtype, self.mesh)(normed)
         return (hidden, kv_pool), None
 
 
@@ -82,26 +80,45 @@ class LlamaForCausalLM(nn.Module):
     scan_layers: bool = True
     untie_lm_head: bool = False  # a tied model's head as its own [hidden, vocab] kernel (common.untie_lm_head)
 
+    decoder_layer: ClassVar[type[nn.Module]] = DecoderLayer
+
     def setup(self):
         cfg = self.config
+        if len(set(cfg.sparse_layers)) > 1:
+            raise ValueError(
+                "models mixing dense and mixture-of-experts layers (mlp_only_layers, decoder_sparse_step > 1) "
+                "are not supported"
+            )
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, self.dtype)
         self.layers = layer_stack(
-            DecoderLayer, cfg.num_layers, 2, cfg, self.dtype, self.backend, self.mesh, scan=self.scan_layers
+            self.decoder_layer, cfg.num_layers, 2, cfg, self.dtype, self.backend, self.mesh, scan=self.scan_layers
         )
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_offset(cfg))
         if not cfg.tie_word_embeddings or self.untie_lm_head:
             self.lm_head = dense(cfg.vocab_size, "lm_head", self.dtype)
-        self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
 
     def __call__(self, input_ids, kv_pool, meta: AttentionMetadata):
         positions = token_layout(meta, input_ids.shape).positions
-        rotary = rotary_cos_sin(positions, self.inv_freq)
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (hidden, kv_pool), _ = self.layers((hidden, kv_pool), layer_ids, rotary, meta)
+        (hidden, kv_pool), _ = self.layers((hidden, kv_pool), layer_ids, self.rotary(positions), meta)
         return self.norm(hidden), kv_pool
+
+    def embed(self, input_ids):
+        return self.embed_tokens(input_ids)
+
+    def rotary(self, positions):
+        """(cos, sin) of every token, or for Gemma 3 that pair and its sliding layers' (see `layer_rotary`)."""
+        cfg = self.config
+        rotary = rotary_cos_sin(positions, rope_inv_freq(cfg.rope, cfg.rotary_dim))
+        if cfg.local_rope is None:
+            return rotary
+        return rotary, rotary_cos_sin(positions, rope_inv_freq(cfg.local_rope, cfg.rotary_dim))
 
     def logits(self, hidden):
         if self.config.tie_word_embeddings and not self.untie_lm_head:
-            return self.embed_tokens.attend(hidden)
-        return self.lm_head(hidden)
+            logits = self.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -1,5 +1,6 @@
-"""Rotary position embeddings of the Llama family, computed as transformers does (default, `linear` and
-`llama3` frequency scaling); the attention layer rotates q and k with them before writing k to the pool."""
+"""Rotary position embeddings of the rotary families, computed as transformers does (default, `linear` and
+`llama3` frequency scaling; partial rotary of Phi-4-mini; Gemma 3's second embedding for its sliding-window
+layers); the attention layer rotates q and k with them before writing k to the pool."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from jaxserve.config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """f32[head_dim // 2], computed as transformers does (including `llama3` and `linear` scaling)."""
+    """f32[head_dim // 2] (`head_dim`: the rotated features), computed as transformers does (including `llama3`
+    and `linear` scaling)."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
     if rope.rope_type == "linear":
@@ -43,8 +45,12 @@ def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Arra
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [S, Q, H, D]; rotates pairs (i, i + D/2) as transformers' `rotate_half`."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    """x: [S, Q, H, D]; rotates pairs (i, i + R/2) of its first R features (R: cos's last axis, D or less
+    for partial rotary) as transformers' `rotate_half`; the other features pass unchanged."""
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
+    out = x_rot * cos + rotated * sin
+    return out if x_pass.shape[-1] == 0 else jnp.concatenate([out, x_pass], axis=-1)

@@ -4,7 +4,9 @@ Both loaders (safetensors directories and GGUF files) produce tensors under Hugg
 shapes; this module maps them onto the tree, casting to the target dtype. One table per family lists
 every parameter with its Hugging Face source and transform, so the names a loader must find and the tree
 it builds come from the same place. Linear weights are `[out, in]` in Hugging Face and transposed here;
-GPT-2's Conv1D weights are already `[in, out]`, and its fused `c_attn` is split into q, k and v.
+GPT-2's Conv1D weights are already `[in, out]`, and its fused `c_attn` is split into q, k and v; Phi-3's fused
+`qkv_proj` and `gate_up_proj` are split likewise. Mixture-of-experts weights, one tensor per expert in the
+checkpoints, are stacked into `[E, in, out]` arrays (`moe.SparseMoeBlock`'s layout).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, ModelConfig
 
 TensorGetter = Callable[[str], np.ndarray]
 LAYER = "{i}"  # placeholder for the layer number in per-layer tensor names
+EXPERT = "{e}"  # placeholder for the expert number in per-expert tensor names
 
 # The part of Hugging Face names that belongs to the CausalLM wrapper: hub checkpoints saved from the
 # bare model (the original gpt2, opt-*) lack it, and the loaders accept both spellings.
@@ -31,7 +34,8 @@ def _transpose(x: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class ParamSource:
     """One leaf of the parameter tree: its path under "params", the Hugging Face tensor it is made from
-    (with `{i}` for per-layer tensors, stacked on a new leading axis) and the transform applied first."""
+    (with `{i}` for per-layer tensors, stacked on a new leading axis, and `{e}` for per-expert tensors,
+    stacked on the axis after it) and the transform applied to each tensor first."""
 
     path: tuple[str, ...]
     hf_name: str
@@ -40,6 +44,10 @@ class ParamSource:
     @property
     def per_layer(self) -> bool:
         return LAYER in self.hf_name
+
+    @property
+    def per_expert(self) -> bool:
+        return EXPERT in self.hf_name
 
 
 def _linear(path: tuple[str, ...], hf_prefix: str, bias: bool) -> list[ParamSource]:
@@ -57,21 +65,82 @@ def _layer_norm(path: tuple[str, ...], hf_prefix: str, affine: bool = True) -> l
 
 
 def llama_sources(config: ModelConfig) -> list[ParamSource]:
+    """Llama, Mistral, Qwen2/3, Gemma 2/3 and the MoE families: the rotary decoder's tree."""
     layer = f"model.layers.{LAYER}"
     sources = [
         ParamSource(("embed_tokens", "embedding"), "model.embed_tokens.weight"),
         ParamSource(("norm", "weight"), "model.norm.weight"),
     ]
-    for norm in ("input_layernorm", "post_attention_layernorm"):
+    for norm in _layer_norm_names(config):
         sources.append(ParamSource(("layers", norm, "weight"), f"{layer}.{norm}.weight"))
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        bias = config.attention_bias and proj != "o_proj"
-        sources += _linear(("layers", "self_attn", proj), f"{layer}.self_attn.{proj}", bias)
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        sources += _linear(("layers", "mlp", proj), f"{layer}.mlp.{proj}", False)
+    if config.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            sources.append(ParamSource(("layers", "self_attn", norm, "weight"), f"{layer}.self_attn.{norm}.weight"))
+    if config.family == "phi3":
+        sources += _phi3_fused_sources(config, layer)
+    else:
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            bias = config.attention_bias and proj != "o_proj"
+            sources += _linear(("layers", "self_attn", proj), f"{layer}.self_attn.{proj}", bias)
+        sources += _mlp_sources(config, layer)
     if not config.tie_word_embeddings:
         sources += _linear(("lm_head",), "lm_head", False)
     return sources
+
+
+def _layer_norm_names(config: ModelConfig) -> tuple[str, ...]:
+    if config.family in GEMMA_FAMILIES:  # norms before and after attention and the MLP
+        return ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+    return ("input_layernorm", "post_attention_layernorm")
+
+
+def _gated_mlp(path: tuple[str, ...], hf_prefix: str, names=("gate_proj", "up_proj", "down_proj")) -> list[ParamSource]:
+    """A gated MLP whose Hugging Face projections are `names` (gate, up, down) under `hf_prefix`."""
+    sources = []
+    for proj, hf_proj in zip(("gate_proj", "up_proj", "down_proj"), names, strict=True):
+        sources += _linear((*path, proj), f"{hf_prefix}.{hf_proj}", False)
+    return sources
+
+
+def _mlp_sources(config: ModelConfig, layer: str) -> list[ParamSource]:
+    """The dense MLP, or the sparse MoE block: router `[H, E]`, experts stacked `[E, in, out]`."""
+    if config.num_experts is None:
+        return _gated_mlp(("layers", "mlp"), f"{layer}.mlp")
+    if config.family == "mixtral":
+        block, expert_names = f"{layer}.block_sparse_moe", ("w1", "w3", "w2")
+    else:
+        block, expert_names = f"{layer}.mlp", ("gate_proj", "up_proj", "down_proj")
+    sources = [ParamSource(("layers", "mlp", "router", "kernel"), f"{block}.gate.weight", _transpose)]
+    for proj, hf_proj in zip(("gate_proj", "up_proj", "down_proj"), expert_names, strict=True):
+        name = f"{block}.experts.{EXPERT}.{hf_proj}.weight"
+        sources.append(ParamSource(("layers", "mlp", "experts", proj), name, _transpose))
+    if config.shared_expert_intermediate_size:  # Qwen2-MoE
+        sources += _gated_mlp(("layers", "mlp", "shared_expert"), f"{block}.shared_expert")
+        sources += _linear(("layers", "mlp", "shared_expert_gate"), f"{block}.shared_expert_gate", False)
+    return sources
+
+
+def _rows(start: int, stop: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Output features [start, stop) of a fused `torch.nn.Linear` weight [out, in], as a Flax kernel [in, out]."""
+    return lambda x: x[start:stop].T
+
+
+def _phi3_fused_sources(config: ModelConfig, layer: str) -> list[ParamSource]:
+    """Phi-3 fuses q, k, v (`qkv_proj`: q | k | v rows) and gate, up (`gate_up_proj`: gate | up rows)."""
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    qkv = f"{layer}.self_attn.qkv_proj.weight"
+    gate_up = f"{layer}.mlp.gate_up_proj.weight"
+    return [
+        ParamSource(("layers", "self_attn", "q_proj", "kernel"), qkv, _rows(0, q_size)),
+        ParamSource(("layers", "self_attn", "k_proj", "kernel"), qkv, _rows(q_size, q_size + kv_size)),
+        ParamSource(("layers", "self_attn", "v_proj", "kernel"), qkv, _rows(q_size + kv_size, q_size + 2 * kv_size)),
+        *_linear(("layers", "self_attn", "o_proj"), f"{layer}.self_attn.o_proj", False),
+        ParamSource(("layers", "mlp", "gate_proj", "kernel"), gate_up, _rows(0, inter)),
+        ParamSource(("layers", "mlp", "up_proj", "kernel"), gate_up, _rows(inter, 2 * inter)),
+        *_linear(("layers", "mlp", "down_proj"), f"{layer}.mlp.down_proj", False),
+    ]
 
 
 def opt_sources(config: ModelConfig) -> list[ParamSource]:
@@ -131,26 +200,26 @@ def gpt2_sources(config: ModelConfig) -> list[ParamSource]:
     return sources
 
 
-FAMILY_SOURCES = {
-    "llama": llama_sources,
-    "mistral": llama_sources,
-    "qwen2": llama_sources,
-    "opt": opt_sources,
-    "gpt2": gpt2_sources,
-}
+FAMILY_SOURCES = {"opt": opt_sources, "gpt2": gpt2_sources}  # every other family: llama_sources
 
 
 def param_sources(config: ModelConfig) -> list[ParamSource]:
-    return FAMILY_SOURCES[config.family](config)
+    return FAMILY_SOURCES.get(config.family, llama_sources)(config)
+
+
+def _tensor_names(source: ParamSource, config: ModelConfig) -> list[list[str]]:
+    """The Hugging Face names of one leaf: per layer (one row for a global tensor), per expert within it."""
+    layers = [str(i) for i in range(config.num_layers)] if source.per_layer else [""]
+    experts = [str(e) for e in range(config.num_experts or 0)] if source.per_expert else [""]
+    return [[source.hf_name.replace(LAYER, i).replace(EXPERT, e) for e in experts] for i in layers]
 
 
 def hf_param_names(config: ModelConfig) -> list[str]:
     """Every Hugging Face tensor name the model needs, in a stable order without repeats."""
     names: dict[str, None] = {}
     for source in param_sources(config):
-        layers = range(config.num_layers) if source.per_layer else [None]
-        for i in layers:
-            names[source.hf_name.replace(LAYER, str(i))] = None
+        for layer_names in _tensor_names(source, config):
+            names.update(dict.fromkeys(layer_names))
     return list(names)
 
 
@@ -168,11 +237,13 @@ def params_from_hf(get: TensorGetter, config: ModelConfig, dtype: np.dtype | str
     params: dict = {}
     for source in param_sources(config):
         transform = source.transform or (lambda x: x)
-        if source.per_layer:
-            names = [source.hf_name.replace(LAYER, str(i)) for i in range(config.num_layers)]
-            value = np.stack([transform(np.asarray(get(name))) for name in names])
-        else:
-            value = transform(np.asarray(get(source.hf_name)))
+
+        def leaf(names: list[str], transform=transform, per_expert=source.per_expert) -> np.ndarray:
+            arrays = [transform(np.asarray(get(name))) for name in names]
+            return np.stack(arrays) if per_expert else arrays[0]
+
+        layer_values = [leaf(names) for names in _tensor_names(source, config)]
+        value = np.stack(layer_values) if source.per_layer else layer_values[0]
         node = params
         for key in source.path[:-1]:
             node = node.setdefault(key, {})

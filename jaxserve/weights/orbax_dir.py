@@ -39,7 +39,11 @@ def config_to_dict(config: ModelConfig) -> dict[str, Any]:
 def config_from_dict(data: dict[str, Any]) -> ModelConfig:
     fields = dict(data)
     fields["rope"] = RopeConfig(**fields["rope"])
-    fields["eos_token_id"] = tuple(fields["eos_token_id"])
+    if fields.get("local_rope") is not None:
+        fields["local_rope"] = RopeConfig(**fields["local_rope"])
+    for name in ("eos_token_id", "layer_types", "mlp_only_layers"):  # JSON lists back to the config's tuples
+        if fields.get(name) is not None:
+            fields[name] = tuple(fields[name])
     return ModelConfig(**fields)
 
 

@@ -182,18 +182,14 @@ def test_the_experts_are_sharded_on_their_expert_axis_and_the_rest_as_before():
 
 _FIELDS = dict(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=HIDDEN, intermediate_size=32,
                num_layers=2, num_heads=4, num_kv_heads=4, head_dim=4)
-# ModelConfig once it has the MoE fields the model wiring adds
-MoeModelConfig = dataclasses.make_dataclass(
-    "MoeModelConfig", [("num_experts", int | None, None), ("shared_expert_intermediate_size", int | None, None)],
-    bases=(ModelConfig,), frozen=True,
-)
 
 
-def test_check_tensor_parallel_checks_the_experts_when_the_config_has_them():
-    check_tensor_parallel(ModelConfig(**_FIELDS), 4)  # a ModelConfig without the field
-    check_tensor_parallel(MoeModelConfig(**_FIELDS), 4)  # num_experts None: a dense model
-    moe = MoeModelConfig(**_FIELDS, num_experts=8)
-    check_tensor_parallel(moe, 4)
+def test_check_tensor_parallel_checks_the_experts_not_the_dense_mlp_of_an_moe_model():
+    check_tensor_parallel(ModelConfig(**_FIELDS), 4)  # a dense model
+    moe = ModelConfig(**{**_FIELDS, "intermediate_size": 30}, num_experts=8, num_experts_per_tok=2)
+    check_tensor_parallel(moe, 4)  # the experts are split whole: the unused dense size does not matter
+    with pytest.raises(ValueError, match=r"intermediate_size \(30\) is not divisible by tensor_parallel_size"):
+        check_tensor_parallel(dataclasses.replace(moe, num_experts=None), 4)
     with pytest.raises(ValueError, match=r"num_experts \(6\) is not divisible by tensor_parallel_size \(4\)"):
         check_tensor_parallel(dataclasses.replace(moe, num_experts=6), 4)
     with pytest.raises(ValueError, match=r"shared_expert_intermediate_size \(10\) is not divisible by .* \(4\)"):

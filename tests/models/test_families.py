@@ -1,0 +1,85 @@
+"""The families beyond Llama on tiny random transformers models: Qwen3, Phi-3, Gemma 2 and 3, Mixtral, Qwen2-MoE
+and Qwen3-MoE. Their config fields are read, and float32 logits over the paged pool equal transformers' within
+2e-5 on a prompt three times longer than the sliding window, prefilled whole, in chunks over scattered blocks
+and token by token, scanned and unrolled, on the reference, cpu and Pallas (interpreted) attention backends.
+The engine's greedy tokens are in tests/models/test_family_engines.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.models.common import attention_scale
+from jaxserve.weights import load_model
+from tests.forward import PagedForward
+from tests.hf_tiny import hf_logits, make_tiny_model
+
+TOKENS = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64, 7, 31, 5, 260]  # 16 tokens; windows are 5 or 6
+
+FAMILIES = {
+    "qwen3-gqa": ("qwen3", {}),
+    "qwen3-mha-tied": ("qwen3", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "phi3-partial-rotary": ("phi3", {}),
+    "phi3-sliding-window": ("phi3", {"partial_rotary_factor": 1.0, "sliding_window": 6, "num_key_value_heads": 1}),
+    "gemma2-softcaps": ("gemma2", {}),
+    "gemma3-local-rope": ("gemma3", {}),
+    "gemma3-mha-tied": ("gemma3", {"num_key_value_heads": 4, "tie_word_embeddings": True, "layer_types": None,
+                                   "num_hidden_layers": 7}),
+    "mixtral": ("mixtral", {"sliding_window": 6}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-unnormalised": ("qwen3_moe", {"norm_topk_prob": False, "num_experts": 5, "num_experts_per_tok": 2}),
+    "qwen2-moe-shared-expert": ("qwen2_moe", {}),
+}
+
+# family, head_dim, rotary_dim, sliding layers, qk_norm, attention scale, softcaps, experts (E, k, normalised)
+EXPECTED_CONFIG = {
+    "qwen3-gqa": ("qwen3", 24, 24, (False,) * 2, True, 24**-0.5, (None, None), (None, 0, True)),
+    "qwen3-mha-tied": ("qwen3", 24, 24, (False,) * 2, True, 24**-0.5, (None, None), (None, 0, True)),
+    "phi3-partial-rotary": ("phi3", 16, 8, (False,) * 2, False, 0.25, (None, None), (None, 0, True)),
+    "phi3-sliding-window": ("phi3", 16, 16, (True,) * 2, False, 0.25, (None, None), (None, 0, True)),
+    "gemma2-softcaps": ("gemma2", 16, 16, (True, False), False, 0.25, (5.0, 3.0), (None, 0, True)),
+    "gemma3-local-rope": ("gemma3", 24, 24, (True, False, True), True, 20**-0.5, (None, None), (None, 0, True)),
+    "gemma3-mha-tied": ("gemma3", 24, 24, (True,) * 5 + (False, True), True, 20**-0.5, (None, None),
+                        (None, 0, True)),
+    "mixtral": ("mixtral", 16, 16, (True,) * 2, False, 0.25, (None, None), (5, 2, True)),
+    "qwen3-moe": ("qwen3_moe", 16, 16, (False,) * 2, True, 0.25, (None, None), (7, 3, True)),
+    "qwen3-moe-unnormalised": ("qwen3_moe", 16, 16, (False,) * 2, True, 0.25, (None, None), (5, 2, False)),
+    "qwen2-moe-shared-expert": ("qwen2_moe", 16, 16, (False,) * 2, False, 0.25, (None, None), (5, 2, False)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def tiny(request, tmp_path_factory):
+    family, overrides = FAMILIES[request.param]
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), family, **overrides)
+    return request.param, path, load_model(str(path), "float32"), hf_logits(path, TOKENS)
+
+
+def test_config_reads_family_features(tiny):
+    name, _, loaded, _ = tiny
+    cfg = loaded.config
+    got = (
+        cfg.family, cfg.head_dim, cfg.rotary_dim, cfg.sliding_layers, cfg.qk_norm, attention_scale(cfg),
+        (cfg.attn_logit_softcap, cfg.final_logit_softcap),
+        (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob),
+    )
+    expected = EXPECTED_CONFIG[name]
+    assert got[:5] == expected[:5] and got[6:] == expected[6:]
+    assert got[5] == pytest.approx(expected[5])
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_prefill_logits_match_transformers(tiny, scan_layers):
+    _, _, loaded, expected = tiny
+    forward = PagedForward(loaded.config, loaded.params, scan_layers=scan_layers)
+    got = forward.run(TOKENS, [0, 1, 2, 3], [len(TOKENS)])
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
+    assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero numbers
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_chunks_and_decode_steps_over_scattered_blocks_match_transformers(tiny, backend):
+    _, _, loaded, expected = tiny
+    chunks = [5, 4, 3, 1, 1, 1, 1]  # prefill chunks crossing the window, then decode steps
+    got = PagedForward(loaded.config, loaded.params, backend=backend).run(TOKENS, [9, 2, 30, 17], chunks)
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
