@@ -1,7 +1,9 @@
-"""Shared pieces of the paged-attention kernels: backend choice, input validation, tuning lookup and the
+"""Shared pieces of the paged-attention kernels: backend choice, input validation, tuning lookup, the
+attention mask (causal, length and the optional sliding window), the optional logit soft-cap, and the
 online-softmax step that every kernel body (TPU and GPU, decode and prefill) runs per KV block.
 
-Nothing here launches a kernel; ``paged_attention.py`` and ``prefill_attention.py`` own the kernels.
+Nothing here launches a kernel; ``paged_attention.py``, ``prefill_attention.py`` and
+``ragged_paged_attention.py`` own the kernels.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 # Finite "minus infinity": exp(MASK_VALUE - m) == 0 for any real m, and MASK_VALUE - MASK_VALUE == 0 (no NaN).
@@ -240,10 +243,85 @@ def default_scale(sm_scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
 
 
-def logits(q: jax.Array, k: jax.Array, sm_scale: float) -> jax.Array:
-    """f32[rows, block_tokens] = (q[rows, d] @ k[block_tokens, d].T) * sm_scale, accumulated in float32."""
+def check_window_and_softcap(sliding_window: int | None, logit_softcap: float | None):
+    """Validates the optional attention variants; returns them as (int | None, float | None), 0 meaning
+    "off" like None (as in ``kernels_cpu``): an int window >= 1 and a finite cap > 0 are the on values."""
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)) or sliding_window < 0:
+            raise ValueError(f"sliding_window must be an int >= 1 (None or 0: no window), got {sliding_window!r}")
+        sliding_window = int(sliding_window) or None
+    if logit_softcap is not None:
+        if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float, np.number)) or not (
+            0.0 <= logit_softcap < math.inf
+        ):
+            raise ValueError(f"logit_softcap must be finite and > 0 (None or 0: no soft-cap), got {logit_softcap!r}")
+        logit_softcap = float(logit_softcap) or None
+    return sliding_window, logit_softcap
+
+
+def softcap(s: jax.Array, logit_softcap: float | None) -> jax.Array:
+    """Scaled scores soft-capped to ``logit_softcap * tanh(s / logit_softcap)`` (Gemma 2); s unchanged for
+    None."""
+    if logit_softcap is None:
+        return s
+    return logit_softcap * jnp.tanh(s / logit_softcap)
+
+
+def logits(q: jax.Array, k: jax.Array, sm_scale: float, logit_softcap: float | None = None) -> jax.Array:
+    """f32[rows, block_tokens] = (q[rows, d] @ k[block_tokens, d].T) * sm_scale, accumulated in float32,
+    then soft-capped (``softcap``)."""
     dims = (((1,), (1,)), ((), ()))
-    return lax.dot_general(q, k, dims, preferred_element_type=jnp.float32) * sm_scale
+    return softcap(lax.dot_general(q, k, dims, preferred_element_type=jnp.float32) * sm_scale, logit_softcap)
+
+
+def in_window(mask: jax.Array, key: jax.Array, row_pos: jax.Array, sliding_window: int | None) -> jax.Array:
+    """``mask`` limited to the keys of a sliding window of W tokens: row_pos - W < key (the query's own
+    position row_pos and the W - 1 before it, with the causal limit key <= row_pos); mask unchanged for
+    None."""
+    if sliding_window is None:
+        return mask
+    return mask & (key > row_pos - sliding_window)
+
+
+def attend_mask(key: jax.Array, row_pos: jax.Array, length, sliding_window: int | None) -> jax.Array:
+    """True where the query at row_pos attends the key: causal (key <= row_pos), below ``length`` and in
+    the sliding window, if any."""
+    return in_window((key <= row_pos) & (key < length), key, row_pos, sliding_window)
+
+
+def is_static_zero(x) -> bool:
+    return isinstance(x, int) and x == 0
+
+
+def plus(x, offset):
+    """x + offset, with no op at all for the static offset 0 (no sliding window): a kernel without a
+    window compiles to the same code as before windows existed."""
+    return x if is_static_zero(offset) else x + offset
+
+
+def window_first_page(first_pos, sliding_window: int | None, page_size: int):
+    """The page holding the first key that a query at ``first_pos`` (or any later query) may attend under
+    the sliding window: pages before it are skipped. The static 0 without a window."""
+    if sliding_window is None:
+        return 0
+    return lax.div(jnp.maximum(first_pos - sliding_window + 1, 0), page_size)
+
+
+def block_of_page(page, first_page, pages_per_block: int):
+    """Index of the compute block (blocks of pages_per_block pages from ``first_page``) that holds ``page``,
+    0 if the page comes before them: where a GPU kernel, whose blocks are aligned in the block table, starts
+    its walk to skip the pages before a sliding window. The static 0 for the static page 0 (no window)."""
+    if is_static_zero(page):
+        return 0
+    return lax.div(jnp.maximum(page - first_page, 0), pages_per_block)
+
+
+def blocks_from(first_page, kv_end, page_size: int, pages_per_block: int):
+    """Number of compute blocks of pages_per_block pages, from ``first_page`` on, that cover the keys below
+    kv_end (0 when first_page is past them)."""
+    if is_static_zero(first_page):
+        return pl.cdiv(kv_end, pages_per_block * page_size)
+    return pl.cdiv(jnp.maximum(pl.cdiv(kv_end, page_size) - first_page, 0), pages_per_block)
 
 
 def live_pages_only(pages: jax.Array, first_page, end_page) -> jax.Array:
@@ -264,9 +342,12 @@ def row_positions(first_pos, rows: int, block_q: int) -> jax.Array:
     return first_pos + (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
 
 
-def causal_block_step(state, q, k, v, *, first_key, row_pos, length, kv_end, sm_scale):
+def causal_block_step(
+    state, q, k, v, *, first_key, row_pos, length, kv_end, sm_scale, sliding_window=None, logit_softcap=None
+):
     """Online-softmax update of a query block's rows with one KV block of tokens first_key..: a row attends
-    keys at or before its position and below ``length``; tokens at or past ``kv_end`` are zeroed in v.
+    keys at or before its position, below ``length`` and in its sliding window (``attend_mask``), with
+    soft-capped logits (``logits``); tokens at or past ``kv_end`` are zeroed in v.
 
     k, v: [block_rows, lanes] rows of the pool's layout (``PoolGeometry``): with lanes == head_dim a row is
     one token; lane-dense rows hold ``lanes // head_dim`` consecutive tokens, each a slice of head_dim lanes
@@ -277,9 +358,9 @@ def causal_block_step(state, q, k, v, *, first_key, row_pos, length, kv_end, sm_
     for part in range(tokens_per_row):
         lanes = slice(part * head_dim, (part + 1) * head_dim)
         k_part, v_part = (k, v) if tokens_per_row == 1 else (k[:, lanes], v[:, lanes])
-        s = logits(q, k_part, sm_scale)  # f32[rows, block_rows]
+        s = logits(q, k_part, sm_scale, logit_softcap)  # f32[rows, block_rows]
         key = first_key + lax.broadcasted_iota(jnp.int32, s.shape, 1) * tokens_per_row + part
-        mask = (key <= row_pos) & (key < length)
+        mask = attend_mask(key, row_pos, length, sliding_window)
         token = first_key + lax.broadcasted_iota(jnp.int32, (k.shape[0], 1), 0) * tokens_per_row + part
         parts.append((s, mask, zero_invalid_rows(v_part, token < kv_end)))
     return online_softmax_parts(state, parts)

@@ -2,9 +2,10 @@
 
 The TPU kernels read the stacked pool in HBM at the layer index they are given (scalar-prefetched), so
 no layer's slice is ever copied out of it. Each walks one sequence's block table for one KV head in
-blocks of ``pages_per_block`` pages: while block ``i`` is being computed, the DMAs for block ``i + 1``
-already run into the other VMEM slot.
-Only pages that hold tokens below ``num_tokens`` are copied; the rest of a slot keeps stale (or, in
+blocks of ``pages_per_block`` pages from ``first_page`` on (0, or with a sliding window the page holding
+the window's first key): while block ``i`` is being computed, the DMAs for block ``i + 1`` already run into
+the other VMEM slot.
+Only pages from ``first_page`` up to ``num_pages`` are copied; the rest of a slot keeps stale (or, in
 interpret mode, NaN) data, which the kernels mask out.
 """
 
@@ -16,6 +17,8 @@ import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from kernels_pallas import _common as cm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +34,8 @@ class PageStream:
     table_offset: jax.Array  # i32 scalar, seq * pages_per_seq
     layer: jax.Array  # i32 scalar, the layer whose pages are read
     head: jax.Array  # i32 scalar, kv head
-    num_pages: jax.Array  # i32 scalar, pages that hold tokens we need
+    num_pages: jax.Array  # i32 scalar, pages that hold tokens we need (the end of the walk)
+    first_page: jax.Array | int = 0  # i32 scalar, the first page to copy (pages before a sliding window: skipped)
 
     @property
     def pages_per_block(self) -> int:
@@ -39,7 +43,7 @@ class PageStream:
 
     def _for_each_page(self, block, slot, action) -> None:
         for p in range(self.pages_per_block):
-            page_no = block * self.pages_per_block + p
+            page_no = cm.plus(block * self.pages_per_block + p, self.first_page)
 
             @pl.when(page_no < self.num_pages)
             def _(p=p, page_no=page_no):
@@ -58,7 +62,8 @@ class PageStream:
 
 
 def fold_pages(stream: PageStream, num_blocks: jax.Array, body, init):
-    """Runs ``body(block, k, v, carry)`` over blocks ``0..num_blocks-1`` with double-buffered DMAs.
+    """Runs ``body(block, k, v, carry)`` over blocks ``0..num_blocks-1`` with double-buffered DMAs (block
+    ``i`` holds pages ``stream.first_page + i * pages_per_block`` onwards).
 
     k, v: [pages_per_block * rows, lanes] pool rows of the block (``PoolGeometry``; tokens past the copied
     pages are garbage and must be masked by ``body``). Returns the final carry.

@@ -16,6 +16,12 @@ Two Pallas variants:
 Tokens at positions >= length never influence the result, and block-table entries past a sequence's
 length are never dereferenced (they may hold anything).
 A sequence with length 0 produces zeros.
+
+Optional variants (static): ``sliding_window`` W limits the query (at position length - 1) to the last W
+keys, positions length - W .. length - 1; the TPU variant starts its page walk at the page holding
+position length - W, the GPU variant each split's walk at the compute block holding that page (so at most
+pages_per_compute_block - 1 pages before it are read; masking makes both exact). ``logit_softcap`` c
+replaces the scaled scores s by c * tanh(s / c) before masking and the softmax (Gemma 2).
 """
 
 from __future__ import annotations
@@ -59,6 +65,21 @@ DEFAULT_BLOCK_SIZES = {
 GPU_TARGET_PROGRAMS = 264
 
 
+def _window_first_page(length, sliding_window: int | None, page_size: int):
+    """The page holding the decode query's first window key, length - W (the query sits at length - 1); the
+    static 0 without a window (``_common.window_first_page``)."""
+    if sliding_window is None:
+        return 0
+    return cm.window_first_page(length - 1, sliding_window, page_size)
+
+
+def _decode_mask(key, length, sliding_window: int | None):
+    """True for the keys the decode query (at length - 1) attends: below length, and in its window if any."""
+    if sliding_window is None:
+        return key < length
+    return cm.in_window(key < length, key, length - 1, sliding_window)
+
+
 # --------------------------------------------------------------------------------------------- TPU
 
 
@@ -77,10 +98,14 @@ def _tpu_kernel(
     sm_scale: float,
     pages_per_seq: int,
     page_size: int,
+    sliding_window: int | None,
+    logit_softcap: float | None,
 ):
     seq, head = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[seq]
-    block_tokens = k_buf.shape[1] * page_size
+    pages_per_block = k_buf.shape[1]
+    block_tokens = pages_per_block * page_size
+    first_page = _window_first_page(length, sliding_window, page_size)
     group, head_dim = q_ref.shape
     stream = PageStream(
         k_hbm,
@@ -93,21 +118,26 @@ def _tpu_kernel(
         layer=layer_ref[0],
         head=head,
         num_pages=pl.cdiv(length, page_size),
+        first_page=first_page,
     )
     q = q_ref[...]
-    # the one query token sits at position length - 1: it attends every key below length
+    # the one query token sits at position length - 1: it attends every key below length (in its window)
     row_pos = jnp.full((group, 1), length - 1, jnp.int32)
-    step = functools.partial(cm.causal_block_step, row_pos=row_pos, length=length, kv_end=length, sm_scale=sm_scale)
+    step = functools.partial(
+        cm.causal_block_step, row_pos=row_pos, length=length, kv_end=length, sm_scale=sm_scale,
+        sliding_window=sliding_window, logit_softcap=logit_softcap,
+    )
 
     def body(block, k, v, state):
-        return step(state, q, k, v, first_key=block * block_tokens)
+        return step(state, q, k, v, first_key=cm.plus(block * block_tokens, first_page * page_size))
 
-    state = fold_pages(stream, pl.cdiv(length, block_tokens), body, cm.init_softmax_state(group, head_dim))
+    num_blocks = cm.blocks_from(first_page, length, page_size, pages_per_block)
+    state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(group, head_dim))
     o_ref[...] = cm.finalize(state).astype(o_ref.dtype)
 
 
 def _paged_attention_tpu(q, k_pool, v_pool, layer, lengths, page_indices, geometry, *, sm_scale, pages_per_block,
-                         interpret):
+                         sliding_window, logit_softcap, interpret):
     """Arrays as in ``paged_attention`` (validated, pools stacked, lengths clamped) -> [num_seqs, num_q_heads,
     head_dim]."""
     num_seqs, num_q_heads, head_dim = q.shape
@@ -116,7 +146,10 @@ def _paged_attention_tpu(q, k_pool, v_pool, layer, lengths, page_indices, geomet
     group = num_q_heads // g.num_kv_heads
     q4 = q.reshape(num_seqs, g.num_kv_heads, group, head_dim)
     q_spec = pl.BlockSpec((None, None, group, head_dim), lambda s, h, *_: (s, h, 0, 0))
-    kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size)
+    kernel = functools.partial(
+        _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size,
+        sliding_window=sliding_window, logit_softcap=logit_softcap,
+    )
     buf = pltpu.VMEM((2, pages_per_block, g.rows_per_page, g.lanes), k_pool.dtype)
     out = pl.pallas_call(
         kernel,
@@ -153,6 +186,8 @@ def _gpu_kernel(
     pages_per_block: int,
     num_kv_heads: int,
     total_pages: int,
+    sliding_window: int | None,
+    logit_softcap: float | None,
 ):
     split = pl.program_id(2)
     first_of_head = cm.first_page_of(layer_ref[0], pl.program_id(1), num_kv_heads, total_pages)
@@ -163,6 +198,8 @@ def _gpu_kernel(
     first_page = split * pages_per_split
     end_page = jnp.minimum(pl.cdiv(length, page_size), first_page + pages_per_split)
     num_blocks = pl.cdiv(jnp.maximum(end_page - first_page, 0), pages_per_block)
+    window_page = _window_first_page(length, sliding_window, page_size)
+    first_block = cm.block_of_page(window_page, first_page, pages_per_block)
     q = q_ref[...]
 
     def body(block, state):
@@ -172,13 +209,14 @@ def _gpu_kernel(
         k = k_ref[pages].reshape(block_tokens, head_dim)
         v = v_ref[pages].reshape(block_tokens, head_dim)
         first = first_in_block * page_size
-        s = cm.logits(q, k, sm_scale)  # f32[rows, block_tokens]
-        mask = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < length
+        s = cm.logits(q, k, sm_scale, logit_softcap)  # f32[rows, block_tokens]
+        key = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        mask = _decode_mask(key, length, sliding_window)
         token_ok = first + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0) < length
         return cm.online_softmax_step(state, s, mask, cm.zero_invalid_rows(v, token_ok))
 
     state = cm.init_softmax_state(q_ref.shape[0], head_dim)
-    m, denom, acc = jax.lax.fori_loop(0, num_blocks, body, state)
+    m, denom, acc = jax.lax.fori_loop(first_block, num_blocks, body, state)
     o_ref[...], m_ref[...], l_ref[...] = acc, m, denom
 
 
@@ -211,6 +249,8 @@ def _paged_attention_gpu(
     num_splits,
     num_warps,
     num_stages,
+    sliding_window,
+    logit_softcap,
     interpret,
 ):
     """Arrays as in ``paged_attention`` (validated, pools stacked, lengths clamped) -> [num_seqs, num_q_heads,
@@ -232,7 +272,7 @@ def _paged_attention_gpu(
     part_shape = (num_seqs, g.num_kv_heads, num_splits, rows)
     kernel = functools.partial(
         _gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, num_kv_heads=g.num_kv_heads,
-        total_pages=g.total_pages,
+        total_pages=g.total_pages, sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
     o, m, denom = pl.pallas_call(
         kernel,
@@ -266,6 +306,12 @@ def _paged_attention_gpu(
 # ------------------------------------------------------------------------------------------ public
 
 
+def _variants(sliding_window, logit_softcap) -> dict:
+    """The validated optional variants as keyword arguments of the kernel calls."""
+    sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
+    return dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+
+
 def _validate(q, k_pool, v_pool, lengths, page_indices) -> cm.PoolGeometry:
     if q.ndim != 3:
         raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim], got shape {q.shape}")
@@ -285,6 +331,8 @@ def _validate(q, k_pool, v_pool, lengths, page_indices) -> cm.PoolGeometry:
         "num_splits",
         "num_warps",
         "num_stages",
+        "sliding_window",
+        "logit_softcap",
     ),
 )
 def paged_attention(
@@ -302,6 +350,8 @@ def paged_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:  # [num_seqs, num_q_heads, head_dim], q.dtype
     """Decode attention of one query token per sequence over its paged context.
 
@@ -321,8 +371,11 @@ def paged_attention(
         ``TUNED_BLOCK_SIZES``; capped at the block table width.
       num_splits: GPU only, flash-decoding splits of the context; default fills ~264 programs.
       num_warps, num_stages: GPU only, Triton launch parameters.
+      sliding_window: attend only the last ``sliding_window`` keys (the query's own included); None or 0: all.
+      logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
     """
     geometry = _validate(q, k_pages, v_pages, lengths, page_indices)
+    variants = _variants(sliding_window, logit_softcap)
     k_pool, layer_index = cm.stacked_pool(k_pages, layer)
     v_pool, _ = cm.stacked_pool(v_pages, layer)
     backend = cm.resolve_backend(backend, interpret)
@@ -343,7 +396,9 @@ def paged_attention(
     args = (q, k_pool, v_pool, layer_index, lengths, page_indices, geometry)
     if backend == "tpu":
         cm.reject_knobs("tpu", num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
-        return _paged_attention_tpu(*args, sm_scale=sm_scale, pages_per_block=pages_per_block, interpret=interpret)
+        return _paged_attention_tpu(
+            *args, sm_scale=sm_scale, pages_per_block=pages_per_block, interpret=interpret, **variants
+        )
     cm.check_gpu_layout(geometry)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -355,10 +410,11 @@ def paged_attention(
         num_warps=knobs["num_warps"],
         num_stages=knobs["num_stages"],
         interpret=interpret,
+        **variants,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap"))
 def paged_attention_reference(
     q: jax.Array,  # [num_seqs, num_q_heads, head_dim]
     k_pages: jax.Array,  # as in paged_attention
@@ -368,20 +424,26 @@ def paged_attention_reference(
     *,
     layer: jax.Array | int | None = None,
     sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:  # [num_seqs, num_q_heads, head_dim], q.dtype
-    """Plain-jnp decode attention: gathers each sequence's pages through the block table (float32 math)."""
+    """Plain-jnp decode attention: gathers each sequence's pages through the block table (float32 math);
+    ``sliding_window`` and ``logit_softcap`` as in ``paged_attention``."""
     geometry = _validate(q, k_pages, v_pages, lengths, page_indices)
+    sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
     k_pages, v_pages = (cm.layer_pages(*cm.stacked_pool(x, layer), geometry) for x in (k_pages, v_pages))
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     sm_scale = cm.default_scale(sm_scale, head_dim)
     k, v = gather_pages(k_pages, page_indices), gather_pages(v_pages, page_indices)  # [s, kvh, T, d]
-    valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]  # [s, T]
+    key = jnp.arange(k.shape[2])[None, :]
+    valid = key < lengths[:, None]  # [s, T]
     k = jnp.where(valid[:, None, :, None], k, 0.0)
     v = jnp.where(valid[:, None, :, None], v, 0.0)
+    seen = _decode_mask(key, lengths[:, None], sliding_window)
     qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    s = jnp.einsum("shgd,shtd->shgt", qg, k) * sm_scale
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    s = cm.softcap(jnp.einsum("shgd,shtd->shgt", qg, k) * sm_scale, logit_softcap)
+    s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
     p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True, initial=cm.MASK_VALUE))
     out = jnp.einsum("shgt,shtd->shgd", p, v) / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
     return out.reshape(q.shape).astype(q.dtype)

@@ -9,8 +9,13 @@ Query row i of sequence s sits at position q_start[s] + i and attends keys j <= 
 j < lengths[s]. Rows with q_start[s] + i >= lengths[s] are padding and come out as zeros. Block-table
 entries past a sequence's length are never dereferenced (they may hold anything).
 
+Optional variants (static): ``sliding_window`` W further limits a query at position p to keys
+p - W < j; a program starts its page walk at the page holding the window start of its block's first query
+(the GPU variant: at the compute block holding that page), and masking gives every row its own window.
+``logit_softcap`` c replaces the scaled scores s by c * tanh(s / c) before masking and the softmax.
+
 Two Pallas variants, both on grid (sequence, kv head, query block) with an online softmax over KV blocks
-that stops at the block's causal/length limit:
+that stops at the block's causal/length limit (and, with a window, starts at its window start):
 * TPU (Mosaic): q_start, lengths and block tables scalar-prefetched into SMEM; pages DMA'd from HBM into
   double-buffered VMEM blocks.
 * GPU (Triton): flash-attention style; each program gathers pages through the block table.
@@ -84,6 +89,8 @@ def _tpu_kernel(
     pages_per_seq: int,
     page_size: int,
     block_q: int,
+    sliding_window: int | None,
+    logit_softcap: float | None,
 ):
     seq, head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[seq]
@@ -92,6 +99,7 @@ def _tpu_kernel(
     pages_per_block = k_buf.shape[1]
     rows, head_dim = q_ref.shape
     row_pos = cm.row_positions(first_q, rows, block_q)
+    first_page = cm.window_first_page(first_q, sliding_window, page_size)
     stream = PageStream(
         k_hbm,
         v_hbm,
@@ -103,14 +111,18 @@ def _tpu_kernel(
         layer=layer_ref[0],
         head=head,
         num_pages=pl.cdiv(kv_end, page_size),
+        first_page=first_page,
     )
     q = q_ref[...]
-    step = functools.partial(cm.causal_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale)
+    step = functools.partial(
+        cm.causal_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale,
+        sliding_window=sliding_window, logit_softcap=logit_softcap,
+    )
 
     def body(block, k, v, state):
-        return step(state, q, k, v, first_key=block * pages_per_block * page_size)
+        return step(state, q, k, v, first_key=cm.plus(block * pages_per_block * page_size, first_page * page_size))
 
-    num_blocks = pl.cdiv(kv_end, pages_per_block * page_size)
+    num_blocks = cm.blocks_from(first_page, kv_end, page_size, pages_per_block)
     state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(rows, head_dim))
     out = jnp.where(row_pos < length, cm.finalize(state), 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
@@ -118,7 +130,7 @@ def _tpu_kernel(
 
 def _tpu_call(
     q5, k_pool, v_pool, layer, page_indices, q_start, lengths, geometry, *, block_q, sm_scale, pages_per_block,
-    interpret
+    sliding_window, logit_softcap, interpret
 ):
     """q5 [num_seqs, num_kv_heads, q_blocks, group_p * block_q, head_dim] from ``_to_row_blocks``; others
     as in ``prefill_attention`` (validated, pools stacked, lengths clamped). Returns an array shaped like q5."""
@@ -127,7 +139,8 @@ def _tpu_call(
     pages_per_seq = page_indices.shape[1]
     q_spec = pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, b, *_: (s, h, b, 0, 0))
     kernel = functools.partial(
-        _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size, block_q=block_q
+        _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size, block_q=block_q,
+        sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
     buf = pltpu.VMEM((2, pages_per_block, g.rows_per_page, g.lanes), k_pool.dtype)
     return pl.pallas_call(
@@ -162,6 +175,8 @@ def _gpu_kernel(
     block_q: int,
     num_kv_heads: int,
     total_pages: int,
+    sliding_window: int | None,
+    logit_softcap: float | None,
 ):
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_tokens = pages_per_block * page_size
@@ -170,8 +185,12 @@ def _gpu_kernel(
     kv_end = _kv_end(first_q, length, block_q)
     rows = q_ref.shape[0]
     row_pos = cm.row_positions(first_q, rows, block_q)
+    first_block = cm.block_of_page(cm.window_first_page(first_q, sliding_window, page_size), 0, pages_per_block)
     q = q_ref[...]
-    step = functools.partial(cm.causal_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale)
+    step = functools.partial(
+        cm.causal_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale,
+        sliding_window=sliding_window, logit_softcap=logit_softcap,
+    )
     first_of_head = cm.first_page_of(meta_ref[2], pl.program_id(1), num_kv_heads, total_pages)
 
     def body(block, state):
@@ -181,7 +200,8 @@ def _gpu_kernel(
         v = v_ref[pages].reshape(block_tokens, head_dim)
         return step(state, q, k, v, first_key=block * block_tokens)
 
-    state = jax.lax.fori_loop(0, pl.cdiv(kv_end, block_tokens), body, cm.init_softmax_state(rows, head_dim))
+    num_blocks = pl.cdiv(kv_end, block_tokens)
+    state = jax.lax.fori_loop(first_block, num_blocks, body, cm.init_softmax_state(rows, head_dim))
     out = jnp.where(row_pos < length, cm.finalize(state), 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
 
@@ -201,6 +221,8 @@ def _gpu_call(
     pages_per_block,
     num_warps,
     num_stages,
+    sliding_window,
+    logit_softcap,
     interpret,
 ):
     """q5 [num_seqs, num_kv_heads, q_blocks, group_p * block_q, head_dim] from ``_to_row_blocks``; others
@@ -215,7 +237,8 @@ def _gpu_call(
     pool_spec = pl.BlockSpec(k_flat.shape, lambda s, h, b: (0, 0, 0))  # the whole pool: pages by offset
     kernel = functools.partial(
         _gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, block_q=block_q,
-        num_kv_heads=num_kv_heads, total_pages=geometry.total_pages,
+        num_kv_heads=num_kv_heads, total_pages=geometry.total_pages, sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
     )
     return pl.pallas_call(
         kernel,
@@ -280,6 +303,8 @@ def _validate(q, k_pages, v_pages, page_indices, q_start, lengths) -> cm.PoolGeo
         "pages_per_compute_block",
         "num_warps",
         "num_stages",
+        "sliding_window",
+        "logit_softcap",
     ),
 )
 def prefill_attention(
@@ -298,6 +323,8 @@ def prefill_attention(
     pages_per_compute_block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
     """Causal attention of a chunk of query tokens over the paged KV cache (prefix + the chunk itself).
 
@@ -312,8 +339,11 @@ def prefill_attention(
       block_q: query tokens per program (power of two >= 16; capped at the chunk length rounded up).
       pages_per_compute_block: pages per KV block (power of two); capped at the block table width.
       num_warps, num_stages: GPU only, Triton launch parameters.
+      sliding_window: a query at position p attends only keys p - sliding_window < j <= p; None or 0: all.
+      logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
     """
     geometry = _validate(q, k_pages, v_pages, page_indices, q_start, lengths)
+    sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
     k_pool, layer_index = cm.stacked_pool(k_pages, layer)
     v_pool, _ = cm.stacked_pool(v_pages, layer)
     backend = cm.resolve_backend(backend, interpret)
@@ -336,6 +366,8 @@ def prefill_attention(
         block_q=block_q,
         sm_scale=cm.default_scale(sm_scale, head_dim),
         pages_per_block=cm.fit_pages_per_block(knobs["pages_per_compute_block"], pages_per_seq),
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
         interpret=interpret,
     )
     lengths = jnp.clip(lengths, 0, pages_per_seq * page_size)  # never walk past the block table
@@ -352,7 +384,7 @@ def prefill_attention(
     return _from_row_blocks(out, q.shape, group_p, block_q)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap"))
 def prefill_attention_reference(
     q: jax.Array,  # [num_seqs, chunk_len, num_q_heads, head_dim]
     k_pages: jax.Array,  # as in prefill_attention
@@ -363,11 +395,18 @@ def prefill_attention_reference(
     *,
     layer: jax.Array | int | None = None,
     sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
-    """Plain-jnp chunked causal attention through the block table (float32 math)."""
+    """Plain-jnp chunked causal attention through the block table (float32 math); ``sliding_window`` and
+    ``logit_softcap`` as in ``prefill_attention``."""
     geometry = _validate(q, k_pages, v_pages, page_indices, q_start, lengths)
+    sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
     k_pages, v_pages = (cm.layer_pages(*cm.stacked_pool(x, layer), geometry) for x in (k_pages, v_pages))
-    return causal_paged_attention(q, k_pages, v_pages, page_indices, q_start, lengths, sm_scale=sm_scale)
+    return causal_paged_attention(
+        q, k_pages, v_pages, page_indices, q_start, lengths, sm_scale=sm_scale, sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
 
 
 def causal_paged_attention(
@@ -380,25 +419,25 @@ def causal_paged_attention(
     *,
     sm_scale: float | None = None,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
-    """The reference math without the kernels' shape limits: any page size and head_dim, and an optional
-    sliding window (a query at position p sees keys p - window < j <= p). Float32 math."""
+    """The reference math without the kernels' shape limits: any page size and head_dim, an optional
+    sliding window (a query at position p sees keys p - window < j <= p) and logit soft-cap. Float32
+    math."""
     k, v = gather_pages(k_pages, page_indices), gather_pages(v_pages, page_indices)  # [s, kvh, T, d]
     num_seqs, chunk_len, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     sm_scale = cm.default_scale(sm_scale, head_dim)
     key = jnp.arange(k.shape[2])[None, None, :]  # [1, 1, T]
     row = (q_start[:, None] + jnp.arange(chunk_len)[None, :])[:, :, None]  # [s, C, 1]
-    mask = (key <= row) & (key < lengths[:, None, None])  # [s, C, T]
-    if sliding_window is not None:
-        mask &= key > row - sliding_window
+    mask = cm.attend_mask(key, row, lengths[:, None, None], sliding_window)  # [s, C, T]
     token_ok = key[:, 0, :, None] < lengths[:, None, None]  # [s, T, 1]
     k = jnp.where(token_ok[:, None], k, 0.0)
     v = jnp.where(token_ok[:, None], v, 0.0)
     qg = q.astype(jnp.float32).reshape(
         num_seqs, chunk_len, num_kv_heads, num_q_heads // num_kv_heads, head_dim
     )
-    s = jnp.einsum("schgd,shtd->shgct", qg, k) * sm_scale
+    s = cm.softcap(jnp.einsum("schgd,shtd->shgct", qg, k) * sm_scale, logit_softcap)
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
     p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True, initial=cm.MASK_VALUE))
     out = jnp.einsum("shgct,shtd->schgd", p, v)

@@ -13,6 +13,9 @@ past what a row sees are never dereferenced, and out-of-range entries below it a
 (as XLA clamps gather indices). The rows' query ranges must lie inside q and must not overlap (the CPU
 kernel raises otherwise; here tokens outside q are dropped, and a token in two rows gets one of them).
 
+Optional variants (static): ``sliding_window`` W further limits a token at position p to keys p - W < k;
+``logit_softcap`` c replaces the scaled scores s by c * tanh(s / c) before masking and the softmax.
+
 Work items. The wrapper (plain jnp, inside the same jit) cuts every row into items of at most ``block_q``
 consecutive tokens of that one row: row s gives cdiv(query_lens[s], block_q) items. An item never
 straddles rows, so the kernel body is the plain one-sequence causal block of the prefill kernel, with one
@@ -32,10 +35,12 @@ back to their tokens. That is a copy of q and of the output, never of the KV cac
 Per item the kernel needs three scalars, computed by the wrapper: its row (for the block table), the
 position of its first token, and ``kv_end``, the exclusive key limit
 min(lengths[row], last token's position + 1) (0 for an empty item). A token of the item is real exactly
-when 0 <= its position < kv_end, and it attends keys k <= its position (and < kv_end).
+when 0 <= its position < kv_end, and it attends keys k <= its position (and < kv_end, and in its window).
 
 Two Pallas variants, both on grid (kv head, item) with a float32 online softmax over blocks of
-``pages_per_compute_block`` pages, walking the item's pages only up to kv_end:
+``pages_per_compute_block`` pages, walking the item's pages only up to kv_end and, with a sliding window,
+only from the page holding the window start of the item's first token (the GPU variant: from the compute
+block holding that page):
 * TPU (Mosaic): the items' rows, first positions, kv_end and the (flattened) block tables are
   scalar-prefetched into SMEM; pages stay in HBM and are DMA'd into double-buffered VMEM slots
   (``_tpu_paging``). On CPU it runs in the TPU interpreter (``interpret=True``).
@@ -161,12 +166,16 @@ def _tpu_kernel(
     pages_per_seq: int,
     page_size: int,
     block_q: int,
+    sliding_window: int | None,
+    logit_softcap: float | None,
 ):
     head, item = pl.program_id(0), pl.program_id(1)
     kv_end = kv_end_ref[item]
     pages_per_block = k_buf.shape[1]
     rows, head_dim = q_ref.shape
-    row_pos = cm.row_positions(first_pos_ref[item], rows, block_q)
+    first_pos = first_pos_ref[item]
+    row_pos = cm.row_positions(first_pos, rows, block_q)
+    first_page = cm.window_first_page(first_pos, sliding_window, page_size)
     real = (row_pos >= 0) & (row_pos < kv_end)  # [rows, 1]: a token of the row with something to attend
     stream = PageStream(
         k_hbm,
@@ -179,29 +188,32 @@ def _tpu_kernel(
         layer=layer_ref[0],
         head=head,
         num_pages=pl.cdiv(kv_end, page_size),
+        first_page=first_page,
     )
     q = q_ref[...]  # rows of padding tokens may hold anything; they only reach their own (zeroed) rows
     step = functools.partial(
-        cm.causal_block_step, row_pos=row_pos, length=kv_end, kv_end=kv_end, sm_scale=sm_scale
+        cm.causal_block_step, row_pos=row_pos, length=kv_end, kv_end=kv_end, sm_scale=sm_scale,
+        sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
 
     def body(block, k, v, state):
-        return step(state, q, k, v, first_key=block * pages_per_block * page_size)
+        return step(state, q, k, v, first_key=cm.plus(block * pages_per_block * page_size, first_page * page_size))
 
-    num_blocks = pl.cdiv(kv_end, pages_per_block * page_size)
+    num_blocks = cm.blocks_from(first_page, kv_end, page_size, pages_per_block)
     state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(rows, head_dim))
     o_ref[...] = jnp.where(real, cm.finalize(state), 0.0).astype(o_ref.dtype)
 
 
 def _tpu_call(q_items, k_pool, v_pool, layer, block_tables, items: _Items, geometry, *, block_q, sm_scale,
-              pages_per_block, interpret):
+              pages_per_block, sliding_window, logit_softcap, interpret):
     """q_items [items, kvh, group * block_q, D] from ``_gather_items`` -> an array shaped like it."""
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     g = geometry
     pages_per_seq = block_tables.shape[1]
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (w, h, 0, 0))
     kernel = functools.partial(
-        _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size, block_q=block_q
+        _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size, block_q=block_q,
+        sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
     buf = pltpu.VMEM((2, pages_per_block, g.rows_per_page, g.lanes), k_pool.dtype)
     return pl.pallas_call(
@@ -236,16 +248,21 @@ def _gpu_kernel(
     block_q: int,
     num_kv_heads: int,
     total_pages: int,
+    sliding_window: int | None,
+    logit_softcap: float | None,
 ):
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_tokens = pages_per_block * page_size
     kv_end = meta_ref[1]
     rows = q_ref.shape[0]
-    row_pos = cm.row_positions(meta_ref[0], rows, block_q)
+    first_pos = meta_ref[0]
+    row_pos = cm.row_positions(first_pos, rows, block_q)
     real = (row_pos >= 0) & (row_pos < kv_end)
+    first_block = cm.block_of_page(cm.window_first_page(first_pos, sliding_window, page_size), 0, pages_per_block)
     q = q_ref[...]
     step = functools.partial(
-        cm.causal_block_step, row_pos=row_pos, length=kv_end, kv_end=kv_end, sm_scale=sm_scale
+        cm.causal_block_step, row_pos=row_pos, length=kv_end, kv_end=kv_end, sm_scale=sm_scale,
+        sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
     first_of_head = cm.first_page_of(meta_ref[2], pl.program_id(0), num_kv_heads, total_pages)
 
@@ -256,12 +273,13 @@ def _gpu_kernel(
         v = v_ref[pages].reshape(block_tokens, head_dim)
         return step(state, q, k, v, first_key=block * block_tokens)
 
-    state = jax.lax.fori_loop(0, pl.cdiv(kv_end, block_tokens), body, cm.init_softmax_state(rows, head_dim))
+    num_blocks = pl.cdiv(kv_end, block_tokens)
+    state = jax.lax.fori_loop(first_block, num_blocks, body, cm.init_softmax_state(rows, head_dim))
     o_ref[...] = jnp.where(real, cm.finalize(state), 0.0).astype(o_ref.dtype)
 
 
 def _gpu_call(q_items, k_pool, v_pool, layer, block_tables, items: _Items, geometry, *, block_q, sm_scale,
-              pages_per_block, num_warps, num_stages, interpret):
+              pages_per_block, num_warps, num_stages, sliding_window, logit_softcap, interpret):
     """q_items [items, kvh, group_p * block_q, D] from ``_gather_items`` -> an array shaped like it."""
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     pages_per_seq = block_tables.shape[1]
@@ -274,7 +292,8 @@ def _gpu_call(q_items, k_pool, v_pool, layer, block_tables, items: _Items, geome
     pool_spec = pl.BlockSpec(k_flat.shape, lambda h, w: (0, 0, 0))  # the whole pool: pages by offset
     kernel = functools.partial(
         _gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, block_q=block_q,
-        num_kv_heads=num_kv_heads, total_pages=geometry.total_pages,
+        num_kv_heads=num_kv_heads, total_pages=geometry.total_pages, sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
     )
     return pl.pallas_call(
         kernel,
@@ -326,6 +345,8 @@ def _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, posit
         "pages_per_compute_block",
         "num_warps",
         "num_stages",
+        "sliding_window",
+        "logit_softcap",
     ),
 )
 def ragged_paged_attention(
@@ -346,6 +367,8 @@ def ragged_paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     backend: str = "auto",
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:  # [T, Hq, D], q.dtype; zeros for tokens in no row and tokens outside [0, length)
     """Causal attention of ragged rows (decode tokens and prefill chunks) over the paged KV cache.
 
@@ -360,8 +383,11 @@ def ragged_paged_attention(
       pages_per_compute_block: pages per KV block (power of two); capped at the block table width.
       num_warps, num_stages: GPU only, Triton launch parameters.
       backend: "tpu", "gpu" or "auto" (as in ``paged_attention``).
+      sliding_window: a token at position p attends only keys p - sliding_window < k <= p; None or 0: all.
+      logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
     """
     geometry = _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths)
+    sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
     k_pool, layer_index = cm.stacked_pool(k_pages, layer)
     v_pool, _ = cm.stacked_pool(v_pages, layer)
     backend = cm.resolve_backend(backend, interpret)
@@ -393,6 +419,8 @@ def ragged_paged_attention(
         block_q=block_q,
         sm_scale=float(sm_scale),
         pages_per_block=cm.fit_pages_per_block(knobs["pages_per_compute_block"], pages_per_seq),
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
         interpret=interpret,
     )
     group = num_q_heads // num_kv_heads
@@ -408,7 +436,7 @@ def ragged_paged_attention(
     return _scatter_items(out, items, q.shape, group_p, block_q)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap"))
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, Hq, D]
     k_pages: jax.Array,  # as in ragged_paged_attention
@@ -421,11 +449,14 @@ def ragged_paged_attention_reference(
     *,
     layer: jax.Array | int | None = None,
     sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:  # [T, Hq, D], q.dtype
     """Plain-jnp ragged attention (float32 math): every token gathers its row's pages through the block
     table (an [T, Hkv, P * block_size, D] copy, so for tests and small batches) and takes a masked softmax.
-    Same semantics as ``ragged_paged_attention``."""
+    Same semantics as ``ragged_paged_attention``, ``sliding_window`` and ``logit_softcap`` included."""
     geometry = _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths)
+    sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
     k_pages, v_pages = (cm.layer_pages(*cm.stacked_pool(x, layer), geometry) for x in (k_pages, v_pages))
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, total_pages, page_size, _ = k_pages.shape
@@ -445,12 +476,12 @@ def ragged_paged_attention_reference(
     k = gather_pages(k_pages, block_tables[safe_row])  # f32[T, kvh, P * page_size, D]
     v = gather_pages(v_pages, block_tables[safe_row])
     key = jnp.arange(k.shape[2])[None, :]
-    seen = (key <= position[:, None]) & (key < length[:, None]) & real[:, None]  # [T, keys]
+    seen = cm.attend_mask(key, position[:, None], length[:, None], sliding_window) & real[:, None]  # [T, keys]
     k = jnp.where(seen[:, None, :, None], k, 0.0)
     v = jnp.where(seen[:, None, :, None], v, 0.0)
     qg = jnp.where(real[:, None, None], q.astype(jnp.float32), 0.0)
     qg = qg.reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    s = jnp.einsum("thgd,thkd->thgk", qg, k) * sm_scale
+    s = cm.softcap(jnp.einsum("thgd,thkd->thgk", qg, k) * sm_scale, logit_softcap)
     s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
     p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True, initial=cm.MASK_VALUE))
     out = jnp.einsum("thgk,thkd->thgd", p, v) / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)

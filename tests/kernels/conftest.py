@@ -1,4 +1,5 @@
-"""Builders for paged KV test cases and a naive numpy attention, shared by the kernel tests.
+"""Builders for paged KV test cases (one-layer or stacked pools), a naive numpy attention (with the optional
+sliding window and logit soft-cap) and the pages a windowed kernel must skip, shared by the kernel tests.
 
 Every pool page that no sequence uses below its length, and every token slot past a sequence's length in
 its last page, holds NaN; block-table entries past a sequence's length point at a NaN page. A kernel that
@@ -58,8 +59,24 @@ def make_paged_kv(rng, *, lengths, num_kv_heads, head_dim, page_size, pages_per_
     )
 
 
-def naive_attention(q_rows, k, v, positions, sm_scale):
-    """Dense causal softmax attention in float64 for one sequence.
+def window_start(position: int, sliding_window: int | None) -> int:
+    """The first key position a query at ``position`` attends: 0, or the start of its sliding window."""
+    return 0 if sliding_window is None else max(0, position - sliding_window + 1)
+
+
+def window_keys(position: int, sliding_window: int | None) -> np.ndarray:
+    """Key positions a query at ``position`` attends: 0..position, or its last ``sliding_window`` of them."""
+    return np.arange(window_start(position, sliding_window), position + 1)
+
+
+def naive_scores(keys, q, sm_scale, logit_softcap=None):
+    """Scaled scores keys @ q * sm_scale, soft-capped to c * tanh(s / c) for a cap c."""
+    s = keys @ q * sm_scale
+    return s if logit_softcap is None else logit_softcap * np.tanh(s / logit_softcap)
+
+
+def naive_attention(q_rows, k, v, positions, sm_scale, sliding_window=None, logit_softcap=None):
+    """Dense causal softmax attention in float64 for one sequence (optionally windowed and soft-capped).
 
     q_rows f64[n, num_q_heads, d] at token positions[n]; k, v f64[length, num_kv_heads, d].
     """
@@ -67,12 +84,45 @@ def naive_attention(q_rows, k, v, positions, sm_scale):
     group = num_q_heads // k.shape[1]
     out = np.zeros(q_rows.shape)
     for i, pos in enumerate(positions):
+        keys = window_keys(pos, sliding_window)
         for h in range(num_q_heads):
-            keys, values = k[: pos + 1, h // group], v[: pos + 1, h // group]
-            s = keys @ q_rows[i, h] * sm_scale
+            s = naive_scores(k[keys, h // group], q_rows[i, h], sm_scale, logit_softcap)
             p = np.exp(s - s.max())
-            out[i, h] = p @ values / p.sum()
+            out[i, h] = p @ v[keys, h // group] / p.sum()
     return out
+
+
+def first_read_page(first_pos: int, sliding_window: int | None, page_size: int, backend: str,
+                    pages_per_block: int) -> int:
+    """The first page a windowed kernel reads for queries from ``first_pos`` on: the TPU variants start at
+    the page of the window's first key, the GPU variants at the compute block holding it."""
+    page = window_start(first_pos, sliding_window) // page_size
+    return page if backend == "tpu" else page - page % pages_per_block
+
+
+def poison_pages_before(kv: PagedKV, first_pages) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(k_pages, v_pages) with NaN in every page of sequence s before its block-table entry first_pages[s]:
+    a kernel that reads a page it should skip returns NaN."""
+    table = np.asarray(kv.page_indices)
+    skipped = np.concatenate([table[s, :first] for s, first in enumerate(first_pages)]).astype(int)
+    return tuple(x.at[:, skipped].set(jnp.nan) for x in (kv.k_pages, kv.v_pages))
+
+
+STACK_LAYERS, STACK_LAYER = 3, 1
+
+
+def pool_at_layer(pages: jnp.ndarray, layout: str):
+    """(pool, layer): one layer's pages [Hkv, P, page_size, D] as layer STACK_LAYER of a pool of STACK_LAYERS
+    layers, the others NaN (a kernel that reads outside its layer returns NaN), in the plain layout
+    ("stacked") or the TPU kernels' "lane-dense" one (128 // D tokens per 128-lane row)."""
+    if layout not in ("stacked", "lane-dense"):
+        raise ValueError(f"unknown pool layout {layout!r}")
+    pool = jnp.full((STACK_LAYERS, *pages.shape), jnp.nan, pages.dtype).at[STACK_LAYER].set(pages)
+    if layout == "lane-dense":  # row-major: token t of a page is row t // n, lanes (t % n) * D.. of the same bytes
+        page_size, head_dim = pages.shape[-2:]
+        tokens_per_row = 128 // head_dim
+        pool = pool.reshape(*pool.shape[:3], page_size // tokens_per_row, tokens_per_row * head_dim)
+    return pool, jnp.int32(STACK_LAYER)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Decode kernel (both Pallas variants, interpret mode on CPU) against the jnp reference, and the reference
-against a naive numpy attention."""
+against a naive numpy attention; with a sliding window and logit soft-cap, kernel and reference against the
+naive attention (pages before the window NaN; stacked pools, plain and lane-dense, read at a layer)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.paged_attention import paged_attention, paged_attention_reference
+from tests.kernels.conftest import first_read_page, poison_pages_before, pool_at_layer
 
 # (dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, gpu num_splits)
 CASES = [
@@ -173,9 +175,51 @@ def test_reference_matches_naive_numpy(case, rng, make_kv, naive, tol):
         np.testing.assert_allclose(ref[s], want[0], atol=tol(dtype), rtol=tol(dtype))
 
 
+# (backend, dtype, page_size, sliding_window, logit_softcap, pool layout). With lengths 1, a page -1/0/+1
+# and the full table of 6 pages, each window is also wider than the shorter contexts.
+VARIANTS = [
+    ("tpu", jnp.float32, 32, 5, 5.0, "lane-dense"),  # a window inside a page
+    ("tpu", jnp.bfloat16, 16, 40, 5.0, "stacked"),  # a window over several pages
+    ("gpu", jnp.float32, 16, 40, 5.0, "stacked"),  # 2 splits of 4 pages; the window from page 3 to 5
+]
+VARIANT_IDS = [f"{b}-{d.__name__}-ps{ps}-w{w}-cap{c}-{lay}" for b, d, ps, w, c, lay in VARIANTS]
+VARIANT_SM_SCALE = 0.5  # scores of std ~4 at head_dim 64: the cap 5 changes them
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_sliding_window_and_softcap_match_naive_attention(variant, rng, make_kv, naive, tol):
+    """Pages wholly before a query's window (before its block for the GPU variant) are NaN: never read."""
+    backend, dtype, page_size, window, cap, layout = variant
+    lengths = edge_lengths(page_size, 6)
+    q, kv = make_inputs(rng, make_kv, dtype, page_size, 4, 1, 64, 6, lengths)
+    first_pages = [first_read_page(n - 1, window, page_size, backend, 2) for n in lengths]
+    (k_pool, layer), (v_pool, _) = (pool_at_layer(x, layout) for x in poison_pages_before(kv, first_pages))
+    variants = dict(sm_scale=VARIANT_SM_SCALE, sliding_window=window, logit_softcap=cap)
+    knobs = {"pages_per_compute_block": 2} | ({"num_splits": 2} if backend == "gpu" else {})
+    out = paged_attention(
+        q, k_pool, v_pool, kv.lengths, kv.page_indices, layer=layer, backend=backend, interpret=True, **knobs,
+        **variants,
+    )
+    ref = paged_attention_reference(q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices, **variants)
+    q64 = np.asarray(q.astype(jnp.float32), np.float64)
+
+    def naive_decode(window, cap):
+        return np.stack([
+            naive(q64[s][None], kv.k_dense[s], kv.v_dense[s], [n - 1], VARIANT_SM_SCALE, window, cap)[0]
+            for s, n in enumerate(lengths)
+        ])
+
+    want = naive_decode(window, cap)
+    assert_close(out, want, dtype, tol)
+    assert_close(ref, want, dtype, tol)
+    for without_one in (naive_decode(None, cap), naive_decode(window, None)):  # each changes the result
+        assert np.abs(want - without_one).max() > 0.1
+
+
+@pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0}], ids=["plain", "window-cap"])
 @pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lowers_for_real_hardware(kernel_backend, platform, dtype):
+def test_lowers_for_real_hardware(kernel_backend, platform, dtype, variants):
     """Runs the Mosaic / Triton lowering (no device needed) so unsupported ops fail here, not on hardware."""
     args = (
         jax.ShapeDtypeStruct((4, 9, 64), dtype),
@@ -184,7 +228,7 @@ def test_lowers_for_real_hardware(kernel_backend, platform, dtype):
         jax.ShapeDtypeStruct((4,), jnp.int32),
         jax.ShapeDtypeStruct((4, 8), jnp.int32),
     )
-    traced = paged_attention.trace(*args, backend=kernel_backend)
+    traced = paged_attention.trace(*args, backend=kernel_backend, **variants)
     text = traced.lower(lowering_platforms=(platform,)).as_text()
     assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
 
@@ -257,8 +301,26 @@ def test_rejects_bad_inputs(change, message):
         ({"backend": "tpu", "pages_per_compute_block": 3}, r"pages_per_compute_block must be a power of two"),
         ({"backend": "tpu", "num_splits": 2}, r"num_splits is a knob of the other backend"),
         ({"backend": "gpu", "num_splits": 0}, r"num_splits must be >= 1, got 0"),
+        ({"backend": "tpu", "sliding_window": -1}, r"sliding_window must be an int >= 1 \(None or 0: no window\)"),
+        ({"backend": "gpu", "sliding_window": 2.5}, r"sliding_window must be an int >= 1 .*, got 2.5"),
+        ({"backend": "tpu", "logit_softcap": -5.0}, r"logit_softcap must be finite and > 0 \(None or 0: no soft-cap\)"),
+        ({"backend": "gpu", "logit_softcap": float("inf")}, r"logit_softcap must be finite and > 0 .*, got inf"),
     ],
 )
 def test_rejects_bad_knobs(knobs, message):
     with pytest.raises(ValueError, match=message):
         paged_attention(**valid_args(), interpret=True, **knobs)
+    variants = {name: knobs[name] for name in ("sliding_window", "logit_softcap") if name in knobs}
+    if variants:
+        with pytest.raises(ValueError, match=message):
+            paged_attention_reference(**valid_args(), **variants)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_zero_window_and_cap_are_off(backend):
+    """0 means "no window" / "no cap" (as in kernels_cpu): the same program as None."""
+    program = lambda **variants: str(jax.make_jaxpr(
+        lambda *args: paged_attention(*args, backend=backend, interpret=True, **variants)
+    )(*valid_args().values()))
+    assert program(sliding_window=0, logit_softcap=0.0) == program()
+    assert program(sliding_window=8) != program()

@@ -1,5 +1,7 @@
 """Chunked-prefill kernel (both Pallas variants, interpret mode on CPU) against the jnp reference, and the
-reference against a naive numpy causal attention."""
+reference against a naive numpy causal attention; with a sliding window and logit soft-cap, kernel and
+reference against the naive attention (pages before the window NaN; stacked pools, plain and lane-dense,
+read at a layer)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.prefill_attention import prefill_attention, prefill_attention_reference
+from tests.kernels.conftest import first_read_page, poison_pages_before, pool_at_layer
 
 # (dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, chunk_len)
 CASES = [
@@ -140,9 +143,52 @@ def test_single_token_chunk_equals_decode(rng, make_kv):
     np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(dec), atol=1e-5, rtol=1e-5)
 
 
+# (backend, dtype, page_size, sliding_window, logit_softcap, pool layout). Contexts of 1, a page -1/0/+1
+# and 6 pages (``chunk_layout``, chunks of up to 20 tokens: two query blocks of 16), so each window is also
+# wider than the shorter contexts.
+VARIANTS = [
+    ("tpu", jnp.float32, 32, 5, 5.0, "lane-dense"),  # a window inside a page
+    ("tpu", jnp.bfloat16, 16, 40, 5.0, "stacked"),  # a window over several pages
+    ("gpu", jnp.float32, 16, 20, 5.0, "stacked"),
+]
+VARIANT_IDS = [f"{b}-{d.__name__}-ps{ps}-w{w}-cap{c}-{lay}" for b, d, ps, w, c, lay in VARIANTS]
+VARIANT_SM_SCALE = 0.5  # scores of std ~4 at head_dim 64: the cap 5 changes them
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_sliding_window_and_softcap_match_naive_attention(variant, rng, make_kv, naive, tol):
+    """Pages wholly before the window of a chunk's first token (before its block for the GPU variant) are
+    NaN: never read."""
+    backend, dtype, page_size, window, cap, layout = variant
+    q, kv, q_start = make_inputs(rng, make_kv, dtype, page_size, 4, 1, 64, 6, 20)
+    first_pages = [first_read_page(int(p), window, page_size, backend, 2) for p in np.asarray(q_start)]
+    (k_pool, layer), (v_pool, _) = (pool_at_layer(x, layout) for x in poison_pages_before(kv, first_pages))
+    variants = dict(sm_scale=VARIANT_SM_SCALE, sliding_window=window, logit_softcap=cap)
+    out = prefill_attention(
+        q, k_pool, v_pool, kv.page_indices, q_start, kv.lengths, layer=layer, backend=backend, interpret=True,
+        block_q=16, pages_per_compute_block=2, **variants,
+    )
+    ref = prefill_attention_reference(q, kv.k_pages, kv.v_pages, kv.page_indices, q_start, kv.lengths, **variants)
+    q64 = np.asarray(q.astype(jnp.float32), np.float64)
+
+    def naive_chunks(window, cap):
+        want = np.zeros(q.shape)
+        for s, n in enumerate(real_rows(q_start, kv.lengths)):
+            positions = int(q_start[s]) + np.arange(n)
+            want[s, :n] = naive(q64[s, :n], kv.k_dense[s], kv.v_dense[s], positions, VARIANT_SM_SCALE, window, cap)
+        return want
+
+    want = naive_chunks(window, cap)
+    for got in (out, ref):
+        assert_close_on_real_rows(got, want, q_start, kv.lengths, tol(dtype))
+    for without_one in (naive_chunks(None, cap), naive_chunks(window, None)):  # each changes the result
+        assert np.abs(want - without_one).max() > 0.1
+
+
+@pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0}], ids=["plain", "window-cap"])
 @pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lowers_for_real_hardware(kernel_backend, platform, dtype):
+def test_lowers_for_real_hardware(kernel_backend, platform, dtype, variants):
     """Runs the Mosaic / Triton lowering (no device needed) so unsupported ops fail here, not on hardware."""
     args = (
         jax.ShapeDtypeStruct((2, 200, 9, 64), dtype),
@@ -152,7 +198,7 @@ def test_lowers_for_real_hardware(kernel_backend, platform, dtype):
         jax.ShapeDtypeStruct((2,), jnp.int32),
         jax.ShapeDtypeStruct((2,), jnp.int32),
     )
-    traced = prefill_attention.trace(*args, backend=kernel_backend)
+    traced = prefill_attention.trace(*args, backend=kernel_backend, **variants)
     text = traced.lower(lowering_platforms=(platform,)).as_text()
     assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
 
@@ -222,6 +268,8 @@ def test_rejects_bad_inputs(change, message):
         ({"block_q": 48}, r"block_q must be a power of two >= 16, got 48"),
         ({"pages_per_compute_block": 0}, r"pages_per_compute_block must be a power of two >= 1, got 0"),
         ({"num_warps": 4}, r"num_warps is a knob of the other backend; it is not used by backend='tpu'"),
+        ({"sliding_window": True}, r"sliding_window must be an int >= 1 \(None or 0: no window\), got True"),
+        ({"logit_softcap": float("nan")}, r"logit_softcap must be finite and > 0 \(None or 0: no soft-cap\)"),
     ],
 )
 def test_rejects_bad_knobs(knobs, message):

@@ -3,7 +3,9 @@ float64 numpy attention, on one layer's pool with shuffled pages, float32 and bf
 token may see is NaN, and so is every token of q that no row answers): flat batches mixing decode rows and
 prefill chunks of 0, 1, query-block-edge (7/8/9, 15/16/17) and multi-block (40) tokens, at page-edge and
 mid-page positions, with tokens past their row's length, rows placed in q out of order and off the query
-block grid, and tokens of q in no row; the work list; the input checks.
+block grid, and tokens of q in no row; with a sliding window and logit soft-cap (KV pages wholly before
+a row's window NaN too; stacked pools, plain and lane-dense, read at a layer); the work list; the Mosaic and
+Triton lowerings; the input checks.
 
 Tolerances: float32 rtol 2e-5, atol 2e-6 (float32 math on the exact values); bfloat16 rtol = atol = 2e-2
 (the kernels round the softmax weights to bfloat16 for the P @ V dot and the output to bfloat16), against
@@ -22,6 +24,7 @@ import pytest
 
 from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention import _Items
+from tests.kernels.conftest import first_read_page, naive_scores, pool_at_layer, window_keys
 
 PAGE_SIZE, HEAD_DIM = 16, 64
 SM_SCALE = HEAD_DIM**-0.5
@@ -82,21 +85,23 @@ def real_tokens(num_tokens, row_arrays):
     return real
 
 
-def poison(q, k_pages, v_pages, block_tables, row_arrays):
-    """NaN in every KV slot that no real token sees (unused pages, slots past each row's last real token) and
-    in every token of q that gets no answer (tokens in no row, tokens outside [0, length))."""
+def poison(q, k_pages, v_pages, block_tables, row_arrays, first_read=lambda position: 0):
+    """NaN in every KV slot that no real token sees (unused pages, slots past each row's last real token,
+    slots before ``first_read(position of the row's first token)``) and in every token of q that gets no
+    answer (tokens in no row, tokens outside [0, length))."""
     seen = np.zeros(k_pages.shape[1:3], bool)  # [page, slot]
     for s, (_, count, first, length) in enumerate(zip(*row_arrays, strict=True)):
         last = min(first + count, length)  # exclusive: the keys the row's last real token sees
-        keys = np.arange(max(last, 0))
+        keys = np.arange(first_read(first), max(last, 0))
         seen[block_tables[s, keys // PAGE_SIZE], keys % PAGE_SIZE] = True
     k_pages[:, ~seen] = np.nan
     v_pages[:, ~seen] = np.nan
     q[~real_tokens(len(q), row_arrays)] = np.nan
 
 
-def naive_ragged(q, k_pages, v_pages, block_tables, row_arrays, sm_scale):
-    """Float64, token by token: token i of row s at position positions[s] + i sees positions 0..itself."""
+def naive_ragged(q, k_pages, v_pages, block_tables, row_arrays, sm_scale, sliding_window=None, logit_softcap=None):
+    """Float64, token by token: token i of row s at position positions[s] + i sees positions 0..itself (the
+    last ``sliding_window`` of them), scores soft-capped by ``logit_softcap``."""
     group = q.shape[1] // k_pages.shape[0]
     out = np.zeros(q.shape)
     for s, (start, count, first, length) in enumerate(zip(*row_arrays, strict=True)):
@@ -104,24 +109,26 @@ def naive_ragged(q, k_pages, v_pages, block_tables, row_arrays, sm_scale):
             position = first + i
             if not 0 <= position < length:
                 continue
-            keys = np.arange(position + 1)
+            keys = window_keys(position, sliding_window)
             pages, slots = block_tables[s, keys // PAGE_SIZE], keys % PAGE_SIZE
             for h in range(q.shape[1]):
                 k = k_pages[h // group, pages, slots].astype(np.float64)
                 v = v_pages[h // group, pages, slots].astype(np.float64)
-                scores = k @ q[start + i, h].astype(np.float64) * sm_scale
+                scores = naive_scores(k, q[start + i, h].astype(np.float64), sm_scale, logit_softcap)
                 weights = np.exp(scores - scores.max())
                 out[start + i, h] = weights @ v / weights.sum()
     return out
 
 
-def poisoned_case(seed, rows, num_q_heads, num_kv_heads, dtype_name):
+def poisoned_case(seed, rows, num_q_heads, num_kv_heads, dtype_name, *, sm_scale=SM_SCALE, sliding_window=None,
+                  logit_softcap=None, first_read=lambda position: 0):
+    """(kernel args, naive output, real tokens) of a ``ragged_batch``, poisoned (``poison``)."""
     dtype = DTYPES[dtype_name]
     q, k_pages, v_pages, block_tables, row_arrays = ragged_batch(
         np.random.default_rng(seed), rows, num_q_heads, num_kv_heads, dtype
     )
-    expected = naive_ragged(q, k_pages, v_pages, block_tables, row_arrays, SM_SCALE)
-    poison(q, k_pages, v_pages, block_tables, row_arrays)
+    expected = naive_ragged(q, k_pages, v_pages, block_tables, row_arrays, sm_scale, sliding_window, logit_softcap)
+    poison(q, k_pages, v_pages, block_tables, row_arrays, first_read)
     args = (
         jnp.asarray(q, dtype),
         jnp.asarray(k_pages, dtype),
@@ -170,6 +177,57 @@ def test_kernel_knobs_and_the_gpu_variant(backend, dtype_name, heads, knobs):
     args, expected, real = poisoned_case(7, ROWS, *heads, dtype_name)
     out = ragged_paged_attention(*args, sm_scale=SM_SCALE, backend=backend, interpret=True, **knobs)
     check(out, expected, real, dtype_name)
+
+
+# (backend, dtype, sliding_window, logit_softcap, pool layout) on rows of every kind in ROWS and two longer
+# ones (contexts of 101 and 110 tokens), so each window is wider than some contexts and narrower than others.
+VARIANTS = [
+    ("tpu", "f32", 5, 5.0, "lane-dense"),  # a window inside a page
+    ("tpu", "bf16", 40, 5.0, "stacked"),  # a window over several pages
+    ("gpu", "f32", 20, 5.0, "stacked"),
+]
+VARIANT_ROWS = [ROWS[i] for i in (0, 1, 4, 5, 7, 10, 12, 13)] + [(1, 100, 101), (20, 90, 110)]
+VARIANT_SM_SCALE = 0.5  # scores of std ~4 at head_dim 64: the cap 5 changes them
+
+
+@pytest.mark.parametrize("backend,dtype_name,window,cap,layout", VARIANTS)
+def test_sliding_window_and_softcap_match_naive_attention(backend, dtype_name, window, cap, layout):
+    """Pages wholly before the window of a row's first token (before its block for the GPU variant) are NaN:
+    never read."""
+    first_read = lambda position: first_read_page(position, window, PAGE_SIZE, backend, 2) * PAGE_SIZE
+    variants = dict(sm_scale=VARIANT_SM_SCALE, sliding_window=window, logit_softcap=cap)
+    args, expected, real = poisoned_case(11, VARIANT_ROWS, 4, 1, dtype_name, first_read=first_read, **variants)
+    q, k_pages, v_pages, *rest = args
+    (k_pool, layer), (v_pool, _) = (pool_at_layer(x, layout) for x in (k_pages, v_pages))
+    out = ragged_paged_attention(
+        q, k_pool, v_pool, *rest, layer=layer, backend=backend, interpret=True, block_q=8, pages_per_compute_block=2,
+        **variants,
+    )
+    check(out, expected, real, dtype_name)
+    check(ragged_paged_attention_reference(*args, **variants), expected, real, dtype_name)
+    for without_one in ({"sliding_window": None}, {"logit_softcap": None}):  # each changes the result
+        _, other, _ = poisoned_case(11, VARIANT_ROWS, 4, 1, dtype_name, **(variants | without_one))
+        assert np.abs(expected - other).max() > 0.1
+
+
+@pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0}], ids=["plain", "window-cap"])
+@pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_for_real_hardware(kernel_backend, platform, dtype, variants):
+    """Runs the Mosaic / Triton lowering (no device needed) so unsupported ops fail here, not on hardware."""
+    rows = jax.ShapeDtypeStruct((4,), jnp.int32)
+    args = (
+        jax.ShapeDtypeStruct((50, 8, 64), dtype),
+        jax.ShapeDtypeStruct((3, 2, 40, 16, 64), dtype),
+        jax.ShapeDtypeStruct((3, 2, 40, 16, 64), dtype),
+        jax.ShapeDtypeStruct((4, 8), jnp.int32),
+        rows, rows, rows, rows,
+    )
+    traced = ragged_paged_attention.trace(
+        *args, layer=jax.ShapeDtypeStruct((), jnp.int32), sm_scale=SM_SCALE, backend=kernel_backend, **variants
+    )
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
 
 
 def test_a_decode_only_batch_lengths_past_the_table_and_garbage_table_entries():
@@ -282,6 +340,8 @@ def test_input_checks_raise_clear_errors():
         ({"backend": "tpu", "num_warps": 4}, "num_warps is a knob of the other backend; it is not used by "
          "backend='tpu'"),
         ({"backend": "cuda"}, "backend must be one of ('auto', 'tpu', 'gpu'), got 'cuda'"),
+        ({"sliding_window": -4}, "sliding_window must be an int >= 1 (None or 0: no window), got -4"),
+        ({"logit_softcap": -1.0}, "logit_softcap must be finite and > 0 (None or 0: no soft-cap), got -1.0"),
     ]
     for knobs, message in knob_errors:
         with pytest.raises(ValueError, match=re.escape(message)):

@@ -19,19 +19,18 @@ from kernels_pallas import (
     ragged_paged_attention_reference,
 )
 from kernels_pallas._common import lane_dense_tokens_per_row
+from tests.kernels.conftest import STACK_LAYER as LAYER
+from tests.kernels.conftest import STACK_LAYERS as NUM_LAYERS
+from tests.kernels.conftest import pool_at_layer
 from tests.kernels.test_ragged_paged_attention import ROWS, ragged_batch
 
-PAGE_SIZE, HEAD_DIM, NUM_LAYERS, LAYER = 16, 64, 3, 1
+HEAD_DIM = 64
 SM_SCALE = HEAD_DIM**-0.5
 
 
 def stacked(pages: np.ndarray, *, lane_dense: bool) -> jnp.ndarray:
-    """One layer's pages [Hkv, P, page, D] as layer LAYER of a NaN pool of NUM_LAYERS layers."""
-    pool = np.full((NUM_LAYERS, *pages.shape), np.nan, np.float32)
-    pool[LAYER] = pages
-    if lane_dense:  # row-major: token t of a page is row t // 2, lanes (t % 2) * 64.. of the same bytes
-        pool = pool.reshape(*pool.shape[:3], PAGE_SIZE // 2, 2 * HEAD_DIM)
-    return jnp.asarray(pool)
+    """One layer's pages [Hkv, P, page, D] as layer LAYER of a NaN pool of NUM_LAYERS layers (float32)."""
+    return pool_at_layer(jnp.asarray(pages, jnp.float32), "lane-dense" if lane_dense else "stacked")[0]
 
 
 LAYOUTS = [("tpu", False), ("tpu", True), ("gpu", False)]
