@@ -161,11 +161,10 @@ class PallasBackend:
     def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None):
         import kernels_pallas
 
-        if sliding_window is not None or logit_softcap is not None:
-            raise ValueError("the pallas attention backend does not support sliding-window attention")
         # uint16 pools (bfloat16 bits) exist only on XLA:CPU, where the kernels run interpreted
         k_pool, v_pool = pool_values(k_pool), pool_values(v_pool)
-        common = dict(layer=layer, sm_scale=sm_scale, interpret=self.interpret, backend=self.kernel_variant)
+        common = dict(layer=layer, sm_scale=sm_scale, interpret=self.interpret, backend=self.kernel_variant,
+                      sliding_window=sliding_window, logit_softcap=logit_softcap)
         query = q.astype(k_pool.dtype)  # the kernels take q in the pool's dtype
         if meta.is_ragged:  # a mixed step ([1, T] tokens of ragged rows): the ragged kernel over the flat tokens
             out = kernels_pallas.ragged_paged_attention(

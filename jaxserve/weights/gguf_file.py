@@ -1,7 +1,9 @@
 """Loads a GGUF file (llama.cpp's format): config from its metadata, tensors dequantized with `gguf`.
 
-llama.cpp stores `attn_q`/`attn_k` rows of Llama models permuted for its rotary layout; the inverse
-permutation is applied here so that the tensors are in Hugging Face order before conversion.
+The metadata becomes a Hugging Face config dict (`ModelConfig.from_hf` reads it as it reads config.json), and
+tensors get their Hugging Face names, so both loaders share `convert.py`. llama.cpp stores `attn_q`/`attn_k`
+rows of Llama models permuted for its rotary layout and Gemma's norm weights as 1 + weight; both are undone
+here.
 """
 
 from __future__ import annotations
@@ -10,10 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.config import ModelConfig
 from jaxserve.weights.convert import params_from_hf
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 _LAYER_TENSORS = {
@@ -23,9 +32,18 @@ _LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the norm before the MLP there
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -34,13 +52,14 @@ _GLOBAL_TENSORS = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """GGUF tensor name → Hugging Face name (None for tensors the model does not use)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_tensors = _GEMMA_LAYER_TENSORS if arch in GEMMA_ARCHITECTURES else _LAYER_TENSORS
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -49,7 +68,7 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def read_gguf_config(reader) -> ModelConfig:
+def gguf_architecture(reader) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -57,34 +76,58 @@ def read_gguf_config(reader) -> ModelConfig:
         )
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError("GGUF files with per-frequency rope factors (rope_freqs.weight) are not supported")
+    return arch
+
+
+def read_gguf_config(reader) -> ModelConfig:
+    return ModelConfig.from_hf(gguf_hf_config(reader))
+
+
+def gguf_hf_config(reader) -> dict:
+    """The GGUF metadata as a Hugging Face config.json dict."""
+    arch = gguf_architecture(reader)
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
     tensor_names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope=RopeConfig(
-            theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            rope_type="linear" if scaling == "linear" else "default",
-            factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
-        ),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=() if eos is None else (int(eos),),
-    )
+    hf = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+        if scaling == "linear" else None,
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": None if eos is None else int(eos),
+    }
+    if arch in GEMMA_ARCHITECTURES:
+        hf.update(_gemma_metadata(reader, arch))
+    return hf
+
+
+def _gemma_metadata(reader, arch: str) -> dict:
+    """llama.cpp keeps Gemma's window and soft-caps; the rest is fixed by the architecture (as in llama.cpp
+    and transformers' GGUF reader): local rope base 10000 (Gemma 3), scores scaled by 1/sqrt(head_dim)."""
+    hf = {
+        "sliding_window": _field(reader, f"{arch}.attention.sliding_window"),
+        "query_pre_attn_scalar": int(_field(reader, f"{arch}.attention.key_length")),
+        "attn_logit_softcapping": _field(reader, f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping"),
+    }
+    if arch == "gemma3":
+        hf["rope_local_base_freq"] = 10000.0
+    return hf
 
 
 def dequantize_tensor(tensor) -> np.ndarray:
@@ -118,8 +161,9 @@ def load_gguf(path: Path, dtype: str):
     import gguf
 
     reader = gguf.GGUFReader(str(path))
+    arch = gguf_architecture(reader)
     config = read_gguf_config(reader)
-    tensors = {hf_name(t.name): t for t in reader.tensors if hf_name(t.name)}
+    tensors = {hf_name(t.name, arch): t for t in reader.tensors if hf_name(t.name, arch)}
     permute = config.family == "llama"
 
     def get(name: str) -> np.ndarray:
@@ -130,6 +174,8 @@ def load_gguf(path: Path, dtype: str):
             array = unpermute_qk(array, config.num_heads)
         elif permute and ".k_proj." in name:
             array = unpermute_qk(array, config.num_kv_heads)
+        elif arch in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            array = array - 1.0  # llama.cpp's converter stored 1 + weight
         return array
 
     return config, params_from_hf(get, config, dtype)

@@ -1,0 +1,65 @@
+"""The engine serves every family: greedy tokens equal transformers' `generate` on tiny random models, with
+prompts longer than the sliding windows, mixed steps and prefix caching on (the second round of prompts
+shares the first's prefixes and must hit the cache), on the cpu backend (the CPU default) and the Pallas
+kernels (interpreted; head_dim 64, a layout the TPU kernels take)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.hf_tiny import hf_greedy, make_tiny_model
+
+BUCKETS = """block_size = {block_size}
+[decode]
+batch_sizes = [4]
+[prefill]
+batch_sizes = [1]
+lengths = [16]
+[mixed]
+batch_sizes = [4]
+token_counts = [16]
+[context]
+lengths = [64]
+"""
+MAX_TOKENS = 8
+PROMPTS = [list(range(5, 25)), [7, 8, 9], list(range(100, 130))]  # 20, 3 and 30 tokens; windows are 5 or 6
+SHARED = [p + [3, 4] for p in PROMPTS]  # the same prefixes: whole cached blocks are reused
+
+# (family, overrides, attention backend); head_dim 64 (hidden 128 / 2 heads) for the Pallas kernels
+CASES = {
+    "qwen3": ("qwen3", {}, "cpu"),
+    "phi3": ("phi3", {"sliding_window": 6}, "cpu"),
+    "gemma2": ("gemma2", {}, "cpu"),
+    "gemma3": ("gemma3", {}, "cpu"),
+    "qwen3-moe": ("qwen3_moe", {}, "cpu"),
+    "mixtral": ("mixtral", {"sliding_window": 6}, "cpu"),
+    "gemma3-pallas": ("gemma3", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                 "head_dim": 64, "query_pre_attn_scalar": 64}, "pallas"),
+    "gemma2-pallas": ("gemma2", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                 "head_dim": 64, "query_pre_attn_scalar": 64}, "pallas"),
+    "qwen3-moe-pallas": ("qwen3_moe", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                       "head_dim": 64}, "pallas"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_engine_greedy_tokens_equal_transformers_with_mixed_steps_and_prefix_caching(tmp_path, case):
+    family, overrides, backend = CASES[case]
+    path = make_tiny_model(tmp_path / "m", family, seed=4, **overrides)
+    buckets = tmp_path / "buckets.toml"
+    block_size = 16 if backend == "pallas" else 8  # the Pallas kernels take pages of 16 tokens or more
+    buckets.write_text(BUCKETS.format(block_size=block_size))
+    llm = LLM(str(path), dtype="float32", buckets=str(buckets), max_model_len=64, attention_backend=backend,
+              enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = PROMPTS + SHARED
+    outputs = []
+    for batch in (PROMPTS, SHARED):  # the second batch after the first finished: its prefixes are cached
+        outputs += llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, MAX_TOKENS) for p in prompts]
+    stats = llm.llm_engine.stats
+    assert stats.num_mixed_steps > 0  # decode rows rode along with prefill chunks
+    # every whole block of the shared prefix is reused, and nothing else
+    expected_cached = [len(p) // block_size * block_size for p in PROMPTS]
+    assert [o.num_cached_tokens for o in outputs[len(PROMPTS):]] == expected_cached
