@@ -1,12 +1,14 @@
 """Compile every bucket of the default TPU grid for TPU topologies, and lower the GPU grid for CUDA, on this host.
 
 The checks `jaxserve precompile --target` runs, over the configurations docs/benchmarks/targets.md reports: the
-embedded SmolLM2-135M and a Llama-3-8B-shaped config (abstract weights: only its config.json is written)
+embedded SmolLM2-135M, a Llama-3-8B-shaped and a Qwen3-30B-A3B-shaped (mixture of experts: 48 layers, 128
+experts, top-8) config (abstract weights: only its config.json is written)
 on each topology, tensor parallel over as many chips as the heads divide. Prints each target's table
 (compile seconds, memory per device against HBM) and exits 1 if any program fails or does not fit.
 
     python scripts/check_targets.py                                # v5e:2x2 and v6e:2x2, both models, and cuda
     python scripts/check_targets.py --targets v5e:2x2 --models embedded --out /tmp/tables.md
+    python scripts/check_targets.py --targets v6e:2x2,cuda --models qwen3-30b-a3b
 """
 
 from __future__ import annotations
@@ -30,14 +32,24 @@ LLAMA3_8B = {
     "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
 
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+SHAPED_CONFIGS = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+
 
 def model_path(name: str, workdir: Path) -> str | None:
     if name == "embedded":
         return None
-    if name == "llama3-8b":
-        path = workdir / "llama3-8b-shaped"
+    if name in SHAPED_CONFIGS:
+        path = workdir / f"{name}-shaped"
         path.mkdir(exist_ok=True)
-        (path / "config.json").write_text(json.dumps(LLAMA3_8B))
+        (path / "config.json").write_text(json.dumps(SHAPED_CONFIGS[name]))
         return str(path)
     return name  # a model directory or GGUF file
 
@@ -45,7 +57,8 @@ def model_path(name: str, workdir: Path) -> str | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", default="v5e:2x2,v6e:2x2,cuda")
-    parser.add_argument("--models", default="embedded,llama3-8b", help="embedded, llama3-8b, or model paths")
+    parser.add_argument("--models", default="embedded,llama3-8b",
+                        help="embedded, llama3-8b, qwen3-30b-a3b, or model paths")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's, up to the grid's")
     parser.add_argument("--out", type=Path, default=None, help="also append the tables to this file")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,

@@ -162,24 +162,55 @@ _GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+_GGUF_GEMMA_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 _GGUF_GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+_GGUF_ARCHITECTURES = {"llama": "llama", "gemma3_text": "gemma3"}  # config.json model_type -> llama.cpp's name
 
 
 def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
-    """Writes a tiny Llama HF directory (from `make_tiny_model`) as a float32 GGUF file the way llama.cpp's
-    converter does (q/k rows permuted for its rotary layout), with a byte-level BPE tokenizer (one merge)."""
+    """Writes a tiny Llama or Gemma 3 HF directory (from `make_tiny_model`) as a float32 GGUF file the way
+    llama.cpp's converter does (Llama: q/k rows permuted for its rotary layout; Gemma: norm weights stored as
+    1 + weight), with a byte-level BPE tokenizer (one merge)."""
     import json
 
     import gguf
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = _GGUF_ARCHITECTURES[cfg["model_type"]]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_gguf_metadata(writer, cfg, arch)
+    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    for name, tensor in load_file(hf_dir / "model.safetensors").items():
+        if name in _GGUF_GLOBAL_NAMES:
+            gguf_name = _GGUF_GLOBAL_NAMES[name]
+        else:
+            parts = name.split(".")
+            gguf_name = f"blk.{parts[2]}.{layer_names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        proj = name.split(".")[-2]
+        if arch == "llama" and proj in heads:  # llama.cpp: reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2)
+            n = heads[proj]
+            tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor + 1.0
+        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _write_gguf_metadata(writer, cfg: dict, arch: str) -> None:
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -188,6 +219,11 @@ def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
+    if arch == "gemma3":
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_sliding_window(cfg["sliding_window"])
+        writer.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
     tokens = [f"<unused{i}>" for i in range(cfg["vocab_size"])]
     for token, index in byte_level_tokenizer().get_vocab().items():
         tokens[index] = token
@@ -198,20 +234,3 @@ def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
     writer.add_token_merges(["h e"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
-    for name, tensor in load_file(hf_dir / "model.safetensors").items():
-        if name in _GGUF_GLOBAL_NAMES:
-            gguf_name = _GGUF_GLOBAL_NAMES[name]
-        else:
-            parts = name.split(".")
-            gguf_name = f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
-        proj = name.split(".")[-2]
-        if proj in heads:  # llama.cpp: reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2)
-            n = heads[proj]
-            tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path

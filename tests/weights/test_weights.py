@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 
 from jaxserve.weights import EMBEDDED_INSTALL, embedded_model_path, load_model, resolve_model_path
 from jaxserve.weights.gguf_file import dequantize_tensor, hf_name, unpermute_qk
-from tests.hf_tiny import make_tiny_model
+from tests.forward import PagedForward
+from tests.hf_tiny import hf_logits, make_tiny_gguf, make_tiny_model
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
@@ -72,6 +74,25 @@ def test_gguf_names_map_to_hf():
     assert hf_name("rope_freqs.weight") is None
 
 
+def test_gemma3_gguf_loads_as_the_hugging_face_model(tmp_path):
+    """llama.cpp's Gemma 3 layout: four norms per layer under its own names, norm weights stored as 1 + w,
+    the window and head size in the metadata, the sliding layers' rope base fixed at 10000."""
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    hf_dir = make_tiny_model(tmp_path / "hf", "gemma3", query_pre_attn_scalar=24, rope_parameters=rope,
+                             num_hidden_layers=7, layer_types=None)  # GGUF: the fixed five-to-one pattern
+    gguf_path = make_tiny_gguf(tmp_path / "gemma3.gguf", hf_dir)
+    assert hf_name("blk.2.ffn_norm.weight", "gemma3") == "model.layers.2.pre_feedforward_layernorm.weight"
+    assert hf_name("blk.2.post_ffw_norm.weight", "gemma3") == "model.layers.2.post_feedforward_layernorm.weight"
+    from_gguf, from_hf = load_model(str(gguf_path), "float32"), load_model(str(hf_dir), "float32")
+    stored_eps = float(np.float32(from_hf.config.rms_norm_eps))  # GGUF keeps the epsilon in float32
+    assert from_gguf.config == dataclasses.replace(from_hf.config, rms_norm_eps=stored_eps)
+    assert from_gguf.config.sliding_layers == (True,) * 5 + (False, True)
+    tokens = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64]
+    got = PagedForward(from_gguf.config, from_gguf.params).run(tokens, [0, 1, 2], [len(tokens)])
+    np.testing.assert_allclose(got, hf_logits(hf_dir, tokens), atol=2e-5, rtol=0)
+
+
 def test_unpermute_inverts_llama_cpp_permutation():
     num_heads, head_dim, hidden = 3, 8, 5
     w = np.arange(num_heads * head_dim * hidden, dtype=np.float32).reshape(num_heads * head_dim, hidden)
@@ -108,7 +129,8 @@ def test_unsupported_gguf_architecture(tmp_path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gptneox'; supported: llama, qwen2"):
+    message = "unsupported GGUF architecture 'gptneox'; supported: llama, qwen2, qwen3, gemma2, gemma3"
+    with pytest.raises(ValueError, match=message):
         load_model(str(tmp_path / "x.gguf"))
 
 

