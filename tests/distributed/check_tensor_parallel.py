@@ -195,6 +195,23 @@ def test_opt_and_gpt2_under_tensor_parallelism_match_transformers(tmp_path, buck
     assert _generate(llm) == [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("qwen3_moe", {"num_experts": 8, "num_attention_heads": 8, "num_key_value_heads": 4}),
+     ("gemma3", {"num_attention_heads": 8, "num_key_value_heads": 4})],
+)
+def test_moe_and_gemma3_under_tensor_and_expert_parallelism_match_transformers(tmp_path, buckets, family, overrides):
+    """tp 1, 2 and 4: attention split by heads, a MoE layer's experts split whole across the devices."""
+    path = make_tiny_model(tmp_path / family, family, seed=7, **overrides)
+    expected = [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
+    for tp in (1, 2, 4):
+        llm = LLM(str(path), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=tp)
+        assert _generate(llm) == expected, tp
+        if family == "qwen3_moe":
+            experts = llm.llm_engine.runner.params["params"]["layers"]["mlp"]["experts"]["gate_proj"]
+            assert {shard.data.shape[1] for shard in experts.addressable_shards} == {8 // tp}
+
+
 def test_orbax_checkpoint_restores_into_the_mesh_sharding(model_dir, llms, tmp_path, buckets):
     from jaxserve.distributed.sharding import make_mesh, param_shardings
     from jaxserve.weights import load_model

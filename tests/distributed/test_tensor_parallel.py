@@ -8,7 +8,8 @@ hits; the KV
 pool's per-device bytes shrink by the mesh size; weights are split column- and row-parallel; executables
 keep their warm-up shardings and nothing compiles while serving; the compiled steps communicate only the
 two row-parallel all-reduces per layer and update the pool and the sampler state in place; the Pallas
-kernels work per device (tp 2); OPT and GPT-2 under tp 4 equal transformers' tokens; an orbax checkpoint
+kernels work per device (tp 2); OPT and GPT-2 under tp 4 and Qwen3-MoE (experts split across devices) and Gemma 3
+under tp 1, 2 and 4 equal transformers' tokens; an orbax checkpoint
 restores straight into the mesh sharding; the CPU bfloat16 layout (unrolled layers, uint16 KV
 storage) gives tp 1's tokens under tp 2; clear errors for indivisible heads, too few kv heads and too
 many devices.
@@ -24,7 +25,7 @@ import sys
 from tests.paths import REPO_ROOT
 
 CHECKS = REPO_ROOT / "tests" / "distributed" / "check_tensor_parallel.py"
-NUM_CHECKS = 16
+NUM_CHECKS = 18
 
 
 def test_tensor_parallel_checks_pass_on_8_cpu_devices():
