@@ -8,7 +8,9 @@ on each topology, tensor parallel over as many chips as the heads divide. Prints
 
     python scripts/check_targets.py                                # v5e:2x2 and v6e:2x2, both models, and cuda
     python scripts/check_targets.py --targets v5e:2x2 --models embedded --out /tmp/tables.md
-    python scripts/check_targets.py --targets v6e:2x2,cuda --models qwen3-30b-a3b
+    python scripts/check_targets.py --targets v6e:2x2 --models qwen3-30b-a3b --largest-only
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+        python scripts/check_targets.py --targets cuda --models qwen3-30b-a3b --tensor-parallel-size 2
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="also append the tables to this file")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="share of a device's HBM for weights and KV pool (default: EngineConfig's)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="default: as many of a TPU topology's chips as the heads divide; cuda: 1 (set it, with "
+                             "XLA_FLAGS=--xla_force_host_platform_device_count=N, for a model one GPU cannot hold)")
     parser.add_argument("--largest-only", action="store_true",
                         help="only the largest prefill, decode and mixed step of the grid (a quick worst case)")
     args = parser.parse_args()
@@ -75,7 +80,8 @@ def main() -> int:
                 config = EngineConfig(model=model_path(model, Path(tmp)), max_model_len=args.max_model_len,
                                       compile_cache_dir="", **limits)
                 start = time.perf_counter()
-                report = compile_for_target(config, target, largest_only=args.largest_only)
+                report = compile_for_target(config, target, largest_only=args.largest_only,
+                                            tensor_parallel_size=args.tensor_parallel_size)
                 seconds = time.perf_counter() - start
                 scope = ", largest step of each kind" if args.largest_only else ""
                 text = f"## {model} on {target}{scope} ({seconds:.0f} s)\n\n```\n{report.format_table()}\n```\n"

@@ -173,13 +173,13 @@ _GGUF_GLOBAL_NAMES = {
     "lm_head.weight": "output.weight",
 }
 # config.json model_type -> llama.cpp's architecture name
-_GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 
 
 def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
-    """Writes a tiny Llama, Qwen3 or Gemma 3 HF directory (from `make_tiny_model`) as a float32 GGUF file the way
-    llama.cpp's converter does (Llama: q/k rows permuted for its rotary layout; Gemma: norm weights stored as
-    1 + weight), with a byte-level BPE tokenizer (one merge)."""
+    """Writes a tiny Llama, Qwen3, Gemma 2 or Gemma 3 HF directory (from `make_tiny_model`) as a float32 GGUF
+    file the way llama.cpp's converter does (Llama: q/k rows permuted for its rotary layout; Gemma: norm weights
+    stored as 1 + weight), with a byte-level BPE tokenizer (one merge)."""
     import json
 
     import gguf
@@ -189,7 +189,8 @@ def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
     arch = _GGUF_ARCHITECTURES[cfg["model_type"]]
     writer = gguf.GGUFWriter(str(path), arch)
     _write_gguf_metadata(writer, cfg, arch)
-    layer_names = _GGUF_GEMMA_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    gemma = arch.startswith("gemma")
+    layer_names = _GGUF_GEMMA_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES
     heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
     for name, tensor in load_file(hf_dir / "model.safetensors").items():
         if name in _GGUF_GLOBAL_NAMES:
@@ -201,7 +202,7 @@ def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
         if arch == "llama" and proj in heads:  # llama.cpp: reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2)
             n = heads[proj]
             tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if gemma and name.endswith("norm.weight"):
             tensor = tensor + 1.0
         writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
     writer.write_header_to_file()
@@ -223,11 +224,15 @@ def _write_gguf_metadata(writer, cfg: dict, arch: str) -> None:
     if arch != "llama":
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma2"):
         writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     if arch == "gemma3":
-        writer.add_sliding_window(cfg["sliding_window"])
         writer.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        writer.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
+        writer.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
     tokens = [f"<unused{i}>" for i in range(cfg["vocab_size"])]
     for token, index in byte_level_tokenizer().get_vocab().items():
         tokens[index] = token

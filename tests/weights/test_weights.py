@@ -93,6 +93,18 @@ def test_gemma3_gguf_loads_as_the_hugging_face_model(tmp_path):
     np.testing.assert_allclose(got, hf_logits(hf_dir, tokens), atol=2e-5, rtol=0)
 
 
+def test_gemma2_gguf_loads_as_the_hugging_face_model(tmp_path):
+    """llama.cpp's Gemma 2: the soft-caps in the metadata, every other layer sliding."""
+    hf_dir = make_tiny_model(tmp_path / "hf", "gemma2", query_pre_attn_scalar=16, num_hidden_layers=3,
+                             layer_types=None)
+    from_gguf = load_model(str(make_tiny_gguf(tmp_path / "gemma2.gguf", hf_dir)), "float32")
+    cfg = from_gguf.config
+    assert (cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.sliding_layers) == (5.0, 3.0, (True, False, True))
+    tokens = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64]
+    got = PagedForward(cfg, from_gguf.params).run(tokens, [0, 1, 2], [len(tokens)])
+    np.testing.assert_allclose(got, hf_logits(hf_dir, tokens), atol=2e-5, rtol=0)
+
+
 def test_qwen3_gguf_loads_as_the_hugging_face_model(tmp_path):
     """llama.cpp's Qwen3: q/k norms per head, head_dim from the metadata, q/k rows not permuted."""
     hf_dir = make_tiny_model(tmp_path / "hf", "qwen3", bos_token_id=1, eos_token_id=2)
