@@ -129,6 +129,15 @@ def target_mesh(target: CompileTarget, tensor_parallel_size: int) -> Mesh:
     return Mesh(np.array(target.devices[:tensor_parallel_size]), (TP_AXIS,))
 
 
+def target_dtype(config: EngineConfig, target: CompileTarget) -> EngineConfig:
+    """``config`` with its dtype resolved for the target's chips. The CUDA target's devices are this host's CPUs
+    standing in for the GPU (an H100: bf16 tensor cores), so "auto" is bfloat16 there whatever this CPU has."""
+    if target.platform == "cuda" and config.dtype == "auto":
+        logger.info("dtype bfloat16 (dtype=auto: the CUDA target's tensor cores run bfloat16 matmuls)")
+        return dataclasses.replace(config, dtype="bfloat16")
+    return resolve_engine_dtype(config, target.devices[0])
+
+
 def compile_for_target(
     config: EngineConfig,
     target_name: str,
@@ -154,8 +163,7 @@ def compile_for_target(
         tensor_parallel_size = 1 if target.lower_only else auto_tensor_parallel_size(len(target.devices), *heads)
     check_tensor_parallel(model_config, tensor_parallel_size)
     mesh = target_mesh(target, tensor_parallel_size)
-    config = dataclasses.replace(resolve_engine_dtype(config, target.devices[0]),
-                                 tensor_parallel_size=tensor_parallel_size)
+    config = dataclasses.replace(target_dtype(config, target), tensor_parallel_size=tensor_parallel_size)
     params = abstract_params(model_config, config.dtype)
     grid = engine_bucket_grid(config, model_config, params, target.platform, mesh, target.hbm_bytes_per_device,
                               fit_to_steps=not target.lower_only)

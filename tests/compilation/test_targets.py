@@ -17,7 +17,7 @@ import pytest
 from jaxserve.compilation.compile_cache import read_manifests
 from jaxserve.compilation.executable_store import STORE_DIR_NAME
 from jaxserve.compilation.sizing import largest_of_each_kind
-from jaxserve.compilation.target_compile import compile_for_target
+from jaxserve.compilation.target_compile import compile_for_target, target_dtype
 from jaxserve.compilation.targets import auto_tensor_parallel_size, resolve_target
 from jaxserve.config import EngineConfig
 from jaxserve.entrypoints.cli import main
@@ -124,6 +124,8 @@ def test_gpu_grid_lowers_for_cuda(small_grid):
     assert len(report.programs) == 3 + len(sizes) + 7
     table = report.format_table()
     assert "lowered for cuda" in table and table.endswith("every program lowered")
+    # dtype auto means the GPU's: bfloat16 for its tensor cores, whatever this CPU has
+    assert target_dtype(config, report.target).dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
