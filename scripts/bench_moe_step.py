@@ -52,6 +52,7 @@ def decode_step_ms(model_dir: Path, buckets: Path, batch: int, args) -> float:
     import jax
 
     from jaxserve import LLM, SamplingParams
+    from jaxserve.core.buckets import DecodeBucket
 
     llm = LLM(str(model_dir), dtype=args.dtype, buckets=str(buckets), max_model_len=256)
     engine = llm.llm_engine
@@ -63,7 +64,7 @@ def decode_step_ms(model_dir: Path, buckets: Path, batch: int, args) -> float:
         start = time.perf_counter()
         output = execute(bucket, inputs, prev_tokens)
         jax.block_until_ready(output.tokens)
-        if bucket.kind == "decode":
+        if isinstance(bucket, DecodeBucket):
             times.append(time.perf_counter() - start)
         return output
 

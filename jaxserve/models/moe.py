@@ -112,12 +112,33 @@ def routed_experts(
     first_expert: jax.Array | int,
     act: Callable[[jax.Array], jax.Array],
 ) -> jax.Array:
-    """f32[T, hidden]: each token's weighted sum over those of its k experts that `params` holds."""
+    """f32[T, hidden]: each token's weighted sum over those of its k experts that `params` holds. With no
+    more assignments than experts (decode at small batches) each assignment's expert weights are gathered
+    (only the routed experts are read); otherwise one grouped matmul over the assignments sorted by expert."""
     num_tokens, top_k = experts.shape
+    if num_tokens * top_k <= params.gate_proj.shape[0]:
+        return gathered_experts(x, weights, experts, params, first_expert, act)
     order, group_sizes, is_local = sort_by_expert(experts, first_expert, params.gate_proj.shape[0])
     out = grouped_gated_mlp(x[order // top_k], params, group_sizes, act)[inverse_permutation(order)]
     out = jnp.where(is_local[:, None], out * weights.reshape(-1, 1), 0.0)
     return out.reshape(num_tokens, top_k, -1).sum(axis=1)
+
+
+def gathered_experts(x, weights, experts, params: MoeParams, first_expert, act) -> jax.Array:
+    """`routed_experts` by gathering each (token, expert) assignment's weights: f32[T, hidden]. XLA:CPU runs
+    `ragged_dot` as a masked product over every expert, which at a decode step multiplies E / k times the
+    weights a token needs; this reads the k routed experts only."""
+    num_local = params.gate_proj.shape[0]
+    local = experts - first_expert
+    is_local = (local >= 0) & (local < num_local)
+    index = jnp.clip(local, 0, num_local - 1)  # [T, k]
+    dtype = params.gate_proj.dtype
+    rows = x.astype(dtype)
+    gate = jnp.einsum("th,tkhi->tki", rows, params.gate_proj[index], preferred_element_type=jnp.float32)
+    up = jnp.einsum("th,tkhi->tki", rows, params.up_proj[index], preferred_element_type=jnp.float32)
+    hidden = (act(gate) * up).astype(dtype)
+    out = jnp.einsum("tki,tkih->tkh", hidden, params.down_proj[index], preferred_element_type=jnp.float32)
+    return jnp.sum(jnp.where(is_local[..., None], out * weights[..., None], 0.0), axis=1)
 
 
 def shared_expert(x: jax.Array, params: SharedExpertParams, act: Callable[[jax.Array], jax.Array]) -> jax.Array:

@@ -64,6 +64,18 @@ def test_meshes_of_1_2_4_devices_give_the_unsharded_outputs(variant):
         np.testing.assert_allclose(out, expected, atol=1e-6, rtol=0, err_msg=f"tp {tp}")
 
 
+def test_one_token_gathers_its_experts_on_every_mesh():
+    """A decode row (k = 2 assignments, no more than each device's experts): the gathered-weights path, each
+    device's experts offset by its place on the mesh."""
+    _, params = _inputs("routed")
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(1, 1, HIDDEN)), jnp.float32)
+    expected = np.asarray(jax.jit(_block("routed").apply)(params, x))
+    for tp in (1, 2, 4):
+        mesh = make_mesh(tp)
+        step = jax.jit(_block("routed", mesh).apply, in_shardings=(param_shardings(params, mesh), replicated(mesh)))
+        np.testing.assert_allclose(np.asarray(step(params, x)), expected, atol=1e-6, rtol=0, err_msg=f"tp {tp}")
+
+
 def test_each_device_holds_its_share_of_the_experts():
     x, params = _inputs("shared")
     shardings = param_shardings(params, make_mesh(4))["params"]

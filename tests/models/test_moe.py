@@ -121,6 +121,17 @@ def test_the_block_equals_transformers(name):
 
 
 @pytest.mark.parametrize("name", CASES)
+def test_few_tokens_gather_their_experts_and_equal_transformers(name):
+    """One or two tokens (k assignments each, no more than the experts): the gathered-weights path."""
+    case, block = CASES[name], _torch_block(name)
+    for x in (_input(1)[:1, :1], _input(2)[:1, :2]):  # 3 and 6 assignments of 7 experts
+        with torch.no_grad():
+            expected = block(torch.from_numpy(x)).numpy()
+        out = jax.jit(case.block.apply)(_flax_params(block), jnp.asarray(x))
+        np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_the_parameters_are_laid_out_as_the_loaders_fill_them(name):
     """The block's own tree (names, shapes, dtype) is the tree transformers' weights convert to."""
     case = CASES[name]
@@ -197,7 +208,7 @@ def test_check_tensor_parallel_checks_the_experts_not_the_dense_mlp_of_an_moe_mo
 
 
 CHECKS = REPO_ROOT / "tests" / "models" / "check_moe_expert_parallel.py"
-NUM_CHECKS = 7
+NUM_CHECKS = 8
 
 
 def test_expert_parallel_checks_pass_on_4_cpu_devices():
