@@ -1,7 +1,8 @@
 """The families beyond Llama on tiny random transformers models: Qwen3, Phi-3, Gemma 2 and 3, Mixtral, Qwen2-MoE
 and Qwen3-MoE. Their config fields are read, and float32 logits over the paged pool equal transformers' within
 2e-5 on a prompt three times longer than the sliding window, prefilled whole, in chunks over scattered blocks
-and token by token, scanned and unrolled, on the reference, cpu and Pallas (interpreted) attention backends.
+and token by token, scanned (and unrolled for three of them), on the reference and cpu attention backends
+(Pallas: in the engine tests).
 The engine's greedy tokens are in tests/models/test_family_engines.py."""
 
 from __future__ import annotations
@@ -68,20 +69,28 @@ def test_config_reads_family_features(tiny):
     assert got[5] == pytest.approx(expected[5])
 
 
-@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
-def test_prefill_logits_match_transformers(tiny, scan_layers):
+def test_prefill_logits_match_transformers(tiny):
     _, _, loaded, expected = tiny
-    forward = PagedForward(loaded.config, loaded.params, scan_layers=scan_layers)
-    got = forward.run(TOKENS, [0, 1, 2, 3], [len(TOKENS)])
+    got = PagedForward(loaded.config, loaded.params).run(TOKENS, [0, 1, 2, 3], [len(TOKENS)])
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
     assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero numbers
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-def test_chunks_and_decode_steps_over_scattered_blocks_match_transformers(tiny, backend):
+@pytest.mark.parametrize("name", ["gemma3-local-rope", "phi3-partial-rotary", "qwen3-moe"])
+def test_unrolled_layers_match_transformers(name, tmp_path):
+    """The unrolled stack (the CPU bfloat16 layout) runs the same layer code: three families cover it."""
+    family, overrides = FAMILIES[name]
+    path = make_tiny_model(tmp_path / name, family, **overrides)
+    loaded = load_model(str(path), "float32")
+    got = PagedForward(loaded.config, loaded.params, scan_layers=False).run(TOKENS, [0, 1, 2, 3], [len(TOKENS)])
+    np.testing.assert_allclose(got, hf_logits(path, TOKENS), atol=2e-5, rtol=0)
+
+
+def test_chunks_and_decode_steps_over_scattered_blocks_match_transformers(tiny):
+    """On the cpu backend (the CPU default; the whole-prompt test above runs the reference backend)."""
     _, _, loaded, expected = tiny
     chunks = [5, 4, 3, 1, 1, 1, 1]  # prefill chunks crossing the window, then decode steps
-    got = PagedForward(loaded.config, loaded.params, backend=backend).run(TOKENS, [9, 2, 30, 17], chunks)
+    got = PagedForward(loaded.config, loaded.params, backend="cpu").run(TOKENS, [9, 2, 30, 17], chunks)
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
 
 
