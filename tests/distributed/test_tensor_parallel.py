@@ -33,7 +33,7 @@ def test_tensor_parallel_checks_pass_on_8_cpu_devices():
     env = {**os.environ, "XLA_FLAGS": xla_flags, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CHECKS)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=850,
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1500,
     )
     report = result.stdout[-8000:] + result.stderr[-2000:]
     assert result.returncode == 0, report
