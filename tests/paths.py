@@ -2,6 +2,9 @@
 scripts loaded as modules (they are not a package)."""
 
 import importlib.util
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,3 +25,18 @@ def load_script(name: str):
         return module
     finally:
         sys.path.remove(str(SCRIPTS))
+
+
+def assert_checks_pass_on_cpu_devices(checks: Path, num_devices: int, num_checks: int, timeout: int) -> None:
+    """Runs the pytest file `checks` in a subprocess on `num_devices` virtual CPU devices (the XLA flag must be
+    set before JAX starts; this process keeps its single device) and requires exactly `num_checks` to pass."""
+    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={num_devices}".strip()
+    env = {**os.environ, "XLA_FLAGS": xla_flags, "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(checks)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    report = result.stdout[-8000:] + result.stderr[-2000:]
+    assert result.returncode == 0, report
+    assert re.search(rf"\b{num_checks} passed\b", result.stdout), report
+    assert not re.search(r"\b(failed|skipped|error)", result.stdout.splitlines()[-1]), report

@@ -17,25 +17,11 @@ many devices.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-
-from tests.paths import REPO_ROOT
+from tests.paths import REPO_ROOT, assert_checks_pass_on_cpu_devices
 
 CHECKS = REPO_ROOT / "tests" / "distributed" / "check_tensor_parallel.py"
 NUM_CHECKS = 18
 
 
 def test_tensor_parallel_checks_pass_on_8_cpu_devices():
-    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-    env = {**os.environ, "XLA_FLAGS": xla_flags, "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CHECKS)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1500,
-    )
-    report = result.stdout[-8000:] + result.stderr[-2000:]
-    assert result.returncode == 0, report
-    assert re.search(rf"\b{NUM_CHECKS} passed\b", result.stdout), report
-    assert not re.search(r"\b(failed|skipped|error)", result.stdout.splitlines()[-1]), report
+    assert_checks_pass_on_cpu_devices(CHECKS, 8, NUM_CHECKS, timeout=1500)

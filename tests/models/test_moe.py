@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import re
-import subprocess
-import sys
 from typing import NamedTuple
 
 import jax
@@ -30,7 +26,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.sharding import check_tensor_parallel, param_spec
 from jaxserve.models.moe import SparseMoeBlock, route
-from tests.paths import REPO_ROOT
+from tests.paths import REPO_ROOT, assert_checks_pass_on_cpu_devices
 
 HIDDEN, INTERMEDIATE, SHARED_INTERMEDIATE = 16, 12, 20
 
@@ -215,13 +211,4 @@ def test_expert_parallel_checks_pass_on_4_cpu_devices():
     """Meshes of 1, 2 and 4 devices give the unsharded outputs (E = 8, with and without a shared expert),
     each device holds E / tp experts, the tp-2 block communicates exactly one all-reduce, non-finite padding
     stays in its rows, and E = 6 at tp 4 is refused."""
-    xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
-    env = {**os.environ, "XLA_FLAGS": xla_flags, "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CHECKS)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    report = result.stdout[-8000:] + result.stderr[-2000:]
-    assert result.returncode == 0, report
-    assert re.search(rf"\b{NUM_CHECKS} passed\b", result.stdout), report
-    assert not re.search(r"\b(failed|skipped|error)", result.stdout.splitlines()[-1]), report
+    assert_checks_pass_on_cpu_devices(CHECKS, 4, NUM_CHECKS, timeout=300)
