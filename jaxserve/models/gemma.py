@@ -16,22 +16,14 @@ from typing import ClassVar
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from jaxserve.attention.backends import AttentionBackend
-from jaxserve.config import ModelConfig
 from jaxserve.models.common import Attention
-from jaxserve.models.llama import LlamaForCausalLM, feed_forward, layer_rotary
+from jaxserve.models.llama import DecoderLayer, LlamaForCausalLM, feed_forward, layer_rotary
 from jaxserve.models.norms import RMSNorm
 
 
-class GemmaDecoderLayer(nn.Module):
-    """One Gemma block (the carry and scanned input of `llama.DecoderLayer`)."""
-
-    config: ModelConfig
-    dtype: jnp.dtype
-    backend: AttentionBackend
-    mesh: Mesh | None = None
+class GemmaDecoderLayer(DecoderLayer):
+    """One Gemma block: `llama.DecoderLayer`'s fields, carry and scanned input, Gemma's four norms."""
 
     @nn.compact
     def __call__(self, carry, layer, rotary, meta):
