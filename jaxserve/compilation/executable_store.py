@@ -110,11 +110,13 @@ class ExecutableStore:
         return compiled
 
     def save(self, name: str, compiled: jax.stages.Compiled) -> None:
-        """Stores ``compiled`` under ``name`` (atomically; an executable that cannot be serialized is skipped)."""
+        """Stores ``compiled`` under ``name`` (atomically; an executable that cannot be serialized is skipped:
+        e.g. one calling back into Python, as the Pallas kernels interpreted on CPU do, whose callback pickle
+        refuses with an AttributeError)."""
         try:
             payload, in_tree, out_tree = serialize(compiled)
             data = pickle.dumps((payload, in_tree, out_tree))
-        except (ValueError, NotImplementedError, pickle.PicklingError, TypeError) as err:
+        except (ValueError, NotImplementedError, pickle.PicklingError, TypeError, AttributeError) as err:
             logger.warning("cannot store executable %s (%s)", name, err)
             return
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -321,6 +321,23 @@ def test_executable_store_loads_only_matching_intact_executables(model_dir, buck
     assert (store.num_loaded, store.num_saved) == (1, 1)
 
 
+def test_executable_store_skips_an_executable_that_calls_back_into_python(model_dir, bucket_file, tmp_path, caplog):
+    """The Pallas kernels interpreted on CPU call back into Python; pickle refuses the callback (an
+    AttributeError). The store logs and skips it, and the caller keeps the compiled executable."""
+    store = ExecutableStore(tmp_path, _manifest(model_dir, bucket_file))
+    args = (jax.ShapeDtypeStruct((3,), jnp.float32),)
+
+    def with_callback(x):
+        return jax.pure_callback(lambda v: np.asarray(v) + 1, jax.ShapeDtypeStruct((3,), jnp.float32), x)
+
+    compiled = jax.jit(with_callback).lower(*args).compile()
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        store.save("callback", compiled)
+    assert "cannot store executable callback (" in caplog.text
+    assert store.num_saved == 0 and store.load("callback", args) is None
+    assert compiled(np.zeros(3, np.float32)).tolist() == [1.0, 1.0, 1.0]
+
+
 def test_store_key_covers_the_manifest_and_the_lowering_environment(model_dir, bucket_file, monkeypatch):
     manifest = _manifest(model_dir, bucket_file)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")

@@ -196,15 +196,17 @@ def test_opt_and_gpt2_under_tensor_parallelism_match_transformers(tmp_path, buck
 
 
 @pytest.mark.parametrize(
-    ("family", "overrides"),
-    [("qwen3_moe", {"num_experts": 8, "num_attention_heads": 8, "num_key_value_heads": 4}),
-     ("gemma3", {"num_attention_heads": 8, "num_key_value_heads": 4})],
+    ("family", "overrides", "tp_sizes"),
+    [("qwen3_moe", {"num_experts": 8, "num_attention_heads": 8, "num_key_value_heads": 4}, (2, 4)),
+     ("gemma3", {"num_attention_heads": 8, "num_key_value_heads": 4}, (4,))],
 )
-def test_moe_and_gemma3_under_tensor_and_expert_parallelism_match_transformers(tmp_path, buckets, family, overrides):
-    """tp 1, 2 and 4: attention split by heads, a MoE layer's experts split whole across the devices."""
+def test_moe_and_gemma3_under_tensor_and_expert_parallelism_match_transformers(tmp_path, buckets, family, overrides,
+                                                                               tp_sizes):
+    """Attention split by heads, a MoE layer's experts split whole across the devices (4 or 2 experts per
+    device); Gemma 3's per-layer windows and local rope under the head split. tp 1 is transformers itself."""
     path = make_tiny_model(tmp_path / family, family, seed=7, **overrides)
     expected = [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
-    for tp in (1, 2, 4):
+    for tp in tp_sizes:
         llm = LLM(str(path), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=tp)
         assert _generate(llm) == expected, tp
         if family == "qwen3_moe":
