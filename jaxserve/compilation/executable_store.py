@@ -76,6 +76,10 @@ def _signature(tree: Any) -> tuple[Any, list[tuple[tuple[int, ...], str]]]:
     return treedef, [(tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves]
 
 
+# The custom call of jax.pure_callback / io_callback on CPU (the Pallas interpreter uses them).
+PYTHON_CALLBACK = "python_cpu_callback"
+
+
 class ExecutableStore:
     """One configuration's serialized executables, one file per name, under ``cache_dir``."""
 
@@ -110,9 +114,13 @@ class ExecutableStore:
         return compiled
 
     def save(self, name: str, compiled: jax.stages.Compiled) -> None:
-        """Stores ``compiled`` under ``name`` (atomically; an executable that cannot be serialized is skipped:
-        e.g. one calling back into Python, as the Pallas kernels interpreted on CPU do, whose callback pickle
-        refuses with an AttributeError)."""
+        """Stores ``compiled`` under ``name`` (atomically; an executable that cannot be serialized is skipped).
+        One that calls back into Python (the Pallas kernels interpreted on CPU) is skipped before serializing:
+        pickle refuses its callback (an AttributeError) and, sharded over several devices, JAX's serializer
+        crashed the process (a segmentation fault in `serialize_executable`, jax 0.10.2)."""
+        if PYTHON_CALLBACK in compiled.as_text():
+            logger.warning("cannot store executable %s (it calls back into Python)", name)
+            return
         try:
             payload, in_tree, out_tree = serialize(compiled)
             data = pickle.dumps((payload, in_tree, out_tree))
