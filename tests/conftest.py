@@ -1,7 +1,8 @@
 """Environment of the whole test suite, set when pytest loads this file, before any test module imports jax.
 
 - ``JAXSERVE_COMPILE_CACHE_DIR``: one persistent compile cache for the whole session, a fresh temporary
-  directory that every pytest-xdist worker and subprocess inherits (the controller creates it before the
+  directory that every pytest-xdist worker and subprocess inherits (not the virtual-device check
+  subprocesses: tests/paths.py says why; the controller creates it before the
   workers start and removes it at exit). Modules that build the same programs (the embedded model's CPU grid
   is in a dozen of them) compile them once: measured on a 2-core EPYC, the embedded model's 19 CPU buckets
   compile in 92 s and load from the cache in 2.7 s. JAX keys entries by the compiled program, so a test only
