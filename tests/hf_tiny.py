@@ -129,18 +129,19 @@ block_size = 16
 batch_sizes = {decode_batch_sizes}
 [prefill]
 batch_sizes = [1]
-lengths = [32]
+lengths = [{chunk}]
 [context]
-lengths = [128]
+lengths = [{context}]
 """
 
 
-def small_bucket_file(directory: Path, decode_batch_sizes: tuple[int, ...] = (1, 4), mixed: bool = False) -> str:
+def small_bucket_file(directory: Path, decode_batch_sizes: tuple[int, ...] = (1, 4), mixed: bool = False, *,
+                      chunk: int = 32, context: int = 128) -> str:
     """A small bucket grid (by default 3 executables: decode batch 1 and 4, prefill chunks of 32, context
-    128): engine tests on tiny models warm up in seconds. ``mixed``: plus one mixed bucket (4 rows, 32 tokens)."""
+    128): engine tests warm up in seconds. ``mixed``: plus one mixed bucket (4 rows, ``chunk`` tokens)."""
     path = Path(directory) / "small_buckets.toml"
-    text = SMALL_BUCKETS.format(decode_batch_sizes=list(decode_batch_sizes))
-    path.write_text(text + ("[mixed]\nbatch_sizes = [4]\ntoken_counts = [32]\n" if mixed else ""))
+    text = SMALL_BUCKETS.format(decode_batch_sizes=list(decode_batch_sizes), chunk=chunk, context=context)
+    path.write_text(text + (f"[mixed]\nbatch_sizes = [4]\ntoken_counts = [{chunk}]\n" if mixed else ""))
     return str(path)
 
 

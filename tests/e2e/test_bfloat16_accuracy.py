@@ -21,6 +21,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.entrypoints.cli import chat_prompt_ids
 from tests.embedded_reference import NEW_TOKENS, chats, hf_greedy_references
+from tests.hf_tiny import small_bucket_file
 
 # measured: 896 of 899 positions (99.7%); the 3 misses at f32 top-2 gaps of 0.022, 0.026 and 0.054
 TEACHER_FORCED_AGREEMENT = 0.99
@@ -29,25 +30,13 @@ MAX_DIVERGENCE_GAP = 0.1
 MIN_EXACT_CHATS = 28
 
 
-# The buckets these tests select (prompts of up to ~100 tokens in chunks of 128, 32 rows decoding): the accuracy
-# bar is the dtype policy's, and on a CPU without a bf16 unit each bfloat16 executable compiles for ~15 s.
-BUCKETS = """
-block_size = 16
-[decode]
-batch_sizes = [32]
-[prefill]
-batch_sizes = [1]
-lengths = [128]
-[context]
-lengths = [1024]
-"""
-
-
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    buckets = tmp_path_factory.mktemp("buckets") / "buckets.toml"
-    buckets.write_text(BUCKETS)
-    return LLM(dtype="bfloat16", max_model_len=1024, max_num_seqs=32, buckets=str(buckets))
+    """Only the buckets these tests select (prompts of up to ~100 tokens in chunks of 128, 32 rows decoding): the
+    accuracy bar is the dtype policy's, and on a CPU without a bf16 unit each bfloat16 executable compiles for
+    ~15 s."""
+    buckets = small_bucket_file(tmp_path_factory.mktemp("buckets"), (32,), chunk=128, context=1024)
+    return LLM(dtype="bfloat16", max_model_len=1024, max_num_seqs=32, buckets=buckets)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.compilation.compile_cache import num_backend_compiles
-from tests.hf_tiny import VOCAB, make_tiny_model
+from tests.hf_tiny import VOCAB, make_tiny_model, small_bucket_file
 from tests.paths import SHARED_WORKLOADS
 
 WORKLOAD = SHARED_WORKLOADS / "mixed_lengths.jsonl"
@@ -123,26 +123,12 @@ def test_request_arriving_while_others_decode_joins_next_iteration(llm):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-# The preemption test's grid: the CPU grid's buckets these requests select (2 executables instead of its 13 at
-# max_model_len 128), so that its second engine warms up in seconds.
-PREEMPTION_BUCKETS = """
-block_size = 16
-[decode]
-batch_sizes = [1, 2, 4, 8]
-[prefill]
-batch_sizes = [1]
-lengths = [32]
-[context]
-lengths = [128]
-"""
-
-
 def test_preemption_under_a_tiny_pool_keeps_every_token(model_dir, llm, tmp_path):
     requests = [(list(range(10 + i, 40 + i)), 50) for i in range(6)]  # 80 tokens each: 5 blocks of 16
     expected = _generate_alone(llm, requests)
-    (tmp_path / "buckets.toml").write_text(PREEMPTION_BUCKETS)
+    # only the CPU grid's buckets these requests select (2 executables instead of its 13 at max_model_len 128)
     small = LLM(str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=12,
-                buckets=str(tmp_path / "buckets.toml"))
+                buckets=small_bucket_file(tmp_path, decode_batch_sizes=(1, 2, 4, 8)))
     outputs = small.generate([{"prompt_token_ids": p} for p, _ in requests], _greedy(50), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert small.llm_engine.stats.num_preemptions > 0

@@ -6,40 +6,24 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.hf_tiny import make_tiny_model
+from tests.hf_tiny import make_tiny_model, small_bucket_file
 
 # head_dim 64 (hidden 256 / 4 heads), GQA 2:1: a layout the kernels support
 TINY_64 = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-# One bucket of each step kind (the interpreted kernels compile slowly): prefill chunks of 64, decode 4 rows,
-# mixed steps of 4 rows and 64 tokens, context 512.
-BUCKETS = """
-block_size = 16
-[decode]
-batch_sizes = [4]
-[prefill]
-batch_sizes = [1]
-lengths = [64]
-[context]
-lengths = [512]
-[mixed]
-batch_sizes = [4]
-token_counts = [64]
-"""
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny64"), "llama", seed=3, **TINY_64)
-    (path / "buckets.toml").write_text(BUCKETS)
-    return path
+    return make_tiny_model(tmp_path_factory.mktemp("tiny64"), "llama", seed=3, **TINY_64)
 
 
 def _run(model_dir, backend: str) -> list[list[int]]:
+    # one bucket of each step kind (the interpreted kernels compile slowly): prefill chunks of 64, decode 4
+    # rows, mixed steps of 4 rows and 64 tokens, context 512
+    buckets = small_bucket_file(model_dir, (4,), mixed=True, chunk=64, context=512)
     llm = LLM(
         str(model_dir), dtype="float32", max_model_len=512, max_num_seqs=4, max_num_batched_tokens=128,
-        attention_backend=backend, buckets=str(model_dir / "buckets.toml"),
+        attention_backend=backend, buckets=buckets,
     )
     runner = llm.llm_engine.runner
     assert runner.backend.name == backend
