@@ -8,6 +8,7 @@ so that a bad value fails where it is given, with a message naming it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -31,7 +32,8 @@ QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3")  # an RMSNorm over each head
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")  # sparse mixture-of-experts MLPs
 SLIDING_LAYER = "sliding_attention"  # transformers' `layer_types` entry of a sliding-window layer
 SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's early configs name LongRoPE "su"
 SUPPORTED_DTYPES = ("float32", "bfloat16")  # what weights and the KV pool are stored in
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # "auto": bfloat16 where a bf16 matrix unit exists (precision.py)
 
@@ -44,12 +46,21 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] | None = None  # longrope: each frequency's divisor within the original context
+    long_factor: tuple[float, ...] | None = None  # ... and past it
+    attention_factor: float = 1.0  # cos and sin are multiplied by it (longrope's default: see `from_hf`)
+    long_context: bool = False  # longrope: the long factors; `ModelConfig.for_max_model_len` decides
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope scaling type {self.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        for name in ("short_factor", "long_factor"):  # tuples, also from JSON lists (orbax checkpoints)
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _floats(getattr(self, name)))
+        if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError("longrope scaling needs both short_factor and long_factor in the rope parameters")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
@@ -62,13 +73,21 @@ class RopeConfig:
         params = {**scaling, **params}
         theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default"))
+        rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
+        # transformers' rule: Phi-3 keeps the pretraining length beside the rope parameters, and it wins
+        original = hf.get("original_max_position_embeddings") or params.get(
+            "original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
+        longrope = rope_type == "longrope"
         return cls(
             theta=float(theta),
             rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
+            factor=float(params.get("factor") or 1.0),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=int(original),
+            short_factor=_floats(params.get("short_factor")) if longrope else None,
+            long_factor=_floats(params.get("long_factor")) if longrope else None,
+            attention_factor=_longrope_attention_factor(hf, params, int(original)) if longrope else 1.0,
         )
 
     @classmethod
@@ -80,6 +99,19 @@ class RopeConfig:
         if "rope_local_base_freq" in hf:
             return cls(theta=float(hf["rope_local_base_freq"]))
         return None
+
+
+def _floats(values) -> tuple[float, ...] | None:
+    return None if values is None else tuple(float(v) for v in values)
+
+
+def _longrope_attention_factor(hf: dict[str, Any], params: dict[str, Any], original: int) -> float:
+    """LongRoPE's scale of cos and sin (transformers' default): sqrt(1 + ln(s) / ln(original)) with s the
+    context extension (`factor`, else max_position_embeddings / original), 1 where it does not extend."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = params.get("factor") or hf.get("max_position_embeddings", original) / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +178,13 @@ class ModelConfig:
             raise ValueError(f"the rotary dimension must be even, got {self.rotary_dim} (head_dim {self.head_dim})")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}")
+        for name in ("short_factor", "long_factor"):
+            factors = getattr(self.rope, name)
+            if factors is not None and len(factors) != self.rotary_dim // 2:
+                raise ValueError(
+                    f"rope {name} has {len(factors)} entries; the rotary dimension {self.rotary_dim} needs "
+                    f"{self.rotary_dim // 2}"
+                )
         if self.num_experts is not None and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts ({self.num_experts})]"
@@ -185,6 +224,17 @@ class ModelConfig:
         return tuple(
             i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0 for i in range(self.num_layers)
         )
+
+    def for_max_model_len(self, max_model_len: int) -> ModelConfig:
+        """This config as an engine serving up to `max_model_len` tokens runs it. LongRoPE (Phi-3, Phi-4-mini)
+        picks its factors once, as vLLM does: the long ones when `max_model_len` exceeds the pretraining
+        context, else the short ones. transformers switches per forward pass instead (long once the sequence
+        passes that context), which an engine cannot do without recomputing the cached keys; the two agree
+        whenever no sequence of a long-context engine stays within the original context."""
+        if self.rope.rope_type != "longrope":
+            return self
+        long_context = max_model_len > self.rope.original_max_position_embeddings
+        return dataclasses.replace(self, rope=dataclasses.replace(self.rope, long_context=long_context))
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:

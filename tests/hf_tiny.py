@@ -57,6 +57,16 @@ FAMILY_DEFAULTS = {
 }
 
 
+def longrope_overrides(num_factors: int, original_max_position_embeddings: int) -> dict:
+    """A Phi-3 config's LongRoPE fields (Phi-4-mini's layout): short and long factors per rotary frequency, far
+    enough apart that the two give visibly different logits."""
+    return dict(
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.25 * i for i in range(num_factors)],
+                      "long_factor": [2.0 + 3.0 * i for i in range(num_factors)]},
+        original_max_position_embeddings=original_max_position_embeddings,
+    )
+
+
 def _tiny_opt_config(**overrides):
     import transformers
 

@@ -25,7 +25,7 @@ from jaxserve.models.common import Attention, dense, embedding, layer_stack, nor
 from jaxserve.models.mlp import GatedMLP
 from jaxserve.models.moe import SparseMoeBlock
 from jaxserve.models.norms import RMSNorm
-from jaxserve.models.rotary import rope_inv_freq, rotary_cos_sin
+from jaxserve.models.rotary import rotary_cos_sin
 
 
 def feed_forward(cfg: ModelConfig, dtype, mesh: Mesh | None) -> nn.Module:
@@ -110,10 +110,10 @@ class LlamaForCausalLM(nn.Module):
     def rotary(self, positions):
         """(cos, sin) of every token, or for Gemma 3 that pair and its sliding layers' (see `layer_rotary`)."""
         cfg = self.config
-        rotary = rotary_cos_sin(positions, rope_inv_freq(cfg.rope, cfg.rotary_dim))
+        rotary = rotary_cos_sin(positions, cfg.rope, cfg.rotary_dim)
         if cfg.local_rope is None:
             return rotary
-        return rotary, rotary_cos_sin(positions, rope_inv_freq(cfg.local_rope, cfg.rotary_dim))
+        return rotary, rotary_cos_sin(positions, cfg.local_rope, cfg.rotary_dim)
 
     def logits(self, hidden):
         if self.config.tie_word_embeddings and not self.untie_lm_head:

@@ -1,6 +1,6 @@
-"""Rotary position embeddings of the rotary families, computed as transformers does (default, `linear` and
-`llama3` frequency scaling; partial rotary of Phi-4-mini; Gemma 3's second embedding for its sliding-window
-layers); the attention layer rotates q and k with them before writing k to the pool."""
+"""Rotary position embeddings of the rotary families, computed as transformers does (default, `linear`,
+`llama3` and LongRoPE frequency scaling; partial rotary of Phi-4-mini; Gemma 3's second embedding for its
+sliding-window layers); the attention layer rotates q and k with them before writing k to the pool."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from jaxserve.config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """f32[head_dim // 2] (`head_dim`: the rotated features), computed as transformers does (including `llama3`
-    and `linear` scaling)."""
+    """f32[head_dim // 2] (`head_dim`: the rotated features), computed as transformers does (including `llama3`,
+    `linear` and `longrope` scaling)."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    if rope.rope_type == "longrope":
+        factors = np.asarray(rope.long_factor if rope.long_context else rope.short_factor, np.float32)
+        return (np.float32(1.0) / (factors * np.float32(rope.theta) ** exponents)).astype(np.float32)
     inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
     if rope.rope_type == "linear":
         return (inv_freq / np.float32(rope.factor)).astype(np.float32)
@@ -37,11 +40,13 @@ def _llama3_inv_freq(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos, sin: f32[S, Q, head_dim] for the rotate-half convention."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+def rotary_cos_sin(positions: jax.Array, rope: RopeConfig, rotary_dim: int) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: f32[S, Q, rotary_dim] for the rotate-half convention, times `rope.attention_factor`."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(rope, rotary_dim))[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if rope.attention_factor == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * rope.attention_factor, jnp.sin(emb) * rope.attention_factor
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

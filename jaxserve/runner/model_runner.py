@@ -178,9 +178,10 @@ class ModelRunner:
                    platform: str | None = None) -> ModelRunner:
         """The runner of an engine with ``config`` on ``grid``. The engine, its KV sizing probe, precompile and
         target compiles all build it here, so they build the same executables: one sampler slot per sequence
-        the grid may run, K = max_logprobs. ``num_blocks``: a pool of another size than the grid's (the probe)."""
+        the grid may run, K = max_logprobs. ``num_blocks``: a pool of another size than the grid's (the probe).
+        The model runs as configured for the grid's ``max_model_len`` (`ModelConfig.for_max_model_len`)."""
         return cls(
-            model_config, params, dtype=config.dtype, block_size=grid.block_size,
+            model_config.for_max_model_len(grid.max_model_len), params, dtype=config.dtype, block_size=grid.block_size,
             num_blocks=grid.num_blocks if num_blocks is None else num_blocks, max_rows=grid.max_batch_size,
             attention_backend=config.attention_backend, mesh=mesh, abstract=abstract, platform=platform,
             num_sampler_slots=grid.max_num_seqs, num_logprobs=config.max_logprobs,

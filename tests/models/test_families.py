@@ -13,7 +13,7 @@ import pytest
 from jaxserve.models.common import attention_scale
 from jaxserve.weights import load_model
 from tests.forward import PagedForward
-from tests.hf_tiny import hf_logits, make_tiny_model
+from tests.hf_tiny import hf_logits, longrope_overrides, make_tiny_model
 
 TOKENS = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64, 7, 31, 5, 260]  # 16 tokens; windows are 5 or 6
 
@@ -103,3 +103,34 @@ def test_bfloat16_tracks_float32(tiny):
     bound = 0.05 if loaded.config.num_experts is None else 0.1
     assert np.abs(got - expected).max() < bound * np.abs(expected).max()
     assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.75
+
+
+@pytest.mark.parametrize("long_context", [False, True], ids=["short-factors", "long-factors"])
+def test_longrope_matches_transformers(long_context, tmp_path):
+    """Phi-3 / Phi-4-mini LongRoPE (pretrained on 8 positions, extended to 32; partial rotary, 4 frequencies). The
+    engine picks the factors from its max_model_len; transformers from the sequence's length, so a prompt
+    within the original 8 positions takes the short factors there and a longer one the long factors."""
+    path = make_tiny_model(tmp_path, "phi3", max_position_embeddings=32, **longrope_overrides(4, 8))
+    loaded = load_model(str(path), "float32")
+    assert loaded.config.rope.attention_factor == pytest.approx((1 + np.log(4) / np.log(8)) ** 0.5)
+    config = loaded.config.for_max_model_len(32 if long_context else 8)
+    assert config.rope.long_context is long_context
+    tokens, chunks = (TOKENS, [5, 4, 3, 1, 1, 1, 1]) if long_context else (TOKENS[:8], [5, 1, 1, 1])
+    expected = hf_logits(path, tokens)
+    got = PagedForward(config, loaded.params, backend="cpu").run(tokens, [9, 2, 30, 17], chunks)
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
+    other = loaded.config.for_max_model_len(8 if long_context else 32)  # the other factors differ visibly
+    assert np.abs(PagedForward(other, loaded.params).run(tokens, [0, 1, 2, 3], [len(tokens)]) - expected).max() > 0.1
+
+
+def test_longrope_factors_must_cover_the_rotary_dimension(tmp_path):
+    from jaxserve.config import ModelConfig
+
+    hf = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "partial_rotary_factor": 0.5,
+          "max_position_embeddings": 32, **longrope_overrides(3, 8)}
+    with pytest.raises(ValueError, match="rope short_factor has 3 entries; the rotary dimension 8 needs 4"):
+        ModelConfig.from_hf(hf)
+    hf["rope_scaling"] = {"type": "su", "short_factor": [1.0] * 4}
+    with pytest.raises(ValueError, match="longrope scaling needs both short_factor and long_factor"):
+        ModelConfig.from_hf(hf)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.hf_tiny import hf_greedy, make_tiny_model
+from tests.hf_tiny import hf_greedy, longrope_overrides, make_tiny_model
 
 BUCKETS = """block_size = {block_size}
 [decode]
@@ -30,7 +30,9 @@ SHARED = [p + [3, 4] for p in PROMPTS]  # the same prefixes: whole cached blocks
 # (family, overrides, attention backend); head_dim 64 (hidden 128 / 2 heads) for the Pallas kernels
 CASES = {
     "qwen3": ("qwen3", {}, "cpu"),
-    "phi3": ("phi3", {"sliding_window": 6}, "cpu"),
+    # LongRoPE pretrained on 2 positions: transformers takes the long factors for every prompt, as the engine
+    # does for its max_model_len of 64 (partial rotary: 4 frequencies)
+    "phi3-longrope": ("phi3", {"sliding_window": 6, **longrope_overrides(4, 2)}, "cpu"),
     "gemma2": ("gemma2", {}, "cpu"),
     "gemma3": ("gemma3", {}, "cpu"),
     "qwen3-moe": ("qwen3_moe", {}, "cpu"),
