@@ -236,6 +236,12 @@ class ModelConfig:
         long_context = max_model_len > self.rope.original_max_position_embeddings
         return dataclasses.replace(self, rope=dataclasses.replace(self.rope, long_context=long_context))
 
+    @property
+    def mixes_mlp_kinds(self) -> bool:
+        """Some layers sparse, some dense (Qwen-MoE's `mlp_only_layers`, `decoder_sparse_step` > 1): such a
+        model's layers are unrolled, each with its own parameters (`common.layer_stack`)."""
+        return len(set(self.sparse_layers)) > 1
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Builds the config from a Hugging Face `config.json` dict."""

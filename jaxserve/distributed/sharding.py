@@ -62,9 +62,9 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> Non
     """Clear errors for a model the mesh cannot split evenly (heads, kv heads, MLP hidden dimension, and
     for mixture-of-experts models the experts and the shared expert's hidden dimension)."""
     sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
-    if config.num_experts is None:
-        sizes["intermediate_size"] = config.intermediate_size  # an MoE model's experts are split whole
-    else:
+    if config.num_experts is None or config.mixes_mlp_kinds:  # experts are split whole, dense MLPs by columns
+        sizes["intermediate_size"] = config.intermediate_size
+    if config.num_experts is not None:
         sizes["num_experts"] = config.num_experts
     if config.shared_expert_intermediate_size is not None:
         sizes["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size

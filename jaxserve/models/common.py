@@ -203,9 +203,11 @@ class Attention(nn.Module):
         )
 
 
-def layer_stack(layer_cls: type[nn.Module], num_layers: int, num_broadcast_inputs: int, *args, scan: bool):
+def layer_stack(layer_cls: type[nn.Module], num_layers: int, num_broadcast_inputs: int, *args, scan: bool,
+                per_layer: tuple[dict, ...] | None = None):
     """`layer_cls(*args)` repeated `num_layers` times. Called as `stack((hidden, kv_pool), layer_ids,
-    *broadcast_inputs)`; returns `((hidden, kv_pool), None)`.
+    *broadcast_inputs)`; returns `((hidden, kv_pool), None)`. `per_layer`: keyword arguments of each layer
+    where layers differ in structure (a model mixing dense and MoE MLPs), unrolled only.
 
     `scan=True`: one `nn.scan` over stacked weights (`params["layers"]` with a leading layer axis), so
     compile time does not grow with depth (TPU, GPU). `scan=False`: one module per layer
@@ -213,6 +215,8 @@ def layer_stack(layer_cls: type[nn.Module], num_layers: int, num_broadcast_input
     its fast path (AMX or AVX512-BF16): inside a scan over stacked weights they lose it and run slower than
     float32 (shared/notes/cpu-bf16.md: 2-3x for the 30-layer embedded model)."""
     if scan:
+        if per_layer is not None:
+            raise ValueError("layers that differ in structure cannot be scanned over one stack of weights")
         scanned = nn.scan(
             layer_cls,
             variable_axes={"params": 0},
@@ -221,7 +225,7 @@ def layer_stack(layer_cls: type[nn.Module], num_layers: int, num_broadcast_input
             length=num_layers,
         )
         return scanned(*args)
-    return UnrolledLayers(layer_cls, num_layers, args)
+    return UnrolledLayers(layer_cls, num_layers, args, per_layer)
 
 
 class UnrolledLayers(nn.Module):
@@ -230,11 +234,14 @@ class UnrolledLayers(nn.Module):
     layer_cls: type[nn.Module]
     num_layers: int
     layer_args: tuple
+    per_layer: tuple[dict, ...] | None = None
 
     @nn.compact
     def __call__(self, carry, layer_ids, *broadcast_inputs):
         for i in range(self.num_layers):
-            carry, _ = self.layer_cls(*self.layer_args, name=str(i))(carry, layer_ids[i], *broadcast_inputs)
+            kwargs = self.per_layer[i] if self.per_layer is not None else {}
+            layer = self.layer_cls(*self.layer_args, **kwargs, name=str(i))
+            carry, _ = layer(carry, layer_ids[i], *broadcast_inputs)
         return carry, None
 
 
@@ -255,7 +262,8 @@ def untie_lm_head(params: dict) -> dict:
 
 def unstack_layers(params: dict, num_layers: int) -> dict:
     """The weight loaders' tree (`params["params"]["layers"]` stacked on a leading layer axis) as the
-    unrolled stack's tree (`params["params"]["layers"][str(i)]`). Works on arrays and ShapeDtypeStructs."""
+    unrolled stack's tree (`params["params"]["layers"][str(i)]`). Works on arrays and ShapeDtypeStructs.
+    A tree already unrolled (the loaders' layout for models mixing dense and MoE layers) comes back as it is."""
 
     def layer_slice(x, i: int):
         if isinstance(x, jax.ShapeDtypeStruct):
@@ -263,5 +271,12 @@ def unstack_layers(params: dict, num_layers: int) -> dict:
         return x[i]
 
     stacked = params["params"]["layers"]
+    if is_unrolled(stacked):
+        return params
     layers = {str(i): jax.tree.map(lambda x, i=i: layer_slice(x, i), stacked) for i in range(num_layers)}
     return {**params, "params": {**params["params"], "layers": layers}}
+
+
+def is_unrolled(layers: dict) -> bool:
+    """Whether a `params["params"]["layers"]` tree holds one subtree per layer ("0", "1", ...)."""
+    return "0" in layers

@@ -33,7 +33,7 @@ class GemmaDecoderLayer(DecoderLayer):
         attn = Attention(cfg, self.dtype, self.backend, self.mesh, name="self_attn")
         attn_out, kv_pool = attn(normed, kv_pool, layer, meta, layer_rotary(cfg, layer, rotary))
         hidden = hidden + self._norm("post_attention_layernorm")(attn_out)
-        mlp_out = feed_forward(cfg, self.dtype, self.mesh)(self._norm("pre_feedforward_layernorm")(hidden))
+        mlp_out = feed_forward(cfg, self.dtype, self.mesh, self.sparse)(self._norm("pre_feedforward_layernorm")(hidden))
         hidden = hidden + self._norm("post_feedforward_layernorm")(mlp_out)
         return (hidden, kv_pool), None
 

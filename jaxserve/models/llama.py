@@ -28,9 +28,10 @@ from jaxserve.models.norms import RMSNorm
 from jaxserve.models.rotary import rotary_cos_sin
 
 
-def feed_forward(cfg: ModelConfig, dtype, mesh: Mesh | None) -> nn.Module:
-    """The layer's MLP: a sparse mixture of experts in the MoE families, else the dense gated MLP."""
-    if cfg.num_experts is None:
+def feed_forward(cfg: ModelConfig, dtype, mesh: Mesh | None, sparse: bool | None = None) -> nn.Module:
+    """The layer's MLP: a sparse mixture of experts where `sparse` (None: in every layer of the MoE families),
+    else the dense gated MLP."""
+    if not (cfg.num_experts is not None if sparse is None else sparse):
         return GatedMLP(cfg.intermediate_size, cfg.hidden_size, cfg.hidden_act, dtype, name="mlp")
     return SparseMoeBlock(
         cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.hidden_act,
@@ -49,12 +50,14 @@ def layer_rotary(cfg: ModelConfig, layer, rotary):
 
 class DecoderLayer(nn.Module):
     """One transformer block, scanned over layers: the carry is (hidden states, whole KV pool) and the
-    scanned input is the layer number, so each layer writes and reads its pages of the pool in place."""
+    scanned input is the layer number, so each layer writes and reads its pages of the pool in place.
+    `sparse`: this layer's MLP kind where layers differ (unrolled; see `feed_forward`)."""
 
     config: ModelConfig
     dtype: jnp.dtype
     backend: AttentionBackend
     mesh: Mesh | None = None
+    sparse: bool | None = None
 
     @nn.compact
     def __call__(self, carry, layer, rotary, meta):
@@ -65,7 +68,7 @@ class DecoderLayer(nn.Module):
         attn_out, kv_pool = attn(normed, kv_pool, layer, meta, layer_rotary(cfg, layer, rotary))
         hidden = hidden + attn_out
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        hidden = hidden + feed_forward(cfg, self.dtype, self.mesh)(normed)
+        hidden = hidden + feed_forward(cfg, self.dtype, self.mesh, self.sparse)(normed)
         return (hidden, kv_pool), None
 
 
@@ -84,14 +87,12 @@ class LlamaForCausalLM(nn.Module):
 
     def setup(self):
         cfg = self.config
-        if len(set(cfg.sparse_layers)) > 1:
-            raise ValueError(
-                "models mixing dense and mixture-of-experts layers (mlp_only_layers, decoder_sparse_step > 1) "
-                "are not supported"
-            )
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, self.dtype)
+        # layers with different MLPs cannot share one stack of weights: such a model's layers are unrolled
+        per_layer = tuple({"sparse": sparse} for sparse in cfg.sparse_layers) if cfg.mixes_mlp_kinds else None
         self.layers = layer_stack(
-            self.decoder_layer, cfg.num_layers, 2, cfg, self.dtype, self.backend, self.mesh, scan=self.scan_layers
+            self.decoder_layer, cfg.num_layers, 2, cfg, self.dtype, self.backend, self.mesh,
+            scan=self.scan_layers and per_layer is None, per_layer=per_layer,
         )
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_offset(cfg))
         if not cfg.tie_word_embeddings or self.untie_lm_head:

@@ -6,7 +6,9 @@ every parameter with its Hugging Face source and transform, so the names a loade
 it builds come from the same place. Linear weights are `[out, in]` in Hugging Face and transposed here;
 GPT-2's Conv1D weights are already `[in, out]`, and its fused `c_attn` is split into q, k and v; Phi-3's fused
 `qkv_proj` and `gate_up_proj` are split likewise. Mixture-of-experts weights, one tensor per expert in the
-checkpoints, are stacked into `[E, in, out]` arrays (`moe.SparseMoeBlock`'s layout).
+checkpoints, are stacked into `[E, in, out]` arrays (`moe.SparseMoeBlock`'s layout). A model mixing dense and
+MoE layers gets one subtree per layer instead (`params["layers"]["0"]`, ...: the unrolled layout), since its
+layers' MLPs do not stack.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ def _transpose(x: np.ndarray) -> np.ndarray:
 class ParamSource:
     """One leaf of the parameter tree: its path under "params", the Hugging Face tensor it is made from
     (with `{i}` for per-layer tensors, stacked on a new leading axis, and `{e}` for per-expert tensors,
-    stacked on the axis after it) and the transform applied to each tensor first."""
+    stacked on the axis after it) and the transform applied to each tensor first. `layers`: the layers that
+    have this tensor, where not all do (a model mixing dense and MoE layers)."""
 
     path: tuple[str, ...]
     hf_name: str
     transform: Callable[[np.ndarray], np.ndarray] | None = None
+    layers: tuple[int, ...] | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -104,9 +108,21 @@ def _gated_mlp(path: tuple[str, ...], hf_prefix: str, names=("gate_proj", "up_pr
 
 
 def _mlp_sources(config: ModelConfig, layer: str) -> list[ParamSource]:
-    """The dense MLP, or the sparse MoE block: router `[H, E]`, experts stacked `[E, in, out]`."""
+    """The dense MLP, or the sparse MoE block, or each in its layers where a model mixes them."""
     if config.num_experts is None:
         return _gated_mlp(("layers", "mlp"), f"{layer}.mlp")
+    if not config.mixes_mlp_kinds:
+        return _moe_sources(config, layer)
+    sparse = [i for i, is_sparse in enumerate(config.sparse_layers) if is_sparse]
+    dense = [i for i, is_sparse in enumerate(config.sparse_layers) if not is_sparse]
+    return [
+        *(dataclasses.replace(s, layers=tuple(dense)) for s in _gated_mlp(("layers", "mlp"), f"{layer}.mlp")),
+        *(dataclasses.replace(s, layers=tuple(sparse)) for s in _moe_sources(config, layer)),
+    ]
+
+
+def _moe_sources(config: ModelConfig, layer: str) -> list[ParamSource]:
+    """The sparse MoE block: router `[H, E]`, experts stacked `[E, in, out]`, Qwen2-MoE's shared expert."""
     if config.family == "mixtral":
         block, expert_names = f"{layer}.block_sparse_moe", ("w1", "w3", "w2")
     else:
@@ -207,9 +223,14 @@ def param_sources(config: ModelConfig) -> list[ParamSource]:
     return FAMILY_SOURCES.get(config.family, llama_sources)(config)
 
 
+def _source_layers(source: ParamSource, config: ModelConfig) -> list[int]:
+    """The layers a per-layer leaf is read for."""
+    return list(range(config.num_layers)) if source.layers is None else list(source.layers)
+
+
 def _tensor_names(source: ParamSource, config: ModelConfig) -> list[list[str]]:
     """The Hugging Face names of one leaf: per layer (one row for a global tensor), per expert within it."""
-    layers = [str(i) for i in range(config.num_layers)] if source.per_layer else [""]
+    layers = [str(i) for i in _source_layers(source, config)] if source.per_layer else [""]
     experts = [str(e) for e in range(config.num_experts or 0)] if source.per_expert else [""]
     return [[source.hf_name.replace(LAYER, i).replace(EXPERT, e) for e in experts] for i in layers]
 
@@ -240,15 +261,24 @@ def params_from_hf(get: TensorGetter, config: ModelConfig, dtype: np.dtype | str
 
         def leaf(names: list[str], transform=transform, per_expert=source.per_expert) -> np.ndarray:
             arrays = [transform(np.asarray(get(name))) for name in names]
-            return np.stack(arrays) if per_expert else arrays[0]
+            value = np.stack(arrays) if per_expert else arrays[0]
+            return np.asarray(value, dtype=np.float32).astype(np_dtype)
 
         layer_values = [leaf(names) for names in _tensor_names(source, config)]
-        value = np.stack(layer_values) if source.per_layer else layer_values[0]
-        node = params
-        for key in source.path[:-1]:
-            node = node.setdefault(key, {})
-        node[source.path[-1]] = np.asarray(value, dtype=np.float32).astype(np_dtype)
+        if not source.per_layer:
+            _put(params, source.path, layer_values[0])
+        elif config.mixes_mlp_kinds:  # one subtree per layer (module docstring)
+            for i, value in zip(_source_layers(source, config), layer_values, strict=True):
+                _put(params, (source.path[0], str(i), *source.path[1:]), value)
+        else:
+            _put(params, source.path, np.stack(layer_values))
     return {"params": params}
+
+
+def _put(tree: dict, path: tuple[str, ...], value: np.ndarray) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
 
 
 def _numpy_dtype(dtype: np.dtype | str) -> np.dtype:

@@ -197,21 +197,27 @@ def test_opt_and_gpt2_under_tensor_parallelism_match_transformers(tmp_path, buck
 
 @pytest.mark.parametrize(
     ("family", "overrides", "tp_sizes"),
-    [("qwen3_moe", {"num_experts": 8, "num_attention_heads": 8, "num_key_value_heads": 4}, (2, 4)),
+    [("qwen3_moe", {"num_experts": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "mlp_only_layers": [0]},
+      (2, 4)),
      ("gemma3", {"num_attention_heads": 8, "num_key_value_heads": 4}, (4,))],
 )
 def test_moe_and_gemma3_under_tensor_and_expert_parallelism_match_transformers(tmp_path, buckets, family, overrides,
                                                                                tp_sizes):
     """Attention split by heads, a MoE layer's experts split whole across the devices (4 or 2 experts per
-    device); Gemma 3's per-layer windows and local rope under the head split. tp 1 is transformers itself."""
+    device) beside a dense layer's MLP split by columns (the Qwen3-MoE has a dense first layer:
+    mlp_only_layers); Gemma 3's per-layer windows and local rope under the head split. tp 1 is transformers
+    itself."""
     path = make_tiny_model(tmp_path / family, family, seed=7, **overrides)
     expected = [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
     for tp in tp_sizes:
         llm = LLM(str(path), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=tp)
         assert _generate(llm) == expected, tp
         if family == "qwen3_moe":
-            experts = llm.llm_engine.runner.params["params"]["layers"]["mlp"]["experts"]["gate_proj"]
-            assert {shard.data.shape[1] for shard in experts.addressable_shards} == {8 // tp}
+            layers = llm.llm_engine.runner.params["params"]["layers"]
+            experts = layers["1"]["mlp"]["experts"]["gate_proj"]
+            assert {shard.data.shape[0] for shard in experts.addressable_shards} == {8 // tp}
+            dense_up = layers["0"]["mlp"]["up_proj"]["kernel"]
+            assert {shard.data.shape for shard in dense_up.addressable_shards} == {(64, 128 // tp)}
 
 
 def test_orbax_checkpoint_restores_into_the_mesh_sharding(model_dir, llms, tmp_path, buckets):

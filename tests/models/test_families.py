@@ -30,6 +30,9 @@ FAMILIES = {
     "qwen3-moe": ("qwen3_moe", {}),
     "qwen3-moe-unnormalised": ("qwen3_moe", {"norm_topk_prob": False, "num_experts": 5, "num_experts_per_tok": 2}),
     "qwen2-moe-shared-expert": ("qwen2_moe", {}),
+    # dense and MoE layers mixed: layers 0 and 2 dense by mlp_only_layers; every other layer by decoder_sparse_step
+    "qwen3-moe-mlp-only-layers": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [0, 2]}),
+    "qwen2-moe-sparse-step": ("qwen2_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2}),
 }
 
 # family, head_dim, rotary_dim, sliding layers, qk_norm, attention scale, softcaps, experts (E, k, normalised)
@@ -46,6 +49,12 @@ EXPECTED_CONFIG = {
     "qwen3-moe": ("qwen3_moe", 16, 16, (False,) * 2, True, 0.25, (None, None), (7, 3, True)),
     "qwen3-moe-unnormalised": ("qwen3_moe", 16, 16, (False,) * 2, True, 0.25, (None, None), (5, 2, False)),
     "qwen2-moe-shared-expert": ("qwen2_moe", 16, 16, (False,) * 2, False, 0.25, (None, None), (5, 2, False)),
+    "qwen3-moe-mlp-only-layers": ("qwen3_moe", 16, 16, (False,) * 4, True, 0.25, (None, None), (7, 3, True)),
+    "qwen2-moe-sparse-step": ("qwen2_moe", 16, 16, (False,) * 3, False, 0.25, (None, None), (5, 2, False)),
+}
+MIXED_MLP_LAYERS = {  # which layers are sparse
+    "qwen3-moe-mlp-only-layers": (False, True, False, True),
+    "qwen2-moe-sparse-step": (False, True, False),
 }
 
 
@@ -67,6 +76,23 @@ def test_config_reads_family_features(tiny):
     expected = EXPECTED_CONFIG[name]
     assert got[:5] == expected[:5] and got[6:] == expected[6:]
     assert got[5] == pytest.approx(expected[5])
+    assert cfg.mixes_mlp_kinds is (name in MIXED_MLP_LAYERS)
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_MLP_LAYERS))
+def test_mixed_dense_and_moe_layers_load_one_subtree_per_layer(name, tmp_path):
+    """Their MLPs do not stack, so each layer has its own parameters: the experts where the layer is sparse
+    (transformers' rule: not in mlp_only_layers, and (i + 1) % decoder_sparse_step == 0), a dense MLP elsewhere."""
+    family, overrides = FAMILIES[name]
+    loaded = load_model(str(make_tiny_model(tmp_path, family, **overrides)), "float32")
+    assert loaded.config.sparse_layers == MIXED_MLP_LAYERS[name]
+    layers = loaded.params["params"]["layers"]
+    assert sorted(layers) == [str(i) for i in range(loaded.config.num_layers)]
+    kinds = tuple("experts" in layers[str(i)]["mlp"] for i in range(loaded.config.num_layers))
+    assert kinds == MIXED_MLP_LAYERS[name]
+    dense = layers["0"]["mlp"]
+    assert sorted(dense) == ["down_proj", "gate_proj", "up_proj"] and dense["up_proj"]["kernel"].shape == (64, 128)
+    assert layers["1"]["mlp"]["experts"]["up_proj"].shape == (loaded.config.num_experts, 64, 48)
 
 
 def test_prefill_logits_match_transformers(tiny):

@@ -35,7 +35,7 @@ CASES = {
     "phi3-longrope": ("phi3", {"sliding_window": 6, **longrope_overrides(4, 2)}, "cpu"),
     "gemma2": ("gemma2", {}, "cpu"),
     "gemma3": ("gemma3", {}, "cpu"),
-    "qwen3-moe": ("qwen3_moe", {}, "cpu"),
+    "qwen3-moe-dense-first-layer": ("qwen3_moe", {"mlp_only_layers": [0]}, "cpu"),  # layers mixing MLP kinds
     "mixtral": ("mixtral", {"sliding_window": 6}, "cpu"),
     "gemma3-pallas": ("gemma3", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
                                  "head_dim": 64, "query_pre_attn_scalar": 64}, "pallas"),

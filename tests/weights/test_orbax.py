@@ -106,6 +106,18 @@ def test_compressed_gpt2_round_trip_logits(tmp_path):
     np.testing.assert_allclose(got, hf_logits(hf_dir, TOKENS), atol=2e-5, rtol=0)
 
 
+def test_mixed_dense_and_moe_layers_round_trip_logits(tmp_path):
+    """A Qwen3-MoE whose layers 0 and 2 are dense (mlp_only_layers): the per-layer tree round-trips, and its
+    config's MLP pattern with it."""
+    hf_dir = make_tiny_model(tmp_path / "hf", "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[0, 2])
+    assert convert_checkpoint(hf_dir, tmp_path / "orbax") == 0
+    restored = load_model(str(tmp_path / "orbax"))
+    assert restored.config.sparse_layers == (False, True, False)
+    assert_same_params(restored.params, load_model(str(hf_dir)).params)
+    got = PagedForward(restored.config, restored.params).run(TOKENS, [3, 1, 2, 0], [9, 5])
+    np.testing.assert_allclose(got, hf_logits(hf_dir, TOKENS), atol=2e-5, rtol=0)
+
+
 def test_existing_output_is_refused(llama_dirs):
     hf_dir, orbax_dir = llama_dirs
     with pytest.raises(FileExistsError, match=f"output {orbax_dir} already exists"):
