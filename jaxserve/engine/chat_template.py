@@ -1,12 +1,15 @@
 """Chat messages -> prompt text through the tokenizer's Jinja chat template (or one passed in).
 
 `LLM.chat` renders each conversation here and tokenizes the text without adding special tokens (the
-template writes them itself, e.g. the BOS token), as vLLM's chat entrypoints do.
+template writes them itself, e.g. the BOS token), as vLLM's chat entrypoints do. `load_chat_template` reads
+the server's `--chat-template` (a file or the template itself), for models that ship none (GGUF files often).
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
+from pathlib import Path
 
 Conversation = Sequence[dict]
 
@@ -43,3 +46,21 @@ def render_chat(
         list(conversation), chat_template=chat_template, add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message, tokenize=False,
     )
+
+
+JINJA_MARKERS = "{}\n"  # a value with any of these is a template, not a path
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template` as vLLM reads it: the text of the file it names, else the value itself when it looks
+    like a Jinja template (its escapes such as \\n decoded), else a ValueError naming the unreadable path."""
+    if value is None:
+        return None
+    try:
+        return Path(value).read_text()
+    except OSError as err:
+        if not any(marker in value for marker in JINJA_MARKERS):
+            raise ValueError(
+                f"the chat template {value!r} looks like a file path, but it could not be read ({err.strerror})"
+            ) from err
+    return codecs.decode(value, "unicode_escape")

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jaxserve
 from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.chat_template import load_chat_template
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.args import add_engine_args, add_server_args, engine_config_from_args, model_from_args
 from jaxserve.entrypoints.openai_protocol import (
@@ -214,9 +215,11 @@ class APIKeyMiddleware:
 
 
 def build_app(
-    engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None, model_path: str | None = None
+    engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None, model_path: str | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
-    """The app over a warm engine; its metrics registry is its own."""
+    """The app over a warm engine; its metrics registry is its own. `chat_template`: the template text for chats
+    whose request names none (default: the tokenizer's)."""
     metrics = ServingMetrics(engine.engine.make_stats, num_backend_compiles)
     engine.observer = metrics
 
@@ -231,9 +234,9 @@ def build_app(
     state.engine, state.metrics, state.served_model_name = engine, metrics, served_model_name
     state.model_path, state.max_model_len = model_path, engine.engine.max_model_len
     state.completions = OpenAIServingCompletion(engine, served_model_name)
-    state.chat = OpenAIServingChat(engine, served_model_name)
+    state.chat = OpenAIServingChat(engine, served_model_name, chat_template)
     state.generate = GenerateServing(engine, served_model_name)
-    state.tokenization = OpenAIServingTokenization(engine, served_model_name)
+    state.tokenization = OpenAIServingTokenization(engine, served_model_name, chat_template)
     app.add_exception_handler(ServingError, _serving_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -277,11 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_server(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
+    chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
     engine = AsyncLLMEngine(LLMEngine(config))  # loads the model and warms up every bucket
     model = model_from_args(args)
     served_model_name = args.served_model_name or model or EMBEDDED_MODEL_NAME
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
-    app = build_app(engine, served_model_name=served_model_name, api_key=api_key, model_path=model)
+    app = build_app(engine, served_model_name=served_model_name, api_key=api_key, model_path=model,
+                    chat_template=chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     AnnouncingServer(config, served_model_name).run()
     return 0

@@ -74,6 +74,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="require `Authorization: Bearer KEY` (default: the JAXSERVE_API_KEY variable, if set)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: MODEL, or SmolLM2-135M-Instruct)")
+    parser.add_argument("--chat-template", default=None,
+                        help="the chat template for chat requests that name none: a Jinja file, or the template "
+                        "itself (default: the tokenizer's; needed for models without one, e.g. many GGUF files)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 

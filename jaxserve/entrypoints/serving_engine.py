@@ -66,8 +66,11 @@ class EnginePrompt:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str):
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, chat_template: str | None = None):
+        """`chat_template`: the server's (`--chat-template`), used where a request names none; None: the
+        tokenizer's own."""
         self.engine = engine
+        self.chat_template = chat_template
         self.llm_engine = engine.engine
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
@@ -136,11 +139,12 @@ class OpenAIServing:
         return [self.token_prompt(p) for p in prompt]
 
     def chat_prompt(self, request: Any) -> EnginePrompt:
-        """Renders the conversation with the chat template (the model's, or the request's own)."""
+        """Renders the conversation with the chat template (the request's own, the server's, or the model's)."""
         messages = [_message_dict(m) for m in request.messages]
         kwargs = dict(request.chat_template_kwargs or {})
-        if request.chat_template is not None:
-            kwargs["chat_template"] = request.chat_template
+        template = request.chat_template if request.chat_template is not None else self.chat_template
+        if template is not None:
+            kwargs["chat_template"] = template
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,

@@ -315,6 +315,19 @@ def test_tokenize_and_detokenize(http, expected, engine):
         "prompt": expected["greedy_text"]}
 
 
+def test_the_servers_chat_template_renders_chats_that_name_none(engine):
+    """`--chat-template` (build_app's chat_template) for a model without one; a request's own still wins."""
+    from jaxserve.entrypoints.openai_protocol import TokenizeRequest
+    from jaxserve.entrypoints.serving_tokenization import OpenAIServingTokenization
+
+    serving = OpenAIServingTokenization(engine, MODEL_NAME, chat_template="[{{ messages[0]['content'] }}]")
+    tokenizer = engine.engine.tokenizer
+    ids = serving.tokenize(TokenizeRequest(messages=CHAT)).tokens
+    assert ids == tokenizer("[Say something.]", add_special_tokens=False).input_ids
+    own = serving.tokenize(TokenizeRequest(messages=CHAT, chat_template="<{{ messages[0]['role'] }}>")).tokens
+    assert own == tokenizer("<user>", add_special_tokens=False).input_ids
+
+
 def test_generate_answers_prompt_plus_output(http, expected):
     response = http.post("/generate", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
     assert response.status_code == 200

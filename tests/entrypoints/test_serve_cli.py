@@ -56,6 +56,30 @@ def test_serve_flags_become_the_engine_config(monkeypatch):
     assert (defaults.host, defaults.port) == ("0.0.0.0", 8000)  # vLLM's defaults
 
 
+def test_chat_template_flag_reads_a_file_or_takes_the_template_itself(tmp_path):
+    from jaxserve.engine.chat_template import load_chat_template
+
+    template_file = tmp_path / "chatml.jinja"
+    template_file.write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}")
+    args = cli.build_parser().parse_args(["serve", "--chat-template", str(template_file)])
+    assert load_chat_template(args.chat_template) == template_file.read_text()
+    assert load_chat_template("{{ messages[0]['content'] }}\\n") == "{{ messages[0]['content'] }}\n"  # escapes
+    assert load_chat_template(None) is None
+    assert cli.build_parser().parse_args(["serve"]).chat_template is None
+
+
+def test_an_unreadable_chat_template_path_fails_before_the_model_loads(monkeypatch, tmp_path):
+    def load_model(config):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(api_server, "LLMEngine", load_model)
+    missing = tmp_path / "missing.jinja"
+    args = cli.build_parser().parse_args(["serve", "--chat-template", str(missing)])
+    message = f"the chat template '{missing}' looks like a file path, but it could not be read (No such file"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        api_server.run_server(args)
+
+
 def test_startup_message_has_the_address_and_a_curl_example():
     message = api_server.startup_message("0.0.0.0", 8123, "m")
     assert "http://localhost:8123" in message
