@@ -77,6 +77,8 @@ class RopeConfig:
         # transformers' rule: Phi-3 keeps the pretraining length beside the rope parameters, and it wins
         original = hf.get("original_max_position_embeddings") or params.get(
             "original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
+        if rope_type not in ("llama3", "longrope"):
+            original = cls.original_max_position_embeddings  # unused: keep configs of equal models equal
         longrope = rope_type == "longrope"
         return cls(
             theta=float(theta),

@@ -2,12 +2,15 @@
 
 The metadata becomes a Hugging Face config dict (`ModelConfig.from_hf` reads it as it reads config.json), and
 tensors get their Hugging Face names, so both loaders share `convert.py`. llama.cpp stores `attn_q`/`attn_k`
-rows of Llama models permuted for its rotary layout and Gemma's norm weights as 1 + weight; both are undone
-here.
+rows of Llama models (Mixtral too) permuted for its rotary layout and Gemma's norm weights as 1 + weight; both
+are undone here. It stacks a layer's experts into one tensor per projection (`ffn_gate_exps`: [E, I, H]),
+which is dequantized once and served to `convert.py` expert by expert; Phi-3 keeps its fused `attn_qkv` and
+`ffn_up` (gate | up) as the Hugging Face checkpoint has them, and its LongRoPE factors as two tensors.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +19,16 @@ from jaxserve.config import ModelConfig
 from jaxserve.weights.convert import params_from_hf
 
 GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM",  # MixtralForCausalLM where it has experts
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+QWEN_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
@@ -45,6 +52,20 @@ _GEMMA_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_QWEN_MOE_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_MIXTRAL_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_gate_inp": "block_sparse_moe.gate"}
+# a layer's stacked experts -> the Hugging Face names of one expert's projection (Qwen-MoE, Mixtral)
+_EXPERT_STACKS = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
+                  "ffn_down_exps": ("down_proj", "w2")}
+_EXPERT_STACK_NAME = re.compile(r"blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight")
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -52,15 +73,37 @@ _GLOBAL_TENSORS = {
 }
 
 
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """GGUF tensor name → Hugging Face name (None for tensors the model does not use)."""
+def _layer_tensors(arch: str, moe: bool) -> dict[str, str]:
+    if arch in GEMMA_ARCHITECTURES:
+        return _GEMMA_LAYER_TENSORS
+    if arch == "phi3":
+        return _PHI3_LAYER_TENSORS
+    if arch in QWEN_MOE_ARCHITECTURES:
+        return _QWEN_MOE_LAYER_TENSORS
+    return _MIXTRAL_LAYER_TENSORS if moe else _LAYER_TENSORS
+
+
+def hf_name(gguf_name: str, arch: str = "llama", moe: bool = False) -> str | None:
+    """GGUF tensor name → Hugging Face name (None for tensors the model does not use, and for stacked experts:
+    `expert_names`). `moe`: a Llama-architecture file with experts (Mixtral)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
-    layer_tensors = _GEMMA_LAYER_TENSORS if arch in GEMMA_ARCHITECTURES else _LAYER_TENSORS
+    layer_tensors = _layer_tensors(arch, moe)
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_tensors:
         return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
     return None
+
+
+def expert_names(gguf_name: str, arch: str, num_experts: int) -> list[str]:
+    """The Hugging Face names of the experts a stacked GGUF tensor holds, in order ([] for other tensors)."""
+    match = _EXPERT_STACK_NAME.fullmatch(gguf_name)
+    if match is None:
+        return []
+    layer, (qwen_proj, mixtral_proj) = match.group(1), _EXPERT_STACKS[match.group(2)]
+    if arch == "llama":
+        return [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{mixtral_proj}.weight" for e in range(num_experts)]
+    return [f"model.layers.{layer}.mlp.experts.{e}.{qwen_proj}.weight" for e in range(num_experts)]
 
 
 def _field(reader, key: str, default=None):
@@ -113,6 +156,10 @@ def gguf_hf_config(reader) -> dict:
     }
     if arch in GEMMA_ARCHITECTURES:
         hf.update(_gemma_metadata(reader, arch))
+    if arch == "phi3":
+        hf.update(_phi3_metadata(reader, hf))
+    if _field(reader, f"{arch}.expert_count"):
+        hf.update(_expert_metadata(reader, arch, tensor_names, hf["num_hidden_layers"]))
     return hf
 
 
@@ -128,6 +175,42 @@ def _gemma_metadata(reader, arch: str) -> dict:
     if arch == "gemma3":
         hf["rope_local_base_freq"] = 10000.0
     return hf
+
+
+def _phi3_metadata(reader, hf: dict) -> dict:
+    """llama.cpp's Phi-3 keys: the rotary dimension (partial rotary), the window (0: none, as Phi-4 has), and for
+    LongRoPE the pretraining length, the attention factor and the two factor tensors."""
+    rotary_dim = int(_field(reader, "phi3.rope.dimension_count", hf["head_dim"]))
+    window = _field(reader, "phi3.attention.sliding_window", 0)
+    fields = {"partial_rotary_factor": rotary_dim / hf["head_dim"], "sliding_window": int(window) or None}
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        fields["original_max_position_embeddings"] = int(_field(reader, "phi3.rope.scaling.original_context_length"))
+        fields["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": dequantize_tensor(factors["rope_factors_long.weight"]).tolist(),
+            "short_factor": dequantize_tensor(factors["rope_factors_short.weight"]).tolist(),
+            "attention_factor": _field(reader, "phi3.rope.scaling.attn_factor"),
+        }
+    return fields
+
+
+def _expert_metadata(reader, arch: str, tensor_names: set[str], num_layers: int) -> dict:
+    """Expert counts and sizes; a layer without a router is a dense one (Qwen-MoE's mlp_only_layers). Top-k
+    weights are renormalised as llama.cpp does per architecture unless the file says otherwise."""
+    fields = {
+        "num_experts": int(_field(reader, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+        "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+    }
+    if arch == "llama":
+        fields["architectures"] = ["MixtralForCausalLM"]
+    if _field(reader, f"{arch}.expert_feed_forward_length"):
+        fields["moe_intermediate_size"] = int(_field(reader, f"{arch}.expert_feed_forward_length"))
+    if _field(reader, f"{arch}.expert_shared_feed_forward_length"):
+        fields["shared_expert_intermediate_size"] = int(_field(reader, f"{arch}.expert_shared_feed_forward_length"))
+    return fields
 
 
 def dequantize_tensor(tensor) -> np.ndarray:
@@ -163,14 +246,20 @@ def load_gguf(path: Path, dtype: str):
     reader = gguf.GGUFReader(str(path))
     arch = gguf_architecture(reader)
     config = read_gguf_config(reader)
-    tensors = {hf_name(t.name, arch): t for t in reader.tensors if hf_name(t.name, arch)}
-    permute = config.family == "llama"
+    moe = config.num_experts is not None
+    tensors = {hf_name(t.name, arch, moe): t for t in reader.tensors if hf_name(t.name, arch, moe)}
+    experts = ExpertSlices(reader.tensors, arch, config.num_experts or 0)
+    permute = arch == "llama"
 
     def get(name: str) -> np.ndarray:
+        if name in experts:
+            return experts.get(name)
         if name not in tensors:
             raise ValueError(f"GGUF file {path} lacks the tensor for {name}")
         array = dequantize_tensor(tensors[name])
-        if permute and ".q_proj." in name:
+        if name.endswith("shared_expert_gate.weight"):
+            array = array.reshape(1, -1)  # llama.cpp keeps Qwen2-MoE's [1, hidden] gate as [hidden]
+        elif permute and ".q_proj." in name:
             array = unpermute_qk(array, config.num_heads)
         elif permute and ".k_proj." in name:
             array = unpermute_qk(array, config.num_kv_heads)
@@ -179,3 +268,24 @@ def load_gguf(path: Path, dtype: str):
         return array
 
     return config, params_from_hf(get, config, dtype)
+
+
+class ExpertSlices:
+    """One expert's weight out of a layer's stacked GGUF tensor, by Hugging Face name. `convert.py` asks for a
+    layer's experts one after another, so the last stack dequantized is kept and each stack is dequantized once."""
+
+    def __init__(self, gguf_tensors, arch: str, num_experts: int):
+        self._where = {
+            name: (tensor, e) for tensor in gguf_tensors
+            for e, name in enumerate(expert_names(tensor.name, arch, num_experts))
+        }
+        self._stack_name, self._stack = None, None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> np.ndarray:
+        tensor, expert = self._where[name]
+        if tensor.name != self._stack_name:
+            self._stack_name, self._stack = tensor.name, dequantize_tensor(tensor)
+        return self._stack[expert]

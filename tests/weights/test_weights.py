@@ -7,11 +7,13 @@ import json
 
 import numpy as np
 import pytest
+from flax.traverse_util import flatten_dict
 
 from jaxserve.weights import EMBEDDED_INSTALL, embedded_model_path, load_model, resolve_model_path
 from jaxserve.weights.gguf_file import dequantize_tensor, hf_name, unpermute_qk
 from tests.forward import PagedForward
-from tests.hf_tiny import hf_logits, make_tiny_gguf, make_tiny_model
+from tests.hf_tiny import hf_logits, longrope_overrides, make_tiny_model
+from tests.tiny_gguf import make_tiny_gguf
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
@@ -115,6 +117,83 @@ def test_qwen3_gguf_loads_as_the_hugging_face_model(tmp_path):
     np.testing.assert_allclose(got, hf_logits(hf_dir, tokens), atol=2e-5, rtol=0)
 
 
+# family, its tiny config's overrides (shapes the GGUF must carry), what its config must read back
+GGUF_FAMILIES = {
+    # a dense first layer: no router in that layer's tensors; head_dim from the metadata
+    "qwen3_moe": ({"num_hidden_layers": 3, "mlp_only_layers": [0]}, ("qwen3_moe", (False, True, True), 7, 3, True)),
+    "qwen2_moe": ({}, ("qwen2_moe", (True, True), 5, 2, False)),  # the shared expert and its gate; q/k/v bias
+    "mixtral": ({}, ("mixtral", (True, True), 5, 2, True)),  # a Llama GGUF with experts: q/k rows permuted
+}
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+def test_moe_gguf_loads_as_the_hugging_face_model(tmp_path, family):
+    """llama.cpp's mixture-of-experts layout: each layer's experts stacked per projection ([E, I, H]), the router
+    as ffn_gate_inp, counts and sizes in the metadata."""
+    overrides, (name, sparse_layers, experts, top_k, normalised) = GGUF_FAMILIES[family]
+    hf_dir = make_tiny_model(tmp_path / "hf", family, **overrides)
+    from_gguf = load_model(str(make_tiny_gguf(tmp_path / f"{family}.gguf", hf_dir)), "float32")
+    cfg = from_gguf.config
+    assert (cfg.family, cfg.sparse_layers, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (
+        name, sparse_layers, experts, top_k, normalised)
+    assert_same_tree(from_gguf.params, load_model(str(hf_dir), "float32").params)
+    tokens = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64]
+    got = PagedForward(cfg, from_gguf.params).run(tokens, [0, 1, 2], [len(tokens)])
+    np.testing.assert_allclose(got, hf_logits(hf_dir, tokens), atol=2e-5, rtol=0)
+
+
+def test_phi3_gguf_with_longrope_loads_as_the_hugging_face_model(tmp_path):
+    """llama.cpp's Phi-3: fused attn_qkv and ffn_up (gate | up) split at load, the rotary dimension (partial
+    rotary), the window, and LongRoPE's factors as two tensors with its pretraining length and attention factor."""
+    hf_dir = make_tiny_model(tmp_path / "hf", "phi3", sliding_window=6, max_position_embeddings=32,
+                             **longrope_overrides(4, 8))
+    from_gguf = load_model(str(make_tiny_gguf(tmp_path / "phi3.gguf", hf_dir)), "float32")
+    from_hf = load_model(str(hf_dir), "float32")
+    stored = dataclasses.replace(from_gguf.config.rope, attention_factor=from_hf.config.rope.attention_factor)
+    assert from_gguf.config.rope.attention_factor == pytest.approx(from_hf.config.rope.attention_factor)
+    assert dataclasses.replace(from_gguf.config, rope=stored) == dataclasses.replace(
+        from_hf.config, rms_norm_eps=float(np.float32(from_hf.config.rms_norm_eps)))
+    assert (from_gguf.config.rotary_dim, from_gguf.config.sliding_window) == (8, 6)
+    assert_same_tree(from_gguf.params, from_hf.params)
+    tokens = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64]  # 12 > the 8 pretrained positions: long factors
+    config = from_gguf.config.for_max_model_len(32)
+    got = PagedForward(config, from_gguf.params).run(tokens, [0, 1, 2], [len(tokens)])
+    np.testing.assert_allclose(got, hf_logits(hf_dir, tokens), atol=2e-5, rtol=0)
+
+
+# what transformers' GGUF reader takes from its config defaults, not from the file: the experts' sizes, the
+# rotary dimension
+TRANSFORMERS_READER_DEFAULTS = {
+    "qwen3_moe": {"moe_intermediate_size": 768},
+    "qwen2_moe": {"moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
+    "phi3": {"partial_rotary_factor": 1.0},
+}
+
+
+@pytest.mark.parametrize("family", sorted(TRANSFORMERS_READER_DEFAULTS))
+def test_tiny_gguf_writer_agrees_with_transformers_gguf_reader(tmp_path, family):
+    """The tiny GGUFs of these tests follow llama.cpp's layout as transformers' own GGUF reader understands it:
+    transformers loads them back to the logits of the model they were written from."""
+    import torch
+    import transformers
+
+    hf_dir = make_tiny_model(tmp_path / "hf", family, **TRANSFORMERS_READER_DEFAULTS[family])
+    gguf_path = make_tiny_gguf(tmp_path / f"{family}.gguf", hf_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_path.name,
+                                                              dtype=torch.float32).eval()
+    tokens = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64]
+    with torch.no_grad():
+        got = model(torch.tensor([tokens])).logits[0].numpy()
+    np.testing.assert_allclose(got, hf_logits(hf_dir, tokens), atol=2e-5, rtol=0)
+
+
+def assert_same_tree(got: dict, expected: dict) -> None:
+    got, expected = flatten_dict(got), flatten_dict(expected)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value, atol=1e-6, rtol=0, err_msg=str(key))
+
+
 def test_unpermute_inverts_llama_cpp_permutation():
     num_heads, head_dim, hidden = 3, 8, 5
     w = np.arange(num_heads * head_dim * hidden, dtype=np.float32).reshape(num_heads * head_dim, hidden)
@@ -151,7 +230,8 @@ def test_unsupported_gguf_architecture(tmp_path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    message = "unsupported GGUF architecture 'gptneox'; supported: llama, qwen2, qwen3, gemma2, gemma3"
+    message = ("unsupported GGUF architecture 'gptneox'; supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
+               "qwen2moe, qwen3moe")
     with pytest.raises(ValueError, match=message):
         load_model(str(tmp_path / "x.gguf"))
 

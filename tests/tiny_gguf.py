@@ -1,0 +1,169 @@
+"""Tiny GGUF files written from tiny Hugging Face directories the way llama.cpp's converter writes them, for the
+GGUF loader's tests: its tensor names, its stacked experts, its fused Phi-3 tensors and its metadata keys."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from tests.hf_tiny import VOCAB, byte_level_tokenizer
+
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    # Phi-3's fused projections keep their fusion: q | k | v rows, gate | up rows
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+    # mixture of experts: the router, and Qwen2-MoE's shared expert and its gate
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+GEMMA_LAYER_NAMES = {
+    **LAYER_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+# one expert's tensor: (layer, expert, projection); llama.cpp stacks a layer's experts into one [E, ...] tensor
+EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+# config.json model_type -> llama.cpp's architecture name (Mixtral is a Llama with experts there)
+ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+                 "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+
+
+def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
+    """Writes a tiny HF directory (from `make_tiny_model`) as a float32 GGUF file the way llama.cpp's converter
+    does (Llama and Mixtral: q/k rows permuted for its rotary layout; Gemma: norm weights stored as 1 + weight;
+    experts stacked per layer; Phi-3: LongRoPE factors as tensors), with a byte-level BPE tokenizer (one merge)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = ARCHITECTURES[cfg["model_type"]]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_metadata(writer, cfg, arch)
+    tensors = load_file(hf_dir / "model.safetensors")
+    for gguf_name, tensor in [*_converted_tensors(tensors, cfg, arch), *_rope_factor_tensors(cfg)]:
+        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _converted_tensors(tensors: dict[str, np.ndarray], cfg: dict, arch: str):
+    gemma = arch.startswith("gemma")
+    layer_names = GEMMA_LAYER_NAMES if gemma else LAYER_NAMES
+    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name, tensor in tensors.items():
+        if match := EXPERT_TENSOR.fullmatch(name):
+            layer, expert, proj = match.groups()
+            experts.setdefault((int(layer), EXPERT_STACKS[proj]), {})[int(expert)] = tensor
+            continue
+        if name in GLOBAL_NAMES:
+            gguf_name = GLOBAL_NAMES[name]
+        else:
+            parts = name.split(".")
+            gguf_name = f"blk.{parts[2]}.{layer_names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        proj = name.split(".")[-2]
+        if arch == "llama" and proj in heads:  # llama.cpp: reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2)
+            n = heads[proj]
+            tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+        if gemma and name.endswith("norm.weight"):
+            tensor = tensor + 1.0
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+            tensor = tensor.reshape(-1)  # [1, hidden] stored as [hidden]
+        yield gguf_name, tensor
+    for (layer, stack), by_expert in sorted(experts.items()):
+        yield f"blk.{layer}.{stack}.weight", np.stack([by_expert[e] for e in sorted(by_expert)])
+
+
+def _rope_factor_tensors(cfg: dict):
+    """Phi-3's LongRoPE factors: llama.cpp stores them as two global tensors."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) != "longrope":
+        return []
+    return [("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32)),
+            ("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))]
+
+
+def _write_metadata(writer, cfg: dict, arch: str) -> None:
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    rope = cfg.get("rope_parameters") or {}
+    if arch not in ("llama", "phi3"):
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if "rope_theta" in rope:
+        writer.add_rope_freq_base(rope["rope_theta"])
+    if arch == "gemma3":
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    if arch.startswith("gemma"):
+        writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        writer.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
+        writer.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
+    if arch == "phi3":
+        _write_phi3_metadata(writer, cfg)
+    if "num_experts" in cfg or "num_local_experts" in cfg:
+        _write_expert_metadata(writer, cfg, arch)
+    _write_tokenizer(writer, cfg["vocab_size"])
+    if cfg.get("pad_token_id") is not None:
+        writer.add_pad_token_id(cfg["pad_token_id"])
+
+
+def _write_phi3_metadata(writer, cfg: dict) -> None:
+    """As llama.cpp's Phi-3 converter: the rotary dimension, the window (0: none, Phi-4), LongRoPE's pretraining
+    length and attention factor."""
+    import math
+
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_sliding_window(cfg.get("sliding_window") or 0)
+    original = cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    if rope.get("rope_type") == "longrope":
+        scale = cfg["max_position_embeddings"] / original
+        attn_factor = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+        writer.add_rope_scaling_attn_factors(attn_factor)
+
+
+def _write_expert_metadata(writer, cfg: dict, arch: str) -> None:
+    writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def _write_tokenizer(writer, vocab_size: int) -> None:
+    tokens = [f"<unused{i}>" for i in range(vocab_size)]
+    for token, index in byte_level_tokenizer().get_vocab().items():
+        tokens[index] = token
+    tokens[VOCAB - 1] = "he"
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i < 3 else 1 for i in range(len(tokens))])  # 3: control, 1: normal
+    writer.add_token_merges(["h e"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
