@@ -31,7 +31,9 @@ from jaxserve.models.rotary import rotary_cos_sin
 def feed_forward(cfg: ModelConfig, dtype, mesh: Mesh | None, sparse: bool | None = None) -> nn.Module:
     """The layer's MLP: a sparse mixture of experts where `sparse` (None: in every layer of the MoE families),
     else the dense gated MLP."""
-    if not (cfg.num_experts is not None if sparse is None else sparse):
+    if sparse is None:
+        sparse = cfg.num_experts is not None
+    if not sparse:
         return GatedMLP(cfg.intermediate_size, cfg.hidden_size, cfg.hidden_act, dtype, name="mlp")
     return SparseMoeBlock(
         cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.hidden_act,
