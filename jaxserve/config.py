@@ -32,7 +32,7 @@ QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3")  # an RMSNorm over each head
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")  # sparse mixture-of-experts MLPs
 SLIDING_LAYER = "sliding_attention"  # transformers' `layer_types` entry of a sliding-window layer
 SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's early configs name LongRoPE "su"
 SUPPORTED_DTYPES = ("float32", "bfloat16")  # what weights and the KV pool are stored in
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # "auto": bfloat16 where a bf16 matrix unit exists (precision.py)
@@ -48,8 +48,11 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] | None = None  # longrope: each frequency's divisor within the original context
     long_factor: tuple[float, ...] | None = None  # ... and past it
-    attention_factor: float = 1.0  # cos and sin are multiplied by it (longrope's default: see `from_hf`)
+    attention_factor: float = 1.0  # cos and sin are multiplied by it (longrope's and yarn's defaults: `from_hf`)
     long_context: bool = False  # longrope: the long factors; `ModelConfig.for_max_model_len` decides
+    beta_fast: float = 32.0  # yarn: frequencies rotating more than this often in the original context keep theirs
+    beta_slow: float = 1.0  # ... less than this often are interpolated by `factor`; a ramp between
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -77,19 +80,25 @@ class RopeConfig:
         # transformers' rule: Phi-3 keeps the pretraining length beside the rope parameters, and it wins
         original = hf.get("original_max_position_embeddings") or params.get(
             "original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
-        if rope_type not in ("llama3", "longrope"):
+        if rope_type not in ("llama3", "longrope", "yarn"):
             original = cls.original_max_position_embeddings  # unused: keep configs of equal models equal
         longrope = rope_type == "longrope"
+        # longrope and yarn without a factor: the ratio of the extended context to the pretraining one
+        factor = params.get("factor") or (hf.get("max_position_embeddings", original) / int(original)
+                                          if rope_type in ("longrope", "yarn") else 1.0)
         return cls(
             theta=float(theta),
             rope_type=rope_type,
-            factor=float(params.get("factor") or 1.0),
+            factor=float(factor),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(original),
             short_factor=_floats(params.get("short_factor")) if longrope else None,
             long_factor=_floats(params.get("long_factor")) if longrope else None,
-            attention_factor=_longrope_attention_factor(hf, params, int(original)) if longrope else 1.0,
+            attention_factor=_attention_factor(rope_type, params, float(factor), int(original)),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
         )
 
     @classmethod
@@ -107,13 +116,20 @@ def _floats(values) -> tuple[float, ...] | None:
     return None if values is None else tuple(float(v) for v in values)
 
 
-def _longrope_attention_factor(hf: dict[str, Any], params: dict[str, Any], original: int) -> float:
-    """LongRoPE's scale of cos and sin (transformers' default): sqrt(1 + ln(s) / ln(original)) with s the
-    context extension (`factor`, else max_position_embeddings / original), 1 where it does not extend."""
+def _attention_factor(rope_type: str, params: dict[str, Any], factor: float, original: int) -> float:
+    """The scale of cos and sin, transformers' defaults for a context extended `factor` times: LongRoPE
+    sqrt(1 + ln(s) / ln(original)), YaRN 0.1 ln(s) + 1 (DeepSeek's mscale / mscale_all_dim ratio where given),
+    1 where the context is not extended and for the other rope types."""
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
-    factor = params.get("factor") or hf.get("max_position_embeddings", original) / original
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if rope_type not in ("longrope", "yarn") or factor <= 1.0:
+        return 1.0
+    if rope_type == "longrope":
+        return math.sqrt(1 + math.log(factor) / math.log(original))
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return (0.1 * mscale * math.log(factor) + 1.0) / (0.1 * mscale_all_dim * math.log(factor) + 1.0)
+    return 0.1 * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from tests.hf_tiny import VOCAB, byte_level_tokenizer
@@ -44,7 +45,6 @@ def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
     """Writes a tiny HF directory (from `make_tiny_model`) as a float32 GGUF file the way llama.cpp's converter
     does (Llama and Mixtral: q/k rows permuted for its rotary layout; Gemma: norm weights stored as 1 + weight;
     experts stacked per layer; Phi-3: LongRoPE factors as tensors), with a byte-level BPE tokenizer (one merge)."""
-    import gguf
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -121,6 +121,10 @@ def _write_metadata(writer, cfg: dict, arch: str) -> None:
     if arch == "gemma2":
         writer.add_float32("gemma2.attn_logit_softcapping", cfg["attn_logit_softcapping"])
         writer.add_float32("gemma2.final_logit_softcapping", cfg["final_logit_softcapping"])
+    if rope.get("rope_type") == "yarn":  # llama.cpp's YaRN keys
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "phi3":
         _write_phi3_metadata(writer, cfg)
     if "num_experts" in cfg or "num_local_experts" in cfg:

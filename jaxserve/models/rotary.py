@@ -1,5 +1,5 @@
 """Rotary position embeddings of the rotary families, computed as transformers does (default, `linear`,
-`llama3` and LongRoPE frequency scaling; partial rotary of Phi-4-mini; Gemma 3's second embedding for its
+`llama3`, LongRoPE and YaRN frequency scaling; partial rotary of Phi-4-mini; Gemma 3's second embedding for its
 sliding-window layers); the attention layer rotates q and k with them before writing k to the pool."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         return (inv_freq / np.float32(rope.factor)).astype(np.float32)
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(np.float32(rope.theta) ** exponents, rope, head_dim)
     return inv_freq
 
 
@@ -38,6 +40,27 @@ def _llama3_inv_freq(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_inv_freq(pos_freqs: np.ndarray, rope: RopeConfig, dim: int) -> np.ndarray:
+    """YaRN: frequencies that turn fewer than `beta_slow` times over the original context are interpolated
+    (divided by `factor`), those turning more than `beta_fast` times kept, with a linear ramp between."""
+
+    def correction_dim(num_rotations: float) -> float:
+        turns = rope.original_max_position_embeddings / (num_rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1) - ramp).astype(np.float32)
+    kept = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    interpolated = (np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)).astype(np.float32)
+    return (interpolated * (1 - keep) + kept * keep).astype(np.float32)
 
 
 def rotary_cos_sin(positions: jax.Array, rope: RopeConfig, rotary_dim: int) -> tuple[jax.Array, jax.Array]:

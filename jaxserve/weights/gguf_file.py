@@ -134,7 +134,6 @@ def gguf_hf_config(reader) -> dict:
     tensor_names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     hf = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "vocab_size": int(vocab),
@@ -146,8 +145,7 @@ def gguf_hf_config(reader) -> dict:
         "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "rope_scaling": {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
-        if scaling == "linear" else None,
+        "rope_scaling": _rope_scaling(reader, arch),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
@@ -175,6 +173,22 @@ def _gemma_metadata(reader, arch: str) -> dict:
     if arch == "gemma3":
         hf["rope_local_base_freq"] = 10000.0
     return hf
+
+
+def _rope_scaling(reader, arch: str) -> dict | None:
+    """llama.cpp's linear and YaRN scaling keys as transformers' `rope_scaling` (Phi-3's LongRoPE: below)."""
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind != "yarn":
+        return None
+    scaling = {"rope_type": "yarn", "factor": factor,
+               "original_max_position_embeddings": int(_field(reader, f"{arch}.rope.scaling.original_context_length"))}
+    for key in ("beta_fast", "beta_slow"):
+        if _field(reader, f"{arch}.rope.scaling.yarn_{key}") is not None:
+            scaling[key] = float(_field(reader, f"{arch}.rope.scaling.yarn_{key}"))
+    return scaling
 
 
 def _phi3_metadata(reader, hf: dict) -> dict:

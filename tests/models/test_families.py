@@ -160,3 +160,23 @@ def test_longrope_factors_must_cover_the_rotary_dimension(tmp_path):
     hf["rope_scaling"] = {"type": "su", "short_factor": [1.0] * 4}
     with pytest.raises(ValueError, match="longrope scaling needs both short_factor and long_factor"):
         ModelConfig.from_hf(hf)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 6, "beta_fast": 8.0, "beta_slow": 2.0,
+     "mscale": 0.7, "mscale_all_dim": 1.0},
+], ids=["yarn", "yarn-betas-mscales"])
+def test_yarn_matches_transformers(scaling, tmp_path):
+    """YaRN (Qwen3's long-context setting, DeepSeek's mscales): frequencies interpolated by a ramp between the
+    beta bounds over a short original context, cos and sin scaled by the attention factor."""
+    path = make_tiny_model(tmp_path, "qwen3", rope_scaling=scaling)
+    loaded = load_model(str(path), "float32")
+    rope = loaded.config.rope
+    assert (rope.rope_type, rope.factor, rope.original_max_position_embeddings) == ("yarn", scaling["factor"], 6)
+    if "mscale" in scaling:  # 0.1 * mscale * ln(s) + 1 over the same with mscale_all_dim
+        assert rope.attention_factor == pytest.approx((0.07 * np.log(8) + 1) / (0.1 * np.log(8) + 1))
+    else:
+        assert rope.attention_factor == pytest.approx(0.1 * np.log(4) + 1)
+    got = PagedForward(loaded.config, loaded.params, backend="cpu").run(TOKENS, [9, 2, 30, 17], [5, 4, 3, 1, 1, 1, 1])
+    np.testing.assert_allclose(got, hf_logits(path, TOKENS), atol=2e-5, rtol=0)

@@ -108,10 +108,13 @@ def test_gemma2_gguf_loads_as_the_hugging_face_model(tmp_path):
 
 
 def test_qwen3_gguf_loads_as_the_hugging_face_model(tmp_path):
-    """llama.cpp's Qwen3: q/k norms per head, head_dim from the metadata, q/k rows not permuted."""
-    hf_dir = make_tiny_model(tmp_path / "hf", "qwen3", bos_token_id=1, eos_token_id=2)
+    """llama.cpp's Qwen3: q/k norms per head, head_dim from the metadata, q/k rows not permuted; YaRN scaling
+    (Qwen3's long-context setting) from its rope.scaling keys."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 6}
+    hf_dir = make_tiny_model(tmp_path / "hf", "qwen3", bos_token_id=1, eos_token_id=2, rope_scaling=yarn)
     from_gguf = load_model(str(make_tiny_gguf(tmp_path / "qwen3.gguf", hf_dir)), "float32")
     assert (from_gguf.config.family, from_gguf.config.head_dim, from_gguf.config.qk_norm) == ("qwen3", 24, True)
+    assert from_gguf.config.rope == load_model(str(hf_dir), "float32").config.rope
     tokens = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64]
     got = PagedForward(from_gguf.config, from_gguf.params).run(tokens, [0, 1, 2], [len(tokens)])
     np.testing.assert_allclose(got, hf_logits(hf_dir, tokens), atol=2e-5, rtol=0)
