@@ -53,13 +53,16 @@ class RopeConfig:
     beta_fast: float = 32.0  # yarn: frequencies rotating more than this often in the original context keep theirs
     beta_slow: float = 1.0  # ... less than this often are interpolated by `factor`; a ramp between
     truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
+    # llama.cpp's `rope_freqs` tensor (Llama 3.1 and later GGUFs): each frequency divided by its factor, the
+    # llama3 scaling precomputed (the GGUF loader's `frequency_factors` key)
+    frequency_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported rope scaling type {self.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
-        for name in ("short_factor", "long_factor"):  # tuples, also from JSON lists (orbax checkpoints)
+        for name in ("short_factor", "long_factor", "frequency_factors"):  # tuples, also from JSON lists (orbax)
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _floats(getattr(self, name)))
         if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None):
@@ -99,6 +102,7 @@ class RopeConfig:
             beta_fast=float(params.get("beta_fast") or 32.0),
             beta_slow=float(params.get("beta_slow") or 1.0),
             truncate=bool(params.get("truncate", True)),
+            frequency_factors=_floats(params.get("frequency_factors")),
         )
 
     @classmethod
@@ -196,7 +200,7 @@ class ModelConfig:
             raise ValueError(f"the rotary dimension must be even, got {self.rotary_dim} (head_dim {self.head_dim})")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}")
-        for name in ("short_factor", "long_factor"):
+        for name in ("short_factor", "long_factor", "frequency_factors"):
             factors = getattr(self.rope, name)
             if factors is not None and len(factors) != self.rotary_dim // 2:
                 raise ValueError(

@@ -90,12 +90,36 @@ def _converted_tensors(tensors: dict[str, np.ndarray], cfg: dict, arch: str):
 
 
 def _rope_factor_tensors(cfg: dict):
-    """Phi-3's LongRoPE factors: llama.cpp stores them as two global tensors."""
+    """Phi-3's LongRoPE factors: llama.cpp stores them as two global tensors; Llama 3's llama3 scaling as one
+    factor per frequency (`rope_freqs`), computed as its converter does."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type")) != "longrope":
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind == "llama3":
+        return [("rope_freqs.weight", _llama3_rope_freqs(cfg, rope))]
+    if kind != "longrope":
         return []
     return [("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32)),
             ("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))]
+
+
+def _llama3_rope_freqs(cfg: dict, rope: dict) -> np.ndarray:
+    import math
+
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, np.float32)
 
 
 def _write_metadata(writer, cfg: dict, arch: str) -> None:

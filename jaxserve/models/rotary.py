@@ -21,6 +21,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         factors = np.asarray(rope.long_factor if rope.long_context else rope.short_factor, np.float32)
         return (np.float32(1.0) / (factors * np.float32(rope.theta) ** exponents)).astype(np.float32)
     inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    if rope.frequency_factors is not None:  # llama.cpp's rope_freqs: theta_i / factor_i
+        inv_freq = (inv_freq / np.asarray(rope.frequency_factors, np.float32)).astype(np.float32)
     if rope.rope_type == "linear":
         return (inv_freq / np.float32(rope.factor)).astype(np.float32)
     if rope.rope_type == "llama3":

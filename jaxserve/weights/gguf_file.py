@@ -117,8 +117,6 @@ def gguf_architecture(reader) -> str:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError("GGUF files with per-frequency rope factors (rope_freqs.weight) are not supported")
     return arch
 
 
@@ -132,6 +130,7 @@ def gguf_hf_config(reader) -> dict:
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     hf = {
@@ -145,7 +144,7 @@ def gguf_hf_config(reader) -> dict:
         "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(reader, arch),
+        "rope_scaling": _rope_scaling(reader, arch, rope_freqs),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
@@ -175,8 +174,11 @@ def _gemma_metadata(reader, arch: str) -> dict:
     return hf
 
 
-def _rope_scaling(reader, arch: str) -> dict | None:
-    """llama.cpp's linear and YaRN scaling keys as transformers' `rope_scaling` (Phi-3's LongRoPE: below)."""
+def _rope_scaling(reader, arch: str, rope_freqs=None) -> dict | None:
+    """llama.cpp's linear and YaRN scaling keys as transformers' `rope_scaling` (Phi-3's LongRoPE: below), and
+    its per-frequency factors (`rope_freqs`: the llama3 scaling of Llama 3.1 and later, precomputed)."""
+    if rope_freqs is not None:
+        return {"rope_type": "default", "frequency_factors": dequantize_tensor(rope_freqs).tolist()}
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
     factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
     if kind == "linear":

@@ -197,6 +197,19 @@ def assert_same_tree(got: dict, expected: dict) -> None:
         np.testing.assert_allclose(got[key], value, atol=1e-6, rtol=0, err_msg=str(key))
 
 
+def test_llama3_gguf_with_rope_freqs_loads_as_the_hugging_face_model(tmp_path):
+    """Llama 3.1 and later GGUFs carry their llama3 rope scaling as one factor per frequency (`rope_freqs`)."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama", rope_scaling=scaling, rope_theta=500000.0)
+    from_gguf = load_model(str(make_tiny_gguf(tmp_path / "llama3.gguf", hf_dir)), "float32")
+    factors = from_gguf.config.rope.frequency_factors
+    assert len(factors) == 8 and factors[0] == 1.0 and factors[-1] == 8.0  # fast ones kept, slow ones scaled
+    tokens = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64]
+    got = PagedForward(from_gguf.config, from_gguf.params).run(tokens, [0, 1, 2], [len(tokens)])
+    np.testing.assert_allclose(got, hf_logits(hf_dir, tokens), atol=2e-5, rtol=0)
+
+
 def test_unpermute_inverts_llama_cpp_permutation():
     num_heads, head_dim, hidden = 3, 8, 5
     w = np.arange(num_heads * head_dim * hidden, dtype=np.float32).reshape(num_heads * head_dim, hidden)
