@@ -34,6 +34,8 @@ SLIDING_LAYER = "sliding_attention"  # transformers' `layer_types` entry of a sl
 SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's early configs name LongRoPE "su"
+CONTEXT_EXTENSION_ROPE_TYPES = ("longrope", "yarn")  # default factor and attention factor from the extension
+ROPE_FACTOR_FIELDS = ("short_factor", "long_factor", "frequency_factors")  # one entry per rotary frequency
 SUPPORTED_DTYPES = ("float32", "bfloat16")  # what weights and the KV pool are stored in
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # "auto": bfloat16 where a bf16 matrix unit exists (precision.py)
 
@@ -62,7 +64,7 @@ class RopeConfig:
             raise ValueError(
                 f"unsupported rope scaling type {self.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
-        for name in ("short_factor", "long_factor", "frequency_factors"):  # tuples, also from JSON lists (orbax)
+        for name in ROPE_FACTOR_FIELDS:  # tuples, also from JSON lists (orbax checkpoints)
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _floats(getattr(self, name)))
         if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None):
@@ -83,12 +85,12 @@ class RopeConfig:
         # transformers' rule: Phi-3 keeps the pretraining length beside the rope parameters, and it wins
         original = hf.get("original_max_position_embeddings") or params.get(
             "original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
-        if rope_type not in ("llama3", "longrope", "yarn"):
+        if rope_type not in ("llama3", *CONTEXT_EXTENSION_ROPE_TYPES):
             original = cls.original_max_position_embeddings  # unused: keep configs of equal models equal
         longrope = rope_type == "longrope"
         # longrope and yarn without a factor: the ratio of the extended context to the pretraining one
         factor = params.get("factor") or (hf.get("max_position_embeddings", original) / int(original)
-                                          if rope_type in ("longrope", "yarn") else 1.0)
+                                          if rope_type in CONTEXT_EXTENSION_ROPE_TYPES else 1.0)
         return cls(
             theta=float(theta),
             rope_type=rope_type,
@@ -126,7 +128,7 @@ def _attention_factor(rope_type: str, params: dict[str, Any], factor: float, ori
     1 where the context is not extended and for the other rope types."""
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
-    if rope_type not in ("longrope", "yarn") or factor <= 1.0:
+    if rope_type not in CONTEXT_EXTENSION_ROPE_TYPES or factor <= 1.0:
         return 1.0
     if rope_type == "longrope":
         return math.sqrt(1 + math.log(factor) / math.log(original))
@@ -200,7 +202,7 @@ class ModelConfig:
             raise ValueError(f"the rotary dimension must be even, got {self.rotary_dim} (head_dim {self.head_dim})")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}")
-        for name in ("short_factor", "long_factor", "frequency_factors"):
+        for name in ROPE_FACTOR_FIELDS:
             factors = getattr(self.rope, name)
             if factors is not None and len(factors) != self.rotary_dim // 2:
                 raise ValueError(

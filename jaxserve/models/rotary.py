@@ -20,7 +20,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     if rope.rope_type == "longrope":
         factors = np.asarray(rope.long_factor if rope.long_context else rope.short_factor, np.float32)
         return (np.float32(1.0) / (factors * np.float32(rope.theta) ** exponents)).astype(np.float32)
-    inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    pos_freqs = np.float32(rope.theta) ** exponents
+    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
     if rope.frequency_factors is not None:  # llama.cpp's rope_freqs: theta_i / factor_i
         inv_freq = (inv_freq / np.asarray(rope.frequency_factors, np.float32)).astype(np.float32)
     if rope.rope_type == "linear":
@@ -28,7 +29,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope)
     if rope.rope_type == "yarn":
-        return _yarn_inv_freq(np.float32(rope.theta) ** exponents, rope, head_dim)
+        return _yarn_inv_freq(inv_freq, pos_freqs, rope, head_dim)
     return inv_freq
 
 
@@ -44,7 +45,7 @@ def _llama3_inv_freq(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def _yarn_inv_freq(pos_freqs: np.ndarray, rope: RopeConfig, dim: int) -> np.ndarray:
+def _yarn_inv_freq(inv_freq: np.ndarray, pos_freqs: np.ndarray, rope: RopeConfig, dim: int) -> np.ndarray:
     """YaRN: frequencies that turn fewer than `beta_slow` times over the original context are interpolated
     (divided by `factor`), those turning more than `beta_fast` times kept, with a linear ramp between."""
 
@@ -60,9 +61,8 @@ def _yarn_inv_freq(pos_freqs: np.ndarray, rope: RopeConfig, dim: int) -> np.ndar
         high += 0.001  # no zero-width ramp
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
     keep = (np.float32(1) - ramp).astype(np.float32)
-    kept = (np.float32(1.0) / pos_freqs).astype(np.float32)
     interpolated = (np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)).astype(np.float32)
-    return (interpolated * (1 - keep) + kept * keep).astype(np.float32)
+    return (interpolated * (1 - keep) + inv_freq * keep).astype(np.float32)
 
 
 def rotary_cos_sin(positions: jax.Array, rope: RopeConfig, rotary_dim: int) -> tuple[jax.Array, jax.Array]:

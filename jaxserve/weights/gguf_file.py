@@ -129,8 +129,7 @@ def gguf_hf_config(reader) -> dict:
     arch = gguf_architecture(reader)
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
-    tensor_names = {t.name for t in reader.tensors}
-    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    tensors = {t.name: t for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     hf = {
@@ -144,19 +143,19 @@ def gguf_hf_config(reader) -> dict:
         "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(reader, arch, rope_freqs),
+        "rope_scaling": _rope_scaling(reader, arch, tensors.get("rope_freqs.weight")),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": None if eos is None else int(eos),
     }
     if arch in GEMMA_ARCHITECTURES:
         hf.update(_gemma_metadata(reader, arch))
     if arch == "phi3":
-        hf.update(_phi3_metadata(reader, hf))
+        hf.update(_phi3_metadata(reader, hf, tensors))
     if _field(reader, f"{arch}.expert_count"):
-        hf.update(_expert_metadata(reader, arch, tensor_names, hf["num_hidden_layers"]))
+        hf.update(_expert_metadata(reader, arch, tensors, hf["num_hidden_layers"]))
     return hf
 
 
@@ -174,7 +173,7 @@ def _gemma_metadata(reader, arch: str) -> dict:
     return hf
 
 
-def _rope_scaling(reader, arch: str, rope_freqs=None) -> dict | None:
+def _rope_scaling(reader, arch: str, rope_freqs) -> dict | None:
     """llama.cpp's linear and YaRN scaling keys as transformers' `rope_scaling` (Phi-3's LongRoPE: below), and
     its per-frequency factors (`rope_freqs`: the llama3 scaling of Llama 3.1 and later, precomputed)."""
     if rope_freqs is not None:
@@ -193,32 +192,31 @@ def _rope_scaling(reader, arch: str, rope_freqs=None) -> dict | None:
     return scaling
 
 
-def _phi3_metadata(reader, hf: dict) -> dict:
+def _phi3_metadata(reader, hf: dict, tensors: dict) -> dict:
     """llama.cpp's Phi-3 keys: the rotary dimension (partial rotary), the window (0: none, as Phi-4 has), and for
     LongRoPE the pretraining length, the attention factor and the two factor tensors."""
     rotary_dim = int(_field(reader, "phi3.rope.dimension_count", hf["head_dim"]))
     window = _field(reader, "phi3.attention.sliding_window", 0)
     fields = {"partial_rotary_factor": rotary_dim / hf["head_dim"], "sliding_window": int(window) or None}
-    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
-    if factors:
+    if "rope_factors_long.weight" in tensors:
         fields["original_max_position_embeddings"] = int(_field(reader, "phi3.rope.scaling.original_context_length"))
         fields["rope_scaling"] = {
             "rope_type": "longrope",
-            "long_factor": dequantize_tensor(factors["rope_factors_long.weight"]).tolist(),
-            "short_factor": dequantize_tensor(factors["rope_factors_short.weight"]).tolist(),
+            "long_factor": dequantize_tensor(tensors["rope_factors_long.weight"]).tolist(),
+            "short_factor": dequantize_tensor(tensors["rope_factors_short.weight"]).tolist(),
             "attention_factor": _field(reader, "phi3.rope.scaling.attn_factor"),
         }
     return fields
 
 
-def _expert_metadata(reader, arch: str, tensor_names: set[str], num_layers: int) -> dict:
+def _expert_metadata(reader, arch: str, tensors: dict, num_layers: int) -> dict:
     """Expert counts and sizes; a layer without a router is a dense one (Qwen-MoE's mlp_only_layers). Top-k
     weights are renormalised as llama.cpp does per architecture unless the file says otherwise."""
     fields = {
         "num_experts": int(_field(reader, f"{arch}.expert_count")),
         "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
         "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")),
-        "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+        "mlp_only_layers": [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors],
     }
     if arch == "llama":
         fields["architectures"] = ["MixtralForCausalLM"]
