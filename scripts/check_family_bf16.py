@@ -3,7 +3,7 @@ Gemma 3's: `check_model_parity.py --bf16-agreement`): transformers' float32 gree
 then the engine in bfloat16 fed prompt + continuation (`prompt_logprobs`), and the share of continuation
 positions where the engine's rank-1 token is the one transformers chose.
 
-    python scripts/check_family_bf16.py                   # every family of tests/models/test_families.py
+    python scripts/check_family_bf16.py                   # every tiny family of tests/hf_tiny.py
     python scripts/check_family_bf16.py --families qwen3-gqa,gemma3-local-rope --new-tokens 64
 
 Random tiny models have flatter logits than trained ones (near ties are common), so these shares are a floor
@@ -20,8 +20,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # the tiny configs live with the tests
 
-from tests.hf_tiny import hf_greedy, make_tiny_model, small_bucket_file  # noqa: E402
-from tests.models.test_families import FAMILIES, TOKENS  # noqa: E402
+from tests.hf_tiny import FAMILY_TOKENS, TINY_FAMILIES, hf_greedy, make_tiny_model, small_bucket_file  # noqa: E402
 
 
 def teacher_forced_agreement(model_dir: Path, buckets: str, prompt: list[int], continuation: list[int]) -> float:
@@ -40,7 +39,7 @@ def teacher_forced_agreement(model_dir: Path, buckets: str, prompt: list[int], c
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", default=",".join(sorted(FAMILIES)))
+    parser.add_argument("--families", default=",".join(sorted(TINY_FAMILIES)))
     parser.add_argument("--new-tokens", type=int, default=48)
     args = parser.parse_args()
     total = agree = 0
@@ -48,10 +47,10 @@ def main() -> int:
         buckets = small_bucket_file(Path(tmp), chunk=64)
         print("| family (tiny config) | positions | bfloat16 rank-1 = float32 greedy |\n|---|---|---|")
         for name in args.families.split(","):
-            family, overrides = FAMILIES[name]
+            family, overrides = TINY_FAMILIES[name]
             model_dir = make_tiny_model(Path(tmp) / name, family, **overrides)
-            continuation = hf_greedy(model_dir, TOKENS, args.new_tokens)
-            share = teacher_forced_agreement(model_dir, buckets, TOKENS, continuation)
+            continuation = hf_greedy(model_dir, FAMILY_TOKENS, args.new_tokens)
+            share = teacher_forced_agreement(model_dir, buckets, FAMILY_TOKENS, continuation)
             print(f"| {name} | {len(continuation)} | {100 * share:.1f}% |", flush=True)
             total, agree = total + len(continuation), agree + share * len(continuation)
     print(f"all families: {100 * agree / total:.1f}% of {total} positions")

@@ -57,6 +57,29 @@ FAMILY_DEFAULTS = {
 }
 
 
+# The families beyond Llama as tiny configs (family, overrides), and a prompt three times their windows: their
+# parity tests (tests/models/test_families.py) and scripts/check_family_bf16.py run these
+FAMILY_TOKENS = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64, 7, 31, 5, 260]  # 16 tokens; windows are 5 or 6
+
+TINY_FAMILIES = {
+    "qwen3-gqa": ("qwen3", {}),
+    "qwen3-mha-tied": ("qwen3", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "phi3-partial-rotary": ("phi3", {}),
+    "phi3-sliding-window": ("phi3", {"partial_rotary_factor": 1.0, "sliding_window": 6, "num_key_value_heads": 1}),
+    "gemma2-softcaps": ("gemma2", {}),
+    "gemma3-local-rope": ("gemma3", {}),
+    "gemma3-mha-tied": ("gemma3", {"num_key_value_heads": 4, "tie_word_embeddings": True, "layer_types": None,
+                                   "num_hidden_layers": 7}),
+    "mixtral": ("mixtral", {"sliding_window": 6}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-unnormalised": ("qwen3_moe", {"norm_topk_prob": False, "num_experts": 5, "num_experts_per_tok": 2}),
+    "qwen2-moe-shared-expert": ("qwen2_moe", {}),
+    # dense and MoE layers mixed: layers 0 and 2 dense by mlp_only_layers; every other layer by decoder_sparse_step
+    "qwen3-moe-mlp-only-layers": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [0, 2]}),
+    "qwen2-moe-sparse-step": ("qwen2_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2}),
+}
+
+
 def longrope_overrides(num_factors: int, original_max_position_embeddings: int) -> dict:
     """A Phi-3 config's LongRoPE fields (Phi-4-mini's layout): short and long factors per rotary frequency, far
     enough apart that the two give visibly different logits."""

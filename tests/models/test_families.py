@@ -13,27 +13,9 @@ import pytest
 from jaxserve.models.common import attention_scale
 from jaxserve.weights import load_model
 from tests.forward import PagedForward
+from tests.hf_tiny import FAMILY_TOKENS as TOKENS
+from tests.hf_tiny import TINY_FAMILIES as FAMILIES
 from tests.hf_tiny import hf_logits, longrope_overrides, make_tiny_model
-
-TOKENS = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64, 7, 31, 5, 260]  # 16 tokens; windows are 5 or 6
-
-FAMILIES = {
-    "qwen3-gqa": ("qwen3", {}),
-    "qwen3-mha-tied": ("qwen3", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
-    "phi3-partial-rotary": ("phi3", {}),
-    "phi3-sliding-window": ("phi3", {"partial_rotary_factor": 1.0, "sliding_window": 6, "num_key_value_heads": 1}),
-    "gemma2-softcaps": ("gemma2", {}),
-    "gemma3-local-rope": ("gemma3", {}),
-    "gemma3-mha-tied": ("gemma3", {"num_key_value_heads": 4, "tie_word_embeddings": True, "layer_types": None,
-                                   "num_hidden_layers": 7}),
-    "mixtral": ("mixtral", {"sliding_window": 6}),
-    "qwen3-moe": ("qwen3_moe", {}),
-    "qwen3-moe-unnormalised": ("qwen3_moe", {"norm_topk_prob": False, "num_experts": 5, "num_experts_per_tok": 2}),
-    "qwen2-moe-shared-expert": ("qwen2_moe", {}),
-    # dense and MoE layers mixed: layers 0 and 2 dense by mlp_only_layers; every other layer by decoder_sparse_step
-    "qwen3-moe-mlp-only-layers": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [0, 2]}),
-    "qwen2-moe-sparse-step": ("qwen2_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2}),
-}
 
 # family, head_dim, rotary_dim, sliding layers, qk_norm, attention scale, softcaps, experts (E, k, normalised)
 EXPECTED_CONFIG = {
