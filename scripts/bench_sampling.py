@@ -24,6 +24,8 @@ def scenarios(vocab_size: int) -> dict:
     return {
         "greedy": lambda n: SamplingParams(temperature=0.0, max_tokens=n, **common),
         "random": lambda n: SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1, max_tokens=n, **common),
+        "t1-top_p0.95": lambda n: SamplingParams(temperature=1.0, top_p=0.95, max_tokens=n, **common),
+        "t1": lambda n: SamplingParams(temperature=1.0, max_tokens=n, **common),
         "penalties": lambda n: SamplingParams(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5,
                                               frequency_penalty=0.5, max_tokens=n, **common),
         "logit_bias+min_tokens": lambda n: SamplingParams(
