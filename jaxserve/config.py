@@ -435,6 +435,7 @@ class EngineConfig:
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     enable_prefix_caching: bool = True  # reuse cached KV blocks of repeated prompt prefixes (vLLM's default)
     disable_log_stats: bool = False  # no periodic stats line (throughput, queues, KV usage, prefix hit rate)
+    max_itl_ms: float | None = None  # latency target of steps with decode rows (core/step_budget.py); None: none
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -447,6 +448,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
+        if self.max_itl_ms is not None and (isinstance(self.max_itl_ms, bool) or not self.max_itl_ms > 0):
+            raise ValueError(f"max_itl_ms must be a positive number of milliseconds, got {self.max_itl_ms!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.compile_cache_dir is not None:  # "" is allowed: no persistent cache

@@ -47,6 +47,8 @@ _SPEC_KEYS = {
 }
 # Tables a spec may leave out: then all their fields are () and the grid has none of those buckets.
 _OPTIONAL_TABLES = ("mixed",)
+# Keys a table may leave out: table -> {key: BucketSpec field}, each a positive integer (None when absent).
+_OPTIONAL_KEYS = {"mixed": {"token_budget": "mixed_token_budget"}}
 _FIELD_NAMES = {f: f"[{table}] {key}" for table, keys in _SPEC_KEYS.items() for key, f in keys.items()}
 
 
@@ -110,6 +112,8 @@ class BucketSpec:
     # the optional [mixed] table; keyword-only, so positional construction is as before
     mixed_batch_sizes: tuple[int, ...] = field(default=(), kw_only=True)
     mixed_token_counts: tuple[int, ...] = field(default=(), kw_only=True)
+    # tokens of a mixed step without a latency target (core/step_budget.py); None: the largest mixed bucket
+    mixed_token_budget: int | None = field(default=None, kw_only=True)
     block_size: int | None = None
     source: str = field(default="<spec>", compare=False)
 
@@ -124,6 +128,10 @@ class BucketSpec:
                     f"{self.source}: block_size must be a positive integer, got {self.block_size!r}"
                 )
             _check_context_multiple(self.source, self.context_lengths, self.block_size)
+        budget = self.mixed_token_budget
+        if budget is not None and (not _is_int(budget) or not 1 <= budget <= max(self.mixed_token_counts, default=0)):
+            raise ValueError(f"{self.source}: [mixed] token_budget must be a positive integer within the largest "
+                             f"[mixed] token_counts ({max(self.mixed_token_counts, default=0)}), got {budget!r}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<spec>") -> BucketSpec:
@@ -162,10 +170,11 @@ def _read_table(source: str, table: str, values: Any) -> dict[str, Any]:
         if table in _OPTIONAL_TABLES:
             raise ValueError(f"{source}: [{table}] must be a table, got {values!r}")
         raise ValueError(f"{source}: missing table [{table}]")
+    optional = _OPTIONAL_KEYS.get(table, {})
     for key in values:
-        if key not in keys:
-            raise ValueError(f"{source}: unknown key [{table}] {key} (known: {', '.join(keys)})")
-    fields = {}
+        if key not in keys and key not in optional:
+            raise ValueError(f"{source}: unknown key [{table}] {key} (known: {', '.join([*keys, *optional])})")
+    fields = {name: values[key] for key, name in optional.items() if key in values}
     for key, name in keys.items():
         if key not in values:
             raise ValueError(f"{source}: missing [{table}] {key}")

@@ -13,9 +13,10 @@ and prefill chunks together, on a ``MixedBucket``): different executables.
 Policy
   * Queues: ``waiting`` (FCFS deque; preempted sequences go back to its front) and ``running``.
   * Mixed steps (vLLM V1's policy; grids with ``[mixed]`` buckets): whenever a sequence decodes, every
-    decoding sequence gets its row (oldest first), then the remaining token budget
-    (``min(max_num_batched_tokens, largest mixed bucket)`` minus the decode rows) and rows go to prefill
-    chunks: mid-prefill sequences oldest first, then admissions from the waiting queue as below. So no
+    decoding sequence gets its row (oldest first), then the remaining token budget (``StepBudget``,
+    `step_budget.py`: the largest mixed bucket within the latency target ``max_itl_ms`` by the measured step
+    costs, else ``min(max_num_batched_tokens, largest mixed bucket)``; minus the decode rows) and rows go to
+    prefill chunks: mid-prefill sequences oldest first, then admissions from the waiting queue as below. So no
     decoding sequence ever waits behind a prefill; a prefill waits only when decode rows fill the step.
     A chunk that does not end its prompt is cut so the step's tokens fill a mixed bucket exactly. A step
     without decode rows is a prefill step as below; one without chunks a decode step.
@@ -52,6 +53,7 @@ from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid, DecodeBucket, MixedBucket
 from jaxserve.core.schedule import PrefillChunk, Schedule
 from jaxserve.core.sequence import Sequence, SequenceStatus
+from jaxserve.core.step_budget import StepBudget
 
 # Prefill-vs-decode knob (TGI's waiting_served_ratio; TGI ships 1.2 with max_waiting_tokens=20).
 # Default 0.0 = admit whenever a request waits and fits (vLLM's prefill-first). In a step-cost
@@ -114,6 +116,7 @@ class Scheduler:
         self.waiting_served_ratio = waiting_served_ratio
         self.max_waiting_steps = max_waiting_steps
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.step_budget = StepBudget(grid, max_num_batched_tokens)  # the engine sets one with a target and costs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_decode_steps_waited = 0  # decode steps since the last admission while requests waited
@@ -213,7 +216,7 @@ class Scheduler:
 
     def _schedule_mixed_prefill(self, sched: Schedule, partial: list[Sequence]) -> None:
         """Prefill chunks after this step's decode rows, within the mixed step's token budget and rows."""
-        budget = self.max_mixed_tokens - len(sched.decode_seqs)
+        budget = self.step_budget.mixed_tokens(len(sched.decode_seqs)) - len(sched.decode_seqs)
         for seq in partial:
             if budget < 1 or not self._mixed_row_free(sched):
                 return
@@ -228,11 +231,6 @@ class Scheduler:
             budget -= n
         if self._admission_open(len(sched.decode_seqs)):
             self._admit(sched, budget, sched.decode_seqs, mixed=True)
-
-    @property
-    def max_mixed_tokens(self) -> int:
-        """Query tokens of a mixed step: the token budget, within the largest mixed bucket."""
-        return min(self.max_num_batched_tokens, self.bucket_grid.max_mixed_tokens)
 
     def _mixed_row_free(self, sched: Schedule) -> bool:
         return sched.num_rows < self.bucket_grid.max_mixed_batch_size

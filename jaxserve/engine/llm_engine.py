@@ -38,9 +38,11 @@ from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
 from jaxserve.config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.buckets import MixedBucket
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Sequence
+from jaxserve.core.step_budget import StepBudget
 from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
 from jaxserve.distributed.sharding import engine_mesh
 from jaxserve.engine.beam_search import BeamSearchGroup
@@ -62,6 +64,7 @@ from jaxserve.runner.input_batch import StepInputs, initial_token_counts, prepar
 from jaxserve.runner.model_runner import ModelRunner, StepOutput
 from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
 from jaxserve.runner.sampler_state import SlotTable
+from jaxserve.runner.step_costs import measure_mixed_costs
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.weights import LoadedModel, load_model
 
@@ -161,7 +164,19 @@ class LLMEngine:
             record_manifest(cache_dir, manifest)  # every bucket of this configuration is in the cache now
         logger.info("warm-up: %s", report.summary())
         self.warm_up_report = report
+        self._measure_step_costs()
         return report
+
+    def _measure_step_costs(self) -> None:
+        """With a latency target, times the mixed buckets and gives the scheduler the budget they allow."""
+        if self.config.max_itl_ms is None or not self.grid.has_mixed:
+            return
+        mixed = [b for b in self.grid.buckets if isinstance(b, MixedBucket)]
+        costs = measure_mixed_costs(self.runner, mixed)
+        logger.info("%s", costs.format_table())
+        budget = StepBudget(self.grid, self.scheduler.max_num_batched_tokens, self.config.max_itl_ms, costs)
+        self.scheduler.step_budget = budget
+        logger.info("step budget: %s", budget.describe())
 
     # ----- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
@@ -420,9 +435,9 @@ def _scheduling_summary(scheduler: Scheduler) -> str:
     if not grid.has_mixed:
         return (f"scheduling: prefill-or-decode steps (no [mixed] buckets in {grid.spec.source}), "
                 f"max_num_batched_tokens={scheduler.max_num_batched_tokens}")
-    return (f"scheduling: mixed steps (decode rows first, then prefill chunks) of up to {scheduler.max_mixed_tokens} "
-            f"tokens and {grid.max_mixed_batch_size} rows; prefill-only steps up to max_num_batched_tokens="
-            f"{scheduler.max_num_batched_tokens}")
+    return (f"scheduling: mixed steps (decode rows first, then prefill chunks) of up to "
+            f"{scheduler.step_budget.untargeted_tokens} tokens and {grid.max_mixed_batch_size} rows; prefill-only "
+            f"steps up to max_num_batched_tokens={scheduler.max_num_batched_tokens}")
 
 
 def _host(logprobs) -> tuple[np.ndarray, ...]:

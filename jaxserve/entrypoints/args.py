@@ -20,6 +20,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
         int, "most tokens per step (default: the largest prefill bucket; mixed steps also stay within the largest "
         "mixed bucket)",
     ),
+    "max_itl_ms": (float, "inter-token latency target: a step with decode rows takes the largest prefill chunk "
+                   "whose measured step cost stays within it (costs timed at warm-up); default: no target, "
+                   "mixed steps up to the largest mixed bucket within max_num_batched_tokens"),
     "block_size": (int, "tokens per KV cache block (default: the bucket file's)"),
     "num_kv_blocks": (int, "KV cache blocks (default: from the memory budget; 1024 on CPU)"),
     "gpu_memory_utilization": (float, "fraction of accelerator memory for weights and KV cache"),

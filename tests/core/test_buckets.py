@@ -148,17 +148,33 @@ def test_cpu_spec_stays_small():
     grid = BucketGrid(
         spec, block_size=16, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4096
     )
-    assert (len(grid.decode_buckets), len(grid.prefill_buckets), len(grid.mixed_buckets)) == (14, 12, 12)
-    assert grid.num_executables == 38
+    assert (len(grid.decode_buckets), len(grid.prefill_buckets), len(grid.mixed_buckets)) == (14, 12, 20)
+    assert grid.num_executables == 46
     short = BucketGrid(
         spec, block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512, num_blocks=2048
     )
-    assert (len(short.decode_buckets), len(short.prefill_buckets), len(short.mixed_buckets)) == (7, 6, 6)
-    assert short.num_executables == 19
-    assert short.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (32, 64, 128)]
-    assert "# 19 executables (7 decode + 6 prefill + 6 mixed) at max_model_len 2048, 38 at 8192" in Path(
+    assert (len(short.decode_buckets), len(short.prefill_buckets), len(short.mixed_buckets)) == (7, 6, 10)
+    assert short.num_executables == 23
+    assert short.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (32, 64, 128, 256, 512)]
+    assert spec.mixed_token_budget == 128
+    assert "# 23 executables (7 decode + 6 prefill + 10 mixed) at max_model_len 2048, 46 at 8192" in Path(
         spec.source
     ).read_text()
+
+
+def test_mixed_token_budget_is_optional_and_checked():
+    base = {"decode": {"batch_sizes": [1]}, "prefill": {"batch_sizes": [1], "lengths": [8]},
+            "context": {"lengths": [16]}}
+    without = BucketSpec.from_dict({**base, "mixed": {"batch_sizes": [2], "token_counts": [8, 16]}})
+    assert without.mixed_token_budget is None
+    spec = BucketSpec.from_dict({**base, "mixed": {"batch_sizes": [2], "token_counts": [8, 16], "token_budget": 8}})
+    assert spec.mixed_token_budget == 8
+    for bad in (0, 17, 2.5, True):
+        with pytest.raises(ValueError, match=r"\[mixed\] token_budget must be a positive integer within the largest"):
+            BucketSpec.from_dict({**base, "mixed": {"batch_sizes": [2], "token_counts": [8, 16], "token_budget": bad}})
+    with pytest.raises(ValueError, match=r"unknown key \[mixed\] budget \(known: batch_sizes, token_counts, "
+                       r"token_budget\)"):
+        BucketSpec.from_dict({**base, "mixed": {"batch_sizes": [2], "token_counts": [8], "budget": 8}})
 
 
 def test_tpu_spec_is_lane_aligned():
@@ -173,7 +189,7 @@ def test_tpu_spec_is_lane_aligned():
 @pytest.mark.parametrize(
     ("platform", "mixed", "counts"),
     [
-        ("cpu", ((16, 64), (32, 64, 128)), None),
+        ("cpu", ((16, 64), (32, 64, 128, 256, 512)), None),
         ("gpu", ((32, 256), (256, 512, 1024, 2048)), (45, 38, 40)),
         ("tpu", ((64, 256), (256, 512, 1024, 2048)), (30, 38, 40)),
     ],
@@ -461,7 +477,7 @@ def test_parse_mixed_table():
         ({"token_counts": [64]}, "x.toml: missing [mixed] batch_sizes"),
         (
             {"batch_sizes": [2], "token_counts": [64], "rows": [2]},
-            "x.toml: unknown key [mixed] rows (known: batch_sizes, token_counts)",
+            "x.toml: unknown key [mixed] rows (known: batch_sizes, token_counts, token_budget)",
         ),
         (
             {"batch_sizes": [], "token_counts": []},

@@ -166,3 +166,28 @@ def test_other_attention_backends_on_mixed_steps_give_the_same_tokens(model_dir,
     for a, b in zip(expected, got, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         _assert_same_logprobs(a.prompt_logprobs, b.prompt_logprobs)
+
+
+def test_a_latency_target_measures_every_mixed_shape_and_changes_no_token(model_dir, llms, tmp_path):
+    """`max_itl_ms`: warm-up times each mixed bucket shape on its executable (nothing compiles after warm-up),
+    the scheduler's budget follows the target, and greedy tokens stay those of prefill-or-decode steps."""
+    legacy, _ = llms
+    targeted = _llm(model_dir, tmp_path, "targeted", BUCKETS + MIXED, max_itl_ms=60_000.0)
+    budget = targeted.llm_engine.scheduler.step_budget
+    assert budget.follows_target and budget.max_itl_ms == 60_000.0
+    assert sorted(budget.costs.seconds) == [(16, 4), (16, 8), (32, 4), (32, 8)]
+    assert all(0 < seconds < 60 for seconds in budget.costs.seconds.values())
+    assert [budget.mixed_tokens(d) for d in (0, 3, 7)] == [32, 32, 32]  # every shape is within a minute
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected, _ = _run(legacy, PROMPTS, params)
+    got, mixed_steps = _run(targeted, PROMPTS, params)
+    assert mixed_steps > 0 and [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert targeted.llm_engine.stats.num_compiles_after_warm_up == 0
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, True])
+def test_max_itl_ms_must_be_a_positive_number(bad):
+    from jaxserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_itl_ms must be a positive number of milliseconds"):
+        EngineConfig(max_itl_ms=bad)

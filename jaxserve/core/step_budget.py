@@ -1,0 +1,81 @@
+"""How many query tokens a mixed step may hold: a latency target over measured step costs (host side, no JAX).
+
+While sequences decode, every step holds their rows, so a step's duration is their inter-token latency. The
+scheduler (`scheduler.py`) asks ``StepBudget.mixed_tokens(num_decode_rows)`` before it adds prefill chunks
+to a step with decode rows. With a target (``max_itl_ms``, `jaxserve serve --max-itl-ms`) and costs measured
+on the bucket executables at warm-up (`StepCosts`, `runner/step_costs.py`), the answer is the largest mixed
+bucket whose step stays within the target; the chunks then fill as much of it as the queue needs. So a light
+queue runs small steps and a growing one larger steps, up to the target and never past it while decode rows
+wait (Sarathi-Serve's stall-free batching sets one such budget from its latency target; here it also follows
+the queue step by step). Without a target, or without costs, the budget is the bucket file's ``[mixed]
+token_budget`` (the best offline throughput on that platform; else the largest mixed bucket), within
+``max_num_batched_tokens``. A step without decode rows is a prefill step and is not bounded by the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.core.buckets import BucketGrid
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Measured seconds per step of each mixed bucket shape, ``(num_tokens, batch_size) -> seconds``."""
+
+    seconds: dict[tuple[int, int], float]
+
+    def of(self, num_tokens: int, batch_size: int) -> float:
+        return self.seconds[(num_tokens, batch_size)]
+
+    def format_table(self) -> str:
+        batch_sizes = sorted({b for _, b in self.seconds})
+        token_counts = sorted({t for t, _ in self.seconds})
+        lines = ["mixed step cost (ms) | " + " | ".join(f"{b} rows" for b in batch_sizes)]
+        for t in token_counts:
+            cells = (f"{1e3 * self.seconds[(t, b)]:.1f}" if (t, b) in self.seconds else "-" for b in batch_sizes)
+            lines.append(f"{t} tokens | " + " | ".join(cells))
+        return "\n".join(lines)
+
+
+class StepBudget:
+    def __init__(self, grid: BucketGrid, max_num_batched_tokens: int, max_itl_ms: float | None = None,
+                 costs: StepCosts | None = None) -> None:
+        if max_itl_ms is not None and not max_itl_ms > 0:
+            raise ValueError(f"max_itl_ms must be a positive number of milliseconds, got {max_itl_ms!r}")
+        self.grid = grid
+        self.max_tokens = min(max_num_batched_tokens, grid.max_mixed_tokens)  # the most a target may allow
+        self.untargeted_tokens = min(self.max_tokens, grid.spec.mixed_token_budget or self.max_tokens)
+        self.max_itl_ms = max_itl_ms
+        self.costs = costs
+
+    @property
+    def follows_target(self) -> bool:
+        return self.max_itl_ms is not None and self.costs is not None
+
+    def mixed_tokens(self, num_decode_rows: int) -> int:
+        """Query tokens of a mixed step with ``num_decode_rows`` decode rows: the largest mixed bucket within the
+        target that leaves room for a chunk; the smallest such bucket when none is within it (prefill never
+        stops). Without a target: the bucket file's ``[mixed] token_budget`` (else ``max_tokens``)."""
+        if not self.follows_target:
+            return self.untargeted_tokens
+        rows = self._batch_size(num_decode_rows + 1)
+        sizes = [t for t in self.grid.spec.mixed_token_counts if num_decode_rows < t <= self.max_tokens]
+        if rows is None or not sizes:
+            return self.max_tokens
+        within = [t for t in sizes if (t, rows) in self.costs.seconds and self._ms(t, rows) <= self.max_itl_ms]
+        return max(within) if within else min(sizes)
+
+    def _ms(self, num_tokens: int, batch_size: int) -> float:
+        return 1e3 * self.costs.of(num_tokens, batch_size)
+
+    def _batch_size(self, num_rows: int) -> int | None:
+        return min((b for b in self.grid.spec.mixed_batch_sizes if b >= num_rows), default=None)
+
+    def describe(self) -> str:
+        if not self.follows_target:
+            reason = "no --max-itl-ms" if self.max_itl_ms is None else "no measured step costs"
+            return f"mixed steps up to {self.untargeted_tokens} tokens ({reason})"
+        budgets = {d: self.mixed_tokens(d) for d in (0, *self.grid.spec.mixed_batch_sizes[:-1])}
+        by_rows = ", ".join(f"{t} tokens from {d} decode rows" for d, t in budgets.items())
+        return f"mixed steps within {self.max_itl_ms:g} ms: {by_rows}"

@@ -1,0 +1,99 @@
+"""The mixed-step token budget from a latency target and step costs, alone and as the scheduler uses it."""
+
+import random
+
+import pytest
+
+from jaxserve.core.buckets import BucketGrid, MixedBucket
+from jaxserve.core.sequence import SequenceStatus
+from jaxserve.core.step_budget import StepBudget, StepCosts
+from tests.core.test_scheduler import SPEC, advance, make_scheduler, make_seq, start_mixed_decoders
+
+BUDGET_SPEC = SPEC.replace(mixed_batch_sizes=(4, 8), mixed_token_counts=(8, 16, 32, 64))
+# 10 ms per step plus 1 ms per token; 8 rows cost 2 ms more than 4
+COSTS = StepCosts({(t, b): (10 + t + (2 if b == 8 else 0)) / 1e3 for t in (8, 16, 32, 64) for b in (4, 8)})
+
+
+def grid(budget=64) -> BucketGrid:
+    return BucketGrid(BUDGET_SPEC, block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=budget,
+                      num_blocks=256)
+
+
+@pytest.mark.parametrize(("target_ms", "decode_rows", "tokens"), [
+    (100, 0, 64), (74, 0, 64), (73.9, 0, 32), (42, 2, 32), (42, 3, 32), (43.9, 4, 16), (44, 4, 32),
+    (20, 1, 8), (5, 2, 8),  # nothing within 5 ms: the smallest bucket with room for a chunk
+    (5, 7, 8),  # 7 decode rows: the 8-token bucket still has room for a chunk
+])
+def test_the_budget_is_the_largest_bucket_within_the_target(target_ms, decode_rows, tokens):
+    assert StepBudget(grid(), 64, target_ms, COSTS).mixed_tokens(decode_rows) == tokens
+
+
+def test_without_a_target_or_costs_the_budget_is_the_largest_mixed_bucket_within_the_token_budget():
+    assert StepBudget(grid(), 64).mixed_tokens(3) == 64
+    assert StepBudget(grid(), 64, 20.0).mixed_tokens(3) == 64  # a target without costs cannot be followed
+    assert StepBudget(grid(48), 48, 1000.0, COSTS).mixed_tokens(3) == 32  # 64 is past max_num_batched_tokens
+    assert "no --max-itl-ms" in StepBudget(grid(), 64).describe()
+
+
+@pytest.mark.parametrize("bad", [0, -5.0])
+def test_a_target_must_be_positive(bad):
+    with pytest.raises(ValueError, match=f"max_itl_ms must be a positive number of milliseconds, got {bad}"):
+        StepBudget(grid(), 64, bad, COSTS)
+
+
+def budget_scheduler(target_ms: float, **kwargs):
+    sched = make_scheduler(spec=BUDGET_SPEC, budget=64, num_blocks=256, **kwargs)
+    sched.step_budget = StepBudget(sched.bucket_grid, 64, target_ms, COSTS)
+    return sched
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("target_ms", [20.0, 30.0, 50.0])
+def test_a_step_with_decode_rows_never_exceeds_the_target_bucket(seed, target_ms):
+    """Random arrivals and lengths: every mixed step's bucket stays within the target's budget for its decode
+    rows (and so within the target, which some bucket meets here); every request finishes."""
+    rng = random.Random(seed)
+    sched = budget_scheduler(target_ms)
+    arrivals = {rng.randrange(60): None for _ in range(12)}
+    seqs, steps = [], 0
+    while steps < 2000 and (sched.has_unfinished() or any(t >= steps for t in arrivals)):
+        if steps in arrivals:
+            seqs.append(make_seq(f"r{steps}", rng.randint(2, 40), float(steps), max_tokens=rng.randint(2, 12)))
+            sched.add(seqs[-1])
+        s = sched.schedule()
+        if s.is_mixed:
+            decode_rows = len(s.decode_seqs)
+            assert s.bucket.num_tokens <= sched.step_budget.mixed_tokens(decode_rows)
+            assert 1e3 * COSTS.of(s.bucket.num_tokens, s.bucket.batch_size) <= target_ms
+        for seq in advance(s, [5] * len(s.rows)):
+            if seq.num_output_tokens >= seq.sampling_params.max_tokens:
+                sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        steps += 1
+    assert all(seq.is_finished for seq in seqs) and len(seqs) == len(arrivals)
+
+
+def chunk_tokens(sched, queue_lengths: list[int]) -> int:
+    """Prompt tokens the next step takes beside 2 decoding sequences, with these prompts waiting."""
+    start_mixed_decoders(sched, 2)
+    for i, n in enumerate(queue_lengths):
+        sched.add(make_seq(f"q{i}", n, 10.0 + i))
+    s = sched.schedule()
+    assert s.is_mixed and len(s.decode_seqs) == 2
+    return sum(c.num_tokens for c in s.prefill_chunks)
+
+
+def test_a_queue_that_grows_gets_larger_chunks_up_to_the_target():
+    # target 50 ms: 32-token steps (42 ms), not 64 (74 ms); a short queue takes just what it needs
+    assert chunk_tokens(budget_scheduler(50.0), [5]) == 5
+    assert chunk_tokens(budget_scheduler(50.0), [5, 9]) == 14
+    assert chunk_tokens(budget_scheduler(50.0), [5, 9, 9, 9]) == 30  # 32-token step: 2 decode rows, 30 prompt
+    assert chunk_tokens(budget_scheduler(50.0), [40, 40, 40]) == 30
+    # a looser target lets the same long queue through in larger steps
+    assert chunk_tokens(budget_scheduler(80.0), [40, 40, 40]) == 62
+    assert chunk_tokens(budget_scheduler(20.0), [40, 40, 40]) == 6  # 8-token steps (18 ms)
+
+
+def test_the_engine_summary_names_the_budget():
+    budget = StepBudget(grid(), 64, 50.0, COSTS)
+    assert budget.describe() == "mixed steps within 50 ms: 32 tokens from 0 decode rows, 32 tokens from 4 decode rows"
+    assert MixedBucket(32, 4, 16).num_tokens == 32
