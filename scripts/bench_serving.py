@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402  (standard library only: vLLM's location and settings)
 from bench_prefix_caching import shared_prefix_requests  # noqa: E402
 from plot_itl import write_itl_plot  # noqa: E402
+from plot_load_sweep import write_sweep_plot  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the name both servers answer to in --servers mode
@@ -139,9 +140,10 @@ async def text_window_prompts(client: httpx.AsyncClient, workload: list[dict]) -
     return prompts
 
 
-async def send_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
+async def send_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
+                       sampling: dict | None = None) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(sampling or {})}
     start = last = time.perf_counter()
     result = RequestResult(prompt_len=len(prompt), start_time=start)
     try:
@@ -187,7 +189,7 @@ async def send_workload(args, base_url: str) -> tuple[list[RequestResult], float
 
         async def limited(prompt, output_len):
             async with semaphore:
-                return await send_request(client, model, prompt, output_len)
+                return await send_request(client, model, prompt, output_len, sampling_fields(args))
 
         tasks = []
         start = time.perf_counter()
@@ -198,6 +200,11 @@ async def send_workload(args, base_url: str) -> tuple[list[RequestResult], float
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return results, duration
+
+
+def sampling_fields(args) -> dict:
+    """The request's temperature (and top_p when given): greedy unless --temperature says otherwise."""
+    return {"temperature": args.temperature, **({"top_p": args.top_p} if args.top_p is not None else {})}
 
 
 async def run(args) -> dict:
@@ -302,7 +309,8 @@ def client_command(args, port: int, result_dir: Path, result_file: str) -> list[
         str(baselines.vllm_bin()), "bench", "serve", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
         "--model", SERVED_MODEL_NAME, "--tokenizer", str(baselines.embedded_hf_dir()),
         "--dataset-name", "random", "--random-input-len", str(args.random_input_len),
-        "--random-output-len", str(args.random_output_len), "--ignore-eos", "--temperature", "0",
+        "--random-output-len", str(args.random_output_len), "--ignore-eos", "--temperature", str(args.temperature),
+        *(["--top-p", str(args.top_p)] if args.top_p is not None else []),
         "--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate), "--seed", str(args.seed),
         *(["--max-concurrency", str(args.max_concurrency)] if args.max_concurrency else []),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
@@ -338,12 +346,13 @@ def stop_server(proc: subprocess.Popen, grace: float = 60) -> None:
     proc.wait()
 
 
-def measure_server(args, server: str, result_dir: Path) -> dict:
-    """Starts `server`, runs the client against it, stops it; the client's result, with the server's time to
-    ready and its prefix cache counters over the client's run."""
+def measure_server(args, server: str, result_dir: Path, rates: list[float]) -> list[dict]:
+    """Starts `server`, runs the client against it once per request rate, stops it; the client's results, each
+    with the server's time to ready and its prefix cache counters over that client run."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     cmd, env = server_command(args, server, port)
+    results = []
     with open(result_dir / f"{server}-server.log", "w") as log:
         print(f"starting {server}: {' '.join(cmd)}", flush=True)
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
@@ -352,26 +361,31 @@ def measure_server(args, server: str, result_dir: Path) -> dict:
                 ready = wait_ready(proc, base_url, args.server_timeout)
             except (RuntimeError, TimeoutError) as err:
                 raise RuntimeError(f"{server}: {err}; its log: {log.name}") from err
-            print(f"{server} ready after {ready:.0f}s; running {client_name(args)}", flush=True)
-            before = prefix_cache_counters(base_url)
-            result = run_client(args, server, port, result_dir)
-            after = prefix_cache_counters(base_url)
+            for rate in rates:
+                print(f"{server} ready after {ready:.0f}s; running {client_name(args)} at {rate} req/s", flush=True)
+                before = prefix_cache_counters(base_url)
+                result = run_client(args, server, port, result_dir, rate)
+                after = prefix_cache_counters(base_url)
+                result["startup_s"] = ready
+                result["prefix_cache"] = {name: after[name] - before[name] for name in after}
+                results.append(result)
         finally:
             stop_server(proc)
-    result["startup_s"] = ready
-    result["prefix_cache"] = {name: after[name] - before[name] for name in after}
-    return result
+    return results
 
 
 def client_name(args) -> str:
     return f"this script's client on {args.workload}" if args.workload else "vllm bench serve"
 
 
-def run_client(args, server: str, port: int, result_dir: Path) -> dict:
-    """Our client when --workload is given, else `vllm bench serve`; its result, saved as <server>.json."""
+def run_client(args, server: str, port: int, result_dir: Path, rate: float) -> dict:
+    """Our client when --workload is given, else `vllm bench serve`, at `rate`; its result, saved as
+    <server>.json (a sweep: <server>-rate<rate>.json)."""
+    args = argparse.Namespace(**{**vars(args), "request_rate": rate})
+    name = f"{server}-rate{rate:g}.json" if args.request_rates else f"{server}.json"
     if args.workload:
-        return own_client_result(args, f"http://127.0.0.1:{port}", result_dir / f"{server}.json")
-    return vllm_client_result(args, port, result_dir, f"{server}.json")
+        return own_client_result(args, f"http://127.0.0.1:{port}", result_dir / name)
+    return vllm_client_result(args, port, result_dir, name)
 
 
 def vllm_client_result(args, port: int, result_dir: Path, result_file: str) -> dict:
@@ -473,20 +487,43 @@ def compare_servers(args) -> None:
     result_dir.mkdir(parents=True, exist_ok=True)
     args.result_dir = str(result_dir)
     baselines.embedded_hf_dir()  # converted before any server starts (vLLM's model, the client's tokenizer)
+    rates = parse_rates(args.request_rates) if args.request_rates else [args.request_rate]
     rows, startups, results = [], [], []
     for server in filter(None, args.servers.split(",")):
-        result = measure_server(args, server, result_dir)
-        results.append((server, result))
-        rows.append(summarize_client_result(server, result, args.random_output_len))
-        startups.append(f"{server} {result['startup_s']:.0f}s")
-        print(json.dumps(rows[-1]), flush=True)
+        for rate, result in zip(rates, measure_server(args, server, result_dir, rates), strict=True):
+            results.append((server, result))
+            rows.append({**summarize_client_result(server, result, args.random_output_len), "rate": rate})
+            print(json.dumps(rows[-1]), flush=True)
+        startups.append(f"{server} {results[-1][1]['startup_s']:.0f}s")
+    print(f"\n{workload_description(args)}; jaxserve {args.dtype}, vLLM {args.vllm_dtype}; time to ready (not "
+          f"measured): {', '.join(startups)}; logs and results in {result_dir}")
+    if args.request_rates:
+        report_sweep(args, rows, result_dir)
+        return
     plot = Path(args.itl_plot) if args.itl_plot else result_dir / "itl_over_time.svg"
     write_itl_plot(plot, f"ITL over time: {workload_title(args)} at {args.request_rate} req/s", results)
-    print(f"\n{workload_description(args)}, {args.request_rate} req/s; jaxserve {args.dtype}, "
-          f"vLLM {args.vllm_dtype}; time to ready (not measured): {', '.join(startups)}; "
-          f"logs and results in {result_dir}; ITL over time: {plot}\n")
+    print(f"{args.request_rate} req/s; ITL over time: {plot}\n")
     print(comparison_table(rows))
     print("\n" + "\n".join(prefix_caching_lines(rows)))
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(r) for r in text.split(",") if r.strip()]
+    if not rates or any(not r > 0 for r in rates):
+        raise SystemExit(f"--request-rates: positive requests/s or inf, comma-separated; got {text!r}")
+    return rates
+
+
+def report_sweep(args, rows: list[dict], result_dir: Path) -> None:
+    """One table per rate (each with jaxserve's ratios over the others), the rows as JSON and the TTFT / P99 ITL
+    against rate plot."""
+    (result_dir / "sweep.json").write_text(json.dumps(rows, indent=1))
+    plot = Path(args.sweep_plot) if args.sweep_plot else result_dir / "load_sweep.svg"
+    write_sweep_plot(plot, f"{workload_title(args)}: latency against load", rows)
+    for rate in sorted({r["rate"] for r in rows}):
+        print(f"\n### {rate:g} requests/s\n")
+        print(comparison_table([r for r in rows if r["rate"] == rate]))
+    print(f"\nrows: {result_dir / 'sweep.json'}; plot: {plot}")
 
 
 def workload_title(args) -> str:
@@ -522,12 +559,19 @@ def main() -> None:
                         help="requests per second, Poisson arrivals; inf sends all at once (default inf; 2 with "
                         "--servers)")
     parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help="every request's top_p (default: not sent)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", default=None, help="also write the summary here")
     group = parser.add_argument_group("--servers: start and measure each server (`vllm bench serve` or our client)")
     group.add_argument("--servers", default=None,
                        help=f"comma-separated, run in this order: {', '.join(JAXSERVE_SERVERS)}, vllm")
     group.add_argument("--itl-plot", default=None, help="SVG of ITL over time (default: in --result-dir)")
+    group.add_argument("--request-rates", default=None,
+                       help="a load sweep: comma-separated requests/s (inf: all at once), each server started once "
+                       "and measured at every rate; a table per rate and --sweep-plot")
+    group.add_argument("--sweep-plot", default=None, help="SVG of mean TTFT and P99 ITL against rate (default: in "
+                       "--result-dir)")
     group.add_argument("--random-input-len", type=int, default=256)
     group.add_argument("--random-output-len", type=int, default=128)
     group.add_argument("--max-model-len", type=int, default=2048, help="both servers'")

@@ -41,7 +41,7 @@ def test_client_command_matches_the_served_name(tmp_path, monkeypatch):
     (tmp_path / "bin" / "python").touch()  # a vLLM virtualenv as the install script leaves it
     monkeypatch.setattr(baselines, "VLLM_VENV", tmp_path)
     args = argparse.Namespace(random_input_len=256, random_output_len=128, num_prompts=64, request_rate=2.0,
-                              seed=0, max_concurrency=None)
+                              seed=0, max_concurrency=None, temperature=0.0, top_p=None)
     cmd = bench_serving.client_command(args, 1234, Path("/tmp/results"), "vllm.json")
     assert cmd[:3] == [str(tmp_path / "bin" / "vllm"), "bench", "serve"]
     flag = dict(zip(cmd[3:], cmd[4:], strict=False))
@@ -49,6 +49,13 @@ def test_client_command_matches_the_served_name(tmp_path, monkeypatch):
     assert flag["--model"] == bench_serving.SERVED_MODEL_NAME
     assert (flag["--random-output-len"], flag["--request-rate"], flag["--num-prompts"]) == ("128", "2.0", "64")
     assert "--ignore-eos" in cmd and "--save-detailed" in cmd and "--max-concurrency" not in cmd
+    assert flag["--temperature"] == "0.0" and "--top-p" not in cmd
+    sampled = bench_serving.client_command(argparse.Namespace(**{**vars(args), "temperature": 1.0, "top_p": 0.95}),
+                                           1234, Path("/tmp/results"), "vllm.json")
+    sampled_flag = dict(zip(sampled[3:], sampled[4:], strict=False))
+    assert (sampled_flag["--temperature"], sampled_flag["--top-p"]) == ("1.0", "0.95")
+    assert bench_serving.sampling_fields(argparse.Namespace(temperature=1.0, top_p=0.95)) == {
+        "temperature": 1.0, "top_p": 0.95}
     server, _ = bench_serving.server_command(argparse.Namespace(max_model_len=2048, dtype="float32"), "jaxserve", 1)
     assert server[server.index("--served-model-name") + 1] == bench_serving.SERVED_MODEL_NAME
 
@@ -106,3 +113,23 @@ def test_a_missing_vllm_names_its_install_script(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"vLLM's CPU build is not installed at .*absent; run: bash .*"
                                                 r"install_vllm_cpu\.sh"):
         baselines.vllm_bin()
+
+
+def test_a_load_sweep_reports_a_table_per_rate_and_plots_both_metrics(tmp_path, capsys):
+    assert bench_serving.parse_rates("0.5,1,inf") == [0.5, 1.0, float("inf")]
+    with pytest.raises(SystemExit, match="--request-rates"):
+        bench_serving.parse_rates("1,0")
+    rows = []
+    for rate, (ttft_j, ttft_v) in zip([0.5, float("inf")], [(50.0, 100.0), (400.0, 200.0)], strict=True):
+        for server, ttft in (("jaxserve", ttft_j), ("vllm", ttft_v)):
+            row = bench_serving.summarize_client_result(server, client_result([16, 16], 100.0, ttft), 16)
+            rows.append({**row, "rate": rate})
+    args = argparse.Namespace(sweep_plot=None, workload=None, num_prompts=2, random_input_len=320,
+                              random_output_len=16)
+    bench_serving.report_sweep(args, rows, tmp_path)
+    out = capsys.readouterr().out
+    assert "### 0.5 requests/s" in out and "### inf requests/s" in out
+    assert "| jaxserve / vllm | | 1.00x | 0.50x |" in out and "| jaxserve / vllm | | 1.00x | 2.00x |" in out
+    svg = (tmp_path / "load_sweep.svg").read_text()
+    assert "mean TTFT (ms)" in svg and "P99 ITL (ms)" in svg and svg.count("<polyline") == 4
+    assert '>inf</text>' in svg and '>0.5</text>' in svg
