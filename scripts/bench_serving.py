@@ -119,13 +119,14 @@ def vocab_size(args) -> int:
 
 
 async def build_prompts(client: httpx.AsyncClient, workload: list[dict], args) -> list[list[int]]:
-    """The workload's token-id prompts: shared prefix + own suffix, or windows of one tokenized text."""
+    """The workload's token-id prompts: shared prefix + own suffix, or windows of one tokenized text (where
+    they start depends on --seed)."""
     if is_shared_prefix(workload):
         return [prompt for prompt, _ in shared_prefix_requests(workload, vocab_size(args))]
-    return await text_window_prompts(client, workload)
+    return await text_window_prompts(client, workload, args.seed)
 
 
-async def text_window_prompts(client: httpx.AsyncClient, workload: list[dict]) -> list[list[int]]:
+async def text_window_prompts(client: httpx.AsyncClient, workload: list[dict], seed: int = 0) -> list[list[int]]:
     """Token-id prompts of exactly each prompt_len: windows of one tokenized text."""
     longest = max(r["prompt_len"] for r in workload)
     text = SOURCE_TEXT
@@ -135,7 +136,7 @@ async def text_window_prompts(client: httpx.AsyncClient, workload: list[dict]) -
         ids = (await client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})).json()["tokens"]
     prompts = []
     for i, request in enumerate(workload):
-        start = (i * 37) % (len(ids) - request["prompt_len"])
+        start = (i * 37 + seed * 101) % (len(ids) - request["prompt_len"])
         prompts.append(ids[start : start + request["prompt_len"]])
     return prompts
 
@@ -361,10 +362,18 @@ def measure_server(args, server: str, result_dir: Path, rates: list[float]) -> l
                 ready = wait_ready(proc, base_url, args.server_timeout)
             except (RuntimeError, TimeoutError) as err:
                 raise RuntimeError(f"{server}: {err}; its log: {log.name}") from err
-            for rate in rates:
+            if args.request_rates and args.warmup_prompts:
+                print(f"{server} ready after {ready:.0f}s; warming up with {args.warmup_prompts} prompts", flush=True)
+                warmup = {"num_prompts": args.warmup_prompts, "seed": args.seed + WARMUP_SEED_OFFSET}
+                run_client(argparse.Namespace(**{**vars(args), **warmup}), server, port, result_dir, float("inf"),
+                           name=f"{server}-warmup.json")
+            for i, rate in enumerate(rates):
                 print(f"{server} ready after {ready:.0f}s; running {client_name(args)} at {rate} req/s", flush=True)
                 before = prefix_cache_counters(base_url)
-                result = run_client(args, server, port, result_dir, rate)
+                # a sweep gives each rate its own prompts (seed + i), the same for every server: a rate must not
+                # find the prompts of the rates before it in the prefix cache
+                rate_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i}) if args.request_rates else args
+                result = run_client(rate_args, server, port, result_dir, rate)
                 after = prefix_cache_counters(base_url)
                 result["startup_s"] = ready
                 result["prefix_cache"] = {name: after[name] - before[name] for name in after}
@@ -378,11 +387,14 @@ def client_name(args) -> str:
     return f"this script's client on {args.workload}" if args.workload else "vllm bench serve"
 
 
-def run_client(args, server: str, port: int, result_dir: Path, rate: float) -> dict:
-    """Our client when --workload is given, else `vllm bench serve`, at `rate`; its result, saved as
-    <server>.json (a sweep: <server>-rate<rate>.json)."""
+WARMUP_SEED_OFFSET = 1000  # the warm-up run's prompts are none of the measured runs'
+
+
+def run_client(args, server: str, port: int, result_dir: Path, rate: float, name: str | None = None) -> dict:
+    """Our client when --workload is given, else `vllm bench serve`, at `rate`; its result, saved as `name`
+    (default <server>.json; in a sweep <server>-rate<rate>.json)."""
     args = argparse.Namespace(**{**vars(args), "request_rate": rate})
-    name = f"{server}-rate{rate:g}.json" if args.request_rates else f"{server}.json"
+    name = name or (f"{server}-rate{rate:g}.json" if args.request_rates else f"{server}.json")
     if args.workload:
         return own_client_result(args, f"http://127.0.0.1:{port}", result_dir / name)
     return vllm_client_result(args, port, result_dir, name)
@@ -570,6 +582,8 @@ def main() -> None:
     group.add_argument("--request-rates", default=None,
                        help="a load sweep: comma-separated requests/s (inf: all at once), each server started once "
                        "and measured at every rate; a table per rate and --sweep-plot")
+    group.add_argument("--warmup-prompts", type=int, default=8,
+                       help="a sweep first sends this many prompts at once to each server, unmeasured (0: none)")
     group.add_argument("--sweep-plot", default=None, help="SVG of mean TTFT and P99 ITL against rate (default: in "
                        "--result-dir)")
     group.add_argument("--random-input-len", type=int, default=256)
