@@ -270,6 +270,7 @@ def server_command(args, server: str, port: int) -> tuple[list[str], dict]:
     """The command line and environment that serve the embedded model on 127.0.0.1:port."""
     common = ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.max_model_len),
               "--served-model-name", SERVED_MODEL_NAME]
+    server, variant_args = split_variant(server)
     if server in JAXSERVE_SERVERS:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--dtype", args.dtype, *common,
@@ -278,12 +279,23 @@ def server_command(args, server: str, port: int) -> tuple[list[str], dict]:
             cmd += ["--buckets", str(prefill_or_decode_buckets(Path(args.result_dir)))]
         if server == NO_PREFIX_CACHING:
             cmd += ["--no-enable-prefix-caching"]
-        return cmd + shlex.split(getattr(args, "jaxserve_args", "") or ""), env
+        return cmd + shlex.split(getattr(args, "jaxserve_args", "") or "") + variant_args, env
     if server == "vllm":
         cmd = [str(baselines.vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(baselines.embedded_hf_dir()), "--dtype", args.vllm_dtype, "--seed", "0", *common]
         return cmd, vllm_env(args)
     raise ValueError(f"unknown server {server!r} ({', '.join(JAXSERVE_SERVERS)} or vllm)")
+
+
+def split_variant(server: str) -> tuple[str, list[str]]:
+    """`jaxserve[--max-itl-ms 400]` -> ("jaxserve", ["--max-itl-ms", "400"]): a jaxserve server with more flags,
+    named as written (so several variants run and compare in one run)."""
+    name, bracket, rest = server.partition("[")
+    if not bracket:
+        return server, []
+    if not rest.endswith("]") or name not in JAXSERVE_SERVERS:
+        raise ValueError(f"a server variant is a jaxserve server with flags in brackets, got {server!r}")
+    return name, shlex.split(rest[:-1])
 
 
 def prefill_or_decode_buckets(directory: Path) -> Path:
@@ -469,11 +481,13 @@ def comparison_table(rows: list[dict]) -> str:
         figures = " | ".join(f"{r[c]:.1f}" for c in columns)
         lines.append(f"| {r['server']} | {r['completed']} / {r['failed']} / {r['wrong_length']} | {figures} |")
     by_name = {r["server"]: r for r in rows}
-    if "jaxserve" in by_name:
-        jax = by_name["jaxserve"]
-        for other in (r for r in rows if r["server"] != "jaxserve"):
-            ratios = " | ".join(f"{jax[c] / other[c]:.2f}x" if other[c] else "n/a" for c in columns)
-            lines.append(f"| jaxserve / {other['server']} | | {ratios} |")
+    if "vllm" in by_name:  # every jaxserve server over vLLM
+        pairs = [(r, by_name["vllm"]) for r in rows if r["server"].startswith("jaxserve")]
+    else:  # jaxserve over every other server
+        pairs = [(by_name["jaxserve"], r) for r in rows if r["server"] != "jaxserve"] if "jaxserve" in by_name else []
+    for mine, other in pairs:
+        ratios = " | ".join(f"{mine[c] / other[c]:.2f}x" if other[c] else "n/a" for c in columns)
+        lines.append(f"| {mine['server']} / {other['server']} | | {ratios} |")
     return "\n".join(lines)
 
 
@@ -577,7 +591,8 @@ def main() -> None:
     parser.add_argument("--result-json", default=None, help="also write the summary here")
     group = parser.add_argument_group("--servers: start and measure each server (`vllm bench serve` or our client)")
     group.add_argument("--servers", default=None,
-                       help=f"comma-separated, run in this order: {', '.join(JAXSERVE_SERVERS)}, vllm")
+                       help=f"comma-separated, run in this order: {', '.join(JAXSERVE_SERVERS)}, vllm; a jaxserve "
+                       "server with more flags is written NAME[FLAGS], e.g. 'jaxserve[--max-itl-ms 400]'")
     group.add_argument("--itl-plot", default=None, help="SVG of ITL over time (default: in --result-dir)")
     group.add_argument("--request-rates", default=None,
                        help="a load sweep: comma-separated requests/s (inf: all at once), each server started once "

@@ -134,3 +134,17 @@ def test_a_load_sweep_reports_a_table_per_rate_and_plots_both_metrics(tmp_path, 
     svg = (tmp_path / "load_sweep.svg").read_text()
     assert "mean TTFT (ms)" in svg and "P99 ITL (ms)" in svg and svg.count("<polyline") == 4
     assert '>inf</text>' in svg and '>0.5</text>' in svg
+
+
+def test_a_jaxserve_variant_runs_with_its_flags_and_is_compared_with_vllm():
+    args = argparse.Namespace(max_model_len=2048, dtype="auto", jaxserve_args="")
+    server, _ = bench_serving.server_command(args, "jaxserve[--max-itl-ms 400]", 1)
+    assert server[-2:] == ["--max-itl-ms", "400"] and server[:3] == [bench_serving.sys.executable, "-m",
+                                                                        "jaxserve.entrypoints.cli"]
+    with pytest.raises(ValueError, match="a server variant is a jaxserve server with flags in brackets"):
+        bench_serving.server_command(args, "vllm[--seed 1]", 1)
+    rows = [bench_serving.summarize_client_result(name, client_result([16], tput, 100.0), 16)
+            for name, tput in (("jaxserve", 100.0), ("jaxserve[--max-itl-ms 400]", 150.0), ("vllm", 50.0))]
+    lines = bench_serving.comparison_table(rows).splitlines()
+    assert lines[-2].startswith("| jaxserve / vllm | | 2.00x") and lines[-1].startswith(
+        "| jaxserve[--max-itl-ms 400] / vllm | | 3.00x")
