@@ -53,7 +53,7 @@ from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid, DecodeBucket, MixedBucket
 from jaxserve.core.schedule import PrefillChunk, Schedule
 from jaxserve.core.sequence import Sequence, SequenceStatus
-from jaxserve.core.step_budget import StepBudget
+from jaxserve.core.step_budget import QUEUE_STEPS, StepBudget
 
 # Prefill-vs-decode knob (TGI's waiting_served_ratio; TGI ships 1.2 with max_waiting_tokens=20).
 # Default 0.0 = admit whenever a request waits and fits (vLLM's prefill-first). In a step-cost
@@ -216,7 +216,8 @@ class Scheduler:
 
     def _schedule_mixed_prefill(self, sched: Schedule, partial: list[Sequence]) -> None:
         """Prefill chunks after this step's decode rows, within the mixed step's token budget and rows."""
-        budget = self.step_budget.mixed_tokens(len(sched.decode_seqs)) - len(sched.decode_seqs)
+        pending = self._pending_prefill_tokens(partial) if self.step_budget.follows_target else None
+        budget = self.step_budget.mixed_tokens(len(sched.decode_seqs), pending) - len(sched.decode_seqs)
         for seq in partial:
             if budget < 1 or not self._mixed_row_free(sched):
                 return
@@ -231,6 +232,16 @@ class Scheduler:
             budget -= n
         if self._admission_open(len(sched.decode_seqs)):
             self._admit(sched, budget, sched.decode_seqs, mixed=True)
+
+    def _pending_prefill_tokens(self, partial: list[Sequence]) -> int:
+        """Prompt tokens waiting to be prefilled: the rest of the mid-prefill sequences' and the waiting ones' (whole,
+        before any cached prefix), counted only as far as the largest step could take."""
+        pending = sum(seq.num_uncomputed_tokens for seq in partial)
+        for seq in self.waiting:
+            if pending > self.step_budget.max_tokens * QUEUE_STEPS:
+                break
+            pending += seq.num_tokens
+        return pending
 
     def _mixed_row_free(self, sched: Schedule) -> bool:
         return sched.num_rows < self.bucket_grid.max_mixed_batch_size

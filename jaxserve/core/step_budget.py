@@ -3,11 +3,13 @@
 While sequences decode, every step holds their rows, so a step's duration is their inter-token latency. The
 scheduler (`scheduler.py`) asks ``StepBudget.mixed_tokens(num_decode_rows)`` before it adds prefill chunks
 to a step with decode rows. With a target (``max_itl_ms``, `jaxserve serve --max-itl-ms`) and costs measured
-on the bucket executables at warm-up (`StepCosts`, `runner/step_costs.py`), the answer is the largest mixed
-bucket whose step stays within the target; the chunks then fill as much of it as the queue needs. So a light
-queue runs small steps and a growing one larger steps, up to the target and never past it while decode rows
-wait (Sarathi-Serve's stall-free batching sets one such budget from its latency target; here it also follows
-the queue step by step). Without a target, or without costs, the budget is the bucket file's ``[mixed]
+on the bucket executables at warm-up (`StepCosts`, `runner/step_costs.py`), the ceiling is the largest mixed
+bucket whose step stays within the target, and under it the step follows the queue: the smallest bucket that
+lets the prompts waiting to be prefilled through in two steps (at least the untargeted budget). So a light
+queue runs small steps (a lone prompt costs its decoders two moderate stalls, not one long one) and a growing
+queue larger steps, which read the weights once for more tokens, up to the target and never past it while
+decode rows wait. Sarathi-Serve's stall-free batching sets one fixed budget from its latency target; this one
+is chosen again every step. Without a target, or without costs, the budget is the bucket file's ``[mixed]
 token_budget`` (the best offline throughput on that platform; else the largest mixed bucket), within
 ``max_num_batched_tokens``. A step without decode rows is a prefill step and is not bounded by the target.
 """
@@ -17,6 +19,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.core.buckets import BucketGrid
+from jaxserve.math_utils import cdiv
+
+QUEUE_STEPS = 2  # a step with a latency target takes what lets the waiting prompts through in this many steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +58,15 @@ class StepBudget:
     def follows_target(self) -> bool:
         return self.max_itl_ms is not None and self.costs is not None
 
-    def mixed_tokens(self, num_decode_rows: int) -> int:
-        """Query tokens of a mixed step with ``num_decode_rows`` decode rows: the largest mixed bucket within the
-        target that leaves room for a chunk; the smallest such bucket when none is within it (prefill never
-        stops). Without a target: the bucket file's ``[mixed] token_budget`` (else ``max_tokens``)."""
+    def mixed_tokens(self, num_decode_rows: int, pending_tokens: int | None = None) -> int:
+        """Query tokens of a mixed step with ``num_decode_rows`` decode rows while ``pending_tokens`` prompt tokens
+        wait to be prefilled (None: as many as it takes to fill the step).
+
+        The ceiling is the largest mixed bucket within the target that leaves room for a chunk (the smallest such
+        bucket when none is within it: prefill never stops). Under it the step follows the queue: the smallest
+        bucket that lets the pending prompts through in ``QUEUE_STEPS`` steps, and at least the untargeted
+        budget (a short prompt goes through in one step). Without a target: the bucket file's ``[mixed]
+        token_budget`` (else ``max_tokens``)."""
         if not self.follows_target:
             return self.untargeted_tokens
         rows = self._batch_size(num_decode_rows + 1)
@@ -64,7 +74,11 @@ class StepBudget:
         if rows is None or not sizes:
             return self.max_tokens
         within = [t for t in sizes if (t, rows) in self.costs.seconds and self._ms(t, rows) <= self.max_itl_ms]
-        return max(within) if within else min(sizes)
+        ceiling = max(within) if within else min(sizes)
+        if pending_tokens is None:
+            return ceiling
+        wanted = max(num_decode_rows + cdiv(pending_tokens, QUEUE_STEPS), self.untargeted_tokens)
+        return min(ceiling, min((t for t in sizes if t >= wanted), default=ceiling))
 
     def _ms(self, num_tokens: int, batch_size: int) -> float:
         return 1e3 * self.costs.of(num_tokens, batch_size)

@@ -41,10 +41,25 @@ def test_a_target_must_be_positive(bad):
         StepBudget(grid(), 64, bad, COSTS)
 
 
-def budget_scheduler(target_ms: float, **kwargs):
-    sched = make_scheduler(spec=BUDGET_SPEC, budget=64, num_blocks=256, **kwargs)
+def budget_scheduler(target_ms: float, spec=BUDGET_SPEC, **kwargs):
+    sched = make_scheduler(spec=spec, budget=64, num_blocks=256, **kwargs)
     sched.step_budget = StepBudget(sched.bucket_grid, 64, target_ms, COSTS)
     return sched
+
+
+QUEUE_SPEC = BUDGET_SPEC.replace(mixed_token_budget=8)  # untargeted steps of 8 tokens
+
+
+@pytest.mark.parametrize(("decode_rows", "pending", "tokens"), [
+    (2, 5, 8),  # at least the untargeted budget
+    (2, 14, 16), (2, 28, 16), (2, 29, 32),  # the pending prompts through in two steps: 2 + 14 <= 16 < 2 + 15
+    (2, 300, 32),  # a long queue: the target's ceiling (64 would take 74 ms)
+    (2, None, 32),  # unknown queue: the ceiling
+])
+def test_under_the_ceiling_the_budget_lets_the_queue_through_in_two_steps(decode_rows, pending, tokens):
+    grid = BucketGrid(QUEUE_SPEC, block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
+                      num_blocks=256)
+    assert StepBudget(grid, 64, 50.0, COSTS).mixed_tokens(decode_rows, pending) == tokens
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -83,14 +98,15 @@ def chunk_tokens(sched, queue_lengths: list[int]) -> int:
 
 
 def test_a_queue_that_grows_gets_larger_chunks_up_to_the_target():
-    # target 50 ms: 32-token steps (42 ms), not 64 (74 ms); a short queue takes just what it needs
-    assert chunk_tokens(budget_scheduler(50.0), [5]) == 5
-    assert chunk_tokens(budget_scheduler(50.0), [5, 9]) == 14
-    assert chunk_tokens(budget_scheduler(50.0), [5, 9, 9, 9]) == 30  # 32-token step: 2 decode rows, 30 prompt
-    assert chunk_tokens(budget_scheduler(50.0), [40, 40, 40]) == 30
-    # a looser target lets the same long queue through in larger steps
-    assert chunk_tokens(budget_scheduler(80.0), [40, 40, 40]) == 62
-    assert chunk_tokens(budget_scheduler(20.0), [40, 40, 40]) == 6  # 8-token steps (18 ms)
+    # target 50 ms: steps of at most 32 tokens (42 ms), not 64 (74 ms); untargeted steps of 8 tokens
+    assert chunk_tokens(budget_scheduler(50.0, QUEUE_SPEC), [5]) == 5  # 8-token step
+    assert chunk_tokens(budget_scheduler(50.0, QUEUE_SPEC), [5, 9]) == 14  # through in one 16-token step
+    assert chunk_tokens(budget_scheduler(50.0, QUEUE_SPEC), [9, 9, 9]) == 14  # 27 tokens: two 16-token steps
+    assert chunk_tokens(budget_scheduler(50.0, QUEUE_SPEC), [9, 9, 9, 9]) == 30  # 36 tokens: 32-token steps
+    assert chunk_tokens(budget_scheduler(50.0, QUEUE_SPEC), [40, 40, 40]) == 30  # the target's ceiling
+    # a looser target lets the same long queue through in larger steps, a tighter one in smaller
+    assert chunk_tokens(budget_scheduler(80.0, QUEUE_SPEC), [40, 40, 40]) == 62
+    assert chunk_tokens(budget_scheduler(20.0, QUEUE_SPEC), [40, 40, 40]) == 6  # 8-token steps (18 ms)
 
 
 def test_the_engine_summary_names_the_budget():
