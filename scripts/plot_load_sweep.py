@@ -14,7 +14,7 @@ import math
 from html import escape
 from pathlib import Path
 
-PANEL_WIDTH, HEIGHT, LEFT, TOP, BOTTOM, GAP, LEGEND = 380, 360, 60, 50, 50, 50, 150
+PANEL_WIDTH, HEIGHT, LEFT, TOP, BOTTOM, GAP, LEGEND = 380, 360, 60, 50, 50, 50, 240
 COLORS = ("#3b6fb6", "#d9822b", "#7a9c3c", "#9b59b6", "#888888")
 PANELS = (("mean_ttft_ms", "mean TTFT (ms)"), ("p99_itl_ms", "P99 ITL (ms)"))
 

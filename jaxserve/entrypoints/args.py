@@ -10,6 +10,10 @@ import dataclasses
 
 from jaxserve.config import DTYPE_CHOICES, EngineConfig
 
+# The server's latency target (ms; `LLM` has none): the load sweep of docs/benchmarks/serving-load.md measured
+# 400 ms ahead of vLLM's P99 ITL at every rate and of its TTFT and throughput from light load to saturation.
+SERVER_MAX_ITL_MS = 400.0
+
 # EngineConfig field -> (type, help); `model` is the positional MODEL of `serve` and `--model` elsewhere.
 ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "dtype": (str, "weights and KV cache dtype; auto: bfloat16 (f32 accumulation) where the device has a bf16 "
@@ -20,9 +24,10 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
         int, "most tokens per step (default: the largest prefill bucket; mixed steps also stay within the largest "
         "mixed bucket)",
     ),
-    "max_itl_ms": (float, "inter-token latency target: a step with decode rows takes the largest prefill chunk "
-                   "whose measured step cost stays within it (costs timed at warm-up); default: no target, "
-                   "mixed steps up to the largest mixed bucket within max_num_batched_tokens"),
+    "max_itl_ms": (float, "inter-token latency target in ms ('none': no target): a step with decode rows takes "
+                   "the prefill chunk that lets the waiting prompts through in two steps, within the largest "
+                   "mixed bucket whose cost (timed at warm-up) stays under the target. Default: "
+                   f"{SERVER_MAX_ITL_MS:g} for the server, none offline (the bucket file's [mixed] token_budget)"),
     "block_size": (int, "tokens per KV cache block (default: the bucket file's)"),
     "num_kv_blocks": (int, "KV cache blocks (default: from the memory budget; 1024 on CPU)"),
     "gpu_memory_utilization": (float, "fraction of accelerator memory for weights and KV cache"),
@@ -61,6 +66,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         kwargs: dict = {"default": defaults[name], "help": help_text}
         if kind is bool:  # --flag / --no-flag
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif name == "max_itl_ms":
+            kwargs["type"] = _milliseconds_or_none
         else:
             kwargs["type"] = kind
         if name == "dtype":
@@ -70,7 +77,17 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         parser.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, []), **kwargs)
 
 
+def _milliseconds_or_none(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or 'none', got {text!r}") from None
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(max_itl_ms=SERVER_MAX_ITL_MS)  # a server has a latency target; offline runs do not
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default, as vLLM: every interface)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None,
@@ -92,4 +109,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed flags; a flag whose parsed value is None (a command's "decide later"
     default, e.g. precompile's tensor parallel size) takes EngineConfig's default."""
     values = {name: getattr(args, name) for name in ENGINE_FLAGS}
-    return EngineConfig(model=model_from_args(args), **{k: v for k, v in values.items() if v is not None})
+    kept = {k: v for k, v in values.items() if v is not None or k == "max_itl_ms"}  # max_itl_ms None: no target
+    return EngineConfig(model=model_from_args(args), **kept)

@@ -16,7 +16,7 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.entrypoints import api_server, cli
-from jaxserve.entrypoints.args import ENGINE_FLAGS, engine_config_from_args
+from jaxserve.entrypoints.args import ENGINE_FLAGS, SERVER_MAX_ITL_MS, engine_config_from_args
 from tests.hf_tiny import make_tiny_model
 from tests.paths import REPO_ROOT
 from tests.server import SERVER_BUCKETS
@@ -39,8 +39,8 @@ def test_serve_flags_become_the_engine_config(monkeypatch):
             "--gpu-memory-utilization", "0.5", "--buckets", "gpu", "--seed", "3", "--attention-backend", "pallas",
             "--waiting-served-ratio", "1.5", "--max-logprobs", "5", "--compile-cache-dir", "/tmp/cc",
             "--no-async-scheduling", "-tp", "2", "--distributed-init", "--coordinator-address", "h:1",
-            "--num-processes", "2", "--process-id", "1", "--strict-no-compile", "--host", "127.0.0.1",
-            "--port", "9000", "--api-key", "k"]
+            "--num-processes", "2", "--process-id", "1", "--strict-no-compile", "--max-itl-ms", "250",
+            "--host", "127.0.0.1", "--port", "9000", "--api-key", "k"]
     assert cli.main(argv) == 0
     args = seen["args"]
     assert engine_config_from_args(args) == EngineConfig(
@@ -48,12 +48,23 @@ def test_serve_flags_become_the_engine_config(monkeypatch):
         block_size=32, num_kv_blocks=64, gpu_memory_utilization=0.5, buckets="gpu", seed=3,
         attention_backend="pallas", waiting_served_ratio=1.5, max_logprobs=5, compile_cache_dir="/tmp/cc",
         async_scheduling=False, tensor_parallel_size=2, distributed_init=True, coordinator_address="h:1",
-        num_processes=2, process_id=1, strict_no_compile=True,
+        num_processes=2, process_id=1, strict_no_compile=True, max_itl_ms=250.0,
     )
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 9000, "k")
     defaults = cli.build_parser().parse_args(["serve"])
-    assert engine_config_from_args(defaults) == EngineConfig()  # no MODEL: the embedded SmolLM2
+    # no MODEL: the embedded SmolLM2; a server has a latency target
+    assert engine_config_from_args(defaults) == EngineConfig(max_itl_ms=SERVER_MAX_ITL_MS)
     assert (defaults.host, defaults.port) == ("0.0.0.0", 8000)  # vLLM's defaults
+
+
+def test_max_itl_ms_none_serves_without_a_target_and_offline_commands_have_none(capsys):
+    parse = cli.build_parser().parse_args
+    assert engine_config_from_args(parse(["serve", "--max-itl-ms", "none"])).max_itl_ms is None
+    assert engine_config_from_args(parse(["generate", "hi"])).max_itl_ms is None
+    assert engine_config_from_args(parse(["precompile"])).max_itl_ms is None
+    with pytest.raises(SystemExit):
+        parse(["serve", "--max-itl-ms", "fast"])
+    assert "expected milliseconds or 'none', got 'fast'" in capsys.readouterr().err
 
 
 def test_chat_template_flag_reads_a_file_or_takes_the_template_itself(tmp_path):
