@@ -38,7 +38,6 @@ from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
 from jaxserve.config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
-from jaxserve.core.buckets import MixedBucket
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Sequence
@@ -171,8 +170,7 @@ class LLMEngine:
         """With a latency target, times the mixed buckets and gives the scheduler the budget they allow."""
         if self.config.max_itl_ms is None or not self.grid.has_mixed:
             return
-        mixed = [b for b in self.grid.buckets if isinstance(b, MixedBucket)]
-        costs = measure_mixed_costs(self.runner, mixed)
+        costs = measure_mixed_costs(self.runner, self.grid.mixed_buckets)
         logger.info("%s", costs.format_table())
         budget = StepBudget(self.grid, self.scheduler.max_num_batched_tokens, self.config.max_itl_ms, costs)
         self.scheduler.step_budget = budget
