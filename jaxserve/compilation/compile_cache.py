@@ -267,6 +267,7 @@ class CacheManifest:
             "max_model_len": grid.max_model_len,
             "max_num_seqs": grid.max_num_seqs,
             "max_num_batched_tokens": grid.max_num_batched_tokens,
+            "mixed_token_limit": grid.mixed_token_limit,  # the largest mixed steps: a latency target's or not
             "attention_backend": attention_backend,
             "tensor_parallel_size": tensor_parallel_size,
             "max_logprobs": max_logprobs,  # the steps' top-K logprobs shape

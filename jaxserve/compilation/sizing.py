@@ -84,6 +84,8 @@ def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_b
         max_num_batched_tokens=config.max_num_batched_tokens
         or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths),
         num_blocks=num_blocks,
+        # without a latency target no mixed step holds more than the spec's token_budget (core/step_budget.py)
+        mixed_token_limit=spec.mixed_token_budget if config.max_itl_ms is None else None,
     )
 
 

@@ -290,7 +290,9 @@ class BucketGrid:
       M1. ``R⁻ < max_num_seqs`` (rows are running sequences) and ``R >= 2``: a mixed step has at least
           one decode row and one chunk, so a spec batch size of 1 is never kept.
       M2. ``T⁻ < max_num_batched_tokens`` (the step's real tokens are within the token budget; the
-          padding may go beyond it) and ``R⁻ + 1 <= T`` (every row has at least one token).
+          padding may go beyond it) and ``R⁻ + 1 <= T`` (every row has at least one token); with a
+          ``mixed_token_limit`` (an engine without a latency target: the spec's ``[mixed] token_budget``,
+          `core/step_budget.py`) also ``T⁻ < mixed_token_limit``.
       M3. ``C⁻ < max_model_len``.
       M4. ``R⁻ + ceil((C⁻ + 1) / block_size) <= num_blocks``.
       M5. ``T⁻ < R * C``: a row's query tokens fit its context, so ``R`` rows at context ``C`` hold
@@ -310,6 +312,7 @@ class BucketGrid:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         num_blocks: int,
+        mixed_token_limit: int | None = None,
     ) -> None:
         for name, value in [
             ("block_size", block_size),
@@ -326,6 +329,7 @@ class BucketGrid:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_blocks = num_blocks
+        self.mixed_token_limit = min(max_num_batched_tokens, mixed_token_limit or max_num_batched_tokens)
         _check_context_multiple(spec.source, spec.context_lengths, block_size)
         self.check_max_model_len(max_model_len)
         if max_num_seqs > spec.decode_batch_sizes[-1]:
@@ -384,7 +388,7 @@ class BucketGrid:
         c0 = _prev(self.spec.context_lengths, c)
         return (
             r0 < self.max_num_seqs and r >= 2  # M1
-            and t0 < self.max_num_batched_tokens and r0 + 1 <= t  # M2
+            and t0 < self.mixed_token_limit and r0 + 1 <= t  # M2
             and c0 < self.max_model_len  # M3
             and r0 + cdiv(c0 + 1, self.block_size) <= self.num_blocks  # M4
             and t0 < r * c  # M5

@@ -18,6 +18,7 @@ import sys
 
 from jaxserve.entrypoints.args import (
     ENGINE_FLAGS,
+    SERVER_MAX_ITL_MS,
     add_engine_args,
     add_server_args,
     engine_config_from_args,
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pre.add_argument("--lower-only", action="store_true", help="with --target cuda: lower every program, no compile")
     pre.set_defaults(tensor_parallel_size=None)  # with --target: None picks it from the topology
+    # caches are precompiled for servers: with the server's latency target the grid holds its larger mixed steps
+    pre.set_defaults(max_itl_ms=SERVER_MAX_ITL_MS)
     return parser
 
 

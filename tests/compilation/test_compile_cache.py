@@ -181,7 +181,7 @@ def test_precompile_compiles_every_bucket_fresh_and_records_the_manifest(precomp
     assert manifest.jax_version == jax.__version__
     assert manifest.engine_limits == {
         "block_size": 16, "num_kv_blocks": DEFAULT_CPU_KV_BLOCKS, "max_model_len": 64, "max_num_seqs": 2,
-        "max_num_batched_tokens": 16, "attention_backend": "cpu", "tensor_parallel_size": 1,
+        "max_num_batched_tokens": 16, "mixed_token_limit": 16, "attention_backend": "cpu", "tensor_parallel_size": 1,
         "max_logprobs": 20,
     }
     assert manifest.info["num_executables"] == 4 and manifest.info["written_by"] == "precompile"
@@ -209,9 +209,10 @@ def test_changed_bucket_file_is_reported_and_only_new_buckets_compile(precompile
     changed.write_text(SMALL_SPEC.replace("lengths = [16]", "lengths = [16, 32]"))
     probe = _probe_engine(model_dir, changed, cache, "lenient")
     assert probe["state"] == "stale"
-    assert len(probe["differences"]) == 2
+    assert len(probe["differences"]) == 3
     assert probe["differences"][0].startswith("bucket_file_hash: cache has '")
-    assert probe["differences"][1] == "max_num_batched_tokens: cache has 16, now 32"
+    assert probe["differences"][1:] == ["max_num_batched_tokens: cache has 16, now 32",
+                                        "mixed_token_limit: cache has 16, now 32"]  # follows the token budget
     assert probe["sources"] == ["cache hit", "fresh", "cache hit", "cache hit", "cache hit"]  # the new 1x32 prefill
     assert (probe["hits"], probe["fresh"]) == (4, 1)
     # Another configuration, another store key: only the fresh compile is stored; what JAX loaded from its

@@ -157,9 +157,13 @@ def test_cpu_spec_stays_small():
     assert short.num_executables == 23
     assert short.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (32, 64, 128, 256, 512)]
     assert spec.mixed_token_budget == 128
-    assert "# 23 executables (7 decode + 6 prefill + 10 mixed) at max_model_len 2048, 46 at 8192" in Path(
-        spec.source
-    ).read_text()
+    offline = BucketGrid(spec, block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512,
+                         num_blocks=2048, mixed_token_limit=spec.mixed_token_budget)
+    assert offline.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (32, 64, 128)]
+    assert offline.num_executables == 19
+    text = Path(spec.source).read_text()
+    assert "# 23 executables (7 decode + 6 prefill + 10 mixed) at max_model_len 2048, 46 at 8192" in text
+    assert "19 and\n# 38 without one (offline)" in text
 
 
 def test_mixed_token_budget_is_optional_and_checked():
@@ -545,6 +549,13 @@ def test_mixed_pruning_m2_tokens():
         MixedBucket(64, 16, 1024), MixedBucket(256, 16, 1024),
     ]  # fmt: skip
     assert grid.max_mixed_tokens == 256
+    # an engine without a latency target: mixed steps stop at the spec's token_budget (here 64)
+    limited = make_grid(spec, max_num_seqs=16, max_num_batched_tokens=512, mixed_token_limit=64)
+    assert limited.mixed_buckets == [
+        MixedBucket(2, 2, 1024), MixedBucket(4, 2, 1024), MixedBucket(64, 2, 1024),
+        MixedBucket(4, 8, 1024), MixedBucket(64, 8, 1024), MixedBucket(64, 16, 1024),
+    ]  # fmt: skip
+    assert limited.mixed_token_limit == 64 and make_grid(spec, max_num_batched_tokens=128).mixed_token_limit == 128
 
 
 def test_mixed_pruning_m3_context():
