@@ -564,9 +564,15 @@ def workload_description(args) -> str:
         prompt = sum(r.get("prompt_len", 0) + r.get("prefix_len", 0) + r.get("suffix_len", 0) for r in workload)
         output = sum(r["output_len"] for r in workload)
         return (f"{len(workload)} requests of {args.workload} ({prompt} prompt tokens, {output} out, ignore_eos, "
-                f"greedy), this script's client")
+                f"{sampling_description(args)}), this script's client")
     return (f"{args.num_prompts} prompts of {args.random_input_len} tokens, {args.random_output_len} out "
-            f"(ignore_eos, greedy), `vllm bench serve`")
+            f"(ignore_eos, {sampling_description(args)}), `vllm bench serve`")
+
+
+def sampling_description(args) -> str:
+    if not args.temperature:
+        return "greedy"
+    return f"temperature {args.temperature:g}" + (f", top_p {args.top_p:g}" if args.top_p is not None else "")
 
 
 def main() -> None:

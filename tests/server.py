@@ -10,6 +10,7 @@ import uvicorn
 
 from jaxserve import AsyncLLMEngine
 from jaxserve.config import EngineConfig
+from jaxserve.engine.core_client import AsyncMPEngine, ServerEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.api_server import build_app
 
@@ -28,11 +29,22 @@ lengths = [512]
 """
 
 
-def tiny_async_engine(model_dir, **config) -> AsyncLLMEngine:
+def tiny_engine_config(model_dir, **config) -> EngineConfig:
     buckets = Path(model_dir).parent / "server_buckets.toml"
     buckets.write_text(SERVER_BUCKETS)
     config = {"dtype": "float32", "max_model_len": 512, "buckets": str(buckets), **config}
-    return AsyncLLMEngine(LLMEngine(EngineConfig(model=str(model_dir), **config)))
+    return EngineConfig(model=str(model_dir), **config)
+
+
+def tiny_async_engine(model_dir, **config) -> AsyncLLMEngine:
+    return AsyncLLMEngine(LLMEngine(tiny_engine_config(model_dir, **config)))
+
+
+def tiny_server_engine(model_dir, core_process: bool, **config) -> ServerEngine:
+    """The server's engine in this process, or in an engine core process of its own."""
+    if core_process:
+        return AsyncMPEngine.launch(tiny_engine_config(model_dir, **config))
+    return tiny_async_engine(model_dir, **config)
 
 
 class ServerThread:
@@ -59,7 +71,8 @@ class ServerThread:
         self.thread.join(timeout=30)
 
 
-def serve(model_dir, api_key: str | None = None, **config) -> tuple[ServerThread, AsyncLLMEngine]:
-    engine = tiny_async_engine(model_dir, **config)
+def serve(model_dir, api_key: str | None = None, core_process: bool = False, **config) -> tuple[ServerThread,
+                                                                                              ServerEngine]:
+    engine = tiny_server_engine(model_dir, core_process, **config)
     app = build_app(engine, served_model_name=MODEL_NAME, api_key=api_key, model_path=str(model_dir))
     return ServerThread(app), engine

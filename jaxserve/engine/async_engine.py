@@ -15,9 +15,12 @@ import concurrent.futures
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.config import EngineConfig
+from jaxserve.engine.engine_info import EngineInfo
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.logger import init_logger
+from jaxserve.metrics.stats import StatsSnapshot
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -33,6 +36,7 @@ class OutputObserver(Protocol):
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None):
         self.engine = engine
+        self.info = EngineInfo.of(engine)
         self.observer = observer
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: collections.deque = collections.deque()
@@ -48,6 +52,18 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the step loop ended by itself (it only ends on a bug outside a step)."""
+        return self._loop_task is None or not self._loop_task.done() or self._loop_task.cancelled()
+
+    def make_stats(self) -> StatsSnapshot:
+        return self.engine.make_stats()
+
+    @staticmethod
+    def backend_compiles() -> int:
+        return num_backend_compiles()
 
     def _ensure_loop(self) -> None:
         if not self.is_running:

@@ -29,9 +29,9 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
-from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.engine.chat_template import load_chat_template
+from jaxserve.engine.core_client import AsyncMPEngine, EngineDeadError, ServerEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.args import add_engine_args, add_server_args, engine_config_from_args, model_from_args
 from jaxserve.entrypoints.openai_protocol import (
@@ -63,8 +63,9 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health() -> Response:
-    return Response(status_code=200)
+async def health(raw_request: Request) -> Response:
+    """200 while the engine can serve; 503 once it cannot (its core process died), as vLLM answers."""
+    return Response(status_code=200 if raw_request.app.state.engine.is_healthy else 503)
 
 
 @router.get("/version")
@@ -188,6 +189,10 @@ async def _value_error(_: Request, err: ValueError) -> JSONResponse:
     return _error_response(str(err), HTTPStatus.BAD_REQUEST)
 
 
+async def _engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:
+    return _error_response(str(err), err.status)
+
+
 async def _internal_error(raw_request: Request, err: Exception) -> JSONResponse:
     logger.exception("internal error answering %s", raw_request.url.path, exc_info=err)
     return _error_response(f"Internal server error: {type(err).__name__}", HTTPStatus.INTERNAL_SERVER_ERROR)
@@ -215,12 +220,12 @@ class APIKeyMiddleware:
 
 
 def build_app(
-    engine: AsyncLLMEngine, *, served_model_name: str, api_key: str | None = None, model_path: str | None = None,
+    engine: ServerEngine, *, served_model_name: str, api_key: str | None = None, model_path: str | None = None,
     chat_template: str | None = None,
 ) -> FastAPI:
     """The app over a warm engine; its metrics registry is its own. `chat_template`: the template text for chats
     whose request names none (default: the tokenizer's)."""
-    metrics = ServingMetrics(engine.engine.make_stats, num_backend_compiles)
+    metrics = ServingMetrics(engine.make_stats, engine.backend_compiles)
     engine.observer = metrics
 
     @contextlib.asynccontextmanager
@@ -232,7 +237,7 @@ def build_app(
     app.include_router(router)
     state = app.state
     state.engine, state.metrics, state.served_model_name = engine, metrics, served_model_name
-    state.model_path, state.max_model_len = model_path, engine.engine.max_model_len
+    state.model_path, state.max_model_len = model_path, engine.info.max_model_len
     state.completions = OpenAIServingCompletion(engine, served_model_name)
     state.chat = OpenAIServingChat(engine, served_model_name, chat_template)
     state.generate = GenerateServing(engine, served_model_name)
@@ -241,6 +246,7 @@ def build_app(
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(ValueError, _value_error)
+    app.add_exception_handler(EngineDeadError, _engine_dead)
     app.add_exception_handler(Exception, _internal_error)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -281,15 +287,26 @@ def build_parser() -> argparse.ArgumentParser:
 def run_server(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
-    engine = AsyncLLMEngine(LLMEngine(config))  # loads the model and warms up every bucket
+    engine = start_engine(config, args.engine_core_process)
     model = model_from_args(args)
     served_model_name = args.served_model_name or model or EMBEDDED_MODEL_NAME
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key, model_path=model,
                     chat_template=chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-    AnnouncingServer(config, served_model_name).run()
+    try:
+        AnnouncingServer(config, served_model_name).run()
+    finally:
+        if isinstance(engine, AsyncMPEngine):
+            engine.close()
     return 0
+
+
+def start_engine(config, core_process: bool) -> ServerEngine:
+    """Loads the model and warms up every bucket, in a core process of its own or in this one."""
+    if core_process:
+        return AsyncMPEngine.launch(config)
+    return AsyncLLMEngine(LLMEngine(config))
 
 
 def main(argv: list[str] | None = None) -> int:

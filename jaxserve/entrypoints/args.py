@@ -27,7 +27,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "max_itl_ms": (float, "inter-token latency target in ms ('none': no target): a step with decode rows takes "
                    "the prefill chunk that lets the waiting prompts through in two steps, within the largest "
                    "mixed bucket whose cost (timed at warm-up) stays under the target. Default: "
-                   f"{SERVER_MAX_ITL_MS:g} for the server, none offline (the bucket file's [mixed] token_budget)"),
+                   f"{SERVER_MAX_ITL_MS:g} for the server and precompile, none offline (mixed steps up to the bucket "
+                   "file's [mixed] token_budget, and no larger mixed buckets compiled)"),
     "block_size": (int, "tokens per KV cache block (default: the bucket file's)"),
     "num_kv_blocks": (int, "KV cache blocks (default: from the memory budget; 1024 on CPU)"),
     "gpu_memory_utilization": (float, "fraction of accelerator memory for weights and KV cache"),
@@ -86,6 +87,9 @@ def _milliseconds_or_none(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected milliseconds or 'none', got {text!r}") from None
 
 
+ENGINE_CORE_PROCESS = False  # the server's default; see docs/benchmarks/serving-load.md
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(max_itl_ms=SERVER_MAX_ITL_MS)  # a server has a latency target; offline runs do not
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default, as vLLM: every interface)")
@@ -97,6 +101,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="the chat template for chat requests that name none: a Jinja file, or the template "
                         "itself (default: the tokenizer's; needed for models without one, e.g. many GGUF files)")
+    parser.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=ENGINE_CORE_PROCESS,
+                        help="run the scheduler and the device steps in a process of their own, the HTTP server, "
+                        "tokenization and streaming in this one (vLLM V1's split)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from jaxserve.engine.core_client import EngineDeadError
 from jaxserve.entrypoints.openai_protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -100,7 +101,7 @@ class OpenAIServingChat(OpenAIServing):
                         yield event([choice], usage)
             if options and options.include_usage:
                 yield event([], UsageInfo.of(num_prompt, sum(sent_tokens.values())))
-        except (ValueError, ServingError) as err:
+        except (ValueError, ServingError, EngineDeadError) as err:
             yield stream_error(err)
         yield "data: [DONE]\n\n"
 

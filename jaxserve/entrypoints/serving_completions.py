@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from jaxserve.engine.core_client import EngineDeadError
 from jaxserve.entrypoints.openai_protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -96,7 +97,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 final = CompletionStreamResponse(
                     id=request_id, created=created, model=self.served_model_name, choices=[], usage=usage)
                 yield f"data: {final.model_dump_json()}\n\n"
-        except (ValueError, ServingError) as err:
+        except (ValueError, ServingError, EngineDeadError) as err:
             yield stream_error(err)
         yield "data: [DONE]\n\n"
 

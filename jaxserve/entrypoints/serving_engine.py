@@ -16,8 +16,7 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
-from jaxserve.engine.async_engine import AsyncLLMEngine
-from jaxserve.engine.request_checks import check_beam_search_request, check_sampling_request
+from jaxserve.engine.core_client import ServerEngine
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -66,16 +65,16 @@ class EnginePrompt:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, chat_template: str | None = None):
+    def __init__(self, engine: ServerEngine, served_model_name: str, chat_template: str | None = None):
         """`chat_template`: the server's (`--chat-template`), used where a request names none; None: the
         tokenizer's own."""
         self.engine = engine
         self.chat_template = chat_template
-        self.llm_engine = engine.engine
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.info = engine.info
+        self.tokenizer = engine.info.tokenizer
+        self.max_model_len = engine.info.max_model_len
         self.served_model_name = served_model_name
-        self.vocab_size = engine.engine.model_config.vocab_size
+        self.vocab_size = engine.info.vocab_size
 
     # ----- checks -------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -105,13 +104,8 @@ class OpenAIServing:
 
     def check_params(self, params: RequestParams, prompt: EnginePrompt) -> None:
         """The engine's own request checks, with vLLM's context-length message."""
-        num_prompt_tokens = len(prompt.token_ids)
         try:
-            if isinstance(params, BeamSearchParams):
-                check_beam_search_request(params, num_prompt_tokens, self.llm_engine.limits)
-            else:
-                check_sampling_request(params, self.llm_engine.limits)
-            self.llm_engine.grid.check_request(num_prompt_tokens, params.max_tokens)
+            self.info.check_request(params, len(prompt.token_ids))
         except ValueError as err:
             raise ServingError(str(err)) from err
 

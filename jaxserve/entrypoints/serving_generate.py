@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from jaxserve.engine.core_client import EngineDeadError
 from jaxserve.entrypoints.openai_protocol import random_id
 from jaxserve.entrypoints.serving_engine import (
     EnginePrompt,
@@ -88,7 +89,7 @@ class GenerateServing(OpenAIServing):
         try:
             async for _, result in outputs:
                 yield (json.dumps({"text": _texts(result, params, num_returned)}) + "\n").encode()
-        except ValueError as err:
+        except (ValueError, EngineDeadError) as err:
             yield (json.dumps({"error": str(err)}) + "\n").encode()
 
 

@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.entrypoints import api_server, cli
-from jaxserve.entrypoints.args import ENGINE_FLAGS, SERVER_MAX_ITL_MS, engine_config_from_args
+from jaxserve.entrypoints.args import ENGINE_CORE_PROCESS, ENGINE_FLAGS, SERVER_MAX_ITL_MS, engine_config_from_args
 from tests.hf_tiny import make_tiny_model
 from tests.paths import REPO_ROOT
 from tests.server import SERVER_BUCKETS
@@ -57,14 +58,21 @@ def test_serve_flags_become_the_engine_config(monkeypatch):
     assert (defaults.host, defaults.port) == ("0.0.0.0", 8000)  # vLLM's defaults
 
 
-def test_max_itl_ms_none_serves_without_a_target_and_offline_commands_have_none(capsys):
+def test_max_itl_ms_none_serves_without_a_target_and_offline_runs_have_none(capsys):
     parse = cli.build_parser().parse_args
     assert engine_config_from_args(parse(["serve", "--max-itl-ms", "none"])).max_itl_ms is None
     assert engine_config_from_args(parse(["generate", "hi"])).max_itl_ms is None
-    assert engine_config_from_args(parse(["precompile"])).max_itl_ms is None
+    assert engine_config_from_args(parse(["precompile"])).max_itl_ms == SERVER_MAX_ITL_MS  # caches are for servers
     with pytest.raises(SystemExit):
         parse(["serve", "--max-itl-ms", "fast"])
     assert "expected milliseconds or 'none', got 'fast'" in capsys.readouterr().err
+
+
+def test_engine_core_process_flag():
+    parse = cli.build_parser().parse_args
+    assert parse(["serve"]).engine_core_process is ENGINE_CORE_PROCESS
+    assert parse(["serve", "--engine-core-process"]).engine_core_process is True
+    assert parse(["serve", "--no-engine-core-process"]).engine_core_process is False
 
 
 def test_chat_template_flag_reads_a_file_or_takes_the_template_itself(tmp_path):
@@ -97,8 +105,8 @@ def test_startup_message_has_the_address_and_a_curl_example():
     assert "curl http://localhost:8123/v1/chat/completions" in message and '"model": "m"' in message
 
 
-@pytest.fixture
-def server_process(tmp_path):
+@pytest.fixture(params=["in-process", "core-process"])
+def server_process(request, tmp_path):
     model_dir = make_tiny_model(tmp_path / "tiny", "llama", seed=5)
     cache_dir = tmp_path / "xla-cache"
     buckets = tmp_path / "buckets.toml"
@@ -106,7 +114,8 @@ def server_process(tmp_path):
     command = [sys.executable, "-m", "jaxserve.entrypoints.api_server", "--model", str(model_dir), "--dtype", "float32",
                "--host", "127.0.0.1", "--port", "0", "--max-model-len", "512", "--buckets", str(buckets),
                "--api-key", "secret", "--compile-cache-dir", str(cache_dir), "--served-model-name", "tiny",
-               "--uvicorn-log-level", "warning"]
+               "--uvicorn-log-level", "warning",
+               "--engine-core-process" if request.param == "core-process" else "--no-engine-core-process"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAXSERVE_LOGGING_LEVEL": "WARNING"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -143,3 +152,14 @@ def test_api_server_module_announces_then_serves(server_process):
     response = httpx.post(base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer secret"})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     assert any(cache_dir.iterdir())  # the buckets' executables went to the persistent cache
+    cores = _spawned_children(process.pid)
+    assert len(cores) == (1 if "--engine-core-process" in process.args else 0)
+    process.send_signal(signal.SIGINT)  # Ctrl-C stops the server and its engine core
+    assert process.wait(timeout=60) == -signal.SIGINT  # uvicorn re-raises the signal once it has shut down
+    assert not any(Path(f"/proc/{pid}").exists() for pid in cores)
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The processes `pid` started with multiprocessing's spawn (its resource tracker aside)."""
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]

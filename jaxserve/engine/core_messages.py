@@ -1,0 +1,70 @@
+"""The messages between the API process and the engine core process, as msgpack bytes.
+
+Place in the data flow: `core_client.py` (API process) sends requests and aborts, `core_process.py` (core
+process) sends each step's outputs back, both over ZeroMQ; this module turns them into bytes and back.
+Dataclasses travel as an extension type holding the class name and the field values, and only the classes
+registered here are rebuilt (nothing else can be named by a message); enums by name and value. Tuples become
+lists, numpy scalars Python numbers, and int dict keys stay ints (logprobs are keyed by token id).
+
+Inputs (client -> core): ["add", request_id, prompt, params], ["abort", [request_id, ...]], ["shutdown"].
+Outputs (core -> client): ["outputs", [[request_id, RequestOutput], ...], [[request_id, error type, message], ...],
+StatsSnapshot, backend compiles].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import msgpack
+import numpy as np
+
+from jaxserve.metrics.stats import EngineStats, SchedulerStats, StatsSnapshot
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+ADD, ABORT, SHUTDOWN, OUTPUTS = "add", "abort", "shutdown", "outputs"
+
+_DATACLASS, _ENUM = 1, 2
+_CLASSES = {cls.__name__: cls for cls in (
+    SamplingParams, BeamSearchParams, StructuredOutputsParams, RequestOutput, CompletionOutput, Logprob,
+    StatsSnapshot, SchedulerStats, EngineStats,
+)}
+_ENUMS = {cls.__name__: cls for cls in (RequestOutputKind,)}
+
+
+def encode(message) -> bytes:
+    return msgpack.packb(message, default=_pack_object, strict_types=True)  # IntEnums must reach _pack_object
+
+
+def decode(data: bytes):
+    return msgpack.unpackb(data, ext_hook=_unpack_object, strict_map_key=False)
+
+
+def _pack_object(obj):
+    cls = type(obj)
+    if isinstance(obj, enum.Enum) and _ENUMS.get(cls.__name__) is cls:
+        return msgpack.ExtType(_ENUM, encode([cls.__name__, obj.value]))
+    if dataclasses.is_dataclass(obj) and _CLASSES.get(cls.__name__) is cls:
+        values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+        return msgpack.ExtType(_DATACLASS, encode([cls.__name__, values]))
+    if isinstance(obj, tuple):
+        return list(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"cannot send a {cls.__name__} to or from the engine core")
+
+
+def _unpack_object(code: int, data: bytes):
+    name, values = decode(data)
+    if code == _ENUM:
+        return _ENUMS[name](values)
+    if code != _DATACLASS or name not in _CLASSES:
+        raise ValueError(f"unknown object in an engine core message: {name!r}")
+    cls = _CLASSES[name]
+    obj = object.__new__(cls)  # the sender's object was valid: no __post_init__ checks again
+    for field, value in zip(dataclasses.fields(cls), values, strict=True):
+        object.__setattr__(obj, field.name, value)
+    return obj

@@ -1,0 +1,36 @@
+"""EngineInfo: what the serving layer needs to know of an engine it may not hold in its own process.
+
+Place in the data flow: the HTTP handlers (`entrypoints/serving_engine.py`) tokenize prompts and check
+requests against the engine's limits before anything reaches the engine; `AsyncLLMEngine` builds this from
+its in-process `LLMEngine`, the engine core process sends it to `core_client.py` once it is warm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.core.buckets import BucketGrid
+from jaxserve.engine.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
+from jaxserve.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    tokenizer: object
+    max_model_len: int
+    vocab_size: int
+    limits: EngineLimits
+    grid: BucketGrid
+
+    @classmethod
+    def of(cls, engine) -> EngineInfo:
+        """From an `LLMEngine`."""
+        return cls(engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size, engine.limits, engine.grid)
+
+    def check_request(self, params: SamplingParams | BeamSearchParams, num_prompt_tokens: int) -> None:
+        """The engine's own checks of a request (ValueError with vLLM's messages), before it is sent."""
+        if isinstance(params, BeamSearchParams):
+            check_beam_search_request(params, num_prompt_tokens, self.limits)
+        else:
+            check_sampling_request(params, self.limits)
+        self.grid.check_request(num_prompt_tokens, params.max_tokens)

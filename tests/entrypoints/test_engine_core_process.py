@@ -1,0 +1,193 @@
+"""The engine core in a process of its own (`--engine-core-process`): the same answers as the in-process
+engine, refusals and failures reported, nothing left running.
+
+Two servers over the same tiny model, one with each engine, answer the same requests (greedy and seeded
+sampling with n=2, stop strings, logprobs, prompt logprobs with echo, streaming, beam search): every answer is
+identical but for ids and timestamps. A core that dies fails the open stream with a message naming it, later
+requests get a 503 with it and /health answers 503; a core whose API process is killed exits by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+
+from jaxserve.engine.core_client import AsyncMPEngine
+from jaxserve.sampling_params import SamplingParams
+from tests.hf_tiny import make_tiny_model
+from tests.paths import REPO_ROOT
+from tests.server import MODEL_NAME, serve, tiny_engine_config
+
+PROMPT = "The quick brown fox"
+CHAT = [{"role": "user", "content": "Say something."}]
+VOLATILE_FIELDS = ("id", "created", "system_fingerprint")
+
+REQUESTS = [  # (route, body)
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "logprobs": 3}),
+    ("/v1/completions", {"prompt": [PROMPT, "Hello"], "max_tokens": 24, "temperature": 1.0, "seed": 7, "n": 2,
+                         "stop": ["e", "a"], "ignore_eos": True}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, "echo": True, "logprobs": 2}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10, "temperature": 0.0, "logprobs": True,
+                              "top_logprobs": 2}),
+    ("/generate", {"prompt": PROMPT, "use_beam_search": True, "n": 2, "best_of": 3, "max_tokens": 8,
+                   "temperature": 0.0, "ignore_eos": True}),
+]
+STREAMED = [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 3, "stop": ["o"],
+                         "stream": True, "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 10, "temperature": 0.8, "seed": 5, "n": 2, "stream": True,
+                              "logprobs": True, "top_logprobs": 1}),
+    ("/generate", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "stream": True, "stop": ["e"]}),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir):
+    """{"in-process": server, "core-process": server} over the same model."""
+    in_process, _ = serve(model_dir)
+    core_process, core_engine = serve(model_dir, core_process=True)
+    with in_process, core_process:
+        yield {"in-process": in_process, "core-process": core_process}
+    core_engine.close()
+
+
+def _without_volatile(value):
+    if isinstance(value, dict):
+        return {k: _without_volatile(v) for k, v in value.items() if k not in VOLATILE_FIELDS}
+    if isinstance(value, list):
+        return [_without_volatile(v) for v in value]
+    return value
+
+
+def _with_model(route: str, body: dict) -> dict:
+    return body if route == "/generate" else {"model": MODEL_NAME, **body}  # vLLM's demo route takes no model
+
+
+def _answer(server, route: str, body: dict):
+    response = httpx.post(server.base_url + route, json=_with_model(route, body), timeout=120)
+    assert response.status_code == 200, response.text
+    return _without_volatile(response.json())
+
+
+def _streamed(server, route: str, body: dict) -> list:
+    lines = []
+    with httpx.stream("POST", server.base_url + route, json=_with_model(route, body), timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.strip():
+                text = line.removeprefix("data: ")
+                lines.append(text if text == "[DONE]" else _without_volatile(json.loads(text)))
+    return lines
+
+
+@pytest.mark.parametrize(("route", "body"), REQUESTS, ids=[f"{r}-{i}" for i, (r, _) in enumerate(REQUESTS)])
+def test_answers_match_the_in_process_engine(servers, route, body):
+    ours = _answer(servers["core-process"], route, body)
+    assert ours == _answer(servers["in-process"], route, body)
+    if "choices" in ours:
+        assert all(choice["finish_reason"] in ("stop", "length") for choice in ours["choices"])
+
+
+@pytest.mark.parametrize(("route", "body"), STREAMED, ids=[f"{r}-{i}" for i, (r, _) in enumerate(STREAMED)])
+def test_streams_match_the_in_process_engine(servers, route, body):
+    ours = _streamed(servers["core-process"], route, body)
+    assert len(ours) > 3
+    assert ours == _streamed(servers["in-process"], route, body)
+
+
+def test_metrics_come_from_the_core(servers):
+    text = httpx.get(servers["core-process"].base_url + "/metrics").text
+    assert "jaxserve:compiles_after_warmup_total 0.0" in text
+    prompt_tokens = [line for line in text.splitlines() if line.startswith("jaxserve:prompt_tokens_total")]
+    assert prompt_tokens and float(prompt_tokens[0].split()[-1]) > 0
+
+
+async def _collect(engine, prompt, params, request_id):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def test_a_request_the_core_refuses_fails_its_stream_only(model_dir):
+    engine = AsyncMPEngine.launch(tiny_engine_config(model_dir))
+    try:
+        async def both():
+            refused = _collect(engine, {"prompt": "", "prompt_token_ids": []}, SamplingParams(max_tokens=2), "empty")
+            fine = _collect(engine, {"prompt": "x", "prompt_token_ids": [5, 6]},
+                            SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), "fine")
+            return await asyncio.gather(refused, fine, return_exceptions=True)
+
+        refused, fine = asyncio.run(both())
+        assert isinstance(refused, ValueError) and str(refused) == "the prompt must contain at least one token"
+        assert len(fine) == 3 and fine[-1].finished and fine[-1].prompt == "x"
+        assert fine[-1].prompt_token_ids == [5, 6] and len(fine[-1].outputs[0].token_ids) == 3
+
+        asyncio.run(engine.shutdown())
+        assert engine.process.exitcode == 0
+    finally:
+        engine.close()
+
+
+def test_a_dead_core_fails_open_streams_and_health(model_dir):
+    server, engine = serve(model_dir, core_process=True)
+    try:
+        with server:
+            assert httpx.get(server.base_url + "/health").status_code == 200
+            body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))  # the request runs
+                os.kill(engine.process.pid, signal.SIGKILL)
+                rest = [line for line in lines if line.strip()]
+            message = f"the engine core process (pid {engine.process.pid}) exited with code -9"
+            assert rest[-1] == "data: [DONE]" and message in rest[-2]
+            assert httpx.get(server.base_url + "/health").status_code == 503
+            again = httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False}, timeout=60)
+            assert again.status_code == 503 and message in again.json()["error"]["message"]
+    finally:
+        engine.close()
+
+
+ORPHAN_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from jaxserve.engine.core_client import AsyncMPEngine
+    from tests.server import tiny_engine_config
+    engine = AsyncMPEngine.launch(tiny_engine_config(sys.argv[1]))
+    print(engine.process.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_the_core_exits_when_the_api_process_is_killed(model_dir):
+    api = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, str(model_dir)], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(api.stdout.readline())
+        os.kill(api.pid, signal.SIGKILL)
+        api.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _alive(core_pid):
+            assert time.monotonic() < deadline, "the engine core outlived its API process"
+            time.sleep(0.1)
+    finally:
+        api.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z"  # a zombie has exited
