@@ -123,7 +123,16 @@ async def build_prompts(client: httpx.AsyncClient, workload: list[dict], args) -
     they start depends on --seed)."""
     if is_shared_prefix(workload):
         return [prompt for prompt, _ in shared_prefix_requests(workload, vocab_size(args))]
+    if args.random_prompt_ids:
+        return random_prompts(workload, vocab_size(args), args.seed)
     return await text_window_prompts(client, workload, args.seed)
+
+
+def random_prompts(workload: list[dict], vocab: int, seed: int) -> list[list[int]]:
+    """Seeded random token ids in [100, vocab), as `vllm bench serve`'s random dataset: no two prompts share a
+    block, so no server's prefix cache serves any of them (text windows of a repeated text overlap)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, vocab, size=request["prompt_len"]).tolist() for request in workload]
 
 
 async def text_window_prompts(client: httpx.AsyncClient, workload: list[dict], seed: int = 0) -> list[list[int]]:
@@ -555,7 +564,8 @@ def report_sweep(args, rows: list[dict], result_dir: Path) -> None:
 def workload_title(args) -> str:
     if args.workload:
         return f"{len(load_workload(args))} requests of {Path(args.workload).stem}"
-    return f"{args.num_prompts} x {args.random_input_len} -> {args.random_output_len} tokens"
+    sampled = "" if not args.temperature else f", {sampling_description(args)}"
+    return f"{args.num_prompts} x {args.random_input_len} -> {args.random_output_len} tokens{sampled}"
 
 
 def workload_description(args) -> str:
@@ -585,6 +595,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="default 256; 64 with --servers (all of --workload with --servers and --workload)")
     parser.add_argument("--max-output-len", type=int, default=None, help="caps each request's output_len")
+    parser.add_argument("--random-prompt-ids", action="store_true",
+                        help="--workload prompts of seeded random token ids (default: windows of one repeated text, "
+                        "which the prefix cache partly serves)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="token ids of shared-prefix prompts are below this (default: the embedded model's)")
     parser.add_argument("--request-rate", type=float, default=None,

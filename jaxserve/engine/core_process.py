@@ -75,11 +75,14 @@ class EngineCore:
             self.context.term()
 
     def _receive(self, block: bool) -> list:
-        """Every message waiting; while idle, waits for one (checking that the API process lives)."""
-        while block and not self.inputs.poll(IDLE_POLL_MS):
+        """Every message waiting; while idle, waits for one. Checks each time that the API process lives (busy,
+        the core would otherwise step on for nobody until its output socket filled up, then hang)."""
+        while True:
             if os.getppid() != self.parent_pid:
                 logger.warning("the API process is gone: the engine core exits")
                 return [[msg.SHUTDOWN]]
+            if not block or self.inputs.poll(IDLE_POLL_MS):
+                break
         messages = []
         while True:
             try:

@@ -161,12 +161,20 @@ def test_a_dead_core_fails_open_streams_and_health(model_dir):
 
 
 ORPHAN_SCRIPT = textwrap.dedent("""
-    import sys, time
+    import asyncio, sys
     from jaxserve.engine.core_client import AsyncMPEngine
+    from jaxserve.sampling_params import SamplingParams
     from tests.server import tiny_engine_config
     engine = AsyncMPEngine.launch(tiny_engine_config(sys.argv[1]))
-    print(engine.process.pid, flush=True)
-    time.sleep(600)
+
+    async def busy():  # the core is stepping a long request when this process is killed
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        async for out in engine.generate({"prompt": "x", "prompt_token_ids": [5, 6]}, params, "busy"):
+            if len(out.outputs[0].token_ids) == 2:
+                print(engine.process.pid, flush=True)
+        await asyncio.sleep(600)
+
+    asyncio.run(busy())
 """)
 
 
