@@ -1,4 +1,5 @@
-"""The HTTP server: a FastAPI app over one AsyncLLMEngine, run by uvicorn.
+"""The HTTP server: a FastAPI app over one AsyncLLMEngine (or, with --engine-core-process, an AsyncMPEngine whose
+engine core runs in a process of its own), run by uvicorn.
 
 Routes: /generate (vLLM's demo protocol), /v1/completions, /v1/chat/completions, /v1/models, /health,
 /version, /tokenize, /detokenize and /metrics (Prometheus). Every error is OpenAI's error JSON: 400 for

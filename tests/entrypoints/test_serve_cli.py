@@ -155,7 +155,9 @@ def test_api_server_module_announces_then_serves(server_process):
     cores = _spawned_children(process.pid)
     assert len(cores) == (1 if "--engine-core-process" in process.args else 0)
     process.send_signal(signal.SIGINT)  # Ctrl-C stops the server and its engine core
-    assert process.wait(timeout=60) == -signal.SIGINT  # uvicorn re-raises the signal once it has shut down
+    # uvicorn re-raises the signal once it has shut down: the process dies of it, or exits 0 where it inherited
+    # SIGINT ignored (as under pytest-xdist's workers)
+    assert process.wait(timeout=60) in (-signal.SIGINT, 0)
     assert not any(Path(f"/proc/{pid}").exists() for pid in cores)
 
 

@@ -126,7 +126,7 @@ def test_a_load_sweep_reports_a_table_per_rate_and_plots_both_metrics(tmp_path, 
             row = bench_serving.summarize_client_result(server, client_result([16, 16], 100.0, ttft), 16)
             rows.append({**row, "rate": rate})
     args = argparse.Namespace(sweep_plot=None, workload=None, num_prompts=2, random_input_len=320,
-                              random_output_len=16)
+                              random_output_len=16, temperature=1.0, top_p=0.95)
     bench_serving.report_sweep(args, rows, tmp_path)
     out = capsys.readouterr().out
     assert "### 0.5 requests/s" in out and "### inf requests/s" in out
@@ -134,6 +134,8 @@ def test_a_load_sweep_reports_a_table_per_rate_and_plots_both_metrics(tmp_path, 
     svg = (tmp_path / "load_sweep.svg").read_text()
     assert "mean TTFT (ms)" in svg and "P99 ITL (ms)" in svg and svg.count("<polyline") == 4
     assert '>inf</text>' in svg and '>0.5</text>' in svg
+    assert "2 x 320 -&gt; 16 tokens, temperature 1, top_p 0.95: latency against load" in svg
+    assert bench_serving.sampling_description(argparse.Namespace(temperature=0.0, top_p=None)) == "greedy"
 
 
 def test_a_jaxserve_variant_runs_with_its_flags_and_is_compared_with_vllm():
