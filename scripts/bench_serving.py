@@ -51,6 +51,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -375,7 +376,7 @@ def measure_server(args, server: str, result_dir: Path, rates: list[float]) -> l
     base_url = f"http://127.0.0.1:{port}"
     cmd, env = server_command(args, server, port)
     results = []
-    with open(result_dir / f"{server}-server.log", "w") as log:
+    with open(result_dir / f"{file_stem(server)}-server.log", "w") as log:
         print(f"starting {server}: {' '.join(cmd)}", flush=True)
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
         try:
@@ -387,7 +388,7 @@ def measure_server(args, server: str, result_dir: Path, rates: list[float]) -> l
                 print(f"{server} ready after {ready:.0f}s; warming up with {args.warmup_prompts} prompts", flush=True)
                 warmup = {"num_prompts": args.warmup_prompts, "seed": args.seed + WARMUP_SEED_OFFSET}
                 run_client(argparse.Namespace(**{**vars(args), **warmup}), server, port, result_dir, float("inf"),
-                           name=f"{server}-warmup.json")
+                           name=f"{file_stem(server)}-warmup.json")
             for i, rate in enumerate(rates):
                 print(f"{server} ready after {ready:.0f}s; running {client_name(args)} at {rate} req/s", flush=True)
                 before = prefix_cache_counters(base_url)
@@ -415,10 +416,16 @@ def run_client(args, server: str, port: int, result_dir: Path, rate: float, name
     """Our client when --workload is given, else `vllm bench serve`, at `rate`; its result, saved as `name`
     (default <server>.json; in a sweep <server>-rate<rate>.json)."""
     args = argparse.Namespace(**{**vars(args), "request_rate": rate})
-    name = name or (f"{server}-rate{rate:g}.json" if args.request_rates else f"{server}.json")
+    stem = file_stem(server)
+    name = name or (f"{stem}-rate{rate:g}.json" if args.request_rates else f"{stem}.json")
     if args.workload:
         return own_client_result(args, f"http://127.0.0.1:{port}", result_dir / name)
     return vllm_client_result(args, port, result_dir, name)
+
+
+def file_stem(server: str) -> str:
+    """A server's name as a file name: a variant's flags may hold paths (`jaxserve[--buckets /tmp/b.toml]`)."""
+    return re.sub(r"[^A-Za-z0-9._\[\]-]+", "_", server)
 
 
 def vllm_client_result(args, port: int, result_dir: Path, result_file: str) -> dict:

@@ -136,6 +136,7 @@ def test_a_load_sweep_reports_a_table_per_rate_and_plots_both_metrics(tmp_path, 
     assert '>inf</text>' in svg and '>0.5</text>' in svg
     assert "2 x 320 -&gt; 16 tokens, temperature 1, top_p 0.95: latency against load" in svg
     assert bench_serving.sampling_description(argparse.Namespace(temperature=0.0, top_p=None)) == "greedy"
+    assert bench_serving.file_stem("jaxserve[--buckets /tmp/b.toml]") == "jaxserve[--buckets_tmp_b.toml]"
 
 
 def test_a_jaxserve_variant_runs_with_its_flags_and_is_compared_with_vllm():
