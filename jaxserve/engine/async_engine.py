@@ -114,9 +114,7 @@ class AsyncLLMEngine:
                 delivered = await loop.run_in_executor(self._executor, self._step_once)
             except Exception as err:  # a bug in a step: fail the running requests, keep serving
                 logger.exception("engine step failed")
-                delivered = [(rid, err) for rid in list(self.engine.requests)]
-                for rid in list(self.engine.requests):
-                    self.engine.abort_request(rid)
+                delivered = [(rid, err) for rid in self.engine.abort_all_requests()]
             if self.observer is not None:
                 self.observer.outputs_delivered(delivered)
             for request_id, item in delivered:

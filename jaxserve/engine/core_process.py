@@ -115,9 +115,7 @@ class EngineCore:
             return self.engine.step(), []
         except Exception as err:  # a bug in a step: fail the running requests, keep serving
             logger.exception("engine step failed")
-            failed = list(self.engine.requests)
-            for request_id in failed:
-                self.engine.abort_request(request_id)
+            failed = self.engine.abort_all_requests()
             return [], [[request_id, "RuntimeError", f"engine step failed: {err}"] for request_id in failed]
 
     def _send(self, delivered: list[RequestOutput], errors: list) -> None:

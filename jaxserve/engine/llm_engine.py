@@ -211,6 +211,13 @@ class LLMEngine:
         self.scheduler.add(group.seq)
         self.stats.num_prompt_tokens += len(token_ids)
 
+    def abort_all_requests(self) -> list[str]:
+        """Ends every request (after a failed step: their state is unknown); their ids."""
+        request_ids = list(self.requests)
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        return request_ids
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request at once; its tokens still on the device are dropped."""
         group = self.requests.get(request_id)
