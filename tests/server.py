@@ -13,6 +13,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.core_client import AsyncMPEngine, ServerEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.api_server import build_app
+from jaxserve.entrypoints.launcher import ENGINE_DEAD_GRACE_S, ApiServer
 
 MODEL_NAME = "tiny-llama"
 # 5 step executables: decode batches 1, 4 and 16, prefill chunks of 32 and 128, context 512 (the tiny
@@ -48,11 +49,13 @@ def tiny_server_engine(model_dir, core_process: bool, **config) -> ServerEngine:
 
 
 class ServerThread:
-    """`with ServerThread(app) as server:` serves `app` at `server.base_url` until the block ends."""
+    """`with ServerThread(app, engine) as server:` serves `app` at `server.base_url` until the block ends, or until
+    the engine dies (and `engine_dead_grace_s` has passed), as `jaxserve serve` does."""
 
-    def __init__(self, app):
+    def __init__(self, app, engine: ServerEngine, engine_dead_grace_s: float = ENGINE_DEAD_GRACE_S):
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        self.server = ApiServer(config, engine, MODEL_NAME, engine_dead_grace_s, announce=False)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
     def __enter__(self) -> ServerThread:
@@ -71,8 +74,8 @@ class ServerThread:
         self.thread.join(timeout=30)
 
 
-def serve(model_dir, api_key: str | None = None, core_process: bool = False, **config) -> tuple[ServerThread,
-                                                                                              ServerEngine]:
+def serve(model_dir, api_key: str | None = None, core_process: bool = False,
+          engine_dead_grace_s: float = ENGINE_DEAD_GRACE_S, **config) -> tuple[ServerThread, ServerEngine]:
     engine = tiny_server_engine(model_dir, core_process, **config)
     app = build_app(engine, served_model_name=MODEL_NAME, api_key=api_key, model_path=str(model_dir))
-    return ServerThread(app), engine
+    return ServerThread(app, engine, engine_dead_grace_s), engine

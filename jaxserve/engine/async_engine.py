@@ -56,7 +56,15 @@ class AsyncLLMEngine:
     @property
     def is_healthy(self) -> bool:
         """False once the step loop ended by itself (it only ends on a bug outside a step)."""
-        return self._loop_task is None or not self._loop_task.done() or self._loop_task.cancelled()
+        return self.dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot serve (the step loop's error), or None while it can."""
+        task = self._loop_task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return f"the engine's step loop ended: {task.exception()!r}"
 
     def make_stats(self) -> StatsSnapshot:
         return self.engine.make_stats()

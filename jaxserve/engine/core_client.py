@@ -135,7 +135,14 @@ class AsyncMPEngine:
     # ----- what the server reads ----------------------------------------------------------------
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self.process.is_alive()
+        return self.dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot serve (its core process exited), or None while it can."""
+        if self._dead is None and not self.process.is_alive():
+            return _exited(self.process)
+        return self._dead
 
     def make_stats(self) -> StatsSnapshot:
         return self._state.stats
@@ -226,11 +233,15 @@ class AsyncMPEngine:
     def _core_exited(self) -> None:
         asyncio.get_running_loop().remove_reader(self.process.sentinel)
         self.process.join(timeout=1)
-        self._dead = f"the engine core process (pid {self.process.pid}) exited with code {self.process.exitcode}"
+        self._dead = _exited(self.process)
         if self._stopping:
             return
         logger.error("%s: failing %d open requests", self._dead, len(self._requests))
         self._deliver([(rid, EngineDeadError(self._dead)) for rid in list(self._requests)])
+
+
+def _exited(process) -> str:
+    return f"the engine core process (pid {process.pid}) exited with code {process.exitcode}"
 
 
 ServerEngine = AsyncLLMEngine | AsyncMPEngine  # what the HTTP server runs on: in-process, or a core process

@@ -4,8 +4,9 @@ engine core runs in a process of its own), run by uvicorn.
 Routes: /generate (vLLM's demo protocol), /v1/completions, /v1/chat/completions, /v1/models, /health,
 /version, /tokenize, /detokenize and /metrics (Prometheus). Every error is OpenAI's error JSON: 400 for
 a bad request (invalid JSON, wrong types, invalid values, a prompt that cannot fit), 401 without the API
-key when one is set, 404 for an unknown model or route. A client that disconnects aborts its request,
-which frees its KV blocks.
+key when one is set, 404 for an unknown model or route, 503 once the engine is dead (then `launcher.ApiServer`
+stops the server and the process exits 1). A client that disconnects aborts its request, which frees its KV
+blocks.
 
     python -m jaxserve.entrypoints.api_server --model path/to/model --port 8000
 """
@@ -35,6 +36,7 @@ from jaxserve.engine.chat_template import load_chat_template
 from jaxserve.engine.core_client import AsyncMPEngine, EngineDeadError, ServerEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.args import add_engine_args, add_server_args, engine_config_from_args, model_from_args
+from jaxserve.entrypoints.launcher import ApiServer
 from jaxserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -254,30 +256,6 @@ def build_app(
     return app
 
 
-class AnnouncingServer(uvicorn.Server):
-    """uvicorn, printing the address and a curl example once the socket listens (the engine is warm)."""
-
-    def __init__(self, config: uvicorn.Config, served_model_name: str):
-        super().__init__(config)
-        self.served_model_name = served_model_name
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            print(startup_message(host, port, self.served_model_name), flush=True)
-
-
-def startup_message(host: str, port: int, served_model_name: str) -> str:
-    shown = "localhost" if host in ("0.0.0.0", "::") else host
-    body = json.dumps({"model": served_model_name, "messages": [{"role": "user", "content": "Hello!"}],
-                       "max_tokens": 32})
-    return (
-        f"jaxserve is ready at http://{shown}:{port} (OpenAI API under /v1, /generate, /metrics). Try:\n"
-        f"  curl http://{shown}:{port}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="jaxserve's OpenAI-compatible HTTP server")
     add_engine_args(parser)
@@ -295,12 +273,13 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key, model_path=model,
                     chat_template=chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    server = ApiServer(config, engine, served_model_name)
     try:
-        AnnouncingServer(config, served_model_name).run()
+        server.run()
     finally:
         if isinstance(engine, AsyncMPEngine):
             engine.close()
-    return 0
+    return 1 if server.engine_died else 0
 
 
 def start_engine(config, core_process: bool) -> ServerEngine:

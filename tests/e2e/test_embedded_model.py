@@ -252,9 +252,10 @@ def test_the_openai_client_gets_structured_outputs_from_the_server(llm):
     from jaxserve.entrypoints.api_server import build_app
     from tests.server import ServerThread
 
-    app = build_app(AsyncLLMEngine(llm.llm_engine), served_model_name="smol")
+    engine = AsyncLLMEngine(llm.llm_engine)
+    app = build_app(engine, served_model_name="smol")
     messages = [{"role": "user", "content": "Describe a person as JSON."}]
-    with ServerThread(app) as server:
+    with ServerThread(app, engine) as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
         chat = lambda **kwargs: client.chat.completions.create(  # noqa: E731
             model="smol", messages=messages, max_tokens=200, temperature=1.0, seed=9, **kwargs).choices[0]

@@ -74,7 +74,7 @@ def server(engine, expected, model_dir):
     from jaxserve.entrypoints.api_server import build_app
 
     app = build_app(engine, served_model_name=MODEL_NAME, api_key=API_KEY, model_path=str(model_dir))
-    with ServerThread(app) as running:
+    with ServerThread(app, engine) as running:
         yield running
 
 

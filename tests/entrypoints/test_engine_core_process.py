@@ -140,8 +140,8 @@ def test_a_request_the_core_refuses_fails_its_stream_only(model_dir):
         engine.close()
 
 
-def test_a_dead_core_fails_open_streams_and_health(model_dir):
-    server, engine = serve(model_dir, core_process=True)
+def test_a_dead_core_fails_open_streams_and_health_then_the_server_stops(model_dir):
+    server, engine = serve(model_dir, core_process=True, engine_dead_grace_s=5.0)  # time to ask it twice
     try:
         with server:
             assert httpx.get(server.base_url + "/health").status_code == 200
@@ -156,6 +156,8 @@ def test_a_dead_core_fails_open_streams_and_health(model_dir):
             assert httpx.get(server.base_url + "/health").status_code == 503
             again = httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False}, timeout=60)
             assert again.status_code == 503 and message in again.json()["error"]["message"]
+            server.thread.join(timeout=30)  # the server stops by itself once the grace has passed
+            assert not server.thread.is_alive() and server.server.engine_died
     finally:
         engine.close()
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.entrypoints import api_server, cli
+from jaxserve.entrypoints import api_server, cli, launcher
 from jaxserve.entrypoints.args import ENGINE_CORE_PROCESS, ENGINE_FLAGS, SERVER_MAX_ITL_MS, engine_config_from_args
 from tests.hf_tiny import make_tiny_model
 from tests.paths import REPO_ROOT
@@ -100,7 +100,7 @@ def test_an_unreadable_chat_template_path_fails_before_the_model_loads(monkeypat
 
 
 def test_startup_message_has_the_address_and_a_curl_example():
-    message = api_server.startup_message("0.0.0.0", 8123, "m")
+    message = launcher.startup_message("0.0.0.0", 8123, "m")
     assert "http://localhost:8123" in message
     assert "curl http://localhost:8123/v1/chat/completions" in message and '"model": "m"' in message
 
@@ -165,3 +165,19 @@ def _spawned_children(pid: int) -> list[int]:
     """The processes `pid` started with multiprocessing's spawn (its resource tracker aside)."""
     children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+@pytest.mark.parametrize("server_process", ["core-process"], indirect=True)
+def test_a_crashed_engine_core_turns_health_to_503_then_the_server_exits_1(server_process):
+    process, _ = server_process
+    lines = _read_announcement(process)
+    base_url = re.search(r"http://127\.0\.0\.1:\d+", "".join(lines)).group(0)
+    (core,) = _spawned_children(process.pid)
+    os.kill(core, signal.SIGKILL)
+    deadline = time.monotonic() + launcher.ENGINE_DEAD_GRACE_S
+    while (status := httpx.get(base_url + "/health").status_code) == 200:  # until the server notices
+        assert time.monotonic() < deadline, "/health still answers 200 with the engine core dead"
+        time.sleep(0.01)
+    assert status == 503
+    assert process.wait(timeout=30) == 1
+    assert f"the engine core process (pid {core}) exited with code -9" in process.stdout.read()
