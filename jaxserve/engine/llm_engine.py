@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from pathlib import Path
 
 import jax
@@ -54,6 +55,7 @@ from jaxserve.engine.request_group import (
     SampledToken,
     SamplingGroup,
 )
+from jaxserve.engine.step_trace import StepTrace
 from jaxserve.logger import init_logger
 from jaxserve.metrics.stat_logger import StatLogger
 from jaxserve.metrics.stats import EngineStats, SchedulerStats, StatsSnapshot
@@ -86,6 +88,7 @@ class InFlightStep:
     # samples of constrained rows whose mask waited for the previous step's token: the step only took its
     # argmax, and samples for real once the masks are known (see LLMEngine._resample)
     masks_pending: list[tuple[RequestGroup, Sequence, int, int]] = dataclasses.field(default_factory=list)
+    trace: dict | None = None  # the step's record in the step trace (JAXSERVE_STEP_TRACE), closed in _complete
 
 
 class LLMEngine:
@@ -124,6 +127,7 @@ class LLMEngine:
         self.requests: dict[str, RequestGroup] = {}
         self.stats = EngineStats()
         self.stat_logger = None if config.disable_log_stats else StatLogger(self.make_stats())
+        self.step_trace = StepTrace.from_env()
         self.warm_up_report: WarmUpReport | None = None
         self._rng = random.Random(config.seed)
         self.eos_token_ids = set(loaded.config.eos_token_id)
@@ -295,6 +299,7 @@ class LLMEngine:
 
     def _launch(self, schedule: Schedule) -> InFlightStep:
         """Dispatches the step and advances host state as if its tokens were known (placeholders)."""
+        started = time.time() if self.step_trace is not None else 0.0
         rows = schedule.rows
         self._sync_device_state(rows)
         inputs = self._step_inputs(schedule, rows)
@@ -310,6 +315,9 @@ class LLMEngine:
         step = InFlightStep(output, sampling.ints[:, _FLAGS], [], [], {}, sampling)
         self._advance(schedule, rows, inputs, step, masks_wait)
         self._count_step(schedule)
+        if self.step_trace is not None:
+            step.trace = self.step_trace.launched(schedule, started, self.scheduler.num_waiting_requests,
+                                                  self.scheduler.num_running_requests)
         return step
 
     def _step_inputs(self, schedule: Schedule, rows: list[tuple[Sequence, int, int]]) -> StepInputs:
@@ -390,6 +398,8 @@ class LLMEngine:
     def _complete(self, step: InFlightStep) -> list[RequestOutput]:
         """Reads a dispatched step's results (waits for the device) and hands them to their groups."""
         tokens = np.asarray(step.output.tokens)
+        if step.trace is not None:
+            self.step_trace.completed(step.trace)
         logprobs = _host(step.output.logprobs) if np.any(step.flags & FLAG_LOGPROBS) else None
         prompt_logprobs = _host(step.output.prompt_logprobs) if step.prompt_rows else None
         for group, (index, column), start, num_tokens in step.prompt_rows:

@@ -4,14 +4,20 @@ on a grid with `[mixed]` buckets gives exactly what the same engine gives on pre
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 
 import numpy as np
 import pytest
 
 from jaxserve import LLM, AsyncLLMEngine, SamplingParams
+from jaxserve.engine.step_trace import TRACE_ENV, StepTrace
 from jaxserve.sampling_params import BeamSearchParams
 from tests.generation_fixtures import BUCKETS, NUM_KV_BLOCKS, llm_on_buckets, tokens_prompt
 from tests.hf_tiny import make_tiny_model
+from tests.paths import load_script
+
+trace_steps = load_script("trace_steps")
 
 MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [16, 32]\n"
 LENGTHS = [3, 40, 9, 70, 5, 17, 26, 1]
@@ -108,6 +114,33 @@ def _trace(llm: LLM, params: SamplingParams) -> dict[str, list[int]]:
         if not engine.has_unfinished_requests() and step > max(arrivals):
             return finished
     raise AssertionError("the trace did not finish")
+
+
+def test_the_step_trace_has_a_line_for_every_step_the_engine_counts(llms, tmp_path, monkeypatch):
+    _, mixed = llms
+    engine, path = mixed.llm_engine, tmp_path / "trace.jsonl"
+    assert StepTrace.from_env() is None  # off unless the environment names a file
+    monkeypatch.setenv(TRACE_ENV, str(path))
+    engine.step_trace = StepTrace.from_env()
+    before = dataclasses.replace(engine.stats)
+    try:
+        _trace(mixed, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))
+    finally:
+        engine.step_trace.close()
+        engine.step_trace = None
+    stats = engine.stats
+    records = trace_steps.read_trace(path)
+    kinds = collections.Counter(r["kind"] for r in records)
+    assert len(records) == stats.num_steps - before.num_steps
+    assert kinds == {"mixed": stats.num_mixed_steps - before.num_mixed_steps,
+                     "prefill": stats.num_prefill_steps - before.num_prefill_steps,
+                     "decode": stats.num_decode_steps - before.num_decode_steps}
+    assert sum(r["prefill_tokens"] for r in records) == stats.num_prefill_tokens - before.num_prefill_tokens == sum(
+        LENGTHS[i] for i in (0, 1, 2, 3, 5))
+    assert sum(r["padded_tokens"] for r in records) == stats.num_padded_tokens - before.num_padded_tokens
+    assert all(r["launched"] <= r["ready"] for r in records)
+    itls = trace_steps._itls(trace_steps.with_gaps(records, idle_s=0.05))
+    assert len(itls) == sum(r["decode_rows"] for r in records) and np.all(itls > 0)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
