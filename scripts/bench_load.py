@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxserve, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 

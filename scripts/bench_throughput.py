@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxserve, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402  (standard library only: vLLM's location and settings)
 

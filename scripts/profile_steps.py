@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxserve, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_throughput import DEFAULT_WORKLOAD, add_requests, load_requests  # noqa: E402
