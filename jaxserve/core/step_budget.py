@@ -4,14 +4,15 @@ While sequences decode, every step holds their rows, so a step's duration is the
 scheduler (`scheduler.py`) asks ``StepBudget.mixed_tokens(num_decode_rows)`` before it adds prefill chunks
 to a step with decode rows. With a target (``max_itl_ms``, `jaxserve serve --max-itl-ms`) and costs measured
 on the bucket executables at warm-up (`StepCosts`, `runner/step_costs.py`), the ceiling is the largest mixed
-bucket whose step stays within the target, and under it the step follows the queue: the smallest bucket that
-lets the prompts waiting to be prefilled through in two steps (at least the untargeted budget). So a light
-queue runs small steps (a lone prompt costs its decoders two moderate stalls, not one long one) and a growing
-queue larger steps, which read the weights once for more tokens, up to the target and never past it while
-decode rows wait. Sarathi-Serve's stall-free batching sets one fixed budget from its latency target; this one
-is chosen again every step. Without a target, or without costs, the budget is the bucket file's ``[mixed]
-token_budget`` (the best offline throughput on that platform; else the largest mixed bucket), within
-``max_num_batched_tokens``. A step without decode rows is a prefill step and is not bounded by the target.
+bucket whose step stays within the target, and under it the step follows the queue: the prompts waiting to be
+prefilled in one step, or in two where the measured costs say two smaller steps cost less than one padded
+one (at least the untargeted budget either way). So a light queue runs steps sized to it (a lone prompt stalls
+its decoders once, or twice where that is cheaper) and a growing queue larger steps, which read the weights
+once for more tokens, up to the target and never past it while decode rows wait. Sarathi-Serve's stall-free
+batching sets one fixed budget from its latency target; this one is chosen again every step. Without a
+target, or without costs, the budget is the bucket file's ``[mixed] token_budget`` (the best offline
+throughput on that platform; else the largest mixed bucket), within ``max_num_batched_tokens``. A step
+without decode rows is a prefill step and is not bounded by the target.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import dataclasses
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.math_utils import cdiv
 
-QUEUE_STEPS = 2  # a step with a latency target takes what lets the waiting prompts through in this many steps
+QUEUE_STEPS = 2  # a step with a latency target splits the waiting prompts in at most this many steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +64,10 @@ class StepBudget:
         wait to be prefilled (None: as many as it takes to fill the step).
 
         The ceiling is the largest mixed bucket within the target that leaves room for a chunk (the smallest such
-        bucket when none is within it: prefill never stops). Under it the step follows the queue: the smallest
-        bucket that lets the pending prompts through in ``QUEUE_STEPS`` steps, and at least the untargeted
-        budget (a short prompt goes through in one step). Without a target: the bucket file's ``[mixed]
-        token_budget`` (else ``max_tokens``)."""
+        bucket when none is within it: prefill never stops). Under it the step follows the queue: the pending
+        prompts in one step, or in ``QUEUE_STEPS`` where that costs less (`_queue_tokens`), and at least the
+        untargeted budget (a short prompt goes through in one step). Without a target: the bucket file's
+        ``[mixed] token_budget`` (else ``max_tokens``)."""
         if not self.follows_target:
             return self.untargeted_tokens
         rows = self._batch_size(num_decode_rows + 1)
@@ -77,8 +78,26 @@ class StepBudget:
         ceiling = max(within) if within else min(sizes)
         if pending_tokens is None:
             return ceiling
-        wanted = max(num_decode_rows + cdiv(pending_tokens, QUEUE_STEPS), self.untargeted_tokens)
-        return min(ceiling, min((t for t in sizes if t >= wanted), default=ceiling))
+        return self._queue_tokens(num_decode_rows, pending_tokens, within or [ceiling], rows)
+
+    def _queue_tokens(self, num_decode_rows: int, pending_tokens: int, sizes: list[int], rows: int) -> int:
+        """Under the ceiling (the largest of ``sizes``): the pending prompts in one step when that step costs no
+        more than taking them in ``QUEUE_STEPS`` (its first step, then one for the rest), else the first step of
+        that split; never below the untargeted budget. One step is the prompt's TTFT and one stall for the
+        decoders, against two: at light load the count of stalls is what sets the P99 inter-token latency."""
+        ceiling = max(sizes)
+
+        def bucket(num_tokens: int) -> int:
+            return min((t for t in sizes if t >= max(num_tokens, self.untargeted_tokens)), default=ceiling)
+
+        split = bucket(num_decode_rows + cdiv(pending_tokens, QUEUE_STEPS))
+        whole = bucket(num_decode_rows + pending_tokens)
+        rest = pending_tokens - (split - num_decode_rows)
+        if whole == split or whole < num_decode_rows + pending_tokens or rest <= 0:
+            return split
+        rest_bucket = min((t for t in sizes if t >= num_decode_rows + rest), default=ceiling)
+        split_ms = self._ms(split, rows) + self._ms(rest_bucket, rows)
+        return whole if self._ms(whole, rows) <= split_ms else split
 
     def _ms(self, num_tokens: int, batch_size: int) -> float:
         return 1e3 * self.costs.of(num_tokens, batch_size)

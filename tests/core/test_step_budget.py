@@ -50,16 +50,24 @@ def budget_scheduler(target_ms: float, spec=BUDGET_SPEC, **kwargs):
 QUEUE_SPEC = BUDGET_SPEC.replace(mixed_token_budget=8)  # untargeted steps of 8 tokens
 
 
-@pytest.mark.parametrize(("decode_rows", "pending", "tokens"), [
-    (2, 5, 8),  # at least the untargeted budget
-    (2, 14, 16), (2, 28, 16), (2, 29, 32),  # the pending prompts through in two steps: 2 + 14 <= 16 < 2 + 15
-    (2, 300, 32),  # a long queue: the target's ceiling (64 would take 74 ms)
-    (2, None, 32),  # unknown queue: the ceiling
+# no cost per step, 1 ms per token: two snug steps cost less than one padded one
+TOKEN_COSTS = StepCosts({(t, b): t / 1e3 for t in (8, 16, 32, 64) for b in (4, 8)})
+
+
+@pytest.mark.parametrize(("decode_rows", "pending", "costs", "tokens"), [
+    (2, 5, COSTS, 8),  # at least the untargeted budget
+    (2, 14, COSTS, 16),  # the pending prompts in one step
+    (2, 28, COSTS, 32),  # one 32-token step (42 ms) costs less than 16 then 16 (52 ms)
+    (2, 28, TOKEN_COSTS, 32),  # 32 against 16 then 16: a tie goes to one step
+    (2, 18, TOKEN_COSTS, 16),  # 32 against 16 then 8 (24 ms): the first of two steps
+    (2, 29, COSTS, 32),  # 31 tokens: one 32-token step either way
+    (2, 300, COSTS, 32),  # a long queue: the target's ceiling (64 would take 74 ms)
+    (2, None, COSTS, 32),  # unknown queue: the ceiling
 ])
-def test_under_the_ceiling_the_budget_lets_the_queue_through_in_two_steps(decode_rows, pending, tokens):
+def test_under_the_ceiling_the_queue_goes_in_one_step_or_the_cheaper_two(decode_rows, pending, costs, tokens):
     grid = BucketGrid(QUEUE_SPEC, block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
                       num_blocks=256)
-    assert StepBudget(grid, 64, 50.0, COSTS).mixed_tokens(decode_rows, pending) == tokens
+    assert StepBudget(grid, 64, 50.0, costs).mixed_tokens(decode_rows, pending) == tokens
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -101,7 +109,7 @@ def test_a_queue_that_grows_gets_larger_chunks_up_to_the_target():
     # target 50 ms: steps of at most 32 tokens (42 ms), not 64 (74 ms); untargeted steps of 8 tokens
     assert chunk_tokens(budget_scheduler(50.0, QUEUE_SPEC), [5]) == 5  # 8-token step
     assert chunk_tokens(budget_scheduler(50.0, QUEUE_SPEC), [5, 9]) == 14  # through in one 16-token step
-    assert chunk_tokens(budget_scheduler(50.0, QUEUE_SPEC), [9, 9, 9]) == 14  # 27 tokens: two 16-token steps
+    assert chunk_tokens(budget_scheduler(50.0, QUEUE_SPEC), [9, 9, 9]) == 27  # one 32-token step, cheaper than two
     assert chunk_tokens(budget_scheduler(50.0, QUEUE_SPEC), [9, 9, 9, 9]) == 30  # 36 tokens: 32-token steps
     assert chunk_tokens(budget_scheduler(50.0, QUEUE_SPEC), [40, 40, 40]) == 30  # the target's ceiling
     # a looser target lets the same long queue through in larger steps, a tighter one in smaller
