@@ -7,7 +7,7 @@ rows, gives the inter-token latencies the engine handed out, so the table's P99 
 client's P99 ITL (minus the HTTP path). Prints a markdown table per (kind, bucket) and the largest gaps.
 
     JAXSERVE_STEP_TRACE=/tmp/trace.jsonl jaxserve serve --port 8000 &
-    python scripts/bench_serving.py --servers jaxserve@8000 ...   # or any client
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 ...   # or any client
     python scripts/trace_steps.py /tmp/trace.jsonl --top 10
 """
 

@@ -84,6 +84,13 @@ class Schedule:
         return not self.prefill_chunks and not self.decode_seqs
 
     @property
+    def kind(self) -> str:
+        """"mixed", "prefill" (chunks only) or "decode" (decode rows only)."""
+        if self.is_mixed:
+            return "mixed"
+        return "prefill" if self.is_prefill else "decode"
+
+    @property
     def rows(self) -> list[tuple[Sequence, int, int]]:
         """(sequence, first position, number of tokens) of every row, in row order: decode rows longest first
         (rows of similar length share the attention's row groups, see attention/backends.py), then the chunks."""
@@ -102,9 +109,14 @@ class Schedule:
         return [start + num_tokens for _, start, num_tokens in self.rows]
 
     @property
+    def num_prefill_tokens(self) -> int:
+        """Query tokens of the step's prefill chunks."""
+        return sum(c.num_tokens for c in self.prefill_chunks)
+
+    @property
     def num_batched_tokens(self) -> int:
         """Real query tokens of the step."""
-        return sum(c.num_tokens for c in self.prefill_chunks) + len(self.decode_seqs)
+        return self.num_prefill_tokens + len(self.decode_seqs)
 
     @property
     def num_padded_tokens(self) -> int:

@@ -392,7 +392,7 @@ class LLMEngine:
         else:
             self.stats.num_decode_steps += 1
         self.stats.num_real_tokens += schedule.num_batched_tokens
-        self.stats.num_prefill_tokens += sum(chunk.num_tokens for chunk in schedule.prefill_chunks)
+        self.stats.num_prefill_tokens += schedule.num_prefill_tokens
         self.stats.num_padded_tokens += schedule.num_padded_tokens
 
     def _complete(self, step: InFlightStep) -> list[RequestOutput]:

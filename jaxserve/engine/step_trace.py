@@ -44,9 +44,9 @@ class StepTrace:
         """The record of a step dispatched now; `started`: `time.time()` when the engine began dispatching it."""
         return {
             "launched": started, "dispatch_s": round(time.time() - started, 6), "ready": None,
-            "kind": _kind(schedule), "bucket": dataclasses.asdict(schedule.bucket),
+            "kind": schedule.kind, "bucket": dataclasses.asdict(schedule.bucket),
             "decode_rows": len(schedule.decode_seqs),
-            "prefill_tokens": sum(chunk.num_tokens for chunk in schedule.prefill_chunks),
+            "prefill_tokens": schedule.num_prefill_tokens,
             "prefill_chunks": len(schedule.prefill_chunks), "padded_tokens": schedule.num_padded_tokens,
             "waiting": num_waiting, "running": num_running,
         }
@@ -58,8 +58,3 @@ class StepTrace:
     def close(self) -> None:
         self._file.close()
 
-
-def _kind(schedule: Schedule) -> str:
-    if schedule.is_mixed:
-        return "mixed"
-    return "prefill" if schedule.is_prefill else "decode"
