@@ -424,7 +424,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     waiting_served_ratio: float | None = None
-    async_scheduling: bool = True  # schedule step N+1 while step N runs; its tokens stay on the device
+    async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on TPU/GPU, off on CPU
     tensor_parallel_size: int = 1
     distributed_init: bool = False
     coordinator_address: str | None = None
@@ -459,3 +459,5 @@ class EngineConfig:
         for name in ("strict_no_compile", "enable_prefix_caching", "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")

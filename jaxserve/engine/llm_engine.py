@@ -1,20 +1,20 @@
 """LLMEngine: add_request / step / abort, the loop that LLM.generate and AsyncLLMEngine both drive.
 
-Each `step()` asks the Scheduler for a Schedule, applies pending copy-on-write copies and new sampler
-slots on the device, builds the step's inputs padded to the chosen bucket (`runner/input_batch.py`) and
-dispatches the ModelRunner's precompiled executable; `Schedule.advance` then counts the rows as computed.
-With `async_scheduling` (the default) it does not wait for that step: every sampling row gets a
-placeholder token at once, so the scheduler can plan the next step, and the next step reads the real
-tokens on the device. While the device runs step N, the host reads step N-1's tokens (and logprobs) and
-hands each to its request's group (`request_group.py`, `beam_search.py`), which detokenizes, applies stop
-conditions and forks; the engine applies the forks and frees and returns a RequestOutput for every request
-that advanced. A sequence that stops on a token the host had not yet seen was already scheduled once more:
-that extra row's token is dropped. Beam search needs every step's logprobs before it can pick the next
-beams, so while a beam search request runs, each step is read before the next is planned. Structured
-outputs do not hold the batch back either. A constrained row's mask needs the token before it: when step
-N+1 has a row whose grammar waits for step N's token, N+1 is dispatched at once taking only its argmax,
-and once N's tokens are read (while N+1 runs) those rows' masks are filled and `ModelRunner.resample`
-samples all of N+1's rows from its logits, on the device, before step N+2 reads its tokens."""
+Each `step()` asks the Scheduler for a Schedule, applies pending copy-on-write copies and new sampler slots on
+the device, builds the step's inputs padded to the chosen bucket (`runner/input_batch.py`) and dispatches the
+ModelRunner's precompiled executable; `Schedule.advance` then counts the rows as computed. With
+`async_scheduling` (the default on TPU and GPU, not on CPU: `resolve_async_scheduling`) it does not wait for
+that step: every sampling row gets a placeholder token at once, so the scheduler can plan the next step, and
+the next step reads the real tokens on the device. While the device runs step N, the host reads step N-1's
+tokens (and logprobs) and hands each to its request's group (`request_group.py`, `beam_search.py`), which
+detokenizes, applies stop conditions and forks; the engine applies the forks and frees and returns a
+RequestOutput for every request that advanced. A sequence that stops on a token the host had not yet seen was
+already scheduled once more: that extra row's token is dropped. Beam search needs every step's logprobs before
+it can pick the next beams, so while a beam search request runs, each step is read before the next is planned.
+Structured outputs do not hold the batch back either. A constrained row's mask needs the token before it: when
+step N+1 has a row whose grammar waits for step N's token, N+1 is dispatched at once taking only its argmax,
+and once N's tokens are read (while N+1 runs) those rows' masks are filled and `ModelRunner.resample` samples
+all of N+1's rows from its logits, on the device, before step N+2 reads its tokens."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ class LLMEngine:
         logger.info("%s", _scheduling_summary(self.scheduler))
         self.runner = ModelRunner.for_engine(loaded.config, loaded.params, config, self.grid, self.mesh)
         self._in_flight: InFlightStep | None = None
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.mesh.devices.flat[0].platform)
         self._num_sync_groups = 0  # requests that need each step's results before the next is planned
         self.requests: dict[str, RequestGroup] = {}
         self.stats = EngineStats()
@@ -442,6 +442,16 @@ class LLMEngine:
     def _remove(self, group: RequestGroup) -> None:
         del self.requests[group.request_id]
         self._num_sync_groups -= group.needs_host_sync
+
+
+def resolve_async_scheduling(requested: bool | None, platform: str) -> bool:
+    """Whether steps are planned ahead: as requested, else (None) on where a device runs the steps beside the
+    host (TPU, GPU) and off on CPU, as vLLM's CPU backend. On CPU the host's planning takes the cores the step
+    runs on, so planning ahead saves nothing, and a request arriving during step N would wait for step N+1,
+    already planned without it (docs/benchmarks/serving-load.md measures both)."""
+    resolved = platform != "cpu" if requested is None else requested
+    logger.info("async scheduling: %s%s", "on" if resolved else "off", " (auto)" if requested is None else "")
+    return resolved
 
 
 def _scheduling_summary(scheduler: Scheduler) -> str:

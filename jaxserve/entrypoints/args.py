@@ -36,7 +36,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "seed": (int, "seed of requests that give none"),
     "attention_backend": (str, "auto, reference, pallas or cpu"),
     "waiting_served_ratio": (float, "prefill new requests once waiting >= this ratio x decoding (TGI's; default 0)"),
-    "async_scheduling": (bool, "plan step N+1 while step N runs (--no-async-scheduling reads every step first)"),
+    "async_scheduling": (bool, "plan step N+1 while step N runs (--no-async-scheduling reads every step first). "
+                         "Default: on for TPU and GPU, off on CPU, where the host's work takes the cores the step "
+                         "runs on and a request arriving mid-step would wait one step more (as vLLM's CPU backend)"),
     "max_logprobs": (int, "the most logprobs or prompt_logprobs a request may ask for"),
     "tensor_parallel_size": (int, "devices (of all hosts) that hold one engine, split by attention heads"),
     "distributed_init": (bool, "join a multi-host run: jax.distributed.initialize (or JAXSERVE_DISTRIBUTED_INIT=1)"),
