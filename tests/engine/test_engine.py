@@ -10,6 +10,8 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.compilation.compile_cache import num_backend_compiles
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import resolve_async_scheduling
 from tests.hf_tiny import VOCAB, make_tiny_model, small_bucket_file
 from tests.paths import SHARED_WORKLOADS
 
@@ -65,10 +67,19 @@ def test_continuous_batching_changes_no_token(llm):
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
 
 
+def test_async_scheduling_is_off_on_cpu_unless_asked_and_on_for_accelerators(llm):
+    assert llm.llm_engine.config.async_scheduling is None and llm.llm_engine.async_scheduling is False
+    assert [resolve_async_scheduling(None, platform) for platform in ("cpu", "tpu", "gpu")] == [False, True, True]
+    assert resolve_async_scheduling(True, "cpu") is True and resolve_async_scheduling(False, "tpu") is False
+    with pytest.raises(ValueError, match=r"^async_scheduling must be True, False or None \(auto\), got 'yes'$"):
+        EngineConfig(async_scheduling="yes")
+
+
 def test_async_scheduling_equals_sync_with_early_stops_and_aborts(llm):
     """Step N+1 is scheduled before step N's tokens are read: sequences that stop on a token the host
     had not seen yet drop the extra row, aborts in flight lose nothing, and every block comes back."""
     engine = llm.llm_engine
+    default = engine.async_scheduling
     requests = workload_subset(12, 24, VOCAB, seed=3)
     engine.async_scheduling = False
     free_run = [o.outputs[0].token_ids for o in llm.generate(
@@ -96,6 +107,7 @@ def test_async_scheduling_equals_sync_with_early_stops_and_aborts(llm):
     assert aborted.outputs[0].token_ids == free_run_prefix(llm, [5, 6, 7], 3)  # the 4th was still in flight
     assert engine.step() == [] and not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.async_scheduling = default
 
 
 def free_run_prefix(llm, prompt: list[int], num_tokens: int) -> list[int]:

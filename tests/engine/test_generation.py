@@ -121,7 +121,7 @@ def test_async_scheduling_changes_nothing(llm):
                                             frequency_penalty=0.8, prompt_logprobs=2)),
     ]
     engine = llm.llm_engine
-    runs = {}
+    default, runs = engine.async_scheduling, {}
     for mode in (False, True):
         engine.async_scheduling = mode
         outputs = llm.generate([tokens_prompt(p) for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
@@ -129,7 +129,7 @@ def test_async_scheduling_changes_nothing(llm):
                                                    None if c.logprobs is None else [list(d) for d in c.logprobs])
                                                   for c in o.outputs]) for o in outputs]
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    engine.async_scheduling = True
+    engine.async_scheduling = default
     assert runs[True] == runs[False]
     assert any(c[3] == "stop" for c in runs[True][1][1])  # some samples stopped mid-stream
 

@@ -149,13 +149,13 @@ def test_requests_arriving_while_others_decode_get_the_same_tokens(llms, async_s
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     expected = _trace(legacy, params)
     engine = mixed.llm_engine
-    engine.async_scheduling = async_scheduling
+    default, engine.async_scheduling = engine.async_scheduling, async_scheduling
     try:
         before = engine.stats.num_mixed_steps
         assert _trace(mixed, params) == expected
         assert engine.stats.num_mixed_steps - before >= 4
     finally:
-        engine.async_scheduling = True
+        engine.async_scheduling = default
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 def llms(model_dir, tmp_path_factory):
     """(no caching, caching with async scheduling, caching with every step read before the next)."""
     tmp = tmp_path_factory.mktemp("buckets")
-    return (_llm(model_dir, tmp, "off", caching=False), _llm(model_dir, tmp, "on", caching=True),
+    return (_llm(model_dir, tmp, "off", caching=False), _llm(model_dir, tmp, "on", caching=True, async_scheduling=True),
             _llm(model_dir, tmp, "sync", caching=True, async_scheduling=False))
 
 

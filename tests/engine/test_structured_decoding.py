@@ -32,7 +32,7 @@ def llms(tmp_path_factory):
     """(async scheduling, every step read before the next is planned)."""
     tmp = tmp_path_factory.mktemp("structured")
     model_dir = make_tiny_model(tmp / "model", "llama", seed=4)
-    return _llm(model_dir, tmp, "async"), _llm(model_dir, tmp, "sync", async_scheduling=False)
+    return _llm(model_dir, tmp, "async", async_scheduling=True), _llm(model_dir, tmp, "sync", async_scheduling=False)
 
 
 def _requests() -> list[tuple[list[int], SamplingParams]]:
