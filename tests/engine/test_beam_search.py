@@ -111,6 +111,7 @@ def test_several_prompts_and_text_prompts(setup):
 
 def test_beams_share_kv_blocks(llm, monkeypatch):
     engine = llm.llm_engine
+    monkeypatch.setattr(engine, "async_scheduling", True)  # the step that forks also dispatches the next (TPU/GPU)
     copies = []
     original = engine.runner.copy_blocks
     monkeypatch.setattr(engine.runner, "copy_blocks", lambda blocks, slots: (copies.append(blocks),
