@@ -75,13 +75,12 @@ def test_async_scheduling_is_off_on_cpu_unless_asked_and_on_for_accelerators(llm
         EngineConfig(async_scheduling="yes")
 
 
-def test_async_scheduling_equals_sync_with_early_stops_and_aborts(llm):
+def test_async_scheduling_equals_sync_with_early_stops_and_aborts(llm, monkeypatch):
     """Step N+1 is scheduled before step N's tokens are read: sequences that stop on a token the host
     had not seen yet drop the extra row, aborts in flight lose nothing, and every block comes back."""
     engine = llm.llm_engine
-    default = engine.async_scheduling
     requests = workload_subset(12, 24, VOCAB, seed=3)
-    engine.async_scheduling = False
+    monkeypatch.setattr(engine, "async_scheduling", False)  # the engine's own mode comes back after the test
     free_run = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p, _ in requests], [_greedy(n) for _, n in requests], use_tqdm=False
     )]
@@ -107,7 +106,6 @@ def test_async_scheduling_equals_sync_with_early_stops_and_aborts(llm):
     assert aborted.outputs[0].token_ids == free_run_prefix(llm, [5, 6, 7], 3)  # the 4th was still in flight
     assert engine.step() == [] and not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    engine.async_scheduling = default
 
 
 def free_run_prefix(llm, prompt: list[int], num_tokens: int) -> list[int]:

@@ -110,7 +110,7 @@ def test_preemption_recomputes_counts_and_keeps_seeded_outputs(llm):
     assert engine.slots.num_free == engine.slots.num_slots
 
 
-def test_async_scheduling_changes_nothing(llm):
+def test_async_scheduling_changes_nothing(llm, monkeypatch):
     """Tokens read back one step late (placeholders fed on the device) give the same outputs as reading
     every step at once: penalties count fed tokens, stops drop the extra rows, forks happen at dispatch."""
     requests = [
@@ -121,15 +121,14 @@ def test_async_scheduling_changes_nothing(llm):
                                             frequency_penalty=0.8, prompt_logprobs=2)),
     ]
     engine = llm.llm_engine
-    default, runs = engine.async_scheduling, {}
+    runs = {}
     for mode in (False, True):
-        engine.async_scheduling = mode
+        monkeypatch.setattr(engine, "async_scheduling", mode)  # the engine's own mode comes back after the test
         outputs = llm.generate([tokens_prompt(p) for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
         runs[mode] = [(o.prompt_logprobs is None, [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason,
                                                    None if c.logprobs is None else [list(d) for d in c.logprobs])
                                                   for c in o.outputs]) for o in outputs]
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    engine.async_scheduling = default
     assert runs[True] == runs[False]
     assert any(c[3] == "stop" for c in runs[True][1][1])  # some samples stopped mid-stream
 

@@ -144,18 +144,15 @@ def test_the_step_trace_has_a_line_for_every_step_the_engine_counts(llms, tmp_pa
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_requests_arriving_while_others_decode_get_the_same_tokens(llms, async_scheduling):
+def test_requests_arriving_while_others_decode_get_the_same_tokens(llms, async_scheduling, monkeypatch):
     legacy, mixed = llms
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     expected = _trace(legacy, params)
     engine = mixed.llm_engine
-    default, engine.async_scheduling = engine.async_scheduling, async_scheduling
-    try:
-        before = engine.stats.num_mixed_steps
-        assert _trace(mixed, params) == expected
-        assert engine.stats.num_mixed_steps - before >= 4
-    finally:
-        engine.async_scheduling = default
+    monkeypatch.setattr(engine, "async_scheduling", async_scheduling)  # the engine's own mode comes back after
+    before = engine.stats.num_mixed_steps
+    assert _trace(mixed, params) == expected
+    assert engine.stats.num_mixed_steps - before >= 4
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
