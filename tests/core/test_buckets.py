@@ -148,22 +148,22 @@ def test_cpu_spec_stays_small():
     grid = BucketGrid(
         spec, block_size=16, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4096
     )
-    assert (len(grid.decode_buckets), len(grid.prefill_buckets), len(grid.mixed_buckets)) == (14, 12, 20)
-    assert grid.num_executables == 46
+    assert (len(grid.decode_buckets), len(grid.prefill_buckets), len(grid.mixed_buckets)) == (20, 12, 20)
+    assert grid.num_executables == 52
     short = BucketGrid(
         spec, block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512, num_blocks=2048
     )
-    assert (len(short.decode_buckets), len(short.prefill_buckets), len(short.mixed_buckets)) == (7, 6, 10)
-    assert short.num_executables == 23
+    assert (len(short.decode_buckets), len(short.prefill_buckets), len(short.mixed_buckets)) == (10, 6, 10)
+    assert short.num_executables == 26
     assert short.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (32, 64, 128, 256, 512)]
     assert spec.mixed_token_budget == 128
     offline = BucketGrid(spec, block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512,
                          num_blocks=2048, mixed_token_limit=spec.mixed_token_budget)
     assert offline.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (32, 64, 128)]
-    assert offline.num_executables == 19
+    assert offline.num_executables == 22
     text = Path(spec.source).read_text()
-    assert "# 23 executables (7 decode + 6 prefill + 10 mixed) at max_model_len 2048, 46 at 8192" in text
-    assert "19 and\n# 38 without one (offline)" in text
+    assert "# 26 executables (10 decode + 6 prefill + 10 mixed) at max_model_len 2048, 52 at 8192" in text
+    assert "22 and\n# 44 without one (offline)" in text
 
 
 def test_mixed_token_budget_is_optional_and_checked():
