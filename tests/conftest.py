@@ -4,7 +4,7 @@
   directory that every pytest-xdist worker and subprocess inherits (not the virtual-device check
   subprocesses: tests/paths.py says why; the controller creates it before the
   workers start and removes it at exit). Modules that build the same programs (the embedded model's CPU grid
-  is in a dozen of them) compile them once: measured on a 2-core EPYC, the embedded model's 19 CPU buckets
+  is in a dozen of them) compile them once: measured on a 2-core EPYC, the embedded model's 19 CPU buckets (22 since 12, 24 and 48 decode rows)
   compile in 92 s and load from the cache in 2.7 s. JAX keys entries by the compiled program, so a test only
   ever loads the executable it would have compiled. The user's ``~/.cache`` is never touched; tests of the
   cache itself pass explicit directories (or set the variable themselves).
@@ -12,7 +12,8 @@
   probe those runtimes (and print their warnings). Set either variable beforehand to override it.
 
 `make test` runs the modules on two pytest-xdist workers (`--dist loadfile`: a module's engine fixtures stay
-in one process); `reference_dir` is where they share reference outputs.
+in one process), the slowest modules first (`SLOWEST_MODULES`); `reference_dir` is where they share reference
+outputs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,25 @@ def _session_compile_cache() -> None:
 
 _session_compile_cache()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The modules that take longest (seconds on 2 EPYC cores, `pytest --durations`, 2026-11-26), collected first.
+# With `--dist loadfile` each worker takes the next module in collection order when it finishes one: when a
+# 5-minute module came last (alphabetically), the other worker sat idle for minutes at the end of the suite.
+# Longest first is the classic schedule for that. The rest keep their order. test_bfloat16_accuracy.py is not
+# here: it waits for the transformers references test_embedded_model.py computes (`reference_dir`).
+SLOWEST_MODULES = (
+    "tests/e2e/test_embedded_model.py",  # ~440 s: transformers' references, the float32 embedded engines
+    "tests/distributed/test_tensor_parallel.py",  # ~290 s: 8 virtual devices in a subprocess, 15 engines
+    "tests/compilation/test_targets.py",  # ~300 s: deviceless TPU compiles (embedded, Llama-3-8B shape)
+    "tests/engine/test_engine.py",  # ~200 s: the shipped CPU grid compiled for a tiny model
+    "tests/models/test_family_engines.py",  # ~160 s: one engine per family
+    "tests/entrypoints/test_serve_cli.py",  # ~150 s: servers started as users start them
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {module: i for i, module in enumerate(SLOWEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 @pytest.fixture(scope="session")
