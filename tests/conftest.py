@@ -4,10 +4,10 @@
   directory that every pytest-xdist worker and subprocess inherits (not the virtual-device check
   subprocesses: tests/paths.py says why; the controller creates it before the
   workers start and removes it at exit). Modules that build the same programs (the embedded model's CPU grid
-  is in a dozen of them) compile them once: measured on a 2-core EPYC, the embedded model's 19 CPU buckets (22 since 12, 24 and 48 decode rows)
-  compile in 92 s and load from the cache in 2.7 s. JAX keys entries by the compiled program, so a test only
-  ever loads the executable it would have compiled. The user's ``~/.cache`` is never touched; tests of the
-  cache itself pass explicit directories (or set the variable themselves).
+  is in a dozen of them) compile them once: measured on a 2-core EPYC, the embedded model's 19 CPU buckets
+  of then (22 now) compiled in 92 s and loaded from the cache in 2.7 s. JAX keys entries by the compiled
+  program, so a test only ever loads the executable it would have compiled. The user's ``~/.cache`` is never
+  touched; tests of the cache itself pass explicit directories (or set the variable themselves).
 - ``JAX_PLATFORMS=cpu``: the tests are CPU tests; with libtpu or a GPU plugin installed, JAX would otherwise
   probe those runtimes (and print their warnings). Set either variable beforehand to override it.
 
