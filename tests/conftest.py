@@ -39,8 +39,9 @@ _session_compile_cache()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The modules that take longest (seconds on 2 EPYC cores, `pytest --durations`, 2026-11-26), collected first.
-# With `--dist loadfile` each worker takes the next module in collection order when it finishes one: when a
-# 5-minute module came last (alphabetically), the other worker sat idle for minutes at the end of the suite.
+# With `--dist loadfile --no-loadscope-reorder` (`make test`) each worker takes the next module in collection
+# order when it finishes one (without the flag pytest-xdist orders modules by their number of tests, and the
+# 5-minute tensor-parallel module of one test came last: the other worker sat idle for minutes at the end).
 # Longest first is the classic schedule for that. The rest keep their order. test_bfloat16_accuracy.py is not
 # here: it waits for the transformers references test_embedded_model.py computes (`reference_dir`).
 SLOWEST_MODULES = (
