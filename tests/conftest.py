@@ -12,8 +12,7 @@
   probe those runtimes (and print their warnings). Set either variable beforehand to override it.
 
 `make test` runs the modules on two pytest-xdist workers (`--dist loadfile`: a module's engine fixtures stay
-in one process), the slowest modules first (`SLOWEST_MODULES`); `reference_dir` is where they share reference
-outputs.
+in one process); `reference_dir` is where they share reference outputs.
 """
 
 from __future__ import annotations
@@ -37,26 +36,6 @@ def _session_compile_cache() -> None:
 
 _session_compile_cache()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-# The modules that take longest (seconds on 2 EPYC cores, `pytest --durations`, 2026-11-26), collected first.
-# With `--dist loadfile --no-loadscope-reorder` (`make test`) each worker takes the next module in collection
-# order when it finishes one (without the flag pytest-xdist orders modules by their number of tests, and the
-# 5-minute tensor-parallel module of one test came last: the other worker sat idle for minutes at the end).
-# Longest first is the classic schedule for that. The rest keep their order. test_bfloat16_accuracy.py is not
-# here: it waits for the transformers references test_embedded_model.py computes (`reference_dir`).
-SLOWEST_MODULES = (
-    "tests/e2e/test_embedded_model.py",  # ~440 s: transformers' references, the float32 embedded engines
-    "tests/distributed/test_tensor_parallel.py",  # ~290 s: 8 virtual devices in a subprocess, 15 engines
-    "tests/compilation/test_targets.py",  # ~300 s: deviceless TPU compiles (embedded, Llama-3-8B shape)
-    "tests/engine/test_engine.py",  # ~200 s: the shipped CPU grid compiled for a tiny model
-    "tests/models/test_family_engines.py",  # ~160 s: one engine per family
-    "tests/entrypoints/test_serve_cli.py",  # ~150 s: servers started as users start them
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {module: i for i, module in enumerate(SLOWEST_MODULES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 @pytest.fixture(scope="session")
