@@ -80,13 +80,14 @@ def _hf_greedy_batch(model, prompts: list[list[int]], eos_id: int) -> list[Greed
             result = model(feed, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
             past = result.past_key_values
             logits = result.logits[:, -1].numpy()
+            tokens = logits.argmax(-1)
             for row, reference in enumerate(references):
                 if not reference.tokens or reference.tokens[-1] != eos_id:
-                    reference.tokens.append(int(logits[row].argmax()))
+                    reference.tokens.append(int(tokens[row]))
                     reference.gaps.append(top2_gap(logits[row]))
             if all(r.tokens[-1] == eos_id for r in references):
                 break
-            feed = torch.tensor(logits.argmax(-1), dtype=torch.long)[:, None]
+            feed = torch.tensor(tokens, dtype=torch.long)[:, None]
             positions = positions[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=torch.long)], dim=1)
     return references
