@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers of draft tokens (host side) and their configuration."""
