@@ -147,7 +147,20 @@ class SamplerOutput:
 
 
 def sample(logits: jax.Array, params: SamplingTensors, slots: SlotState, num_logprobs: int) -> SamplerOutput:
-    """logits f32[S, V] (raw) -> one token per row, plus raw logprobs when a row wants them.
+    """logits f32[S, V] (raw) -> one token per row, plus raw logprobs when a row wants them."""
+    tokens = sample_tokens(logits, params, slots)
+    logprobs = jax.lax.cond(
+        jnp.any(params.flag(FLAG_LOGPROBS)),
+        lambda: token_logprobs(logits, tokens, num_logprobs),
+        lambda: TokenLogprobs.zeros(tokens.shape, num_logprobs),
+    )
+    return SamplerOutput(tokens, logprobs)
+
+
+def sample_tokens(logits: jax.Array, params: SamplingTensors, slots: SlotState,
+                  uncounted: jax.Array | None = None) -> jax.Array:
+    """i32[S]: each row's token from its raw logits f32[S, V]. ``uncounted`` i32[S, D]: tokens the slot's counts
+    hold that the row must not see (a verified draft's later drafts, `spec_verify.py`; vocab size: none).
 
     The branches return tokens, never logits: a `lax.cond` that passes [S, V] logits through copies them, 15
     ms per cond for a [64, 49152] batch on XLA:CPU, as much as the rest of the sampler."""
@@ -157,16 +170,15 @@ def sample(logits: jax.Array, params: SamplingTensors, slots: SlotState, num_log
         | jnp.any(params.step < params.min_tokens)
         | _any_penalty(params)
     )
-    processed = lambda: apply_penalties(
-        apply_bias_and_min_tokens(apply_grammar(logits, params), params, slots), params, slots
-    )
-    tokens = jax.lax.cond(processes, lambda: _tokens(processed(), params), lambda: _tokens(logits, params))
-    logprobs = jax.lax.cond(
-        jnp.any(params.flag(FLAG_LOGPROBS)),
-        lambda: token_logprobs(logits, tokens, num_logprobs),
-        lambda: TokenLogprobs.zeros(tokens.shape, num_logprobs),
-    )
-    return SamplerOutput(tokens, logprobs)
+    processed = lambda: process_logits(logits, params, slots, uncounted)
+    return jax.lax.cond(processes, lambda: _tokens(processed(), params), lambda: _tokens(logits, params))
+
+
+def process_logits(logits: jax.Array, params: SamplingTensors, slots: SlotState,
+                   uncounted: jax.Array | None = None) -> jax.Array:
+    """Raw logits with the grammar's mask, logit_bias, min_tokens and the penalties applied (before temperature)."""
+    masked = apply_bias_and_min_tokens(apply_grammar(logits, params), params, slots)
+    return apply_penalties(masked, params, slots, uncounted)
 
 
 def _tokens(processed: jax.Array, params: SamplingTensors) -> jax.Array:
@@ -210,8 +222,10 @@ def apply_bias_and_min_tokens(logits: jax.Array, params: SamplingTensors, slots:
     return jax.lax.cond(jnp.any(use_bias) | jnp.any(before_min), apply, lambda: logits)
 
 
-def apply_penalties(logits: jax.Array, params: SamplingTensors, slots: SlotState) -> jax.Array:
-    """vLLM's: repetition over prompt and output tokens, frequency and presence over output tokens."""
+def apply_penalties(logits: jax.Array, params: SamplingTensors, slots: SlotState,
+                    uncounted: jax.Array | None = None) -> jax.Array:
+    """vLLM's: repetition over prompt and output tokens, frequency and presence over output tokens (the slot's
+    counts less ``uncounted``, see `sample_tokens`)."""
     rep = params.repetition_penalty[:, None]
     freq = params.frequency_penalty[:, None]
     presence = params.presence_penalty[:, None]
@@ -219,6 +233,9 @@ def apply_penalties(logits: jax.Array, params: SamplingTensors, slots: SlotState
     def apply() -> jax.Array:
         rows = slots.rows(params.slot)
         counts = rows.output_counts
+        if uncounted is not None:
+            index = jnp.arange(counts.shape[0])[:, None]
+            counts = counts.at[index, uncounted].add(-1, mode="drop")
         generated = counts > 0
         repeated = jnp.where(logits > 0, logits / rep, logits * rep)
         out = jnp.where(generated | rows.prompt_mask, repeated, logits)
@@ -249,7 +266,7 @@ def sample_random(logits: jax.Array, params: SamplingTensors) -> jax.Array:
     weights = jnp.exp(scaled - jnp.where(jnp.isfinite(largest), largest, 0.0))
     weights = jnp.where(weights < params.min_p[:, None], 0.0, weights)  # min_p: p < min_p * max p
     weights = jnp.where(scaled < _top_k_floor(scaled, params.top_k)[:, None], 0.0, weights)
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(params.seed, params.step)
+    keys = row_keys(params)
     draw = _NucleusDraw(scaled, weights, params.top_p, keys)
     tokens, found = draw.first(FIRST_DRAWS)
     tokens, found = jax.lax.cond(jnp.all(found), lambda: (tokens, found), lambda: draw.again(tokens, found))
@@ -257,9 +274,14 @@ def sample_random(logits: jax.Array, params: SamplingTensors) -> jax.Array:
     def exact() -> jax.Array:
         filtered = filter_logits(logits, params)
         exact_weights = jnp.exp(filtered - jnp.max(filtered, axis=-1, keepdims=True))
-        return jnp.where(found, tokens, inverse_cdf_draw(exact_weights, _uniforms(keys, MAX_REDRAWS, 1))[:, 0])
+        return jnp.where(found, tokens, inverse_cdf_draw(exact_weights, uniforms(keys, MAX_REDRAWS, 1))[:, 0])
 
     return jax.lax.cond(jnp.all(found), lambda: tokens, exact)
+
+
+def row_keys(params: SamplingTensors) -> jax.Array:
+    """[S] PRNG keys: a row's depends only on its seed and the number of tokens its sequence generated."""
+    return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(params.seed, params.step)
 
 
 FIRST_DRAWS = 2  # draws per row checked against the nucleus in one pass (each draw costs a pass over the row)
@@ -280,7 +302,7 @@ class _NucleusDraw:
 
     def first(self, num_draws: int) -> tuple[jax.Array, jax.Array]:
         """(token, in the nucleus) of each row's first draw in the nucleus among draws 0..num_draws-1."""
-        candidates = inverse_cdf_draw(self.weights, _uniforms(self.keys, 0, num_draws))
+        candidates = inverse_cdf_draw(self.weights, uniforms(self.keys, 0, num_draws))
         inside = jnp.stack([self._in_nucleus(candidates[:, i]) for i in range(num_draws)], axis=-1)
         first = jnp.argmax(inside, axis=-1)
         return jnp.take_along_axis(candidates, first[:, None], axis=-1)[:, 0], jnp.any(inside, axis=-1)
@@ -290,7 +312,7 @@ class _NucleusDraw:
 
         def redraw(state):
             number, tokens, found = state
-            candidate = inverse_cdf_draw(self.weights, _uniforms(self.keys, number, 1))[:, 0]
+            candidate = inverse_cdf_draw(self.weights, uniforms(self.keys, number, 1))[:, 0]
             take = ~found & self._in_nucleus(candidate)
             return number + 1, jnp.where(take, candidate, tokens), found | take
 
@@ -304,7 +326,7 @@ class _NucleusDraw:
         return (above < self.top_p * self.total) | (self.top_p >= 1.0)
 
 
-def _uniforms(keys: jax.Array, first: int | jax.Array, count: int) -> jax.Array:
+def uniforms(keys: jax.Array, first: int | jax.Array, count: int) -> jax.Array:
     """f32[S, count] in [0, 1): draw numbers first..first+count-1 of each row's key."""
     numbers = first + jnp.arange(count, dtype=jnp.int32)
     draw = lambda key: jax.vmap(lambda n: jax.random.uniform(jax.random.fold_in(key, n)))(numbers)
