@@ -12,6 +12,8 @@ import math
 import os
 from typing import Any
 
+from jaxserve.speculative.config import SpeculativeConfig
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -436,6 +438,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse cached KV blocks of repeated prompt prefixes (vLLM's default)
     disable_log_stats: bool = False  # no periodic stats line (throughput, queues, KV usage, prefix hit rate)
     max_itl_ms: float | None = None  # latency target of steps with decode rows (core/step_budget.py); None: none
+    # speculative decoding (vLLM's dict, or its JSON: `jaxserve.speculative.config`); None: off
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -459,5 +463,12 @@ class EngineConfig:
         for name in ("strict_no_compile", "enable_prefix_caching", "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
+
+    @property
+    def speculative_grid(self) -> tuple[int, int] | None:
+        """(most drafts per row, most rows with drafts) that the mixed buckets make room for; None: no speculation."""
+        spec = self.speculative_config
+        return None if spec is None else (spec.num_speculative_tokens, spec.disable_by_batch_size)

@@ -86,6 +86,7 @@ def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_b
         num_blocks=num_blocks,
         # without a latency target no mixed step holds more than the spec's token_budget (core/step_budget.py)
         mixed_token_limit=spec.mixed_token_budget if config.max_itl_ms is None else None,
+        speculative=config.speculative_grid,
     )
 
 

@@ -84,11 +84,16 @@ class PrefillBucket:
 @dataclass(frozen=True, order=True)
 class MixedBucket:
     """A flat ragged batch: ``num_tokens`` query tokens over at most ``batch_size`` rows, where a decode
-    row has one token and a prefill chunk several."""
+    row has one token (and its drafts, in a speculative engine) and a prefill chunk several.
+
+    A speculative engine's mixed step samples ``num_sample_positions`` positions: a row's last token and each
+    of its (at most ``num_speculative_tokens``) drafts (`runner/spec_verify.py`); 0: one per row."""
 
     num_tokens: int
     batch_size: int
     context_len: int
+    num_sample_positions: int = 0
+    num_speculative_tokens: int = 0
 
     def num_pages(self, block_size: int) -> int:
         return self.context_len // block_size
@@ -251,6 +256,22 @@ def load_bucket_spec(path_or_name: str | Path | None, platform: str = "cpu") -> 
 # -- the pruned grid --------------------------------------------------------------------------------
 
 
+def with_verification_sizes(spec: BucketSpec, num_speculative_tokens: int) -> BucketSpec:
+    """``spec`` with up to two mixed token counts added below its smallest: the power of two that holds a lone decode
+    row and its K drafts, and twice it (two or three rows): at low concurrency a step verifies a few rows, and on a small bucket it costs
+    about a decode step (a 32-token step costs 1.7 decode steps of one row on a 2-core CPU,
+    docs/benchmarks/speculative.md)."""
+    counts = spec.mixed_token_counts
+    if not counts:
+        return spec
+    smallest = 1 << (num_speculative_tokens).bit_length()  # the power of two at or above K + 1
+    added = []
+    while smallest < counts[0] and len(added) < 2:
+        added.append(smallest)
+        smallest *= 2
+    return spec.replace(mixed_token_counts=(*added, *counts)) if added else spec
+
+
 def _prev(values: tuple[int, ...], v: int) -> int:
     """The value before ``v`` in the sorted ``values``; 0 for the first."""
     i = values.index(v)
@@ -313,7 +334,13 @@ class BucketGrid:
         max_num_batched_tokens: int,
         num_blocks: int,
         mixed_token_limit: int | None = None,
+        speculative: tuple[int, int] | None = None,
     ) -> None:
+        """``speculative``: (K drafts at most per row, R rows at most with drafts) of a speculative engine; its
+        mixed buckets sample a position per row and per draft, ``min(T, rows + K * min(rows, R))``, and the spec's
+        mixed token counts go down to a lone row's verification (`with_verification_sizes`)."""
+        if speculative is not None:
+            spec = with_verification_sizes(spec, speculative[0])
         for name, value in [
             ("block_size", block_size),
             ("max_model_len", max_model_len),
@@ -351,13 +378,20 @@ class BucketGrid:
             for c in spec.context_lengths
             if self._prefill_feasible(b, n, c)
         ]
+        self.speculative = speculative
         self.mixed_buckets = [
-            MixedBucket(t, r, c)
+            MixedBucket(t, r, c, *self._sample_positions(t, r))
             for r in spec.mixed_batch_sizes
             for t in spec.mixed_token_counts
             for c in spec.context_lengths
             if self._mixed_feasible(t, r, c)
         ]
+
+    def _sample_positions(self, num_tokens: int, batch_size: int) -> tuple[int, int]:
+        if self.speculative is None:
+            return 0, 0
+        k, max_rows = self.speculative
+        return min(num_tokens, batch_size + k * min(batch_size, max_rows)), k
 
     # -- pruning ------------------------------------------------------------------------------------
 
@@ -541,9 +575,9 @@ class BucketGrid:
         """The mixed bucket with the fewest padded tokens, then the smallest context, then the fewest rows,
         for ``num_rows`` rows (decode rows and chunks) of ``num_tokens`` query tokens in all; ValueError
         if none."""
-        if num_rows < 2 or num_tokens < num_rows or max_context_len < 1:
+        if num_rows < 1 or num_tokens < num_rows or max_context_len < 1:
             raise ValueError(
-                "select_mixed needs num_rows >= 2, num_tokens >= num_rows and max_context_len >= 1, got "
+                "select_mixed needs num_rows >= 1, num_tokens >= num_rows and max_context_len >= 1, got "
                 f"{num_rows}, {num_tokens}, {max_context_len}"
             )
         bucket = self.find_mixed(num_rows, num_tokens, max_context_len)
@@ -602,14 +636,17 @@ class BucketGrid:
     def _format_mixed(self, width: int) -> list[str]:
         """The mixed section of ``format_table``: a row per ``batch x tokens``, a column per context."""
         contexts, header = self.spec.context_lengths, "batch x tokens"
-        mixed = set(self.mixed_buckets)
+        mixed = {(b.num_tokens, b.batch_size, b.context_len) for b in self.mixed_buckets}
+        speculative = "" if self.speculative is None else (
+            f" (speculative: each samples a position per row and per draft, at most {self.speculative[0]} drafts "
+            f"per row on {self.speculative[1]} rows)")
         lines = [
-            f"mixed: {len(self.mixed_buckets)} executables",
+            f"mixed: {len(self.mixed_buckets)} executables{speculative}",
             f"  {header}" + "".join(f"{c:>{width}}" for c in contexts),
         ]
         for r in self.spec.mixed_batch_sizes:
             for t in self.spec.mixed_token_counts:
-                cells = "".join(f"{'x' if MixedBucket(t, r, c) in mixed else '-':>{width}}" for c in contexts)
+                cells = "".join(f"{'x' if (t, r, c) in mixed else '-':>{width}}" for c in contexts)
                 lines.append(f"  {f'{r} x {t}':>{len(header)}}" + cells)
         return lines
 

@@ -93,10 +93,11 @@ class Schedule:
     @property
     def rows(self) -> list[tuple[Sequence, int, int]]:
         """(sequence, first position, number of tokens) of every row, in row order: decode rows longest first
-        (rows of similar length share the attention's row groups, see attention/backends.py), then the chunks."""
+        (rows of similar length share the attention's row groups, see attention/backends.py), then the chunks.
+        A decode row's tokens are its last token and its drafts (speculative decoding)."""
         decode = sorted(self.decode_seqs, key=lambda seq: -seq.num_computed_tokens)
         chunks = [(c.seq, c.start, c.num_tokens) for c in self.prefill_chunks]
-        return [(seq, seq.num_computed_tokens, 1) for seq in decode] + chunks
+        return [(seq, seq.num_computed_tokens, 1 + len(seq.spec_token_ids)) for seq in decode] + chunks
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -114,9 +115,14 @@ class Schedule:
         return sum(c.num_tokens for c in self.prefill_chunks)
 
     @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens the step's decode rows verify."""
+        return sum(len(seq.spec_token_ids) for seq in self.decode_seqs)
+
+    @property
     def num_batched_tokens(self) -> int:
         """Real query tokens of the step."""
-        return self.num_prefill_tokens + len(self.decode_seqs)
+        return self.num_prefill_tokens + len(self.decode_seqs) + self.num_draft_tokens
 
     @property
     def num_padded_tokens(self) -> int:
@@ -125,10 +131,11 @@ class Schedule:
 
     def advance(self) -> list[int]:
         """Counts the step's tokens as computed (``num_computed_tokens``) and returns, in row order, the rows
-        whose sequence reached its last token: the rows whose sampled token it appends."""
+        whose sequence reached its last token: the rows whose sampled token it appends. A row's drafts are not
+        counted: the engine counts those accepted once it has read the step."""
         sampling = []
-        for row, (seq, _, num_tokens) in enumerate(self.rows):
-            seq.num_computed_tokens += num_tokens
+        for row, (seq, start, num_tokens) in enumerate(self.rows):
+            seq.num_computed_tokens += min(num_tokens, seq.num_tokens - start)
             if seq.num_computed_tokens == seq.num_tokens:  # a decode row, or a chunk that ends the sequence
                 sampling.append(row)
         return sampling

@@ -20,6 +20,11 @@ Policy
     decoding sequence ever waits behind a prefill; a prefill waits only when decode rows fill the step.
     A chunk that does not end its prompt is cut so the step's tokens fill a mixed bucket exactly. A step
     without decode rows is a prefill step as below; one without chunks a decode step.
+  * Speculative decoding (a grid with ``speculative``): a decoding sequence's draft tokens
+    (``Sequence.spec_token_ids``, set by the engine's proposer) join its row, so the step is a mixed step even
+    without chunks. Drafts are cut to the step's token budget and to the KV blocks free now (a draft never
+    preempts), and dropped for every row when more sequences decode than the grid makes room for
+    (``disable_by_batch_size``). The prefill chunks get the budget the rows and their drafts leave.
   * Prefill or decode (grids without mixed buckets): a prefill step runs when some running sequence is
     mid-prefill (it keeps priority until its prompt is in the cache), or when waiting sequences may be
     admitted: no sequence is decoding, or ``num_waiting >= waiting_served_ratio * num_decoding`` (TGI),
@@ -217,7 +222,8 @@ class Scheduler:
     def _schedule_mixed_prefill(self, sched: Schedule, partial: list[Sequence]) -> None:
         """Prefill chunks after this step's decode rows, within the mixed step's token budget and rows."""
         pending = self._pending_prefill_tokens(partial) if self.step_budget.follows_target else None
-        budget = self.step_budget.mixed_tokens(len(sched.decode_seqs), pending) - len(sched.decode_seqs)
+        num_decode_tokens = sched.num_batched_tokens  # decode rows and their drafts
+        budget = self.step_budget.mixed_tokens(num_decode_tokens, pending) - num_decode_tokens
         for seq in partial:
             if budget < 1 or not self._mixed_row_free(sched):
                 return
@@ -264,7 +270,7 @@ class Scheduler:
 
     def _select_mixed_or_decode(self, sched: Schedule) -> MixedBucket | DecodeBucket:
         max_context = max(sched.context_lens)
-        if sched.prefill_chunks:
+        if sched.prefill_chunks or sched.num_draft_tokens:
             return self.bucket_grid.select_mixed(sched.num_rows, sched.num_batched_tokens, max_context)
         return self.bucket_grid.select_decode(len(sched.decode_seqs), max_context)
 
@@ -397,11 +403,37 @@ class Scheduler:
         return first if padded - (first + rest) >= lengths[0] else n
 
     def _schedule_decode(self, sched: Schedule, decoding: list[Sequence]) -> None:
+        speculates = self._speculates(decoding)
         for seq in decoding:  # oldest first: preemption victims are always later in this list
+            if not speculates:
+                seq.spec_token_ids = []
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1, sched):
                 sched.decode_seqs.append(seq)
+        room = self.step_budget.max_tokens - len(sched.decode_seqs)
+        for seq in sched.decode_seqs:
+            room -= self._fit_drafts(seq, room)
         if sched.decode_seqs and self.waiting:
             self.num_decode_steps_waited += 1
+
+    def _speculates(self, decoding: list[Sequence]) -> bool:
+        """Whether this step's decode rows verify drafts: a speculative grid, and no more decoding sequences than
+        it makes room for (``disable_by_batch_size``: past it a draft costs about what a decoded token does)."""
+        speculative = self.bucket_grid.speculative
+        return speculative is not None and self.bucket_grid.has_mixed and len(decoding) <= speculative[1]
+
+    def _fit_drafts(self, seq: Sequence, room: int) -> int:
+        """Keeps the drafts of a decode row that fit the step's ``room`` tokens and the KV blocks free now (never
+        preempting for a draft); allocates their blocks and returns their number."""
+        drafts = seq.spec_token_ids[: max(room, 0)]
+        if drafts and not self.block_manager.can_allocate(seq, 1 + len(drafts)):
+            slack = len(seq.block_table) * self.block_manager.block_size - seq.num_computed_tokens - 1
+            drafts = drafts[: max(slack, 0)]
+            if drafts and not self.block_manager.can_allocate(seq, 1 + len(drafts)):
+                drafts = []  # the blocks it would write are shared: their copies need free blocks
+        if drafts:
+            self.block_manager.allocate(seq, 1 + len(drafts))
+        seq.spec_token_ids = drafts
+        return len(drafts)
 
     # -- blocks and preemption ----------------------------------------------------------------------
 

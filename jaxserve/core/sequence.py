@@ -74,6 +74,9 @@ class Sequence:
         self.num_registered_blocks = 0  # blocks of block_table already offered to the cache
         self.num_cached_tokens: int | None = None
         self.use_prefix_cache = True  # False: every token is computed (prompt_logprobs need their logits)
+        # Speculative decoding: draft tokens for the next step (a proposer's), not yet in the sequence; the step
+        # that verifies them feeds them after its last token
+        self.spec_token_ids: list[int] = []
 
     def __repr__(self) -> str:
         return (
@@ -85,6 +88,11 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def token_ids_with_drafts(self) -> list[int]:
+        """The sequence's tokens followed by its draft tokens (what a verifying step feeds)."""
+        return self.all_token_ids + self.spec_token_ids if self.spec_token_ids else self.all_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -123,6 +131,7 @@ class Sequence:
         if self.block_table:
             raise RuntimeError(f"seq {self.seq_id}: free its blocks before resetting it for recompute")
         self.num_computed_tokens = 0
+        self.spec_token_ids = []
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

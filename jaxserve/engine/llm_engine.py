@@ -67,6 +67,8 @@ from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGPROBS, FLAG_PROMPT_LOG
 from jaxserve.runner.sampler_state import SlotTable
 from jaxserve.runner.step_costs import measure_mixed_costs
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
+from jaxserve.speculative.config import SpeculativeConfig
+from jaxserve.speculative.ngram import NgramProposer
 from jaxserve.weights import LoadedModel, load_model
 
 logger = init_logger("jaxserve.engine.llm_engine")
@@ -89,6 +91,9 @@ class InFlightStep:
     # argmax, and samples for real once the masks are known (see LLMEngine._resample)
     masks_pending: list[tuple[RequestGroup, Sequence, int, int]] = dataclasses.field(default_factory=list)
     trace: dict | None = None  # the step's record in the step trace (JAXSERVE_STEP_TRACE), closed in _complete
+    # a verifying step (speculative decoding): each row's drafts and sample positions (`VerifyInputs`)
+    drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    row_positions: np.ndarray | None = None
 
 
 class LLMEngine:
@@ -122,7 +127,9 @@ class LLMEngine:
         logger.info("%s", _scheduling_summary(self.scheduler))
         self.runner = ModelRunner.for_engine(loaded.config, loaded.params, config, self.grid, self.mesh)
         self._in_flight: InFlightStep | None = None
-        self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.mesh.devices.flat[0].platform)
+        self.proposer = make_proposer(config.speculative_config, self.grid)
+        self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.mesh.devices.flat[0].platform,
+                                                         speculative=self.proposer is not None)
         self._num_sync_groups = 0  # requests that need each step's results before the next is planned
         self.requests: dict[str, RequestGroup] = {}
         self.stats = EngineStats()
@@ -200,6 +207,8 @@ class LLMEngine:
             raise ValueError("the prompt must contain at least one token")
         seed = self._rng.getrandbits(32)
         if isinstance(params, BeamSearchParams):
+            if self.proposer is not None:
+                raise ValueError("beam search is not supported with speculative decoding (speculative_config)")
             check_beam_search_request(params, len(token_ids), self.limits)
             self.grid.check_request(len(token_ids), params.max_tokens)
             group = BeamSearchGroup(request_id, text, token_ids, params, seed, self.context)
@@ -245,7 +254,8 @@ class LLMEngine:
             kv_cache_usage=self.block_manager.usage, prefix_cache_queries=prefix_cache.queries,
             prefix_cache_hits=prefix_cache.hits,
         )
-        return StatsSnapshot(scheduler, dataclasses.replace(self.stats))
+        per_position = list(self.stats.spec_accepted_per_position)
+        return StatsSnapshot(scheduler, dataclasses.replace(self.stats, spec_accepted_per_position=per_position))
 
     # ----- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -255,6 +265,8 @@ class LLMEngine:
         if self._in_flight is not None and self._num_sync_groups:
             outputs += self._complete(self._in_flight)  # beams pick their next tokens before scheduling
             self._in_flight = None
+        if self.proposer is not None:
+            self._propose_drafts()
         schedule = self.scheduler.schedule()
         self.stats.num_preemptions += len(schedule.preempted)
         for seq in schedule.preempted:
@@ -313,6 +325,9 @@ class LLMEngine:
         output = self.runner.execute(schedule.bucket, inputs, prev)
         self._check_no_compile(compiles_before, schedule)
         step = InFlightStep(output, sampling.ints[:, _FLAGS], [], [], {}, sampling)
+        if inputs.verify is not None:
+            step.drafts = {row: list(seq.spec_token_ids) for row, (seq, _, _) in enumerate(rows) if seq.spec_token_ids}
+            step.row_positions = inputs.verify.row_positions
         self._advance(schedule, rows, inputs, step, masks_wait)
         self._count_step(schedule)
         if self.step_trace is not None:
@@ -406,16 +421,43 @@ class LLMEngine:
             if self.requests.get(group.request_id) is group:
                 group.add_prompt_logprobs(start, num_tokens, [x[index, column:] for x in prompt_logprobs])
         touched: dict[str, RequestGroup] = {}
+        num_accepted = None if step.output.num_accepted is None else np.asarray(step.output.num_accepted)
         for group, seq, row, index in step.samples:
             if self.requests.get(group.request_id) is not group:
                 continue  # aborted: this row's token is dropped
-            if group.on_sample(seq, index, _sampled(tokens, logprobs, row)):
-                self.stats.num_generation_tokens += 1
+            if num_accepted is None:
+                taken = int(group.on_sample(seq, index, _sampled(tokens, logprobs, row)))
+            else:
+                taken = self._take_verified(step, group, seq, row, index, int(num_accepted[row]), tokens, logprobs)
+            if taken:
+                self.stats.num_generation_tokens += taken
                 touched[group.request_id] = group
         for group in touched.values():
             group.after_step()
             self._apply(group.take_update())
         return self._report(touched.values())
+
+    def _take_verified(self, step: InFlightStep, group: RequestGroup, seq: Sequence, row: int, index: int,
+                       num_accepted: int, tokens: np.ndarray, logprobs) -> int:
+        """A verifying step's row: its accepted drafts and its last token go to its group, in order, until one
+        stops the sequence; the accepted drafts' K/V count as computed. Returns the tokens taken."""
+        drafts = step.drafts.get(row, [])
+        seq.spec_token_ids = []
+        seq.num_computed_tokens += num_accepted
+        positions = step.row_positions[row, : num_accepted + 1]
+        samples = [_sampled_at(token, logprobs, position)
+                   for token, position in zip([*drafts[:num_accepted], int(tokens[row])], positions, strict=True)]
+        self.stats.count_drafts(len(drafts), num_accepted)
+        return group.on_sample_tokens(seq, index, samples)
+
+    def _propose_drafts(self) -> None:
+        """Before scheduling: drafts for every decoding sequence, when no more decode than the grid verifies."""
+        decoding = [seq for seq in self.scheduler.running if seq.num_uncomputed_tokens == 1]
+        if len(decoding) > self.grid.speculative[1]:
+            return
+        for seq in decoding:
+            max_drafts = self.requests[seq.request_id].max_drafts(seq)
+            seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, max_drafts) if max_drafts > 0 else []
 
     def _apply(self, update: GroupUpdate) -> None:
         """Forks first (they share blocks that a finished parent is about to release), then frees."""
@@ -444,14 +486,33 @@ class LLMEngine:
         self._num_sync_groups -= group.needs_host_sync
 
 
-def resolve_async_scheduling(requested: bool | None, platform: str) -> bool:
+def resolve_async_scheduling(requested: bool | None, platform: str, *, speculative: bool = False) -> bool:
     """Whether steps are planned ahead: as requested, else (None) on where a device runs the steps beside the
     host (TPU, GPU) and off on CPU, as vLLM's CPU backend. On CPU the host's planning takes the cores the step
     runs on, so planning ahead saves nothing, and a request arriving during step N would wait for step N+1,
-    already planned without it (docs/benchmarks/serving-load.md measures both)."""
+    already planned without it (docs/benchmarks/serving-load.md measures both). Speculative decoding plans each
+    step from the last one's accepted tokens (its drafts, its rows' lengths), so it reads every step first."""
+    if speculative:
+        if requested:
+            raise ValueError("async_scheduling is not supported with speculative decoding: each step's drafts "
+                             "come from the previous step's accepted tokens")
+        logger.info("async scheduling: off (speculative decoding)")
+        return False
     resolved = platform != "cpu" if requested is None else requested
     logger.info("async scheduling: %s%s", "on" if resolved else "off", " (auto)" if requested is None else "")
     return resolved
+
+
+def make_proposer(config: SpeculativeConfig | None, grid) -> NgramProposer | None:
+    """The engine's draft proposer (None: no speculative decoding); the grid must have mixed buckets to verify in."""
+    if config is None:
+        return None
+    if not grid.has_mixed:
+        raise ValueError(f"speculative decoding verifies drafts in mixed steps: {grid.spec.source} has no [mixed] "
+                         "buckets")
+    logger.info("speculative decoding: %s, up to %d drafts per row, while at most %d sequences decode", config.method,
+                config.num_speculative_tokens, config.disable_by_batch_size)
+    return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
 
 def _scheduling_summary(scheduler: Scheduler) -> str:
@@ -472,7 +533,12 @@ def _host(logprobs) -> tuple[np.ndarray, ...]:
 
 
 def _sampled(tokens: np.ndarray, logprobs: tuple[np.ndarray, ...] | None, i: int) -> SampledToken:
+    return _sampled_at(int(tokens[i]), logprobs, i)
+
+
+def _sampled_at(token: int, logprobs: tuple[np.ndarray, ...] | None, i: int) -> SampledToken:
+    """``token`` with the logprobs at index ``i`` (a row, or a verifying step's sample position)."""
     if logprobs is None:
-        return SampledToken(int(tokens[i]))
+        return SampledToken(token)
     token_logprob, rank, top_ids, top_logprobs = logprobs
-    return SampledToken(int(tokens[i]), float(token_logprob[i]), int(rank[i]), top_ids[i], top_logprobs[i])
+    return SampledToken(token, float(token_logprob[i]), int(rank[i]), top_ids[i], top_logprobs[i])

@@ -153,6 +153,25 @@ class RequestGroup(abc.ABC):
     def on_sample(self, seq: Sequence, index: int, sample: SampledToken) -> bool:
         """The token of a row announced by `on_launch`; False if it was dropped."""
 
+    def on_sample_tokens(self, seq: Sequence, index: int, samples: list[SampledToken]) -> int:
+        """Several tokens of one row (a verifying step's accepted drafts and its last token), from output index
+        ``index`` on: each after the one before, until one is dropped or stops the sequence. Returns how many
+        were taken."""
+        taken = 0
+        for i, sample in enumerate(samples):
+            if i:
+                if seq.is_finished:
+                    break
+                seq.append_token(PLACEHOLDER_TOKEN)
+            if not self.on_sample(seq, index + i, sample):
+                break
+            taken += 1
+        return taken
+
+    def max_drafts(self, seq: Sequence) -> int:
+        """The most draft tokens ``seq`` may verify in its next step (speculative decoding): none by default."""
+        return 0
+
     def after_step(self) -> None:  # noqa: B027 - optional hook, a no-op for sampling groups
         """Called once per step for every group that received a token, after all its rows."""
 
@@ -253,6 +272,14 @@ class SamplingGroup(RequestGroup):
         if state.grammar is None or index >= seq.num_output_tokens or state.num_accepted_tokens != index:
             return None
         return state.grammar.allowed_tokens()
+
+    def max_drafts(self, seq: Sequence) -> int:
+        """Drafts that keep the step's tokens (the drafts and one more) within max_tokens and max_model_len; none for
+        a grammar-constrained sequence (its masks are known one token at a time)."""
+        if self.states[seq.seq_id].grammar is not None:
+            return 0
+        max_tokens = self.params.max_tokens or self.ctx.max_model_len
+        return min(max_tokens - seq.num_output_tokens, self.ctx.max_model_len - seq.num_tokens) - 1
 
     def needs_slot(self) -> bool:
         p = self.params

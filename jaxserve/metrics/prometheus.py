@@ -62,6 +62,20 @@ class EngineStateCollector:
         yield _counter("bucket_padded_tokens", "Padding query slots run to fill buckets.", engine.num_padded_tokens)
         yield _gauge("bucket_padding_per_real_token", "Padded query slots per real token over all steps.",
                      engine.padding_per_real_token)
+        yield from _spec_decode_counters(engine)
+
+
+def _spec_decode_counters(engine) -> Iterable:
+    """vLLM's speculative decoding counters: verified rows with drafts, their drafts, the accepted ones, and the
+    accepted ones by position in the row (label ``position``)."""
+    yield _counter("spec_decode_num_drafts", "Number of spec decoding drafts.", engine.num_spec_drafts)
+    yield _counter("spec_decode_num_draft_tokens", "Number of draft tokens.", engine.num_spec_draft_tokens)
+    yield _counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.", engine.num_spec_accepted_tokens)
+    per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                       "Accepted tokens per draft position.", labels=["position"])
+    for position, count in enumerate(engine.spec_accepted_per_position):
+        per_position.add_metric([str(position)], count)
+    yield per_position
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

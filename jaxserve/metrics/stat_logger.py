@@ -3,7 +3,8 @@
 `LLMEngine.step()` asks `StatLogger.is_due()`; every ``interval`` seconds it hands `log` a stats snapshot
 (`stats.py`), which logs over the interval: prompt tokens computed per second (prefix cache hits are not
 computed), generated tokens per second, running and waiting requests, KV cache usage and the prefix cache
-hit rate (hit tokens over looked-up tokens of the sequences admitted in the interval). Off with
+hit rate (hit tokens over looked-up tokens of the sequences admitted in the interval), and with speculative
+decoding the drafts' acceptance rate and mean acceptance length (tokens per verified row). Off with
 ``disable_log_stats``.
 """
 
@@ -19,9 +20,10 @@ logger = init_logger("jaxserve.stats")
 DEFAULT_LOG_STATS_INTERVAL = 10.0  # seconds, vLLM's VLLM_LOG_STATS_INTERVAL
 
 
-def _counters(stats: StatsSnapshot) -> tuple[int, int, int, int]:
+def _counters(stats: StatsSnapshot) -> tuple[int, ...]:
     return (stats.engine.num_prefill_tokens, stats.engine.num_generation_tokens,
-            stats.scheduler.prefix_cache_queries, stats.scheduler.prefix_cache_hits)
+            stats.scheduler.prefix_cache_queries, stats.scheduler.prefix_cache_hits,
+            stats.engine.num_spec_drafts, stats.engine.num_spec_draft_tokens, stats.engine.num_spec_accepted_tokens)
 
 
 class StatLogger:
@@ -42,7 +44,8 @@ class StatLogger:
         now = self.clock()
         elapsed = max(now - self.last_time, 1e-9)
         counters = _counters(stats)
-        prefill, generated, queries, hits = (new - old for new, old in zip(counters, self.last, strict=True))
+        prefill, generated, queries, hits, drafts, draft_tokens, accepted = (
+            new - old for new, old in zip(counters, self.last, strict=True))
         self.last, self.last_time = counters, now
         scheduler = stats.scheduler
         line = (
@@ -53,5 +56,8 @@ class StatLogger:
             f"KV cache usage: {scheduler.kv_cache_usage:.1%}, "
             f"Prefix cache hit rate: {hits / queries if queries else 0.0:.1%}"
         )
+        if draft_tokens:  # vLLM's SpecDecoding line, folded into ours
+            line += (f", Draft acceptance rate: {accepted / draft_tokens:.1%}, Mean acceptance length: "
+                     f"{1 + accepted / drafts:.2f}, Drafted tokens: {draft_tokens}, Accepted tokens: {accepted}")
         logger.info("%s", line)
         return line

@@ -29,6 +29,29 @@ class EngineStats:
     num_compiles_after_warm_up: int = 0  # executables built while serving: should stay 0
     num_late_sampled_steps: int = 0  # steps sampled after dispatch, once their rows' grammar masks were known
     num_late_masks: int = 0  # constrained rows of those steps whose mask was filled after dispatch
+    # speculative decoding (vLLM's spec_decode counters): rows verified with drafts, their drafts, those accepted,
+    # and accepted drafts by position in the row
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        """One verified row: ``num_drafts`` drafts, the first ``num_accepted`` accepted."""
+        if not num_drafts:
+            return
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += num_drafts
+        self.num_spec_accepted_tokens += num_accepted
+        missing = num_drafts - len(self.spec_accepted_per_position)
+        self.spec_accepted_per_position.extend([0] * max(missing, 0))
+        for position in range(num_accepted):
+            self.spec_accepted_per_position[position] += 1
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted drafts per draft (0 without any)."""
+        return self.num_spec_accepted_tokens / max(self.num_spec_draft_tokens, 1)
 
     @property
     def padding_per_real_token(self) -> float:

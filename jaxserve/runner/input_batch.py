@@ -18,6 +18,7 @@ from jaxserve.core.buckets import MixedBucket
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence
 from jaxserve.math_utils import cdiv
 from jaxserve.runner.sampler import SamplingRow, SamplingTensors
+from jaxserve.runner.spec_verify import VerifyInputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,8 @@ class StepShape:
     num_query_tokens: int
     pages_per_seq: int
     ragged: bool = False
+    num_sample_positions: int = 0  # a speculative engine's mixed step: P sampled positions (0: one per row)
+    num_speculative_tokens: int = 0  # K, the most drafts of a row (`spec_verify.VerifyInputs`)
 
     @property
     def input_shape(self) -> tuple[int, int]:
@@ -37,10 +40,12 @@ class StepShape:
 
 def step_shape(bucket, block_size: int) -> StepShape:
     """Prefill buckets have `chunk_len` query tokens per sequence, decode buckets one; a mixed bucket has
-    `num_tokens` in all, laid out ragged."""
+    `num_tokens` in all, laid out ragged (and in a speculative engine its sample positions)."""
     pages = cdiv(bucket.context_len, block_size)
     if isinstance(bucket, MixedBucket):
-        return StepShape(bucket.batch_size, bucket.num_tokens, pages, ragged=True)
+        return StepShape(bucket.batch_size, bucket.num_tokens, pages, ragged=True,
+                         num_sample_positions=bucket.num_sample_positions,
+                         num_speculative_tokens=bucket.num_speculative_tokens)
     return StepShape(bucket.batch_size, getattr(bucket, "chunk_len", 1), pages)
 
 
@@ -57,6 +62,7 @@ class StepInputs:
     feed_rows: np.ndarray | None = None  # i32[S], row of the previous step's tokens to feed in
     feed_cols: np.ndarray | None = None  # i32[S], column of the row that token replaces; -1: none
     query_starts: np.ndarray | None = None  # i32[S], ragged steps: each row's first token in input_ids[0]
+    verify: VerifyInputs | None = None  # a speculative engine's mixed step: its sample positions and drafts
 
 
 Row = tuple[Sequence, int, int]  # (sequence, first position, number of tokens): a Schedule's row
@@ -81,7 +87,7 @@ def prepare_step_inputs(rows: list[Row], shape: StepShape, sampling_rows: list[S
             query_starts[i] = offset
         else:
             offset = i * shape.num_query_tokens
-        flat[offset : offset + num_tokens] = seq.all_token_ids[start : start + num_tokens]
+        flat[offset : offset + num_tokens] = seq.token_ids_with_drafts[start : start + num_tokens]
         if flat[offset + num_tokens - 1] == PLACEHOLDER_TOKEN:  # only ever a sequence's last token
             feed_rows[i], feed_cols[i] = previous_rows[seq.seq_id], num_tokens - 1
         offset += num_tokens
@@ -89,8 +95,19 @@ def prepare_step_inputs(rows: list[Row], shape: StepShape, sampling_rows: list[S
         block_tables[i, : len(table)] = table
         q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
     sampling = SamplingTensors.from_rows(sampling_rows, s, no_slot, vocab_size)
+    verify = None
+    if shape.num_sample_positions:
+        drafts = [row_drafts(seq, start, num_tokens) for seq, start, num_tokens in rows]
+        verify = VerifyInputs.from_rows(list(query_starts[: len(rows)]), [n for _, _, n in rows], drafts,
+                                        shape.num_sample_positions, s, shape.num_speculative_tokens)
     return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling, feed_rows, feed_cols,
-                      query_starts)
+                      query_starts, verify)
+
+
+def row_drafts(seq: Sequence, start: int, num_tokens: int) -> list[int]:
+    """The draft tokens a row ends with: its sequence's, when the row reaches past the sequence's tokens."""
+    num_drafts = start + num_tokens - seq.num_tokens
+    return seq.spec_token_ids[:num_drafts] if num_drafts > 0 else []
 
 
 def initial_token_counts(seq: Sequence, start: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:

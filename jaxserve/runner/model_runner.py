@@ -53,6 +53,8 @@ from jaxserve.runner.input_batch import StepInputs, StepShape, step_shape
 from jaxserve.runner.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
 from jaxserve.runner.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sample
 from jaxserve.runner.sampler_state import SlotState, copy_slots, update_token_counts, write_slot
+from jaxserve.runner.spec_verify import VerifyInputs, uncount_rejected
+from jaxserve.runner.spec_verify import verify as verify_drafts
 
 
 class ExecutableSource(Protocol):
@@ -66,7 +68,10 @@ class ExecutableSource(Protocol):
 def executable_name(shape: StepShape) -> str:
     """The step executable's name in an `ExecutableSource`."""
     kind = "t" if shape.ragged else "q"
-    return f"step-s{shape.batch_size}-{kind}{shape.num_query_tokens}-p{shape.pages_per_seq}"
+    name = f"step-s{shape.batch_size}-{kind}{shape.num_query_tokens}-p{shape.pages_per_seq}"
+    if shape.num_sample_positions:
+        name += f"-v{shape.num_sample_positions}x{shape.num_speculative_tokens}"
+    return name
 
 
 def resample_name(batch_size: int) -> str:
@@ -91,6 +96,9 @@ class StepOutput:
     logits: jax.Array  # f32[S, V], the raw logits sampled from (tests and debugging; not read by the engine)
     logprobs: TokenLogprobs  # [S(, K)]: the sampled token's raw logprob and rank, and the top K
     prompt_logprobs: TokenLogprobs | None  # input-shaped [S, Q(, K)] or [1, T(, K)]: each position's next token
+    # a verifying step (`spec_verify.py`): each row's accepted drafts, i32[S]; its logits and logprobs are then
+    # per sample position, [P(, ...)]
+    num_accepted: jax.Array | None = None
 
 
 @functools.cache
@@ -232,19 +240,28 @@ class ModelRunner:
         return {**steps, **resamples, **self._allocation_programs(), **self._helper_programs()}
 
     def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
-              feed_cols):
+              feed_cols, verify=None):
         row_starts = row_offsets(meta, input_ids.shape)
         input_ids = feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols, row_starts)
         hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
         layout = token_layout(meta, input_ids.shape)
         slot_state = update_token_counts(slot_state, input_ids, layout, sampling.prompt_len, sampling.slot)
-        last = hidden.reshape(-1, hidden.shape[-1])[row_starts + sample_index]
-        logits = self.model.apply(params, last, method=self.model.logits)
-        sampled = sample(logits, sampling, slot_state, self.num_logprobs)
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+        logits_of = lambda h: self.model.apply(params, h, method=self.model.logits)
+        num_accepted = None
+        if verify is None:
+            logits = logits_of(flat_hidden[row_starts + sample_index])
+            sampled = sample(logits, sampling, slot_state, self.num_logprobs)
+        else:  # a speculative engine's mixed step: its rows' drafts are verified (spec_verify.py)
+            logits = logits_of(flat_hidden[verify.flat_index])
+            sampled = verify_drafts(logits, sampling, slot_state, verify, self.num_logprobs)
+            slot_state = uncount_rejected(slot_state, sampling, verify, sampled.num_accepted)
+            num_accepted = sampled.num_accepted
         prompt = None
         if input_ids.shape[1] > 1:
             prompt = self._prompt_logprobs(params, hidden, input_ids, layout, meta, sampling)
-        return StepOutput(self._padded(sampled.tokens), logits, sampled.logprobs, prompt), kv_pool, slot_state
+        output = StepOutput(self._padded(sampled.tokens), logits, sampled.logprobs, prompt, num_accepted)
+        return output, kv_pool, slot_state
 
     def _padded(self, tokens: jax.Array) -> jax.Array:
         """A step's S tokens padded with zeros to max_rows (the shape every step's tokens are fed from)."""
@@ -289,10 +306,13 @@ class ModelRunner:
         i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32, sharding=rep)
         query_starts = i32(s) if shape.ragged else None
         meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s), query_starts=query_starts)
+        verify = None
+        if shape.num_sample_positions:
+            verify = VerifyInputs.abstract(shape.num_sample_positions, s, shape.num_speculative_tokens, rep)
         return (
             _abstract(self.params), _abstract(self.kv_pool), _abstract(self.slot_state), i32(*shape.input_shape),
             meta, i32(s),
-            SamplingTensors.abstract(s, self.config.vocab_size, rep), i32(self.max_rows), i32(s), i32(s),
+            SamplingTensors.abstract(s, self.config.vocab_size, rep), i32(self.max_rows), i32(s), i32(s), verify,
         )
 
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
@@ -364,6 +384,9 @@ class ModelRunner:
             raise RuntimeError(f"no compiled executable for bucket {bucket} (shape {shape}); warm it up first")
         if shape.ragged != (inputs.query_starts is not None):
             raise ValueError(f"bucket {bucket} needs {'ragged' if shape.ragged else 'padded'} inputs")
+        if bool(shape.num_sample_positions) != (inputs.verify is not None):
+            verb = "needs" if shape.num_sample_positions else "takes no"
+            raise ValueError(f"bucket {bucket} {verb} sample positions")
         meta = AttentionMetadata(inputs.block_tables, inputs.q_start, inputs.lengths, inputs.query_starts)
         no_feed = np.full(shape.batch_size, -1, np.int32)
         feed_rows = no_feed if inputs.feed_rows is None else inputs.feed_rows
@@ -371,6 +394,7 @@ class ModelRunner:
         output, self.kv_pool, self.slot_state = executable(
             self.params, self.kv_pool, self.slot_state, inputs.input_ids, meta, inputs.sample_index,
             inputs.sampling, self.no_tokens if prev_tokens is None else prev_tokens, feed_rows, feed_cols,
+            inputs.verify,
         )
         return output
 

@@ -20,6 +20,7 @@ from jaxserve.core.step_budget import StepCosts
 from jaxserve.runner.input_batch import StepInputs, step_shape
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.sampler import SamplingTensors
+from jaxserve.runner.spec_verify import VerifyInputs
 
 PROBE_CONTEXT = 512  # cached tokens each synthetic row attends to
 PROBE_RUNS = 3
@@ -61,8 +62,13 @@ def probe_inputs(runner: ModelRunner, bucket: MixedBucket) -> StepInputs:
     sample_index = np.zeros(shape.batch_size, np.int32)
     sample_index[:rows] = np.asarray(num_tokens) - 1
     sampling = SamplingTensors.from_rows([], shape.batch_size, runner.num_sampler_slots, runner.config.vocab_size)
+    verify = None
+    if shape.num_sample_positions:  # a speculative engine's: rows without drafts
+        verify = VerifyInputs.from_rows(list(query_starts[:rows]), num_tokens, [[]] * rows, shape.num_sample_positions,
+                                        shape.batch_size, shape.num_speculative_tokens)
     return StepInputs(
         input_ids=np.zeros(shape.input_shape, np.int32),
         block_tables=np.zeros((shape.batch_size, shape.pages_per_seq), np.int32),
         q_start=q_start, lengths=lengths, sample_index=sample_index, sampling=sampling, query_starts=query_starts,
+        verify=verify,
     )
