@@ -29,17 +29,18 @@ def _log_ticks(low: float, high: float) -> list[float]:
     return [t for t in ticks if low <= t <= high]
 
 
-def sweep_svg(title: str, rows: list[dict]) -> str:
-    """rows: {"server", "rate", "mean_ttft_ms", "p99_itl_ms", ...}, one per server and rate."""
+def sweep_svg(title: str, rows: list[dict], panels=PANELS, x_label: str = "requests/s") -> str:
+    """rows: {"server", "rate", "mean_ttft_ms", "p99_itl_ms", ...}, one per server and rate; ``panels``: (metric,
+    label) of the two panels; the x axis is the rows' "rate", labelled ``x_label``."""
     rates = sorted({r["rate"] for r in rows})
     servers = list(dict.fromkeys(r["server"] for r in rows))
     width = LEFT + 2 * PANEL_WIDTH + GAP + LEGEND
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{HEIGHT}" font-family="sans-serif" '
              f'font-size="12">', f'<rect width="{width}" height="{HEIGHT}" fill="white"/>',
              f'<text x="10" y="22" font-size="15" font-weight="bold">{escape(title)}</text>']
-    for p, (metric, label) in enumerate(PANELS):
+    for p, (metric, label) in enumerate(panels):
         x0 = LEFT + p * (PANEL_WIDTH + GAP)
-        parts += _panel(x0, metric, label, rows, rates, servers)
+        parts += _panel(x0, metric, label, rows, rates, servers, x_label)
     for i, server in enumerate(servers):
         y = TOP + 20 + 20 * i
         x = LEFT + 2 * PANEL_WIDTH + GAP + 10
@@ -49,7 +50,8 @@ def sweep_svg(title: str, rows: list[dict]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _panel(x0: int, metric: str, label: str, rows: list[dict], rates: list[float], servers: list[str]) -> list[str]:
+def _panel(x0: int, metric: str, label: str, rows: list[dict], rates: list[float], servers: list[str],
+           x_label: str) -> list[str]:
     values = [max(r[metric], 1e-3) for r in rows]
     low, high = 10 ** math.floor(math.log10(min(values))), 10 ** math.ceil(math.log10(max(values)))
     plot_h = HEIGHT - TOP - BOTTOM
@@ -64,7 +66,7 @@ def _panel(x0: int, metric: str, label: str, rows: list[dict], rates: list[float
     for i, rate in enumerate(rates):
         parts.append(f'<text x="{to_x(i):.1f}" y="{HEIGHT - BOTTOM + 18}" text-anchor="middle">'
                      f'{rate_label(rate)}</text>')
-    parts.append(f'<text x="{x0 + PANEL_WIDTH / 2}" y="{HEIGHT - 12}" text-anchor="middle">requests/s</text>')
+    parts.append(f'<text x="{x0 + PANEL_WIDTH / 2}" y="{HEIGHT - 12}" text-anchor="middle">{escape(x_label)}</text>')
     for s, server in enumerate(servers):
         by_rate = {r["rate"]: r[metric] for r in rows if r["server"] == server}
         points = [(to_x(i), to_y(by_rate[rate])) for i, rate in enumerate(rates) if rate in by_rate]
@@ -75,8 +77,8 @@ def _panel(x0: int, metric: str, label: str, rows: list[dict], rates: list[float
     return parts
 
 
-def write_sweep_plot(path: Path, title: str, rows: list[dict]) -> None:
-    path.write_text(sweep_svg(title, rows))
+def write_sweep_plot(path: Path, title: str, rows: list[dict], panels=PANELS, x_label: str = "requests/s") -> None:
+    path.write_text(sweep_svg(title, rows, panels, x_label))
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import pytest
 from jaxserve import LLM, AsyncLLMEngine, SamplingParams, StructuredOutputsParams
 from jaxserve.entrypoints.cli import chat_prompt_ids
 from tests.embedded_reference import NEW_TOKENS, chats, hf_greedy_references
-from tests.paths import SHARED_WORKLOADS, load_script
+from tests.paths import SHARED_WORKLOADS
 
 BATCHING_TOKENS = 8  # outputs of the batching test are capped so that 32 requests also run alone quickly
 
@@ -32,45 +32,6 @@ def llm(compile_cache):
 def llm_without_caching(compile_cache):
     return LLM(dtype="float32", max_model_len=1024, max_num_seqs=32, compile_cache_dir=compile_cache,
                enable_prefix_caching=False)
-
-
-SPECULATIVE_BUCKETS = """block_size = 16
-[decode]
-batch_sizes = [1, 4]
-[prefill]
-batch_sizes = [1]
-lengths = [64, 256]
-[context]
-lengths = [1024]
-[mixed]
-batch_sizes = [16]
-token_counts = [32]
-"""
-
-
-@pytest.fixture(scope="module")
-def llm_speculative(compile_cache, tmp_path_factory):
-    """n-gram speculation on a small grid (7 executables: a speculative grid's mixed steps are its own)."""
-    buckets = tmp_path_factory.mktemp("speculative") / "buckets.toml"
-    buckets.write_text(SPECULATIVE_BUCKETS)
-    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=4, compile_cache_dir=compile_cache,
-               buckets=str(buckets), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                                        "prompt_lookup_min": 2, "prompt_lookup_max": 4})
-
-
-def test_speculation_gives_the_greedy_tokens_of_no_speculation_on_copying_requests(llm, llm_speculative):
-    """One request of each task of the repetitive workload (its recipe, scripts/make_repetitive_workload.py): in
-    float32 the tokens are those without speculation, and most drafts are accepted (the model copies)."""
-    requests = load_script("make_repetitive_workload").requests()
-    tokenizer = llm.get_tokenizer()
-    prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, requests[i]["messages"])} for i in (0, 16, 32)]
-    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    got = [llm_speculative.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    assert got == expected
-    stats = llm_speculative.llm_engine.stats
-    assert stats.num_spec_drafts >= 30 and stats.num_spec_accepted_tokens >= 0.6 * stats.num_spec_draft_tokens
-    assert stats.num_compiles_after_warm_up == 0
 
 
 def test_greedy_tokens_match_transformers_on_every_chat(llm, reference_dir):

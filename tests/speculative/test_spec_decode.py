@@ -199,15 +199,20 @@ def test_seeded_requests_and_n_samples_are_reproducible(spec):
         assert len(a.outputs) == 3 and all(len(c.token_ids) == 20 for c in a.outputs)
 
 
-def test_preemption_keeps_every_token(model_dir, tmp_path, llms):
+def test_preemption_and_disable_by_batch_size_keep_every_token(model_dir, tmp_path, llms):
+    """A pool too small for the batch (preemptions) and drafts only while at most two sequences decode."""
     plain, _ = llms
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = REPETITIVE * 2
     expected = [o.outputs[0].token_ids for o in _generate(plain, prompts, params)]
-    small = _llm(model_dir, tmp_path, "small", num_kv_blocks=16, speculative_config=NGRAM)
+    small = _llm(model_dir, tmp_path, "small", num_kv_blocks=16,
+                 speculative_config={**NGRAM, "disable_by_batch_size": 2})
     got = [o.outputs[0].token_ids for o in _generate(small, prompts, params)]
     assert got == expected
-    assert small.llm_engine.stats.num_preemptions > 0 and small.llm_engine.stats.num_spec_accepted_tokens > 0
+    stats = small.llm_engine.stats
+    assert stats.num_preemptions > 0 and stats.num_spec_accepted_tokens > 0
+    assert "(speculative: each samples a position per row and per draft, at most 3 drafts per row on 2 rows)" in (
+        small.llm_engine.grid.format_table())
 
 
 def test_structured_outputs_rows_get_no_drafts_and_keep_their_grammar(llms, spec):
@@ -218,20 +223,6 @@ def test_structured_outputs_rows_get_no_drafts_and_keep_their_grammar(llms, spec
     [expected], [got] = _generate(plain, [REPETITIVE[0]], params), _generate(spec, [REPETITIVE[0]], params)
     assert got.outputs[0].token_ids == expected.outputs[0].token_ids
     assert _delta(before, _spec_counts(spec)) == (0, 0, 0)
-
-
-def test_more_decoding_sequences_than_disable_by_batch_size_get_no_drafts(model_dir, tmp_path, llms):
-    plain, _ = llms
-    capped = _llm(model_dir, tmp_path, "capped", speculative_config={**NGRAM, "disable_by_batch_size": 2})
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    prompts = REPETITIVE[:3]
-    assert [o.outputs[0].token_ids for o in _generate(capped, prompts, params)] == [
-        o.outputs[0].token_ids for o in _generate(plain, prompts, params)]
-    # three decode together until the first finishes: no step verified more than two rows
-    stats = capped.llm_engine.stats
-    assert stats.num_spec_drafts > 0
-    assert "(speculative: each samples a position per row and per draft, at most 3 drafts per row on 2 rows)" in (
-        capped.llm_engine.grid.format_table())
 
 
 def test_beam_search_and_async_scheduling_are_refused(model_dir, tmp_path, llms):
