@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--buckets", default=None)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="each engine's (two share an accelerator)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--concurrencies", default="1,4,16")
     parser.add_argument("--prompt-len", type=int, default=200)
@@ -124,11 +125,13 @@ def main() -> None:
     args = parser.parse_args()
     model = random_smollm2(args.random_model) if args.random_model else args.model
     common = {"dtype": args.dtype, "buckets": args.buckets, "max_model_len": args.max_model_len,
-              "enable_prefix_caching": False}
+              "num_kv_blocks": args.num_kv_blocks, "enable_prefix_caching": False}
     plain = LLM(model, **common)
     spec = LLM(model, **common, speculative_config={
         "method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "disable_by_batch_size": 64})
     vocab_size = plain.llm_engine.model_config.vocab_size
+    for llm in (plain, spec):  # first calls (host-side caches, the device's first launches) are not timed
+        timed_generate(llm, prompts_of(2, args.prompt_len, vocab_size, seed=1), SamplingParams(max_tokens=8))
     rows = [run_concurrency(plain, spec, args, int(c), vocab_size) for c in args.concurrencies.split(",")]
     print("| concurrency | off tok/s | right drafts tok/s (vs off) | wrong drafts tok/s (vs off) | steps off / right / "
           "wrong |")

@@ -258,13 +258,13 @@ def load_bucket_spec(path_or_name: str | Path | None, platform: str = "cpu") -> 
 
 def with_verification_sizes(spec: BucketSpec, num_speculative_tokens: int) -> BucketSpec:
     """``spec`` with up to two mixed token counts added below its smallest: the power of two that holds a lone decode
-    row and its K drafts, and twice it (two or three rows): at low concurrency a step verifies a few rows, and on a small bucket it costs
-    about a decode step (a 32-token step costs 1.7 decode steps of one row on a 2-core CPU,
+    row and its K drafts, and twice it (two or three rows). At low concurrency a step verifies a few rows, and on a
+    small bucket it costs about a decode step (on a 2-core CPU a 32-token step costs 1.7 decode steps of one row,
     docs/benchmarks/speculative.md)."""
     counts = spec.mixed_token_counts
     if not counts:
         return spec
-    smallest = 1 << (num_speculative_tokens).bit_length()  # the power of two at or above K + 1
+    smallest = 1 << num_speculative_tokens.bit_length()  # the power of two at or above K + 1
     added = []
     while smallest < counts[0] and len(added) < 2:
         added.append(smallest)
