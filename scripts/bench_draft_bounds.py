@@ -6,8 +6,10 @@ proposer that drafts the next `--num-speculative-tokens` of those tokens (every 
 speculation can pay, what a draft model drafting for itself gives) and with one that drafts them shifted by one
 token id (every draft rejected: what a useless draft costs). Greedy, exactly `--output-len` tokens per request
 (`ignore_eos`), prompts of `--prompt-len` token ids, at each concurrency (`--concurrencies`: that many requests
-at once, `--rounds` times). Reports output tokens per second and steps for each, and the right drafts' and the
-wrong drafts' throughput over no speculation; checks that all three give the same tokens (they must, greedy).
+at once, `--rounds` times). Reports output tokens per second and steps for each, the right drafts' and the
+wrong drafts' throughput over no speculation, the share of the right drafts accepted, and how many outputs equal
+those without speculation: all of them in float32; in bfloat16 a verifying step's rounding differs from a decode
+step's, so at a near tie an output may take the other token, and from there the replayed drafts are wrong.
 
     python scripts/bench_draft_bounds.py                          # the embedded SmolLM2, the platform's grid
     python scripts/bench_draft_bounds.py --model DIR --dtype bfloat16 --buckets FILE   # e.g. on a GPU
@@ -63,12 +65,18 @@ def run_concurrency(plain: LLM, spec: LLM, args, concurrency: int, vocab_size: i
         continuations = {tuple(p): r for p, r in zip(prompts, reference, strict=True)}
         for name, shift in (("right", 0), ("wrong", 1)):
             spec.llm_engine.proposer = ReplayProposer(args.num_speculative_tokens, continuations, shift, vocab_size)
+            stats = spec.llm_engine.stats
+            drafted, accepted = stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens
             tokens, seconds, steps = timed_generate(spec, prompts, params)
-            if tokens != reference:
-                raise AssertionError(f"{name} drafts changed the greedy tokens at concurrency {concurrency}")
             _add(row, name, seconds, steps, concurrency * args.output_len)
+            row[f"{name}_drafted"] = row.get(f"{name}_drafted", 0) + stats.num_spec_draft_tokens - drafted
+            row[f"{name}_accepted"] = row.get(f"{name}_accepted", 0) + stats.num_spec_accepted_tokens - accepted
+            row[f"{name}_same_outputs"] = row.get(f"{name}_same_outputs", 0) + sum(
+                a == b for a, b in zip(tokens, reference, strict=True))
     for name in ("off", "right", "wrong"):
         row[f"{name}_tok_s"] = row[f"{name}_tokens"] / row[f"{name}_s"]
+    for name in ("right", "wrong"):
+        row[f"{name}_acceptance"] = row[f"{name}_accepted"] / max(row[f"{name}_drafted"], 1)
     row["right_vs_off"] = row["right_tok_s"] / row["off_tok_s"]
     row["wrong_vs_off"] = row["wrong_tok_s"] / row["off_tok_s"]
     return row
@@ -121,12 +129,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-async-plain", action="store_true",
+                        help="the engine without speculation reads every step before planning the next, as the "
+                        "speculative one does (async scheduling is on by default on TPU and GPU)")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
     model = random_smollm2(args.random_model) if args.random_model else args.model
     common = {"dtype": args.dtype, "buckets": args.buckets, "max_model_len": args.max_model_len,
               "num_kv_blocks": args.num_kv_blocks, "enable_prefix_caching": False}
-    plain = LLM(model, **common)
+    plain = LLM(model, **common, **({"async_scheduling": False} if args.no_async_plain else {}))
     spec = LLM(model, **common, speculative_config={
         "method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "disable_by_batch_size": 64})
     vocab_size = plain.llm_engine.model_config.vocab_size
@@ -134,12 +145,14 @@ def main() -> None:
         timed_generate(llm, prompts_of(2, args.prompt_len, vocab_size, seed=1), SamplingParams(max_tokens=8))
     rows = [run_concurrency(plain, spec, args, int(c), vocab_size) for c in args.concurrencies.split(",")]
     print("| concurrency | off tok/s | right drafts tok/s (vs off) | wrong drafts tok/s (vs off) | steps off / right / "
-          "wrong |")
-    print("|---|---|---|---|---|")
+          "wrong | right drafts accepted | outputs equal to off (right, wrong) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
+        n = r["concurrency"] * args.rounds
         print(f"| {r['concurrency']} | {r['off_tok_s']:.1f} | {r['right_tok_s']:.1f} ({r['right_vs_off']:.2f}x) | "
               f"{r['wrong_tok_s']:.1f} ({r['wrong_vs_off']:.2f}x) | {r['off_steps']} / {r['right_steps']} / "
-              f"{r['wrong_steps']} |")
+              f"{r['wrong_steps']} | {r['right_acceptance']:.0%} | {r['right_same_outputs']}/{n}, "
+              f"{r['wrong_same_outputs']}/{n} |")
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(rows, f, indent=1)
