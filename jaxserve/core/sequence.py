@@ -10,7 +10,9 @@ Token accounting (the invariant everything else relies on)::
     [0, num_computed_tokens)            K/V already in the cache
     [num_computed_tokens, num_tokens)   still to be fed to the model (at least 1 while unfinished)
 
-A sequence in decode has exactly one uncomputed token: the last sampled one. After a recompute
+A sequence in decode has exactly one uncomputed token: the last sampled one. Draft tokens of speculative
+decoding (``spec_token_ids``) are not part of it: a step feeds them after the last token, and only those it
+accepts join ``output_token_ids`` (and their K/V ``num_computed_tokens``). After a recompute
 preemption ``num_computed_tokens`` is 0 again and prompt + outputs are re-prefilled.
 """
 

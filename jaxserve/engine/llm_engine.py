@@ -14,7 +14,11 @@ it can pick the next beams, so while a beam search request runs, each step is re
 Structured outputs do not hold the batch back either. A constrained row's mask needs the token before it: when
 step N+1 has a row whose grammar waits for step N's token, N+1 is dispatched at once taking only its argmax,
 and once N's tokens are read (while N+1 runs) those rows' masks are filled and `ModelRunner.resample` samples
-all of N+1's rows from its logits, on the device, before step N+2 reads its tokens."""
+all of N+1's rows from its logits, on the device, before step N+2 reads its tokens.
+With speculative decoding (`speculative_config`) every step is read before the next is planned: the proposer
+drafts tokens for each decoding sequence from its tokens so far (`jaxserve/speculative/`), the scheduler adds them
+to the sequence's row, the mixed step verifies them on the device (`runner/spec_verify.py`), and `_take_verified`
+hands each row's accepted drafts and its last token to the group, counting the drafts' K/V as computed."""
 
 from __future__ import annotations
 
