@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from jaxserve import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' byte-level tokenizer
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from tests.hf_tiny import byte_level_tokenizer  # noqa: E402
 
 
 class ReplayProposer:
@@ -88,7 +92,8 @@ def _add(row: dict, name: str, seconds: float, steps: int, tokens: int) -> None:
 
 
 def random_smollm2(path: str) -> str:
-    """A random Llama of SmolLM2-135M's shape saved as a Hugging Face directory, with a byte-level tokenizer."""
+    """A random Llama of SmolLM2-135M's shape saved as a Hugging Face directory, with the tests' byte-level
+    tokenizer (`tests/hf_tiny.py`)."""
     import torch
     import transformers
 
@@ -99,21 +104,8 @@ def random_smollm2(path: str) -> str:
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=_byte_level_tokenizer(), bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    tokenizer.save_pretrained(path)
+    byte_level_tokenizer().save_pretrained(path)
     return path
-
-
-def _byte_level_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>", *sorted(alphabet)])}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
 
 
 def main() -> None:

@@ -151,6 +151,13 @@ async def text_window_prompts(client: httpx.AsyncClient, workload: list[dict], s
     return prompts
 
 
+async def sse_chunks(response: httpx.Response):
+    """The JSON chunks of an OpenAI-style streamed response (server-sent events, without the final [DONE])."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line.removeprefix("data: "))
+
+
 async def send_request(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
                        sampling: dict | None = None) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
@@ -162,10 +169,7 @@ async def send_request(client: httpx.AsyncClient, model: str, prompt: list[int],
             if response.status_code != 200:
                 result.error = (await response.aread()).decode()
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line.removeprefix("data: "))
+            async for chunk in sse_chunks(response):
                 now = time.perf_counter()
                 if chunk.get("error"):
                     result.error = chunk["error"]["message"]

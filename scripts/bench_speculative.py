@@ -44,6 +44,7 @@ from bench_serving import (  # noqa: E402
     file_stem,
     free_port,
     server_command,
+    sse_chunks,
     stop_server,
     wait_ready,
 )
@@ -105,10 +106,7 @@ async def send(client: httpx.AsyncClient, request: dict) -> Result:
             if response.status_code != 200:
                 result.error = (await response.aread()).decode()
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line.removeprefix("data: "))
+            async for chunk in sse_chunks(response):
                 if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") and not result.ttft:
                     result.ttft = time.perf_counter() - start
                 if chunk.get("usage"):

@@ -11,26 +11,19 @@ host work (scripts/bench_draft_bounds.py measures both together).
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import numpy as np
 
 from jaxserve import LLM
 from jaxserve.runner.input_batch import StepInputs, step_shape
 from jaxserve.runner.sampler import SamplingTensors
-from jaxserve.runner.step_costs import probe_inputs
+from jaxserve.runner.step_costs import median_step_seconds, probe_inputs
 
 
-def timed(runner, bucket, inputs, reps=30):
-    runner.execute(bucket, inputs).tokens.block_until_ready()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        runner.execute(bucket, inputs).tokens.block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+def timed(runner, bucket, inputs) -> float:
+    """Median milliseconds of one step (`runner/step_costs.py`'s timing, 30 runs)."""
+    return 1e3 * median_step_seconds(runner, bucket, inputs, runs=30)
 
 
 def decode_inputs(runner, bucket):

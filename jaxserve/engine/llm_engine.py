@@ -69,6 +69,7 @@ from jaxserve.runner.input_batch import StepInputs, initial_token_counts, prepar
 from jaxserve.runner.model_runner import ModelRunner, StepOutput
 from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
 from jaxserve.runner.sampler_state import SlotTable
+from jaxserve.runner.spec_verify import VerifyInputs
 from jaxserve.runner.step_costs import measure_mixed_costs
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.speculative.config import SpeculativeConfig
@@ -95,9 +96,7 @@ class InFlightStep:
     # argmax, and samples for real once the masks are known (see LLMEngine._resample)
     masks_pending: list[tuple[RequestGroup, Sequence, int, int]] = dataclasses.field(default_factory=list)
     trace: dict | None = None  # the step's record in the step trace (JAXSERVE_STEP_TRACE), closed in _complete
-    # a verifying step (speculative decoding): each row's drafts and sample positions (`VerifyInputs`)
-    drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-    row_positions: np.ndarray | None = None
+    verify: VerifyInputs | None = None  # a verifying step's sample positions and drafts (host arrays)
 
 
 class LLMEngine:
@@ -328,10 +327,7 @@ class LLMEngine:
         compiles_before = thread_compile_counts()
         output = self.runner.execute(schedule.bucket, inputs, prev)
         self._check_no_compile(compiles_before, schedule)
-        step = InFlightStep(output, sampling.ints[:, _FLAGS], [], [], {}, sampling)
-        if inputs.verify is not None:
-            step.drafts = {row: list(seq.spec_token_ids) for row, (seq, _, _) in enumerate(rows) if seq.spec_token_ids}
-            step.row_positions = inputs.verify.row_positions
+        step = InFlightStep(output, sampling.ints[:, _FLAGS], [], [], {}, sampling, verify=inputs.verify)
         self._advance(schedule, rows, inputs, step, masks_wait)
         self._count_step(schedule)
         if self.step_trace is not None:
@@ -445,13 +441,13 @@ class LLMEngine:
                        num_accepted: int, tokens: np.ndarray, logprobs) -> int:
         """A verifying step's row: its accepted drafts and its last token go to its group, in order, until one
         stops the sequence; the accepted drafts' K/V count as computed. Returns the tokens taken."""
-        drafts = step.drafts.get(row, [])
+        num_drafts = len(seq.spec_token_ids)
         seq.spec_token_ids = []
         seq.num_computed_tokens += num_accepted
-        positions = step.row_positions[row, : num_accepted + 1]
-        samples = [_sampled_at(token, logprobs, position)
-                   for token, position in zip([*drafts[:num_accepted], int(tokens[row])], positions, strict=True)]
-        self.stats.count_drafts(len(drafts), num_accepted)
+        positions = step.verify.row_positions[row, : num_accepted + 1]
+        kept = [*step.verify.draft[positions[:-1]].tolist(), int(tokens[row])]  # the accepted drafts, then its token
+        samples = [_sampled_at(token, logprobs, position) for token, position in zip(kept, positions, strict=True)]
+        self.stats.count_drafts(num_drafts, num_accepted)
         return group.on_sample_tokens(seq, index, samples)
 
     def _propose_drafts(self) -> None:

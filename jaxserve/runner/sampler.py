@@ -184,9 +184,14 @@ def process_logits(logits: jax.Array, params: SamplingTensors, slots: SlotState,
 def _tokens(processed: jax.Array, params: SamplingTensors) -> jax.Array:
     """Greedy rows' argmax, random rows' draw."""
     greedy = first_argmax(processed)
-    is_greedy = params.temperature < _EPS
+    is_greedy = greedy_rows(params)
     random = jax.lax.cond(jnp.all(is_greedy), lambda: greedy, lambda: sample_random(processed, params))
     return jnp.where(is_greedy, greedy, random)
+
+
+def greedy_rows(params: SamplingTensors) -> jax.Array:
+    """bool[S]: the rows that take their argmax (temperature 0)."""
+    return params.temperature < _EPS
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

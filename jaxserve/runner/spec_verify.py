@@ -32,11 +32,11 @@ from flax import struct
 
 from jaxserve.runner.logprobs import TokenLogprobs, token_logprobs
 from jaxserve.runner.sampler import (
-    _EPS,
     FLAG_LOGPROBS,
     INT_COLUMNS,
     SamplingTensors,
     filter_logits,
+    greedy_rows,
     inverse_cdf_draw,
     process_logits,
     row_keys,
@@ -103,7 +103,7 @@ def verify(logits: jax.Array, sampling: SamplingTensors, slots: SlotState, input
     uncounted = later_drafts(inputs, logits.shape[-1])
     sampled = sample_tokens(logits, params, slots, uncounted)
     has_draft = inputs.draft != NO_DRAFT
-    is_greedy = params.temperature < _EPS
+    is_greedy = greedy_rows(params)
     tested = has_draft & ~is_greedy
     accept_random, residual = jax.lax.cond(
         jnp.any(tested),

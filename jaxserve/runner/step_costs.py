@@ -35,10 +35,14 @@ def measure_mixed_costs(runner: ModelRunner, buckets: list[MixedBucket]) -> Step
 
 
 def _median_seconds(runner: ModelRunner, bucket: MixedBucket) -> float:
-    inputs = probe_inputs(runner, bucket)
+    return median_step_seconds(runner, bucket, probe_inputs(runner, bucket))
+
+
+def median_step_seconds(runner: ModelRunner, bucket, inputs: StepInputs, runs: int = PROBE_RUNS) -> float:
+    """Median seconds of ``runs`` steps of ``bucket`` on ``inputs``, after one untimed."""
     runner.execute(bucket, inputs).tokens.block_until_ready()
     times = []
-    for _ in range(PROBE_RUNS):
+    for _ in range(runs):
         start = time.perf_counter()
         runner.execute(bucket, inputs).tokens.block_until_ready()
         times.append(time.perf_counter() - start)
