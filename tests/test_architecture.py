@@ -24,13 +24,13 @@ PACKAGES = ("jaxserve", "kernels_pallas", "kernels_cpu")
 # Lowest first. A module may import from its own group and from groups of lower layers, nothing above and
 # no other group of its own layer. A group is a folder of jaxserve/ or a top-level module.
 LAYERS = (
-    {"jaxserve.speculative"},  # its config is part of EngineConfig; its proposers need only numpy
     {"jaxserve.logger", "jaxserve.math_utils", "jaxserve.user_cache", "jaxserve.config", "jaxserve.outputs"},
     {"jaxserve.sampling_params", "jaxserve.precision"},
     {"jaxserve.core", "jaxserve.metrics", "jaxserve.distributed", "kernels_pallas", "kernels_cpu"},
     {"jaxserve.attention"},
     {"jaxserve.models", "jaxserve.weights"},
     {"jaxserve.runner"},
+    {"jaxserve.speculative"},  # draft proposers, host side; a draft model's will run on the runner
     {"jaxserve.compilation"},
     {"jaxserve.engine"},
     {"jaxserve.llm", "jaxserve"},  # the public API: the offline LLM and the package root's lazy exports

@@ -41,7 +41,7 @@ from jaxserve.compilation.compile_cache import (
 )
 from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.scheduler import Scheduler
@@ -72,7 +72,6 @@ from jaxserve.runner.sampler_state import SlotTable
 from jaxserve.runner.spec_verify import VerifyInputs
 from jaxserve.runner.step_costs import measure_mixed_costs
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
-from jaxserve.speculative.config import SpeculativeConfig
 from jaxserve.speculative.ngram import NgramProposer
 from jaxserve.weights import LoadedModel, load_model
 

@@ -1,1 +1,1 @@
-"""Speculative decoding: proposers of draft tokens (host side) and their configuration."""
+"""Speculative decoding: proposers of draft tokens (host side); configured by `jaxserve.config.SpeculativeConfig`."""

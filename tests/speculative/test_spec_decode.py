@@ -11,10 +11,10 @@ from prometheus_client import generate_latest
 from scipy.stats import chi2_contingency
 
 from jaxserve import SamplingParams, StructuredOutputsParams
+from jaxserve.config import SpeculativeConfig
 from jaxserve.metrics.prometheus import ServingMetrics
 from jaxserve.metrics.stat_logger import StatLogger
 from jaxserve.sampling_params import BeamSearchParams
-from jaxserve.speculative.config import SpeculativeConfig
 from tests.generation_fixtures import BUCKETS, llm_on_buckets, tokens_prompt
 from tests.hf_tiny import make_tiny_model
 
