@@ -399,10 +399,9 @@ def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 # -- speculative decoding ----------------------------------------------------------------------------
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM's other methods, and why they are not served here
 UNSUPPORTED_METHODS = {
-    "draft_model": "not built yet: use method 'ngram'",
     "eagle": "EAGLE heads need trained weights that jaxserve cannot load yet",
     "eagle3": "EAGLE-3 heads need trained weights that jaxserve cannot load yet",
     "mtp": "multi-token prediction heads are not loaded by jaxserve's model families yet",
@@ -425,13 +424,16 @@ class SpeculativeConfig:
     in its mixed buckets for the drafts' sample positions (`EngineConfig.speculative_grid`).
 
     ``num_speculative_tokens`` drafts at most per row and step; ``disable_by_batch_size``: a step with more
-    decoding rows than this speculates for none of them (vLLM V0's option of that name; V1 has none)."""
+    decoding rows than this speculates for none of them (vLLM V0's option of that name; V1 has none).
+    ``method`` "ngram" looks drafts up in the sequence (``prompt_lookup_min/max``); "draft_model" (the method
+    when only ``model`` is given, as in vLLM) runs the small model at ``model``, of the target's vocabulary."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str | None = None  # the draft model (method "draft_model"): what `LLM(model=...)` takes
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
@@ -446,10 +448,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}")
         if "num_speculative_tokens" not in config:
             raise ValueError("speculative_config: num_speculative_tokens is required")
+        _check_method_keys(method, config)
         low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
         low, high = low or high or DEFAULT_PROMPT_LOOKUP, high or low or DEFAULT_PROMPT_LOOKUP  # vLLM's rule
         return cls(method, config["num_speculative_tokens"], low, high,
-                   config.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE))
+                   config.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE), config.get("model"))
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -473,6 +476,20 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model" and not (isinstance(self.model, str | os.PathLike) and str(self.model)):
+            raise ValueError(f"speculative_config: method 'draft_model' needs the draft's path in 'model', got "
+                             f"{self.model!r}")
+
+
+def _check_method_keys(method: str, config: dict[str, Any]) -> None:
+    """A key of the other method is a mistake worth naming (vLLM ignores it)."""
+    if method == "ngram":
+        other, keys = "draft_model", ("model",)
+    else:
+        other, keys = "ngram", ("prompt_lookup_min", "prompt_lookup_max")
+    given = [key for key in keys if config.get(key) is not None]
+    if given:
+        raise ValueError(f"speculative_config: {', '.join(map(repr, given))} apply to method {other!r}, not {method!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,10 +28,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' byte-level tokenizer
 from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.speculative.proposer import Proposer
 from tests.hf_tiny import byte_level_tokenizer  # noqa: E402
 
 
-class ReplayProposer:
+class ReplayProposer(Proposer):
     """Drafts the reference continuation of the prompt each sequence starts with, shifted by ``shift`` token ids."""
 
     def __init__(self, k: int, continuations: dict[tuple[int, ...], list[int]], shift: int, vocab_size: int):

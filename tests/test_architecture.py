@@ -30,7 +30,7 @@ LAYERS = (
     {"jaxserve.attention"},
     {"jaxserve.models", "jaxserve.weights"},
     {"jaxserve.runner"},
-    {"jaxserve.speculative"},  # draft proposers, host side; a draft model's will run on the runner
+    {"jaxserve.speculative"},  # draft proposers: host side, or a draft model on its own runner
     {"jaxserve.compilation"},
     {"jaxserve.engine"},
     {"jaxserve.llm", "jaxserve"},  # the public API: the offline LLM and the package root's lazy exports

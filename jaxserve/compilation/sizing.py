@@ -20,6 +20,7 @@ tests/compilation/test_targets.py checks the result against the final executable
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -42,6 +43,7 @@ DEFAULT_CPU_KV_BLOCKS = 2048
 def engine_bucket_grid(
     config: EngineConfig, model_config: ModelConfig, params, platform: str, mesh: Mesh,
     device_memory_bytes: int | None = None, *, fit_to_steps: bool = True,
+    draft: tuple[ModelConfig, Any] | None = None,
 ) -> BucketGrid:
     """The bucket grid (with block size and KV-pool size) an engine with ``config`` runs on.
 
@@ -50,19 +52,18 @@ def engine_bucket_grid(
     ``device_memory_bytes`` is a target device's memory when compiling for hardware this host does not
     have (default: the local device's reported limit). Off CPU, unless ``num_kv_blocks`` is given, the pool
     is what the memory holds besides the weights, the sampler state and what the largest steps need while
-    they run (``fit_to_steps=False`` skips that probe, for targets that only lower).
+    they run (``fit_to_steps=False`` skips that probe, for targets that only lower). ``draft``: a draft model's
+    (config, params), whose weights take memory too and whose pool has as many blocks (`speculative/draft_model.py`).
     """
     spec = load_bucket_spec(config.buckets, platform)
     block_size = config.block_size or spec.block_size
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, max(spec.context_lengths))
     budget = weights_bytes = None
+    models = [(model_config, params)] if draft is None else [(model_config, params), draft]
     if platform != "cpu" and config.num_kv_blocks is None:
-        weights_bytes = per_device_bytes(params, mesh)
+        weights_bytes = sum(per_device_bytes(p, mesh) for _, p in models)
         budget = memory_budget(config.gpu_memory_utilization, params, weights_bytes, device_memory_bytes)
-    block_bytes = kv_bytes_per_block(
-        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
-        head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(config.dtype).itemsize,
-    ) // mesh.size  # per device: the pool is split over the heads
+    block_bytes = sum(_block_bytes(c, block_size, config.dtype, mesh) for c, _ in models)
     num_slots = config.max_num_seqs or max(spec.decode_batch_sizes)
     pool_budget = None if budget is None else budget.pool_bytes(
         weights_bytes, slot_state_bytes(num_slots, model_config.vocab_size))
@@ -75,6 +76,14 @@ def engine_bucket_grid(
             grid = _grid(spec, config, block_size, max_model_len, num_blocks - over)
     grid.check_max_model_len(max_model_len)
     return grid
+
+
+def _block_bytes(model_config: ModelConfig, block_size: int, dtype: str, mesh: Mesh) -> int:
+    """Bytes of one block of ``model_config``'s pool per device (the pool is split over the heads)."""
+    return kv_bytes_per_block(
+        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
+        head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize,
+    ) // mesh.size
 
 
 def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_blocks: int) -> BucketGrid:

@@ -128,9 +128,11 @@ def compile_buckets(
     progress: bool = False,
     cache_dir: Path | None = None,
     cache_check: CacheCheck | None = None,
+    resample: bool = True,
 ) -> WarmUpReport:
     """Builds the executable of every bucket (each distinct step shape once) and reports where each came from;
-    with them the resample executable of each batch size (structured outputs under async scheduling)."""
+    with them (``resample``) the resample executable of each batch size (structured outputs under async
+    scheduling)."""
     if num_threads < 1:
         raise ValueError(f"num_threads must be a positive integer, got {num_threads}")
     shapes = list(dict.fromkeys(step_shape(b, runner.block_size) for b in buckets))
@@ -141,7 +143,7 @@ def compile_buckets(
         tqdm(total=len(shapes), desc="Compiling buckets", unit="bucket", disable=not progress) as bar,
     ):
         futures = {pool.submit(_compile_one, runner, shape): shape for shape in shapes}
-        for batch_size in dict.fromkeys(shape.batch_size for shape in shapes):
+        for batch_size in dict.fromkeys(shape.batch_size for shape in shapes) if resample else ():
             futures[pool.submit(runner.compile_resample, batch_size)] = None
         for future in as_completed(futures):
             result = future.result()

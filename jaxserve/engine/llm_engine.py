@@ -41,7 +41,7 @@ from jaxserve.compilation.compile_cache import (
 )
 from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
-from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.scheduler import Scheduler
@@ -72,7 +72,9 @@ from jaxserve.runner.sampler_state import SlotTable
 from jaxserve.runner.spec_verify import VerifyInputs
 from jaxserve.runner.step_costs import measure_mixed_costs
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
+from jaxserve.speculative.draft_model import DraftModelProposer, build_draft_proposer, load_draft_model
 from jaxserve.speculative.ngram import NgramProposer
+from jaxserve.speculative.proposer import Proposer
 from jaxserve.weights import LoadedModel, load_model
 
 logger = init_logger("jaxserve.engine.llm_engine")
@@ -116,7 +118,12 @@ class LLMEngine:
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer
-        self.grid = engine_bucket_grid(config, loaded.config, loaded.params, jax.default_backend(), self.mesh)
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_draft_model(spec.model, loaded.config, config.dtype, self.mesh)
+        self.grid = engine_bucket_grid(config, loaded.config, loaded.params, jax.default_backend(), self.mesh,
+                                       draft=None if draft is None else (draft.config, draft.params))
         self.block_size, num_blocks = self.grid.block_size, self.grid.num_blocks
         self.block_manager = BlockManager(num_blocks, self.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
@@ -129,7 +136,7 @@ class LLMEngine:
         logger.info("%s", _scheduling_summary(self.scheduler))
         self.runner = ModelRunner.for_engine(loaded.config, loaded.params, config, self.grid, self.mesh)
         self._in_flight: InFlightStep | None = None
-        self.proposer = make_proposer(config.speculative_config, self.grid)
+        self.proposer = make_proposer(config, self.grid, draft, self.mesh)
         self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.mesh.devices.flat[0].platform,
                                                          speculative=self.proposer is not None)
         self._num_sync_groups = 0  # requests that need each step's results before the next is planned
@@ -175,6 +182,10 @@ class LLMEngine:
         if manifest is not None and not check.ok:
             record_manifest(cache_dir, manifest)  # every bucket of this configuration is in the cache now
         logger.info("warm-up: %s", report.summary())
+        if isinstance(self.proposer, DraftModelProposer):
+            draft_report = compile_buckets(self.proposer.runner, self.proposer.buckets, num_threads=num_threads,
+                                           resample=False)  # the draft samples greedily, in the step
+            logger.info("warm-up of the draft model: %s", draft_report.summary())
         self.warm_up_report = report
         self._measure_step_costs()
         return report
@@ -239,7 +250,7 @@ class LLMEngine:
         if group is None:
             return None
         for seq in self.scheduler.abort(request_id):
-            self.slots.release(seq.seq_id)
+            self._release(seq)
         group.abort()
         output = group.make_output()
         self._remove(group)
@@ -272,7 +283,7 @@ class LLMEngine:
         schedule = self.scheduler.schedule()
         self.stats.num_preemptions += len(schedule.preempted)
         for seq in schedule.preempted:
-            self.slots.release(seq.seq_id)  # a recompute starts at position 0 in a fresh slot
+            self._release(seq)  # a recompute starts at position 0 in a fresh slot
         outputs += self._finish_ignored(schedule.ignored)
         launched = None if schedule.is_idle else self._launch(schedule)
         if self._in_flight is not None:
@@ -305,7 +316,7 @@ class LLMEngine:
         """Sequences the scheduler could never run (they reached max_model_len) end with "length"."""
         groups = {}
         for seq in ignored:
-            self.slots.release(seq.seq_id)
+            self._release(seq)
             group = self.requests[seq.request_id]
             group.on_ignored(seq)
             groups[group.request_id] = group
@@ -316,6 +327,9 @@ class LLMEngine:
         started = time.time() if self.step_trace is not None else 0.0
         rows = schedule.rows
         self._sync_device_state(rows)
+        compiles_before = thread_compile_counts()
+        if schedule.num_draft_tokens:
+            self.proposer.fill_drafts(rows)  # a draft model's tokens, now that the rows' blocks are allocated
         inputs = self._step_inputs(schedule, rows)
         sampling = inputs.sampling
         masks_wait = {i for i, (seq, start, num_tokens) in enumerate(rows)
@@ -323,7 +337,6 @@ class LLMEngine:
         if masks_wait:  # sampled in _resample, once the masks are known
             inputs = dataclasses.replace(inputs, sampling=sampling.argmax_only())
         prev = self._in_flight.output.tokens if self._in_flight is not None else None
-        compiles_before = thread_compile_counts()
         output = self.runner.execute(schedule.bucket, inputs, prev)
         self._check_no_compile(compiles_before, schedule)
         step = InFlightStep(output, sampling.ints[:, _FLAGS], [], [], {}, sampling, verify=inputs.verify)
@@ -468,7 +481,13 @@ class LLMEngine:
                 self._slot_copies.append((parent_slot, self.slots.assign(child.seq_id)))
         for seq in update.finished:
             self.scheduler.finish(seq)
-            self.slots.release(seq.seq_id)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """A sequence that finished, was aborted or preempted gives back its sampler slot and its proposer state."""
+        self.slots.release(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.release(seq.seq_id)
 
     def _report(self, groups) -> list[RequestOutput]:
         outputs = []
@@ -502,16 +521,20 @@ def resolve_async_scheduling(requested: bool | None, platform: str, *, speculati
     return resolved
 
 
-def make_proposer(config: SpeculativeConfig | None, grid) -> NgramProposer | None:
-    """The engine's draft proposer (None: no speculative decoding); the grid must have mixed buckets to verify in."""
-    if config is None:
+def make_proposer(config: EngineConfig, grid, draft: LoadedModel | None, mesh) -> Proposer | None:
+    """The engine's draft proposer (None: no speculative decoding); the grid must have mixed buckets to verify in.
+    ``draft``: the draft model of method "draft_model"."""
+    spec = config.speculative_config
+    if spec is None:
         return None
     if not grid.has_mixed:
         raise ValueError(f"speculative decoding verifies drafts in mixed steps: {grid.spec.source} has no [mixed] "
                          "buckets")
-    logger.info("speculative decoding: %s, up to %d drafts per row, while at most %d sequences decode", config.method,
-                config.num_speculative_tokens, config.disable_by_batch_size)
-    return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    logger.info("speculative decoding: %s%s, up to %d drafts per row, while at most %d sequences decode", spec.method,
+                f" ({spec.model})" if spec.model else "", spec.num_speculative_tokens, spec.disable_by_batch_size)
+    if spec.method == "draft_model":
+        return build_draft_proposer(draft, config, grid, mesh)
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
 def _scheduling_summary(scheduler: Scheduler) -> str:

@@ -22,13 +22,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxserve.speculative.proposer import Proposer
+
 
 def _require_positive(name: str, value: int) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Proposes up to ``num_speculative_tokens`` draft tokens per call by prompt lookup; no state between calls.
 
     Which occurrence: the earliest, as vLLM takes (its reversed-sequence KMP scan keeps the last position of

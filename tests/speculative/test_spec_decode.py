@@ -15,6 +15,7 @@ from jaxserve.config import SpeculativeConfig
 from jaxserve.metrics.prometheus import ServingMetrics
 from jaxserve.metrics.stat_logger import StatLogger
 from jaxserve.sampling_params import BeamSearchParams
+from jaxserve.speculative.proposer import Proposer
 from tests.generation_fixtures import BUCKETS, llm_on_buckets, tokens_prompt
 from tests.hf_tiny import make_tiny_model
 
@@ -49,7 +50,7 @@ def spec(llms):
     engine.proposer = proposer
 
 
-class ReferenceProposer:
+class ReferenceProposer(Proposer):
     """Drafts a reference run's continuation of the prompt (right, as long as the sequence follows it), with the
     drafts at offsets ``wrong`` replaced by another token."""
 
@@ -238,7 +239,7 @@ def test_beam_search_and_async_scheduling_are_refused(model_dir, tmp_path, llms)
      "speculative_config: method 'eagle' is not supported: EAGLE heads need trained weights that jaxserve cannot "
      "load yet"),
     ({"method": "ngrams", "num_speculative_tokens": 2},
-     "speculative_config: method must be one of ngram, got 'ngrams'"),
+     "speculative_config: method must be one of ngram, draft_model, got 'ngrams'"),
     ({"method": "ngram"}, "speculative_config: num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0},
      "speculative_config: num_speculative_tokens must be a positive integer, got 0"),
