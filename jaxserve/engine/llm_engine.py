@@ -184,7 +184,7 @@ class LLMEngine:
         logger.info("warm-up: %s", report.summary())
         if isinstance(self.proposer, DraftModelProposer):
             draft_report = compile_buckets(self.proposer.runner, self.proposer.buckets, num_threads=num_threads,
-                                           resample=False)  # the draft samples greedily, in the step
+                                           cache_dir=cache_dir, resample=False)  # the draft samples in its steps
             logger.info("warm-up of the draft model: %s", draft_report.summary())
         self.warm_up_report = report
         self._measure_step_costs()

@@ -25,6 +25,7 @@ verifier's rejection sampling against a point mass is exact (`runner/spec_verify
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -89,6 +90,7 @@ class DraftModelProposer(Proposer):
         self.num_speculative_tokens = num_speculative_tokens
         self.num_steps = 0  # draft model steps run
         self.num_fed_tokens = 0  # tokens the catch-up steps fed (the decode steps feed one per draft but the first)
+        self.fill_seconds = 0.0  # in fill_drafts, the drafts read back (benchmarks split a step's time with it)
         self._kv: dict[int, _DraftKV] = {}
 
     @property
@@ -112,6 +114,7 @@ class DraftModelProposer(Proposer):
                 jobs.append(_Job(seq, len(tokens) - 1, num_drafts, _RowView(seq.seq_id, tokens, seq.block_table)))
         if not jobs:
             return
+        started = time.perf_counter()
         self._catch_up(jobs)
         self._decode_drafts(jobs)
         host = {id(output): np.asarray(output.tokens) for job in jobs for output, _ in job.sampled_at}
@@ -119,6 +122,7 @@ class DraftModelProposer(Proposer):
             drafts = [int(host[id(output)][row]) for output, row in job.sampled_at]
             job.seq.spec_token_ids = drafts
             self._kv[job.seq.seq_id] = _DraftKV(job.last + 1, tuple(drafts[:-1]), tuple(job.seq.block_table))
+        self.fill_seconds += time.perf_counter() - started
 
     def _valid_prefix(self, seq: Sequence) -> int:
         """How many of ``seq``'s first positions hold the draft K/V of its tokens (at most all but its last)."""
