@@ -12,7 +12,7 @@ concurrency:
 - `jaxserve`: no speculation;
 - `jaxserve-ngram`: `--speculative-config` method ngram, `--num-speculative-tokens` (4), prompt lookup
   `--prompt-lookup-min`..`--prompt-lookup-max` (2..4), the default `disable_by_batch_size` (no drafts while more
-  sequences decode than it: 8);
+  sequences decode than it: 16 on CPU);
 - `jaxserve-ngram-always`: the same with `disable_by_batch_size` 64 (speculation at every concurrency: where it
   stops paying is the crossover that default is set from);
 - `vllm`, `vllm-ngram`: vLLM's CPU build off and with the same speculative config (`--speculative-config`).
@@ -21,6 +21,8 @@ Draft acceptance is read from each server's /metrics (`*spec_decode_num_draft_to
 
     python scripts/bench_speculative.py --result-dir /tmp/spec-bench                      # the whole comparison
     python scripts/bench_speculative.py --servers jaxserve,jaxserve-ngram --concurrencies 1 --num-prompts 3
+    python scripts/bench_speculative.py --servers jaxserve,jaxserve-ngram --concurrencies 8,16 \
+        --workload ../shared/workloads/chat_questions.jsonl --num-prompts 32   # chats: what drafts cost there
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ def load_requests(args) -> list[dict]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else (
         workload_requests())
     by_task: dict[str, list[dict]] = {}
-    for row in rows:
-        by_task.setdefault(row["task"], []).append(row)
+    for row in rows:  # another workload's rows (a chat's messages alone): one task, --output-len tokens
+        row.setdefault("output_len", args.output_len)
+        by_task.setdefault(row.get("task", "chat"), []).append(row)
     interleaved = [row for group in zip(*by_task.values(), strict=False) for row in group]
     return interleaved[: args.num_prompts]
 
@@ -206,6 +209,7 @@ def main() -> None:
     parser.add_argument("--concurrencies", default="1,4,16")
     parser.add_argument("--workload", default=str(WORKLOAD))
     parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--output-len", type=int, default=128, help="of a workload's rows that give none")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
