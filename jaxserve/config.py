@@ -410,11 +410,9 @@ UNSUPPORTED_METHODS = {
     "suffix": "suffix decoding is not built yet: use method 'ngram'",
 }
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
-# Rows in a step past which no row gets drafts, by platform (docs/benchmarks/speculative.md measures both): on a
-# 2-core CPU copying requests still gain 1.37x at 16 sequences and break even near 32; on an H100 right drafts stop
-# paying between 4 and 16 sequences (its mixed step costs three decode steps)
-DISABLE_BY_BATCH_SIZE = {"cpu": 16}
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # TPU and GPU
+# Rows in a step past which no row gets drafts: decode on this CPU is compute-bound from 8 rows up, where
+# verifying a draft costs what a decoded token does (docs/benchmarks/speculative.md measures the crossover)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 KNOWN_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
               "model")
 
@@ -434,7 +432,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
-    disable_by_batch_size: int | None = None  # None: the platform's (`EngineConfig.speculative_grid`)
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     model: str | None = None  # the draft model (method "draft_model"): what `LLM(model=...)` takes
 
     @classmethod
@@ -454,7 +452,7 @@ class SpeculativeConfig:
         low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
         low, high = low or high or DEFAULT_PROMPT_LOOKUP, high or low or DEFAULT_PROMPT_LOOKUP  # vLLM's rule
         return cls(method, config["num_speculative_tokens"], low, high,
-                   config.get("disable_by_batch_size"), config.get("model"))
+                   config.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE), config.get("model"))
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -473,8 +471,6 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             value = getattr(self, name)
-            if name == "disable_by_batch_size" and value is None:
-                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -565,11 +561,8 @@ class EngineConfig:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
 
-    def speculative_grid(self, platform: str) -> tuple[int, int] | None:
-        """(most drafts per row, most rows with drafts) that the mixed buckets make room for on ``platform``; None: no
-        speculation. The rows are ``disable_by_batch_size``, by default the platform's (DISABLE_BY_BATCH_SIZE)."""
+    @property
+    def speculative_grid(self) -> tuple[int, int] | None:
+        """(most drafts per row, most rows with drafts) that the mixed buckets make room for; None: no speculation."""
         spec = self.speculative_config
-        if spec is None:
-            return None
-        rows = spec.disable_by_batch_size or DISABLE_BY_BATCH_SIZE.get(platform, DEFAULT_DISABLE_BY_BATCH_SIZE)
-        return spec.num_speculative_tokens, rows
+        return None if spec is None else (spec.num_speculative_tokens, spec.disable_by_batch_size)

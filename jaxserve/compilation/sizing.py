@@ -69,11 +69,11 @@ def engine_bucket_grid(
         weights_bytes, slot_state_bytes(num_slots, model_config.vocab_size))
     num_blocks = num_blocks_from_budget(block_bytes, num_kv_blocks=config.num_kv_blocks,
                                         memory_budget_bytes=pool_budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS)
-    grid = _grid(spec, config, block_size, max_model_len, num_blocks, platform)
+    grid = _grid(spec, config, block_size, max_model_len, num_blocks)
     if budget is not None and fit_to_steps:
         over = _blocks_over_budget(grid, config, model_config, params, mesh, budget, block_bytes)
         if over:
-            grid = _grid(spec, config, block_size, max_model_len, num_blocks - over, platform)
+            grid = _grid(spec, config, block_size, max_model_len, num_blocks - over)
     grid.check_max_model_len(max_model_len)
     return grid
 
@@ -86,8 +86,7 @@ def _block_bytes(model_config: ModelConfig, block_size: int, dtype: str, mesh: M
     ) // mesh.size
 
 
-def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_blocks: int,
-          platform: str) -> BucketGrid:
+def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_blocks: int) -> BucketGrid:
     return BucketGrid(
         spec, block_size=block_size, max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs or max(spec.decode_batch_sizes),
@@ -96,7 +95,7 @@ def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_b
         num_blocks=num_blocks,
         # without a latency target no mixed step holds more than the spec's token_budget (core/step_budget.py)
         mixed_token_limit=spec.mixed_token_budget if config.max_itl_ms is None else None,
-        speculative=config.speculative_grid(platform),
+        speculative=config.speculative_grid,
     )
 
 

@@ -531,7 +531,7 @@ def make_proposer(config: EngineConfig, grid, draft: LoadedModel | None, mesh) -
         raise ValueError(f"speculative decoding verifies drafts in mixed steps: {grid.spec.source} has no [mixed] "
                          "buckets")
     logger.info("speculative decoding: %s%s, up to %d drafts per row, while at most %d sequences decode", spec.method,
-                f" ({spec.model})" if spec.model else "", spec.num_speculative_tokens, grid.speculative[1])
+                f" ({spec.model})" if spec.model else "", spec.num_speculative_tokens, spec.disable_by_batch_size)
     if spec.method == "draft_model":
         return build_draft_proposer(draft, config, grid, mesh)
     return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)

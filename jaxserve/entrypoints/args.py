@@ -56,8 +56,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "speculative_config": (str, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                            "or a draft model: '{\"model\": PATH, \"num_speculative_tokens\": 4}' (also "
-                           "\"disable_by_batch_size\": no drafts while more sequences decode; default 16 on CPU, "
-                           "8 on TPU and GPU)"),
+                           "\"disable_by_batch_size\": no drafts while more sequences decode; default 8)"),
 }
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's
 

@@ -209,7 +209,7 @@ def build_draft_proposer(draft: LoadedModel, config: EngineConfig, target_grid: 
     the target's blocks. Its steps sample greedily for at most disable_by_batch_size rows: one sampler slot (none is
     used) and one top logprob (none is read)."""
     spec = config.speculative_config
-    grid = draft_bucket_grid(target_grid, target_grid.speculative[1])
+    grid = draft_bucket_grid(target_grid, spec.disable_by_batch_size)
     runner = ModelRunner(
         draft.config.for_max_model_len(grid.max_model_len), draft.params, dtype=config.dtype,
         block_size=grid.block_size, num_blocks=grid.num_blocks, max_rows=grid.max_batch_size,

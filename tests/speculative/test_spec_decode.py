@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from scipy.stats import chi2_contingency
 
 from jaxserve import SamplingParams, StructuredOutputsParams
-from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.config import SpeculativeConfig
 from jaxserve.metrics.prometheus import ServingMetrics
 from jaxserve.metrics.stat_logger import StatLogger
 from jaxserve.sampling_params import BeamSearchParams
@@ -262,16 +262,6 @@ def test_vllm_defaults_for_the_n_gram_bounds():
         "ngram", 4, 5, 5)
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}) == (
         SpeculativeConfig("ngram", 4, 3, 3))
-
-
-def test_disable_by_batch_size_defaults_to_the_platforms_crossover():
-    ngram = {"method": "ngram", "num_speculative_tokens": 4}
-    assert EngineConfig(speculative_config=ngram).speculative_grid("cpu") == (4, 16)
-    assert EngineConfig(speculative_config=ngram).speculative_grid("gpu") == (4, 8)
-    assert EngineConfig(speculative_config=ngram).speculative_grid("tpu") == (4, 8)
-    given = {**ngram, "disable_by_batch_size": 2}
-    assert EngineConfig(speculative_config=given).speculative_grid("cpu") == (4, 2)
-    assert EngineConfig().speculative_grid("cpu") is None
 
 
 def test_metrics_count_drafts_with_vllm_names(spec):
