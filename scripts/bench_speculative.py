@@ -12,7 +12,7 @@ concurrency:
 - `jaxserve`: no speculation;
 - `jaxserve-ngram`: `--speculative-config` method ngram, `--num-speculative-tokens` (4), prompt lookup
   `--prompt-lookup-min`..`--prompt-lookup-max` (2..4), the default `disable_by_batch_size` (no drafts while more
-  sequences decode than it: 16 on CPU);
+  sequences decode than it: 8);
 - `jaxserve-ngram-always`: the same with `disable_by_batch_size` 64 (speculation at every concurrency: where it
   stops paying is the crossover that default is set from);
 - `vllm`, `vllm-ngram`: vLLM's CPU build off and with the same speculative config (`--speculative-config`).
