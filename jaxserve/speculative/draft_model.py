@@ -133,7 +133,6 @@ class DraftModelProposer(Proposer):
         valid = min(kv.num_real + _common_prefix(kv.drafts, outputs), seq.num_tokens - 1)
         same_blocks = _common_prefix(kv.block_table, seq.block_table)  # a copy-on-write changes a block's id
         return min(valid, same_blocks * self.grid.block_size)
-        return valid
 
     def _catch_up(self, jobs: list[_Job]) -> None:
         """Feeds each job's sequence from its first position without valid draft K/V up to its last token, in as
