@@ -13,7 +13,7 @@ from jaxserve.config import SpeculativeConfig
 from tests.generation_fixtures import BUCKETS, llm_on_buckets, tokens_prompt
 from tests.hf_tiny import make_tiny_model
 
-MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [16, 32]\n"
+MIXED = "[mixed]\nbatch_sizes = [8]\ntoken_counts = [16, 32]\n"  # few executables: three engines and two drafts
 K = 3
 PROMPTS = [[5, 6, 7, 8, 9] * 4, [20, 21, 22, 23, 30, 31], [40 + (j * 7) % 50 for j in range(45)], [3, 4]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
