@@ -1,6 +1,7 @@
 """Speculative decoding with a draft model (tiny random models, float32): greedy outputs exactly the plain engine's
 with the target drafting for itself (every draft accepted, exact draft-model work) and with another random model
-(most drafts rejected); long prompts, the prefix cache, forks, preemption, sampling; the config's errors."""
+(most drafts rejected); long prompts, the prefix cache, forks, preemption, sampling; a draft of another
+vocabulary refused (the config's errors are tested in test_spec_decode.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from jaxserve import SamplingParams
-from jaxserve.config import SpeculativeConfig
 from tests.generation_fixtures import BUCKETS, llm_on_buckets, tokens_prompt
 from tests.hf_tiny import make_tiny_model
 
@@ -145,22 +145,3 @@ def test_a_draft_model_of_another_vocabulary_is_refused(model_dir, tmp_path):
         _llm(model_dir, tmp_path, "vocab", draft)
     assert str(info.value) == (f"speculative_config: the draft model {draft} has a vocabulary of 300 tokens, the "
                                "target's has 320: a draft model must share the target's vocabulary")
-
-
-@pytest.mark.parametrize(("config", "message"), [
-    ({"method": "draft_model", "num_speculative_tokens": 2},
-     "speculative_config: method 'draft_model' needs the draft's path in 'model', got None"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "draft"},
-     "speculative_config: 'model' apply to method 'draft_model', not 'ngram'"),
-    ({"model": "draft", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
-     "speculative_config: 'prompt_lookup_max' apply to method 'ngram', not 'draft_model'"),
-])
-def test_bad_draft_model_configs_name_the_problem(config, message):
-    with pytest.raises(ValueError) as info:
-        SpeculativeConfig.parse(config)
-    assert str(info.value) == message
-
-
-def test_a_model_alone_means_the_draft_model_method():
-    assert SpeculativeConfig.parse('{"model": "/m", "num_speculative_tokens": 4}') == SpeculativeConfig(
-        "draft_model", 4, model="/m")

@@ -250,11 +250,22 @@ def test_beam_search_and_async_scheduling_are_refused(model_dir, tmp_path, llms)
      "prompt_lookup_max, disable_by_batch_size, model"),
     ('{"method": "ngram",', "speculative_config: not a JSON object: Expecting property name enclosed in double "
      "quotes: line 1 column 20 (char 19)"),
+    ({"method": "draft_model", "num_speculative_tokens": 2},
+     "speculative_config: method 'draft_model' needs the draft's path in 'model', got None"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "draft"},
+     "speculative_config: 'model' apply to method 'draft_model', not 'ngram'"),
+    ({"model": "draft", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     "speculative_config: 'prompt_lookup_max' apply to method 'ngram', not 'draft_model'"),
 ])
 def test_bad_speculative_configs_name_the_problem(config, message):
     with pytest.raises(ValueError) as info:
         SpeculativeConfig.parse(config)
     assert str(info.value) == message
+
+
+def test_a_model_alone_means_the_draft_model_method():
+    assert SpeculativeConfig.parse('{"model": "/m", "num_speculative_tokens": 4}') == SpeculativeConfig(
+        "draft_model", 4, model="/m")
 
 
 def test_vllm_defaults_for_the_n_gram_bounds():
