@@ -61,3 +61,17 @@ class HFReference:
 
 def tokens_prompt(token_ids: list[int]) -> dict:
     return {"prompt_token_ids": list(token_ids)}
+
+
+def record_planned_ahead(engine) -> list[bool]:
+    """From now on, whether each of ``engine``'s steps left its step unread (async scheduling planned the next one
+    ahead of it), in order."""
+    step, planned_ahead = engine.step, []
+
+    def recording_step():
+        outputs = step()
+        planned_ahead.append(engine._in_flight is not None)
+        return outputs
+
+    engine.step = recording_step
+    return planned_ahead

@@ -15,10 +15,12 @@ Structured outputs do not hold the batch back either. A constrained row's mask n
 step N+1 has a row whose grammar waits for step N's token, N+1 is dispatched at once taking only its argmax,
 and once N's tokens are read (while N+1 runs) those rows' masks are filled and `ModelRunner.resample` samples
 all of N+1's rows from its logits, on the device, before step N+2 reads its tokens.
-With speculative decoding (`speculative_config`) every step is read before the next is planned: the proposer
-drafts tokens for each decoding sequence from its tokens so far (`jaxserve/speculative/`), the scheduler adds them
-to the sequence's row, the mixed step verifies them on the device (`runner/spec_verify.py`), and `_take_verified`
-hands each row's accepted drafts and its last token to the group, counting the drafts' K/V as computed."""
+With speculative decoding (`speculative_config`) the proposer drafts tokens for each decoding sequence from its
+tokens so far (`jaxserve/speculative/`), the scheduler adds them to the sequence's row, the mixed step verifies
+them on the device (`runner/spec_verify.py`), and `_take_verified` hands each row's accepted drafts and its last
+token to the group, counting the drafts' K/V as computed. Drafts need the last step's tokens and a verifying
+step's accepted count sets its rows' next positions, so such steps are read before the next is planned; with
+async scheduling, steps run ahead only while more sequences run than get drafts (`disable_by_batch_size`)."""
 
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from jaxserve.speculative.draft_model import DraftModelProposer, build_draft_proposer, load_draft_model
 from jaxserve.speculative.ngram import NgramProposer
 from jaxserve.speculative.proposer import Proposer
+from jaxserve.speculative.suffix import SuffixProposer
 from jaxserve.weights import LoadedModel, load_model
 
 logger = init_logger("jaxserve.engine.llm_engine")
@@ -278,8 +281,8 @@ class LLMEngine:
         if self._in_flight is not None and self._num_sync_groups:
             outputs += self._complete(self._in_flight)  # beams pick their next tokens before scheduling
             self._in_flight = None
-        if self.proposer is not None:
-            self._propose_drafts()
+        if self.proposer is not None and self._in_flight is None:
+            self._propose_drafts()  # from every sequence's real last token: no step is unread
         schedule = self.scheduler.schedule()
         self.stats.num_preemptions += len(schedule.preempted)
         for seq in schedule.preempted:
@@ -291,12 +294,22 @@ class LLMEngine:
         if launched is not None and launched.masks_pending:
             self._resample(launched)
         self._in_flight = launched
-        if launched is not None and not self.async_scheduling:
+        if launched is not None and not self._plans_ahead(launched):
             outputs += self._complete(launched)
             self._in_flight = None
         if self.stat_logger is not None and self.stat_logger.is_due():
             self.stat_logger.log(self.make_stats())
         return outputs
+
+    def _plans_ahead(self, launched: InFlightStep) -> bool:
+        """Whether the next step is planned before ``launched`` is read: with async scheduling, unless drafts need
+        its tokens (speculative decoding: it verifies drafts, whose accepted number sets the next rows' positions,
+        or few enough sequences run that the next step may draft from their last tokens)."""
+        if not self.async_scheduling:
+            return False
+        if self.proposer is None:
+            return True
+        return launched.verify is None and len(self.scheduler.running) > self.grid.speculative[1]
 
     def _check_no_compile(self, before: CompileCounts, schedule: Schedule) -> None:
         """Counts executables built during a step (a bug: warm-up covers every bucket); strict mode raises."""
@@ -469,7 +482,8 @@ class LLMEngine:
             return
         for seq in decoding:
             max_drafts = self.requests[seq.request_id].max_drafts(seq)
-            seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, max_drafts) if max_drafts > 0 else []
+            seq.spec_token_ids = (self.proposer.propose_for(seq.seq_id, seq.all_token_ids, max_drafts)
+                                  if max_drafts > 0 else [])
 
     def _apply(self, update: GroupUpdate) -> None:
         """Forks first (they share blocks that a finished parent is about to release), then frees."""
@@ -481,12 +495,17 @@ class LLMEngine:
                 self._slot_copies.append((parent_slot, self.slots.assign(child.seq_id)))
         for seq in update.finished:
             self.scheduler.finish(seq)
-            self._release(seq)
+            self._release(seq, finished=True)
 
-    def _release(self, seq: Sequence) -> None:
-        """A sequence that finished, was aborted or preempted gives back its sampler slot and its proposer state."""
+    def _release(self, seq: Sequence, *, finished: bool = False) -> None:
+        """A sequence that finished, was aborted or preempted gives back its sampler slot and its proposer state
+        (a finished one's output may stay with the proposer: suffix decoding's responses)."""
         self.slots.release(seq.seq_id)
-        if self.proposer is not None:
+        if self.proposer is None:
+            return
+        if finished:
+            self.proposer.record_finished(seq.seq_id, seq.output_token_ids)
+        else:
             self.proposer.release(seq.seq_id)
 
     def _report(self, groups) -> list[RequestOutput]:
@@ -508,16 +527,12 @@ def resolve_async_scheduling(requested: bool | None, platform: str, *, speculati
     """Whether steps are planned ahead: as requested, else (None) on where a device runs the steps beside the
     host (TPU, GPU) and off on CPU, as vLLM's CPU backend. On CPU the host's planning takes the cores the step
     runs on, so planning ahead saves nothing, and a request arriving during step N would wait for step N+1,
-    already planned without it (docs/benchmarks/serving-load.md measures both). Speculative decoding plans each
-    step from the last one's accepted tokens (its drafts, its rows' lengths), so it reads every step first."""
-    if speculative:
-        if requested:
-            raise ValueError("async_scheduling is not supported with speculative decoding: each step's drafts "
-                             "come from the previous step's accepted tokens")
-        logger.info("async scheduling: off (speculative decoding)")
-        return False
+    already planned without it (docs/benchmarks/serving-load.md measures both). With speculative decoding only
+    steps past ``disable_by_batch_size`` are planned ahead: drafts come from the last step's tokens
+    (`LLMEngine._plans_ahead`)."""
     resolved = platform != "cpu" if requested is None else requested
-    logger.info("async scheduling: %s%s", "on" if resolved else "off", " (auto)" if requested is None else "")
+    logger.info("async scheduling: %s%s%s", "on" if resolved else "off", " (auto)" if requested is None else "",
+                " while no sequence drafts (speculative decoding)" if resolved and speculative else "")
     return resolved
 
 
@@ -534,6 +549,10 @@ def make_proposer(config: EngineConfig, grid, draft: LoadedModel | None, mesh) -
                 f" ({spec.model})" if spec.model else "", spec.num_speculative_tokens, spec.disable_by_batch_size)
     if spec.method == "draft_model":
         return build_draft_proposer(draft, config, grid, mesh)
+    if spec.method == "suffix":
+        return SuffixProposer(spec.num_speculative_tokens, spec.suffix_decoding_max_tree_depth,
+                              spec.suffix_decoding_max_cached_requests, spec.suffix_decoding_max_spec_factor,
+                              spec.suffix_decoding_min_token_prob)
     return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 

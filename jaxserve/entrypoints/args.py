@@ -55,8 +55,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "disable_log_stats": (bool, "no periodic stats line (throughput, queues, KV usage, prefix cache hit rate)"),
     "speculative_config": (str, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
-                           "or a draft model: '{\"model\": PATH, \"num_speculative_tokens\": 4}' (also "
-                           "\"disable_by_batch_size\": no drafts while more sequences decode; default 8)"),
+                           "or a draft model: '{\"model\": PATH, \"num_speculative_tokens\": 4}' or suffix "
+                           "decoding: '{\"method\": \"suffix\"}' (also \"disable_by_batch_size\": no drafts while "
+                           "more sequences decode; default 8)"),
 }
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's
 

@@ -10,7 +10,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from jaxserve import SamplingParams
-from tests.generation_fixtures import BUCKETS, llm_on_buckets, tokens_prompt
+from tests.generation_fixtures import BUCKETS, llm_on_buckets, record_planned_ahead, tokens_prompt
 from tests.hf_tiny import make_tiny_model
 
 MIXED = "[mixed]\nbatch_sizes = [8]\ntoken_counts = [16, 32]\n"  # few executables: three engines and two drafts
@@ -19,8 +19,9 @@ PROMPTS = [[5, 6, 7, 8, 9] * 4, [20, 21, 22, 23, 30, 31], [40 + (j * 7) % 50 for
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def _llm(model_dir, tmp_path, name, draft_dir=None, **kwargs):
-    spec = None if draft_dir is None else {"model": str(draft_dir), "num_speculative_tokens": K}
+def _llm(model_dir, tmp_path, name, draft_dir=None, disable_by_batch_size=8, **kwargs):
+    spec = None if draft_dir is None else {"model": str(draft_dir), "num_speculative_tokens": K,
+                                           "disable_by_batch_size": disable_by_batch_size}
     return llm_on_buckets(model_dir, tmp_path, name, BUCKETS + MIXED, strict_no_compile=True,
                           speculative_config=spec, **kwargs)
 
@@ -32,10 +33,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llms(model_dir, tmp_path_factory):
-    """(no speculation, the target drafting for itself, a one-layer random draft)."""
+    """(no speculation, the target drafting for itself, a one-layer random draft while at most two sequences run,
+    with steps planned ahead while more run)."""
     tmp = tmp_path_factory.mktemp("buckets")
     other = make_tiny_model(tmp / "draft", "llama", seed=8, num_hidden_layers=1, hidden_size=32)
-    return _llm(model_dir, tmp, "plain"), _llm(model_dir, tmp, "self", model_dir), _llm(model_dir, tmp, "other", other)
+    other_draft = _llm(model_dir, tmp, "other", other, disable_by_batch_size=2, async_scheduling=True)
+    return _llm(model_dir, tmp, "plain"), _llm(model_dir, tmp, "self", model_dir), other_draft
 
 
 def _generate(llm, prompts, params):
@@ -76,11 +79,15 @@ def test_long_prompts_catch_up_over_several_steps_and_every_draft_is_still_accep
 
 
 def test_another_draft_model_keeps_the_greedy_tokens_of_the_plain_engine(llms):
+    """Until two of the four requests end, steps are planned ahead without drafts; then the draft catches up on the
+    tokens of the two left and drafts for them."""
     plain, _, other = llms
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (30, 12, 30, 12)]
     before = _counts(other)
+    planned_ahead = record_planned_ahead(other.llm_engine)
     expected = plain.generate([tokens_prompt(p) for p in PROMPTS], params, use_tqdm=False)
     got = other.generate([tokens_prompt(p) for p in PROMPTS], params, use_tqdm=False)
+    assert 0 < sum(planned_ahead) < len(planned_ahead)
     for a, b in zip(expected, got, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):

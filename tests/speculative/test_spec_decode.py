@@ -5,6 +5,8 @@ outputs, the refused combinations and the metrics."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
@@ -12,11 +14,12 @@ from scipy.stats import chi2_contingency
 
 from jaxserve import SamplingParams, StructuredOutputsParams
 from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.llm_engine import make_proposer
 from jaxserve.metrics.prometheus import ServingMetrics
 from jaxserve.metrics.stat_logger import StatLogger
 from jaxserve.sampling_params import BeamSearchParams
 from jaxserve.speculative.proposer import Proposer
-from tests.generation_fixtures import BUCKETS, llm_on_buckets, tokens_prompt
+from tests.generation_fixtures import BUCKETS, llm_on_buckets, record_planned_ahead, tokens_prompt
 from tests.hf_tiny import make_tiny_model
 
 MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [16, 32]\n"
@@ -200,18 +203,22 @@ def test_seeded_requests_and_n_samples_are_reproducible(spec):
         assert len(a.outputs) == 3 and all(len(c.token_ids) == 20 for c in a.outputs)
 
 
-def test_preemption_and_disable_by_batch_size_keep_every_token(model_dir, tmp_path, llms):
-    """A pool too small for the batch (preemptions) and drafts only while at most two sequences decode."""
+def test_preemption_disable_by_batch_size_and_async_scheduling_keep_every_token(model_dir, tmp_path, llms):
+    """A pool too small for the batch (preemptions), drafts only while at most two sequences run, and async
+    scheduling planning steps ahead while more run."""
     plain, _ = llms
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = REPETITIVE * 2
     expected = [o.outputs[0].token_ids for o in _generate(plain, prompts, params)]
-    small = _llm(model_dir, tmp_path, "small", num_kv_blocks=16,
+    small = _llm(model_dir, tmp_path, "small", num_kv_blocks=16, async_scheduling=True,
                  speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    engine = small.llm_engine
+    planned_ahead = record_planned_ahead(engine)
     got = [o.outputs[0].token_ids for o in _generate(small, prompts, params)]
     assert got == expected
-    stats = small.llm_engine.stats
+    stats = engine.stats
     assert stats.num_preemptions > 0 and stats.num_spec_accepted_tokens > 0
+    assert 0 < sum(planned_ahead) < len(planned_ahead) and not planned_ahead[-1]
     assert "(speculative: each samples a position per row and per draft, at most 3 drafts per row on 2 rows)" in (
         small.llm_engine.grid.format_table())
 
@@ -226,12 +233,10 @@ def test_structured_outputs_rows_get_no_drafts_and_keep_their_grammar(llms, spec
     assert _delta(before, _spec_counts(spec)) == (0, 0, 0)
 
 
-def test_beam_search_and_async_scheduling_are_refused(model_dir, tmp_path, llms):
+def test_beam_search_is_refused(llms):
     _, spec = llms
     with pytest.raises(ValueError, match=r"^beam search is not supported with speculative decoding"):
         spec.llm_engine.add_request("beams", tokens_prompt([3, 4]), BeamSearchParams(beam_width=2, max_tokens=4))
-    with pytest.raises(ValueError, match=r"^async_scheduling is not supported with speculative decoding"):
-        _llm(model_dir, tmp_path, "async", speculative_config=NGRAM, async_scheduling=True)
 
 
 @pytest.mark.parametrize(("config", "message"), [
@@ -239,15 +244,16 @@ def test_beam_search_and_async_scheduling_are_refused(model_dir, tmp_path, llms)
      "speculative_config: method 'eagle' is not supported: EAGLE heads need trained weights that jaxserve cannot "
      "load yet"),
     ({"method": "ngrams", "num_speculative_tokens": 2},
-     "speculative_config: method must be one of ngram, draft_model, got 'ngrams'"),
+     "speculative_config: method must be one of ngram, draft_model, suffix, got 'ngrams'"),
     ({"method": "ngram"}, "speculative_config: num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0},
      "speculative_config: num_speculative_tokens must be a positive integer, got 0"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "speculative_config: prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3},
-     "speculative_config: unknown key(s) 'lookahead'; known: method, num_speculative_tokens, prompt_lookup_min, "
-     "prompt_lookup_max, disable_by_batch_size, model"),
+     "speculative_config: unknown key(s) 'lookahead'; known: method, num_speculative_tokens, disable_by_batch_size, "
+     "prompt_lookup_min, prompt_lookup_max, model, suffix_decoding_max_tree_depth, "
+     "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob"),
     ('{"method": "ngram",', "speculative_config: not a JSON object: Expecting property name enclosed in double "
      "quotes: line 1 column 20 (char 19)"),
     ({"method": "draft_model", "num_speculative_tokens": 2},
@@ -256,6 +262,18 @@ def test_beam_search_and_async_scheduling_are_refused(model_dir, tmp_path, llms)
      "speculative_config: 'model' apply to method 'draft_model', not 'ngram'"),
     ({"model": "draft", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
      "speculative_config: 'prompt_lookup_max' apply to method 'ngram', not 'draft_model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 8},
+     "speculative_config: 'suffix_decoding_max_tree_depth' apply to method 'suffix', not 'ngram'"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 0},
+     "speculative_config: num_speculative_tokens must be a positive integer, got 0"),
+    ({"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 0},
+     "speculative_config: suffix_decoding_max_tree_depth must be a positive integer, got 0"),
+    ({"method": "suffix", "suffix_decoding_max_cached_requests": -1},
+     "speculative_config: suffix_decoding_max_cached_requests must be an integer >= 0, got -1"),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": 0},
+     "speculative_config: suffix_decoding_max_spec_factor must be a number > 0, got 0"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5},
+     "speculative_config: suffix_decoding_min_token_prob must be a number in [0, 1], got 1.5"),
 ])
 def test_bad_speculative_configs_name_the_problem(config, message):
     with pytest.raises(ValueError) as info:
@@ -273,6 +291,36 @@ def test_vllm_defaults_for_the_n_gram_bounds():
         "ngram", 4, 5, 5)
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}) == (
         SpeculativeConfig("ngram", 4, 3, 3))
+
+
+def test_vllm_defaults_for_suffix_decoding():
+    """num_speculative_tokens defaults to the tree depth, as in vLLM."""
+    assert SpeculativeConfig.parse('{"method": "suffix"}') == SpeculativeConfig(
+        "suffix", 24, suffix_decoding_max_tree_depth=24, suffix_decoding_max_cached_requests=10000,
+        suffix_decoding_max_spec_factor=1.0, suffix_decoding_min_token_prob=0.1)
+    deep = SpeculativeConfig.parse({"method": "suffix", "suffix_decoding_max_tree_depth": 16})
+    assert deep.num_speculative_tokens == 16
+
+
+def test_suffix_decoding_drafts_an_earlier_response_and_keeps_the_greedy_tokens(llms, spec):
+    """The first run drafts from the request's own tokens (a random model seldom repeats itself); the second run of
+    the same prompt drafts the first one's response, kept in the global trie: every draft is accepted."""
+    plain, _ = llms
+    engine = spec.llm_engine
+    config = dataclasses.replace(engine.config, speculative_config={"method": "suffix", "num_speculative_tokens": K})
+    engine.proposer = make_proposer(config, engine.grid, None, engine.mesh)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompt = [11, 12, 13, 14]
+    [expected] = _generate(plain, [prompt], params)
+    counts = []
+    for _ in range(2):
+        before = _spec_counts(spec)
+        [output] = _generate(spec, [prompt], params)
+        assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+        counts.append(_delta(before, _spec_counts(spec)))
+    (_, first_drafted, first_accepted), (_, drafted, accepted) = counts
+    assert first_accepted < first_drafted and drafted == accepted >= 20
+    assert engine.proposer.num_cached_requests == 2
 
 
 def test_metrics_count_drafts_with_vllm_names(spec):
