@@ -15,7 +15,12 @@ concurrency:
   sequences decode than it: 8);
 - `jaxserve-ngram-always`: the same with `disable_by_batch_size` 64 (speculation at every concurrency: where it
   stops paying is the crossover that default is set from);
+- `jaxserve-suffix`: method suffix (suffix decoding: tries of the request's tokens and of earlier responses),
+  `--num-speculative-tokens` drafts at most, vLLM's other suffix defaults;
 - `vllm`, `vllm-ngram`: vLLM's CPU build off and with the same speculative config (`--speculative-config`).
+A server is started once and measured at every concurrency, the same requests each time, after a warm-up of the
+two requests past the measured ones; `--restart-per-concurrency` starts it afresh for each, so that what a server
+keeps across requests (its prefix cache, suffix decoding's responses) holds only that concurrency's requests.
 Draft acceptance is read from each server's /metrics (`*spec_decode_num_draft_tokens_total`,
 `*spec_decode_num_accepted_tokens_total`) before and after each run.
 
@@ -54,7 +59,7 @@ from make_repetitive_workload import requests as workload_requests  # noqa: E402
 from plot_load_sweep import write_sweep_plot  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "repetitive_edits.jsonl"
-SERVERS = ("jaxserve", "jaxserve-ngram", "jaxserve-ngram-always", "vllm", "vllm-ngram")
+SERVERS = ("jaxserve", "jaxserve-ngram", "jaxserve-ngram-always", "jaxserve-suffix", "vllm", "vllm-ngram")
 ALWAYS = 64  # disable_by_batch_size of jaxserve-ngram-always: more than any concurrency measured
 
 
@@ -68,7 +73,7 @@ class Result:
 
 
 def load_requests(args) -> list[dict]:
-    """The workload's requests, tasks interleaved, the first --num-prompts."""
+    """The workload's requests, tasks interleaved, the first --num-prompts and two more (the warm-up's)."""
     path = Path(args.workload)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else (
         workload_requests())
@@ -77,12 +82,13 @@ def load_requests(args) -> list[dict]:
         row.setdefault("output_len", args.output_len)
         by_task.setdefault(row.get("task", "chat"), []).append(row)
     interleaved = [row for group in zip(*by_task.values(), strict=False) for row in group]
-    return interleaved[: args.num_prompts]
+    return interleaved[: args.num_prompts + 2]
 
 
-def speculative_config(args, disable_by_batch_size: int | None = None) -> str:
-    config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-              "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+def speculative_config(args, disable_by_batch_size: int | None = None, method: str = "ngram") -> str:
+    config = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
+    if method == "ngram":
+        config.update(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
     if disable_by_batch_size is not None:
         config["disable_by_batch_size"] = disable_by_batch_size
     return json.dumps(config)
@@ -96,6 +102,8 @@ def command(args, server: str, port: int) -> tuple[list[str], dict]:
         cmd += ["--speculative-config", speculative_config(args)]
     elif server.endswith("-ngram-always"):
         cmd += ["--speculative-config", speculative_config(args, ALWAYS)]
+    elif server.endswith("-suffix"):
+        cmd += ["--speculative-config", speculative_config(args, method="suffix")]
     return cmd, env
 
 
@@ -165,19 +173,28 @@ def summarize(server: str, concurrency: int, results: list[Result], duration: fl
 
 
 def measure_server(args, server: str, requests: list[dict], result_dir: Path) -> list[dict]:
+    """The server's rows at every concurrency: one server for all, or a fresh one for each."""
+    if not args.restart_per_concurrency:
+        return measure_server_at(args, server, requests, result_dir, args.concurrencies)
+    return [row for concurrency in args.concurrencies
+            for row in measure_server_at(args, server, requests, result_dir, [concurrency])]
+
+
+def measure_server_at(args, server: str, requests: list[dict], result_dir: Path, concurrencies) -> list[dict]:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     cmd, env = command(args, server, port)
     rows = []
-    with open(result_dir / f"{file_stem(server)}-server.log", "w") as log:
+    measured, warm_up = requests[: args.num_prompts], requests[args.num_prompts :] or requests[:2]
+    with open(result_dir / f"{file_stem(server)}-{'-'.join(map(str, concurrencies))}-server.log", "w") as log:
         print(f"starting {server}: {' '.join(cmd)}", flush=True)
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             print(f"{server} ready after {wait_ready(proc, base_url, args.server_timeout):.0f}s", flush=True)
-            asyncio.run(run_concurrency(base_url, requests[:2], 2))  # warm-up
-            for concurrency in args.concurrencies:
+            asyncio.run(run_concurrency(base_url, warm_up, 2))
+            for concurrency in concurrencies:
                 before = spec_counters(base_url)
-                results, duration = asyncio.run(run_concurrency(base_url, requests, concurrency))
+                results, duration = asyncio.run(run_concurrency(base_url, measured, concurrency))
                 after = spec_counters(base_url)
                 row = summarize(server, concurrency, results, duration, {k: after[k] - before[k] for k in after})
                 print(json.dumps(row), flush=True)
@@ -220,6 +237,8 @@ def main() -> None:
     parser.add_argument("--vllm-omp-bind", default="auto")
     parser.add_argument("--vllm-reserved-cpus", type=int, default=None)
     parser.add_argument("--server-timeout", type=float, default=900)
+    parser.add_argument("--restart-per-concurrency", action="store_true",
+                        help="a fresh server for each concurrency (nothing kept from the one before)")
     parser.add_argument("--result-dir", default=None)
     parser.add_argument("--plot", default=None, help="SVG of tok/s and TPOT against concurrency (default: result dir)")
     args = parser.parse_args()
@@ -239,7 +258,7 @@ def main() -> None:
     print(table)
     (result_dir / "table.md").write_text(table + "\n")
     plot = Path(args.plot) if args.plot else result_dir / "speculative.svg"
-    write_sweep_plot(plot, f"n-gram speculation, {len(requests)} copying requests",
+    write_sweep_plot(plot, f"speculation, {args.num_prompts} requests",
                      rows, (("output_throughput", "output tok/s"), ("mean_tpot_ms", "mean TPOT (ms)")),
                      "concurrency")
     print(f"results: {result_dir}; plot: {plot}")
