@@ -47,7 +47,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.sequence import Sequence
+from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence
 from jaxserve.core.step_budget import StepBudget
 from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
 from jaxserve.distributed.sharding import engine_mesh
@@ -504,7 +504,7 @@ class LLMEngine:
         if self.proposer is None:
             return
         if finished:
-            self.proposer.record_finished(seq.seq_id, seq.output_token_ids)
+            self.proposer.record_finished(seq.seq_id, _read_tokens(seq.output_token_ids))
         else:
             self.proposer.release(seq.seq_id)
 
@@ -565,6 +565,15 @@ def _scheduling_summary(scheduler: Scheduler) -> str:
     return (f"scheduling: mixed steps (decode rows first, then prefill chunks) of up to "
             f"{scheduler.step_budget.untargeted_tokens} tokens and {grid.max_mixed_batch_size} rows; prefill-only "
             f"steps up to max_num_batched_tokens={scheduler.max_num_batched_tokens}")
+
+
+def _read_tokens(token_ids: list[int]) -> list[int]:
+    """``token_ids`` without the placeholders at its end: a sequence that reaches its length limit finishes when
+    its last step is dispatched, before that step's token is read."""
+    end = len(token_ids)
+    while end and token_ids[end - 1] == PLACEHOLDER_TOKEN:
+        end -= 1
+    return token_ids[:end]
 
 
 def _host(logprobs) -> tuple[np.ndarray, ...]:

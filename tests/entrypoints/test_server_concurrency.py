@@ -15,21 +15,27 @@ import httpx
 import pytest
 
 from tests.hf_tiny import make_tiny_model
-from tests.server import MODEL_NAME, serve
+from tests.server import MODEL_NAME, SERVER_BUCKETS, serve
 
 NUM_CLIENTS = 100
 KEPT_TOKENS = 8  # tokens each staying client asks for
 # tokens each leaving client asks for: it must still run when its abort reaches the engine. An engine core
-# process runs ahead of the API process that streams its outputs (64 tokens were all decoded before a few
-# aborts arrived, so those requests ended "length"); 480 (within max_model_len 512) leaves hundreds of steps.
-LEFT_TOKENS = 480
+# process runs ahead of the API process that streams its outputs: 64 tokens were all decoded before a few
+# aborts arrived, and 480 too, once, with the test suite's other worker loading both cores (all 34 leaving
+# requests ended "length"). 4000 (a model and a context bucket of 4096 positions) leave thousands of steps.
+LEFT_TOKENS = 4000
+MAX_MODEL_LEN = 4096
 LEAVE_AFTER_CHUNKS = 2
 
 
 @pytest.fixture(scope="module", params=["in-process", "core-process"])
 def served(request, tmp_path_factory):
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=4)
-    server, engine = serve(model_dir, core_process=request.param == "core-process")
+    root = tmp_path_factory.mktemp("tiny")
+    model_dir = make_tiny_model(root / "model", "llama", seed=4, max_position_embeddings=MAX_MODEL_LEN)
+    buckets = root / "long_context_buckets.toml"
+    buckets.write_text(SERVER_BUCKETS.replace("lengths = [512]", f"lengths = [{MAX_MODEL_LEN}]"))
+    server, engine = serve(model_dir, core_process=request.param == "core-process", max_model_len=MAX_MODEL_LEN,
+                           buckets=str(buckets))
     with server:
         yield server, engine
     if request.param == "core-process":

@@ -308,7 +308,9 @@ def test_suffix_decoding_drafts_an_earlier_response_and_keeps_the_greedy_tokens(
     plain, _ = llms
     engine = spec.llm_engine
     config = dataclasses.replace(engine.config, speculative_config={"method": "suffix", "num_speculative_tokens": K})
-    engine.proposer = make_proposer(config, engine.grid, None, engine.mesh)
+    engine.proposer = proposer = make_proposer(config, engine.grid, None, engine.mesh)
+    recorded, record_finished = [], proposer.record_finished
+    proposer.record_finished = lambda seq_id, tokens: recorded.append(list(tokens)) or record_finished(seq_id, tokens)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompt = [11, 12, 13, 14]
     [expected] = _generate(plain, [prompt], params)
@@ -320,7 +322,9 @@ def test_suffix_decoding_drafts_an_earlier_response_and_keeps_the_greedy_tokens(
         counts.append(_delta(before, _spec_counts(spec)))
     (_, first_drafted, first_accepted), (_, drafted, accepted) = counts
     assert first_accepted < first_drafted and drafted == accepted >= 20
-    assert engine.proposer.num_cached_requests == 2
+    assert proposer.num_cached_requests == 2
+    # a sequence at max_tokens is released when its last step is dispatched: its response is what was read by then
+    assert recorded == [list(expected.outputs[0].token_ids[:-1])] * 2
 
 
 def test_metrics_count_drafts_with_vllm_names(spec):
