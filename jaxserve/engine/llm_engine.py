@@ -140,6 +140,7 @@ class LLMEngine:
         self.runner = ModelRunner.for_engine(loaded.config, loaded.params, config, self.grid, self.mesh)
         self._in_flight: InFlightStep | None = None
         self.proposer = make_proposer(config, self.grid, draft, self.mesh)
+        self.warm_up_report: WarmUpReport | None = None
         self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.mesh.devices.flat[0].platform,
                                                          speculative=self.proposer is not None)
         self._num_sync_groups = 0  # requests that need each step's results before the next is planned
@@ -147,7 +148,6 @@ class LLMEngine:
         self.stats = EngineStats()
         self.stat_logger = None if config.disable_log_stats else StatLogger(self.make_stats())
         self.step_trace = StepTrace.from_env()
-        self.warm_up_report: WarmUpReport | None = None
         self._rng = random.Random(config.seed)
         self.eos_token_ids = set(loaded.config.eos_token_id)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -179,9 +179,8 @@ class LLMEngine:
             )
             check = use_compile_cache(self.runner, cache_dir, manifest)
         self.runner.compile_helpers()
-        report = compile_buckets(
-            self.runner, self.grid.buckets, num_threads=num_threads, cache_dir=cache_dir, cache_check=check
-        )
+        report = compile_buckets(self.runner, self.grid.buckets, num_threads=num_threads, cache_dir=cache_dir,
+                                 cache_check=check, resample=self.async_scheduling)
         if manifest is not None and not check.ok:
             record_manifest(cache_dir, manifest)  # every bucket of this configuration is in the cache now
         logger.info("warm-up: %s", report.summary())
@@ -192,6 +191,20 @@ class LLMEngine:
         self.warm_up_report = report
         self._measure_step_costs()
         return report
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether steps are planned before the last one's tokens are read (`resolve_async_scheduling`)."""
+        return self._async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, enabled: bool) -> None:
+        """Only async scheduling samples a step after it was dispatched (`_resample`), so only with it does the
+        warm-up build the resample executables: switched on after the warm-up, it builds them first."""
+        self._async_scheduling = enabled
+        if enabled and self.warm_up_report is not None:
+            for batch_size in dict.fromkeys(step_shape(b, self.block_size).batch_size for b in self.grid.buckets):
+                self.runner.compile_resample(batch_size)
 
     def _measure_step_costs(self) -> None:
         """With a latency target, times the mixed buckets and gives the scheduler the budget they allow."""

@@ -19,6 +19,10 @@ PROMPT = list(range(5, 21))  # 16 tokens
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     model_dir, llm = build_llm(tmp_path_factory.mktemp("gen"))
+    # warmed up for both modes: switching async scheduling on (test_async_scheduling_changes_nothing) builds the
+    # resample executables, here before the compile count is taken
+    llm.llm_engine.async_scheduling = True
+    llm.llm_engine.async_scheduling = False
     return llm, HFReference(model_dir), num_backend_compiles()
 
 

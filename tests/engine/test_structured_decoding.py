@@ -83,6 +83,23 @@ def test_steps_sampled_after_their_masks_equal_steps_masked_in_place(llms):
     assert [o.token_ids for o in plain] == [o.token_ids for o in alone]
 
 
+def test_only_async_scheduling_builds_the_resample_executables(llms, monkeypatch):
+    """Only a step planned ahead is sampled after its dispatch: a synchronous engine's warm-up skips the resample
+    executables (2-3 s each to compile on XLA:CPU), and async scheduling switched on later builds them (from the
+    compile cache here) before a step can need them."""
+    asynchronous, synchronous = llms
+    assert sorted(asynchronous.llm_engine.runner.resample_executables) == [1, 4, 8]  # the steps' batch sizes
+    engine = synchronous.llm_engine
+    assert engine.runner.resample_executables == {}
+    monkeypatch.setattr(engine, "async_scheduling", True)
+    assert sorted(engine.runner.resample_executables) == [1, 4, 8]
+    late_sampled = engine.stats.num_late_sampled_steps
+    requests = _requests()
+    assert [o.token_ids for o in _run(synchronous, requests)] == [o.token_ids for o in _run(asynchronous, requests)]
+    assert engine.stats.num_late_sampled_steps > late_sampled
+    assert engine.stats.num_compiles_after_warm_up == 0
+
+
 def test_an_abort_while_a_resample_is_pending_loses_nothing_else(llms):
     llm = llms[0].llm_engine
     requests = _requests()
