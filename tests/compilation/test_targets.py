@@ -102,14 +102,18 @@ def test_decode_step_updates_the_stacked_pool_in_place(embedded_v5e):
 
 
 def test_llama3_8b_shape_compiles_at_tensor_parallel_4_on_v5e(llama3_8b_dir, small_grid):
-    config = EngineConfig(model=str(llama3_8b_dir), buckets=str(small_grid), max_model_len=512, max_num_seqs=8)
+    # a given pool (1024 blocks, 2.1 GB per chip) skips the probe compiles that size it (the embedded model's test
+    # checks that sizing): three more compiles of the largest steps
+    config = EngineConfig(model=str(llama3_8b_dir), buckets=str(small_grid), max_model_len=512, max_num_seqs=8,
+                          num_kv_blocks=1024)
     report = compile_for_target(config, "v5e:2x2", cache_dir="", max_buckets=2)
     assert report.tensor_parallel_size == 4
     assert [p.name for p in report.programs[:2]] == ["step-s1-q128-p8", "step-s8-q1-p8"]
     assert report.failures() == []
     weights_per_chip = 8.03e9 * 2 / 4  # bfloat16, split four ways (embeddings and norms replicated: a bit more)
+    pool_per_chip = 1024 * 2 * 32 * 8 * 64 * 128 * 2 / 4  # K and V, 32 layers, 8 kv heads of 128, split four ways
     step = report.programs[1]
-    assert weights_per_chip < step.argument_bytes < report.target.hbm_bytes_per_device
+    assert weights_per_chip + pool_per_chip < step.argument_bytes < report.target.hbm_bytes_per_device
 
 
 def test_gpu_grid_lowers_for_cuda(small_grid):

@@ -25,12 +25,13 @@ def compile_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(compile_cache):
-    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=32, compile_cache_dir=compile_cache)
+    """Up to 16 sequences (15 executables; 20 at 32): the 32 chats run in turns."""
+    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=16, compile_cache_dir=compile_cache)
 
 
 @pytest.fixture(scope="module")
 def llm_without_caching(compile_cache):
-    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=32, compile_cache_dir=compile_cache,
+    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=16, compile_cache_dir=compile_cache,
                enable_prefix_caching=False)
 
 

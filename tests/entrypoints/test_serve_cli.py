@@ -105,10 +105,16 @@ def test_startup_message_has_the_address_and_a_curl_example():
     assert "curl http://localhost:8123/v1/chat/completions" in message and '"model": "m"' in message
 
 
+@pytest.fixture(scope="module")
+def server_model(tmp_path_factory) -> tuple[Path, Path]:
+    """(the tiny model, the compile cache its servers share: the first start compiles, the others load)."""
+    root = tmp_path_factory.mktemp("server")
+    return make_tiny_model(root / "tiny", "llama", seed=5), root / "xla-cache"
+
+
 @pytest.fixture(params=["in-process", "core-process"])
-def server_process(request, tmp_path):
-    model_dir = make_tiny_model(tmp_path / "tiny", "llama", seed=5)
-    cache_dir = tmp_path / "xla-cache"
+def server_process(request, tmp_path, server_model):
+    model_dir, cache_dir = server_model
     buckets = tmp_path / "buckets.toml"
     buckets.write_text(SERVER_BUCKETS)
     command = [sys.executable, "-m", "jaxserve.entrypoints.api_server", "--model", str(model_dir), "--dtype", "float32",
