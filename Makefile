@@ -33,7 +33,7 @@ generate: venv
 
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 lint: venv
 	$(BIN)/ruff check .

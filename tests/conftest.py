@@ -12,7 +12,7 @@
   probe those runtimes (and print their warnings). Set either variable beforehand to override it.
 
 `make test` runs the modules on two pytest-xdist workers (`--dist loadfile`: a module's engine fixtures stay
-in one process); `reference_dir` is where they share reference outputs.
+in one process), the slowest first (`SLOWEST_MODULES`); `reference_dir` is where they share reference outputs.
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _session_compile_cache() -> None:
@@ -36,6 +39,35 @@ def _session_compile_cache() -> None:
 
 _session_compile_cache()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# The slowest modules, slowest first (seconds of one pytest-xdist worker, 2-core AMD EPYC, 2026-11-27), run before
+# the others so that the two workers end together: xdist hands whole modules out in collection order (`make test`
+# passes --no-loadscope-reorder; xdist's default order, by number of tests, left the one-test tensor-parallel module,
+# 5 minutes, to run alone at the end of the suite).
+SLOWEST_MODULES = (
+    "tests/e2e/test_embedded_model.py",  # 350
+    "tests/distributed/test_tensor_parallel.py",  # 313
+    "tests/compilation/test_targets.py",  # 300
+    "tests/speculative/test_embedded_speculation.py",  # 238
+    "tests/models/test_family_engines.py",  # 230
+    "tests/engine/test_engine.py",  # 200
+    "tests/compilation/test_compile_cache.py",  # 200
+    "tests/speculative/test_spec_decode.py",  # 199
+    "tests/engine/test_prefix_caching.py",  # 153
+    "tests/models/test_families.py",  # 142
+    "tests/engine/test_mixed_steps.py",  # 135
+    "tests/speculative/test_draft_model.py",  # 116
+)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """SLOWEST_MODULES first, in their order; the other modules keep theirs (the sort is stable)."""
+    missing = [module for module in SLOWEST_MODULES if not (ROOT / module).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py SLOWEST_MODULES names modules that do not exist: {missing}")
+    rank = {module: i for i, module in enumerate(SLOWEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 @pytest.fixture(scope="session")
