@@ -38,6 +38,10 @@ def setup(tmp_path_factory):
     (path / "buckets.toml").write_text(BUCKETS)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, buckets=str(path / "buckets.toml"),
               num_kv_blocks=NUM_KV_BLOCKS)
+    # warmed up for both modes: switching async scheduling on (test_beams_share_kv_blocks) builds the resample
+    # executables, here before the compile count is taken
+    llm.llm_engine.async_scheduling = True
+    llm.llm_engine.async_scheduling = False
     return llm, HFReference(model_dir), num_backend_compiles()
 
 
