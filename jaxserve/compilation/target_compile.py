@@ -38,7 +38,7 @@ from jaxserve.distributed.sharding import TP_AXIS, check_tensor_parallel
 from jaxserve.logger import init_logger
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.runner.input_batch import step_shape
-from jaxserve.runner.model_runner import ModelRunner, executable_name, resample_name
+from jaxserve.runner.model_runner import ModelRunner, executable_name, resample_batch_sizes, resample_name
 from jaxserve.weights import load_config, resolve_model_path
 
 MB = 1e6
@@ -190,7 +190,7 @@ def _compile_all(runner: ModelRunner, shapes) -> list[ProgramResult]:
     """Every step of ``shapes``, the resample program of each of their batch sizes, then the allocations and forks."""
     programs = [(executable_name(shape), lambda shape=shape: runner.compile(shape)) for shape in shapes]
     programs += [(resample_name(size), lambda size=size: runner.compile_resample(size))
-                 for size in dict.fromkeys(shape.batch_size for shape in shapes)]
+                 for size in resample_batch_sizes(shapes)]
     results = []
     for i, (name, compile_program) in enumerate(programs):
         results.append(_compile_program(name, compile_program))

@@ -27,7 +27,7 @@ from jaxserve.compilation.executable_store import ExecutableStore
 from jaxserve.core.buckets import Bucket, MixedBucket, PrefillBucket
 from jaxserve.logger import init_logger
 from jaxserve.runner.input_batch import StepShape, step_shape
-from jaxserve.runner.model_runner import ModelRunner, executable_name
+from jaxserve.runner.model_runner import ModelRunner, executable_name, resample_batch_sizes
 
 logger = init_logger("jaxserve.compilation.warm_up")
 
@@ -143,7 +143,7 @@ def compile_buckets(
         tqdm(total=len(shapes), desc="Compiling buckets", unit="bucket", disable=not progress) as bar,
     ):
         futures = {pool.submit(_compile_one, runner, shape): shape for shape in shapes}
-        for batch_size in dict.fromkeys(shape.batch_size for shape in shapes) if resample else ():
+        for batch_size in resample_batch_sizes(shapes) if resample else ():
             futures[pool.submit(runner.compile_resample, batch_size)] = None
         for future in as_completed(futures):
             result = future.result()

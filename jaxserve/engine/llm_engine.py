@@ -68,7 +68,7 @@ from jaxserve.metrics.stats import EngineStats, SchedulerStats, StatsSnapshot
 from jaxserve.outputs import RequestOutput
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.runner.input_batch import StepInputs, initial_token_counts, prepare_step_inputs, step_shape
-from jaxserve.runner.model_runner import ModelRunner, StepOutput
+from jaxserve.runner.model_runner import ModelRunner, StepOutput, resample_batch_sizes
 from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
 from jaxserve.runner.sampler_state import SlotTable
 from jaxserve.runner.spec_verify import VerifyInputs
@@ -203,7 +203,7 @@ class LLMEngine:
         warm-up build the resample executables: switched on after the warm-up, it builds them first."""
         self._async_scheduling = enabled
         if enabled and self.warm_up_report is not None:
-            for batch_size in dict.fromkeys(step_shape(b, self.block_size).batch_size for b in self.grid.buckets):
+            for batch_size in resample_batch_sizes(step_shape(b, self.block_size) for b in self.grid.buckets):
                 self.runner.compile_resample(batch_size)
 
     def _measure_step_costs(self) -> None:

@@ -79,6 +79,11 @@ def resample_name(batch_size: int) -> str:
     return f"resample-s{batch_size}"
 
 
+def resample_batch_sizes(shapes) -> list[int]:
+    """The batch sizes of step ``shapes``, each once: one resample executable serves the steps of a batch size."""
+    return list(dict.fromkeys(shape.batch_size for shape in shapes))
+
+
 def feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols, row_starts):
     """input_ids with the slot at flat index `row_starts[s] + feed_cols[s]` replaced by `prev_tokens[feed_rows[s]]`
     (rows with `feed_cols[s] < 0` feed nothing)."""
@@ -236,7 +241,7 @@ class ModelRunner:
         """Every program the engine runs, by name: (jitted function, abstract arguments) of the steps of
         ``shapes``, the allocations and the forks (to lower them for a platform this host does not have)."""
         steps = {executable_name(shape): (self._step_jit(), self._abstract_inputs(shape)) for shape in shapes}
-        resamples = {resample_name(s): self._resample_program(s) for s in dict.fromkeys(x.batch_size for x in shapes)}
+        resamples = {resample_name(s): self._resample_program(s) for s in resample_batch_sizes(shapes)}
         return {**steps, **resamples, **self._allocation_programs(), **self._helper_programs()}
 
     def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,

@@ -13,7 +13,15 @@ from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.engine.beam_search import BeamSearchGroup
 from jaxserve.sampling_params import BeamSearchParams
-from tests.generation_fixtures import BUCKETS, EOS, MAX_MODEL_LEN, NUM_KV_BLOCKS, HFReference, tokens_prompt
+from tests.generation_fixtures import (
+    BUCKETS,
+    EOS,
+    MAX_MODEL_LEN,
+    NUM_KV_BLOCKS,
+    HFReference,
+    tokens_prompt,
+    warm_up_both_scheduling_modes,
+)
 from tests.hf_tiny import make_tiny_model
 
 PROMPT = [9, 40, 41, 77, 78, 100, 120, 130, 3, 4, 5]
@@ -38,10 +46,7 @@ def setup(tmp_path_factory):
     (path / "buckets.toml").write_text(BUCKETS)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, buckets=str(path / "buckets.toml"),
               num_kv_blocks=NUM_KV_BLOCKS)
-    # warmed up for both modes: switching async scheduling on (test_beams_share_kv_blocks) builds the resample
-    # executables, here before the compile count is taken
-    llm.llm_engine.async_scheduling = True
-    llm.llm_engine.async_scheduling = False
+    warm_up_both_scheduling_modes(llm.llm_engine)  # test_beams_share_kv_blocks switches it on
     return llm, HFReference(model_dir), num_backend_compiles()
 
 
