@@ -21,11 +21,10 @@ import atexit
 import os
 import shutil
 import tempfile
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.paths import REPO_ROOT
 
 
 def _session_compile_cache() -> None:
@@ -63,7 +62,7 @@ SLOWEST_MODULES = (
 
 def pytest_collection_modifyitems(items) -> None:
     """SLOWEST_MODULES first, in their order; the other modules keep theirs (the sort is stable)."""
-    missing = [module for module in SLOWEST_MODULES if not (ROOT / module).is_file()]
+    missing = [module for module in SLOWEST_MODULES if not (REPO_ROOT / module).is_file()]
     if missing:
         raise pytest.UsageError(f"tests/conftest.py SLOWEST_MODULES names modules that do not exist: {missing}")
     rank = {module: i for i, module in enumerate(SLOWEST_MODULES)}
