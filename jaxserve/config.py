@@ -397,6 +397,62 @@ def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+# -- KV cache events ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class KVEventsConfig:
+    """`kv_events_config`: vLLM's `KVEventsConfig` keys and defaults (`--kv-events-config '{...}'`): the engine
+    publishes the blocks its prefix cache stores and evicts for KV-aware routers (`engine/kv_events.py`)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" when enabled, else "null"
+    endpoint: str = "tcp://*:5557"  # bound when it has a wildcard host (or is ipc/inproc), else connected
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config: enable_kv_cache_events must be true or false, "
+                             f"got {self.enable_kv_cache_events!r}")
+        if self.publisher not in (None, "zmq", "null"):
+            raise ValueError(f"kv_events_config: publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"kv_events_config: {key} must be a positive integer, got {value!r}")
+        for key in ("endpoint", "topic"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"kv_events_config: {key} must be a string, got {getattr(self, key)!r}")
+
+    @property
+    def publishes(self) -> bool:
+        """Whether events are published: enabled, and not to the "null" publisher."""
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    @classmethod
+    def parse(cls, value: KVEventsConfig | dict | str | None) -> KVEventsConfig | None:
+        """A config from what a user gives: itself, a dict, or a JSON object (the command line's)."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"kv_events_config: not a JSON object: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a dict or a JSON object, got {type(value).__name__}")
+        known = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(known)}")
+        return cls(**value)
+
+
+
 # -- speculative decoding ----------------------------------------------------------------------------
 
 METHODS = ("ngram", "draft_model", "suffix")
@@ -568,6 +624,8 @@ class EngineConfig:
     max_itl_ms: float | None = None  # latency target of steps with decode rows (core/step_budget.py); None: none
     # speculative decoding (vLLM's dict, or its JSON: `SpeculativeConfig`); None: off
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # KV cache events for KV-aware routers (vLLM's dict, or its JSON: `KVEventsConfig`); None: none published
+    kv_events_config: KVEventsConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -592,6 +650,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from jaxserve.core.prefix_cache import PrefixCache, PrefixCacheStats, hash_full_blocks
+from jaxserve.core.prefix_cache import BlocksRemoved, BlocksStored, PrefixCache, PrefixCacheStats, hash_full_blocks
 from jaxserve.core.sequence import Sequence
 from jaxserve.math_utils import cdiv
 
@@ -39,6 +39,8 @@ class BlockManager:
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.prefix_cache_stats = PrefixCacheStats()  # stays zero without prefix caching
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), see take_pending_copies
+        # blocks that entered and left the prefix cache since `take_cache_events` (None: not recorded)
+        self.cache_events: list[BlocksStored | BlocksRemoved] | None = None
 
     # -- pool state ---------------------------------------------------------------------------------
 
@@ -113,7 +115,12 @@ class BlockManager:
 
     def _take_fresh_block(self) -> int:
         """A block for new K/V, held once: a never-cached free block, else the least recently used cached one."""
-        block_id = self.free_block_ids.popleft() if self.free_block_ids else self.prefix_cache.evict()
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        else:
+            block_id, block_hash = self.prefix_cache.evict()
+            if self.cache_events is not None:
+                self.cache_events.append(BlocksRemoved([block_hash]))
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -149,9 +156,33 @@ class BlockManager:
         if self.prefix_cache is None:
             return
         num_hashed = hash_full_blocks(seq, self.block_size, seq.num_computed_tokens)
-        for index in range(seq.num_registered_blocks, num_hashed):
-            self.prefix_cache.insert(seq.block_table[index], seq.block_hashes[index])
+        stored = [index for index in range(seq.num_registered_blocks, num_hashed)
+                  if self.prefix_cache.insert(seq.block_table[index], seq.block_hashes[index])]
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_hashed)
+        if self.cache_events is not None and stored:
+            self._record_stored(seq, stored)
+
+    def _record_stored(self, seq: Sequence, indices: list[int]) -> None:
+        """One `BlocksStored` per run of consecutive blocks of ``seq`` that entered the cache (vLLM's grouping)."""
+        tokens, size = seq.all_token_ids, self.block_size
+        runs = [[indices[0]]]
+        for index in indices[1:]:
+            if index == runs[-1][-1] + 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            parent = seq.block_hashes[first - 1] if first else None
+            tokens_of_run = tokens[first * size : end * size]
+            self.cache_events.append(BlocksStored(seq.block_hashes[first:end], parent, tokens_of_run))
+
+    def take_cache_events(self) -> list[BlocksStored | BlocksRemoved]:
+        """The cache events recorded since the last call (none unless ``cache_events`` was set to a list)."""
+        if self.cache_events is None:
+            return []
+        events, self.cache_events = self.cache_events, []
+        return events
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks nobody else holds go back to the free list."""

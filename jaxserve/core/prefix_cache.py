@@ -49,6 +49,23 @@ def hash_full_blocks(seq: Sequence, block_size: int, num_tokens: int) -> int:
     return min(len(hashes), num_full)
 
 
+@dataclass(frozen=True)
+class BlocksStored:
+    """A run of consecutive blocks of one sequence that entered the cache: their hashes, the hash of the block before
+    the first (None: the sequence's first block) and their tokens (KV cache events, `engine/kv_events.py`)."""
+
+    block_hashes: list[BlockHash]
+    parent: BlockHash | None
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class BlocksRemoved:
+    """Blocks whose hashes left the cache (evicted)."""
+
+    block_hashes: list[BlockHash]
+
+
 @dataclass
 class PrefixCacheStats:
     """vLLM's counters, in tokens: prompt tokens looked up at admission, and those found cached."""
@@ -83,13 +100,14 @@ class PrefixCache:
             blocks.append(block_id)
         return blocks
 
-    def insert(self, block_id: int, block_hash: BlockHash) -> None:
-        """Register a held block whose K/V are computed. A block already cached, or content another block
-        already caches (two requests computed the same prefix at once), changes nothing."""
+    def insert(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a held block whose K/V are computed; whether it entered the cache. A block already cached, or
+        content another block already caches (two requests computed the same prefix at once), changes nothing."""
         if block_id in self.hash_of or block_hash in self.block_of:
-            return
+            return False
         self.block_of[block_hash] = block_id
         self.hash_of[block_id] = block_hash
+        return True
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self.hash_of
@@ -102,8 +120,9 @@ class PrefixCache:
         """A hit on a block nobody held: it leaves the LRU list (no-op for a held block)."""
         self.evictable.pop(block_id, None)
 
-    def evict(self) -> int:
-        """The least recently used evictable block, its hash dropped: a fresh block."""
+    def evict(self) -> tuple[int, BlockHash]:
+        """The least recently used evictable block, its hash dropped: a fresh block, and the hash it had."""
         block_id, _ = self.evictable.popitem(last=False)
-        del self.block_of[self.hash_of.pop(block_id)]
-        return block_id
+        block_hash = self.hash_of.pop(block_id)
+        del self.block_of[block_hash]
+        return block_id, block_hash

@@ -21,11 +21,15 @@ class EngineInfo:
     vocab_size: int
     limits: EngineLimits
     grid: BucketGrid
+    kv_event_sources: dict = dataclasses.field(default_factory=dict)  # `GET /kv_event_sources` (none: {})
 
     @classmethod
     def of(cls, engine) -> EngineInfo:
         """From an `LLMEngine`."""
-        return cls(engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size, engine.limits, engine.grid)
+        publisher = engine.kv_event_publisher
+        sources = {} if publisher is None else publisher.sources()
+        return cls(engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size, engine.limits, engine.grid,
+                   sources)
 
     def check_request(self, params: SamplingParams | BeamSearchParams, num_prompt_tokens: int) -> None:
         """The engine's own checks of a request (ValueError with vLLM's messages), before it is sent."""

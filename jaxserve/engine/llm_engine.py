@@ -43,7 +43,7 @@ from jaxserve.compilation.compile_cache import (
 )
 from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, KVEventsConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.scheduler import Scheduler
@@ -52,6 +52,7 @@ from jaxserve.core.step_budget import StepBudget
 from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
 from jaxserve.distributed.sharding import engine_mesh
 from jaxserve.engine.beam_search import BeamSearchGroup
+from jaxserve.engine.kv_events import KVEventPublisher, wire_event
 from jaxserve.engine.logprobs import TokenTexts
 from jaxserve.engine.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
 from jaxserve.engine.request_group import (
@@ -130,6 +131,7 @@ class LLMEngine:
         self.block_size, num_blocks = self.grid.block_size, self.grid.num_blocks
         self.block_manager = BlockManager(num_blocks, self.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
+        self.kv_event_publisher = self._kv_event_publisher(config.kv_events_config)
         self.max_model_len = self.grid.max_model_len
         self.scheduler = Scheduler(
             self.block_manager, self.grid,
@@ -286,6 +288,17 @@ class LLMEngine:
         per_position = list(self.stats.spec_accepted_per_position)
         return StatsSnapshot(scheduler, dataclasses.replace(self.stats, spec_accepted_per_position=per_position))
 
+    def _kv_event_publisher(self, events: KVEventsConfig | None) -> KVEventPublisher | None:
+        """The publisher of the prefix cache's events (`kv_events_config`), the block manager recording them."""
+        if events is None or not events.publishes:
+            return None
+        if self.block_manager.prefix_cache is None:
+            logger.warning("kv_events_config: prefix caching is off, so no KV cache events will be published")
+        self.block_manager.cache_events = []
+        publisher = KVEventPublisher(events)
+        logger.info("KV cache events: published at %s (topic %r)", publisher.endpoint(), events.topic)
+        return publisher
+
     # ----- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and dispatches one step, then returns the outputs of the step before it (or of
@@ -310,6 +323,9 @@ class LLMEngine:
         if launched is not None and not self._plans_ahead(launched):
             outputs += self._complete(launched)
             self._in_flight = None
+        if self.kv_event_publisher is not None:  # the blocks this step stored and evicted: one batch
+            events = self.block_manager.take_cache_events()
+            self.kv_event_publisher.publish([wire_event(event, self.block_size) for event in events])
         if self.stat_logger is not None and self.stat_logger.is_due():
             self.stat_logger.log(self.make_stats())
         return outputs

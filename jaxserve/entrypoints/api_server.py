@@ -89,6 +89,21 @@ async def show_models(raw_request: Request) -> ModelList:
     return ModelList(data=[card])
 
 
+@router.get("/get_server_info")
+async def server_info(raw_request: Request) -> dict:
+    """What vLLM's router reads of a worker for KV-aware routing (`--policy kv_aware`): the model it serves and the
+    block size of the KV cache events it publishes."""
+    state = raw_request.app.state
+    return {"model_id": state.served_model_name, "model_path": state.model_path,
+            "kv_block_size": state.engine.info.grid.block_size, "max_model_len": state.max_model_len}
+
+
+@router.get("/kv_event_sources")
+async def kv_event_sources(raw_request: Request) -> dict:
+    """Where the engine publishes its KV cache events, by data-parallel rank (vLLM's answer; {}: none)."""
+    return raw_request.app.state.engine.info.kv_event_sources
+
+
 @router.post("/tokenize")
 async def tokenize(request: TokenizeRequest, raw_request: Request):
     return raw_request.app.state.tokenization.tokenize(request)

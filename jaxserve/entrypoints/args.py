@@ -58,6 +58,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
                            "or a draft model: '{\"model\": PATH, \"num_speculative_tokens\": 4}' or suffix "
                            "decoding: '{\"method\": \"suffix\"}' (also \"disable_by_batch_size\": no drafts while "
                            "more sequences decode; default 8)"),
+    "kv_events_config": (str, "publish the prefix cache's stored and evicted blocks for KV-aware routers, vLLM's "
+                         "JSON: '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' (ZeroMQ, "
+                         "vLLM's event format; vllm-router --policy kv_aware reads it)"),
 }
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's
 

@@ -6,7 +6,7 @@ import pytest
 
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid
-from jaxserve.core.prefix_cache import hash_block, hash_full_blocks
+from jaxserve.core.prefix_cache import BlocksRemoved, BlocksStored, hash_block, hash_full_blocks
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from tests.core.test_scheduler import SPEC, advance
@@ -165,3 +165,34 @@ def test_preemption_keeps_the_computed_blocks_cached(cached):
     seq.reset_for_recompute()
     assert bm.cached_prefix(seq) == ([0, 1] if cached else [])
     assert seq.num_cached_tokens == 0  # the first admission's count stays the request's
+
+
+def test_cache_events_record_runs_of_stored_blocks_and_each_eviction():
+    """What KV-aware routers are told (`engine/kv_events.py`): one BlocksStored per run of a sequence's blocks
+    that entered the cache (its parent: the block before the run), a BlocksRemoved per evicted block; content another
+    block already caches, and the same blocks offered again, are no event."""
+    bm = BlockManager(num_blocks=6, block_size=BS, enable_prefix_caching=True)
+    assert bm.take_cache_events() == []  # not recorded until asked for
+    bm.cache_events = []
+    a = computed(bm, list(range(8)) + [99], "a")  # blocks 0, 1 cached, block 2 never full
+    h = a.block_hashes
+    assert bm.take_cache_events() == [BlocksStored(h[:2], None, list(range(8)))]
+    bm.cache_blocks(a)
+    twin = seq_of(list(range(8)), "twin")
+    bm.allocate(twin, 8)  # computed the same content beside a: cached once
+    twin.num_computed_tokens = 8
+    bm.cache_blocks(twin)
+    assert bm.take_cache_events() == []
+    bm.free(twin)
+    longer = seq_of(list(range(8)) + [99, 98, 97, 96], "longer")
+    bm.allocate_prefix(longer, bm.cached_prefix(longer))
+    bm.allocate(longer, longer.num_uncomputed_tokens)
+    longer.num_computed_tokens = longer.num_tokens
+    bm.cache_blocks(longer)  # its third block follows a's two: its parent is a's second
+    assert bm.take_cache_events() == [BlocksStored(longer.block_hashes[2:3], h[1], [99, 98, 97, 96])]
+    bm.free(a)
+    bm.free(longer)
+    b = computed(bm, list(range(50, 74)), "b")  # 6 blocks: 3 free, then every cached one, least recently used first
+    events = bm.take_cache_events()
+    assert events[:3] == [BlocksRemoved([longer.block_hashes[2]]), BlocksRemoved([h[1]]), BlocksRemoved([h[0]])]
+    assert events[3:] == [BlocksStored(b.block_hashes, None, list(range(50, 74)))]

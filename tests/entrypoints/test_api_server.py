@@ -12,9 +12,11 @@ import json
 import re
 
 import httpx
+import msgpack
 import numpy as np
 import openai
 import pytest
+import zmq
 
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 from tests.hf_tiny import hf_logits, make_tiny_model
@@ -34,7 +36,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    return tiny_async_engine(model_dir)
+    """Publishing KV cache events (on a port the system picks) for the KV-aware routing test."""
+    return tiny_async_engine(model_dir, kv_events_config={"enable_kv_cache_events": True,
+                                                          "endpoint": "tcp://127.0.0.1:*"})
 
 
 def _offline(engine, prompt_ids: list[int], params) -> list:
@@ -498,3 +502,41 @@ def test_api_key_is_required_except_for_probes(server):
 
 def test_unknown_route_is_an_openai_404(http):
     assert _error(http.get("/v1/nothing"), 404) == "Not Found"
+
+
+# ----- what a KV-aware router reads ------------------------------------------------------------------
+
+
+def test_server_info_and_kv_events_tell_a_router_which_blocks_this_replica_holds(http, model_dir):
+    """vllm-router's `kv_aware` policy: `/get_server_info` and `/kv_event_sources` say where to subscribe; a completion
+    then publishes its prompt's full blocks (one BlockStored: 2 blocks of 16 of a 40-token prompt, no parent)."""
+    assert http.get("/get_server_info").json() == {"model_id": MODEL_NAME, "model_path": str(model_dir),
+                                                   "kv_block_size": 16, "max_model_len": 512}
+    (rank, source), = http.get("/kv_event_sources").json().items()
+    assert rank == "0" and source["endpoint"].startswith("tcp://127.0.0.1:")
+    assert (source["publisher"], source["encoding"], source["schema_version"]) == ("zmq", "msgpack", 1)
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.setsockopt(zmq.RCVTIMEO, 200)
+    subscriber.connect(source["endpoint"])
+    complete = lambda prompt: http.post("/v1/completions", json={  # noqa: E731
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}).status_code
+    for attempt in range(50):  # until the subscription is up (a batch published before it is not received)
+        assert complete([200 + attempt] * 20) == 200
+        try:
+            subscriber.recv_multipart()
+            break
+        except zmq.Again:
+            continue
+    prompt = list(range(100, 140))
+    assert complete(prompt) == 200
+    subscriber.setsockopt(zmq.RCVTIMEO, 5000)
+    while True:
+        topic, _, payload = subscriber.recv_multipart()
+        stored = [e for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored" and e["token_ids"][0] == 100]
+        if stored:
+            break
+    (event,) = stored
+    assert topic == b"" and event["token_ids"] == prompt[:32] and event["parent_block_hash"] is None
+    assert len(event["block_hashes"]) == 2 and event["block_size"] == 16 and event["medium"] == "GPU"
+    subscriber.close()
