@@ -397,6 +397,18 @@ def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _config_dict(value: object, option: str) -> dict:
+    """A dict-valued option as a dict: given as one, or as a JSON object (the command line's); errors name it."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{option}: not a JSON object: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a dict or a JSON object, got {type(value).__name__}")
+    return value
+
+
 # -- KV cache events ---------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -437,13 +449,7 @@ class KVEventsConfig:
         """A config from what a user gives: itself, a dict, or a JSON object (the command line's)."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"kv_events_config: not a JSON object: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a dict or a JSON object, got {type(value).__name__}")
+        value = _config_dict(value, "kv_events_config")
         known = [field.name for field in dataclasses.fields(cls)]
         unknown = sorted(set(value) - set(known))
         if unknown:
@@ -531,13 +537,7 @@ class SpeculativeConfig:
         """A config from what a user gives: itself, a dict, or a JSON object (the command line's)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"speculative_config: not a JSON object: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}")
+        value = _config_dict(value, "speculative_config")
         return cls.from_dict(value)
 
     def __post_init__(self) -> None:

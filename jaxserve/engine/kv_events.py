@@ -106,6 +106,18 @@ class KVEventPublisher:
     def replay_address(self) -> str | None:
         return None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
 
+    def sources(self) -> dict[str, Any]:
+        """`GET /kv_event_sources`, vLLM's answer: where each data-parallel rank publishes, for vllm-router to
+        discover (its endpoint as bound: a ``tcp://*:0`` endpoint's port is the one the system chose)."""
+        config = self.config
+        return {str(self.data_parallel_rank or 0): {
+            "endpoint": _with_wildcard_host(self.endpoint(), config.endpoint),
+            "replay_endpoint": None if self._replay is None else _with_wildcard_host(self.replay_address(),
+                                                                                      config.replay_endpoint),
+            "topic": config.topic, "hwm": config.hwm, "buffer_steps": config.buffer_steps, "publisher": "zmq",
+            "encoding": "msgpack", "schema_version": 1, "enable_kv_cache_events": True,
+        }}
+
     def publish(self, events: list[dict]) -> None:
         """Queues one batch (nothing when ``events`` is empty); a full queue drops it and counts the drop."""
         if not events:
@@ -154,19 +166,6 @@ class KVEventPublisher:
             if int.from_bytes(seq, "big") >= first:
                 self._replay.send_multipart((client, b"", self._topic, seq, payload))
         self._replay.send_multipart((client, b"", self._topic, END_OF_REPLAY, b""))
-
-
-    def sources(self) -> dict[str, Any]:
-        """`GET /kv_event_sources`, vLLM's answer: where each data-parallel rank publishes, for vllm-router to
-        discover (its endpoint as bound: a ``tcp://*:0`` endpoint's port is the one the system chose)."""
-        config = self.config
-        return {str(self.data_parallel_rank or 0): {
-            "endpoint": _with_wildcard_host(self.endpoint(), config.endpoint),
-            "replay_endpoint": None if self._replay is None else _with_wildcard_host(self.replay_address(),
-                                                                                      config.replay_endpoint),
-            "topic": config.topic, "hwm": config.hwm, "buffer_steps": config.buffer_steps, "publisher": "zmq",
-            "encoding": "msgpack", "schema_version": 1, "enable_kv_cache_events": True,
-        }}
 
 
 def _with_wildcard_host(bound: str, configured: str) -> str:
