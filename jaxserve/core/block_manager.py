@@ -21,7 +21,14 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from jaxserve.core.prefix_cache import BlocksRemoved, BlocksStored, PrefixCache, PrefixCacheStats, hash_full_blocks
+from jaxserve.core.prefix_cache import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    PrefixCache,
+    PrefixCacheStats,
+    hash_full_blocks,
+)
 from jaxserve.core.sequence import Sequence
 from jaxserve.math_utils import cdiv
 
@@ -40,7 +47,7 @@ class BlockManager:
         self.prefix_cache_stats = PrefixCacheStats()  # stays zero without prefix caching
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), see take_pending_copies
         # blocks that entered and left the prefix cache since `take_cache_events` (None: not recorded)
-        self.cache_events: list[BlocksStored | BlocksRemoved] | None = None
+        self.cache_events: list[BlocksStored | BlocksRemoved | AllBlocksCleared] | None = None
 
     # -- pool state ---------------------------------------------------------------------------------
 
@@ -126,6 +133,22 @@ class BlockManager:
 
     # -- prefix caching -----------------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> int:
+        """Drops every cached block nobody holds (their hashes leave the cache, the blocks become free); blocks that
+        running sequences hold stay cached. The number dropped. Recorded as one `AllBlocksCleared` when nothing
+        stays cached (vLLM's event for a reset), else as the dropped blocks' `BlocksRemoved`."""
+        if self.prefix_cache is None:
+            return 0
+        dropped = []
+        while self.prefix_cache.num_evictable:
+            block_id, block_hash = self.prefix_cache.evict()
+            self.free_block_ids.append(block_id)
+            dropped.append(block_hash)
+        if self.cache_events is not None and dropped:
+            cleared = self.prefix_cache.num_cached_blocks == 0
+            self.cache_events.append(AllBlocksCleared() if cleared else BlocksRemoved(dropped))
+        return len(dropped)
+
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks of the longest prefix of ``seq``'s full blocks, never its last token's block
         (at least one token is computed, for its logits); empty without prefix caching."""
@@ -177,7 +200,7 @@ class BlockManager:
             tokens_of_run = tokens[first * size : end * size]
             self.cache_events.append(BlocksStored(seq.block_hashes[first:end], parent, tokens_of_run))
 
-    def take_cache_events(self) -> list[BlocksStored | BlocksRemoved]:
+    def take_cache_events(self) -> list[BlocksStored | BlocksRemoved | AllBlocksCleared]:
         """The cache events recorded since the last call (none unless ``cache_events`` was set to a list)."""
         if self.cache_events is None:
             return []

@@ -61,9 +61,14 @@ class BlocksStored:
 
 @dataclass(frozen=True)
 class BlocksRemoved:
-    """Blocks whose hashes left the cache (evicted)."""
+    """Blocks whose hashes left the cache (evicted, or dropped by a reset)."""
 
     block_hashes: list[BlockHash]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """A reset left nothing cached."""
 
 
 @dataclass

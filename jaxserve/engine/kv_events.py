@@ -27,7 +27,7 @@ import msgpack
 import zmq
 
 from jaxserve.config import KVEventsConfig
-from jaxserve.core.prefix_cache import BlocksRemoved, BlocksStored
+from jaxserve.core.prefix_cache import AllBlocksCleared, BlocksRemoved, BlocksStored
 from jaxserve.logger import init_logger
 
 logger = init_logger(__name__)
@@ -59,10 +59,12 @@ def all_blocks_cleared() -> dict:
     return {"type": "AllBlocksCleared"}
 
 
-def wire_event(event: BlocksStored | BlocksRemoved, block_size: int) -> dict:
+def wire_event(event: BlocksStored | BlocksRemoved | AllBlocksCleared, block_size: int) -> dict:
     """The event a router reads for a prefix-cache record of the `BlockManager`."""
     if isinstance(event, BlocksStored):
         return block_stored(event.block_hashes, event.parent, event.token_ids, block_size)
+    if isinstance(event, AllBlocksCleared):
+        return all_blocks_cleared()
     return block_removed(event.block_hashes)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid
-from jaxserve.core.prefix_cache import BlocksRemoved, BlocksStored, hash_block, hash_full_blocks
+from jaxserve.core.prefix_cache import AllBlocksCleared, BlocksRemoved, BlocksStored, hash_block, hash_full_blocks
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from tests.core.test_scheduler import SPEC, advance
@@ -196,3 +196,26 @@ def test_cache_events_record_runs_of_stored_blocks_and_each_eviction():
     events = bm.take_cache_events()
     assert events[:3] == [BlocksRemoved([longer.block_hashes[2]]), BlocksRemoved([h[1]]), BlocksRemoved([h[0]])]
     assert events[3:] == [BlocksStored(b.block_hashes, None, list(range(50, 74)))]
+
+
+def test_a_reset_drops_every_cached_block_nobody_holds():
+    """vLLM's reset_prefix_cache (the server's /flush_cache): released cached blocks leave the cache and become free,
+    held ones stay; the events say which left (AllBlocksCleared when nothing stays cached)."""
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
+    bm.cache_events = []
+    a = computed(bm, list(range(8)) + [99], "a")
+    b = computed(bm, list(range(20, 28)) + [99], "b")
+    bm.free(a)
+    bm.take_cache_events()
+    free_before = len(bm.free_block_ids)
+    assert bm.reset_prefix_cache() == 2  # a's two full blocks; b still holds its own
+    assert bm.take_cache_events() == [BlocksRemoved([a.block_hashes[1], a.block_hashes[0]])]  # LRU: tail first
+    assert len(bm.free_block_ids) == free_before + 2 and bm.num_free_blocks == free_before + 2
+    assert bm.cached_prefix(seq_of(list(range(8)) + [99], "again")) == []
+    assert bm.cached_prefix(seq_of(list(range(20, 28)) + [99], "b again")) == b.block_table[:2]
+    bm.free(b)
+    assert bm.reset_prefix_cache() == 2
+    assert bm.take_cache_events() == [AllBlocksCleared()]
+    assert bm.prefix_cache.num_cached_blocks == 0 and bm.num_free_blocks == 8
+    assert bm.reset_prefix_cache() == 0 and bm.take_cache_events() == []
+    assert BlockManager(num_blocks=4, block_size=BS).reset_prefix_cache() == 0  # no prefix caching: nothing cached
