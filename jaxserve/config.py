@@ -444,6 +444,15 @@ class KVEventsConfig:
         """Whether events are published: enabled, and not to the "null" publisher."""
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
 
+    def for_rank(self, data_parallel_rank: int) -> KVEventsConfig:
+        """Data-parallel replica ``rank``'s endpoints, as vLLM offsets them: a TCP port plus the rank (a port the
+        system picks, 0 or *, stays so)."""
+        if data_parallel_rank == 0:
+            return self
+        replay = self.replay_endpoint
+        return dataclasses.replace(self, endpoint=_offset_port(self.endpoint, data_parallel_rank),
+                                   replay_endpoint=None if replay is None else _offset_port(replay, data_parallel_rank))
+
     @classmethod
     def parse(cls, value: KVEventsConfig | dict | str | None) -> KVEventsConfig | None:
         """A config from what a user gives: itself, a dict, or a JSON object (the command line's)."""
@@ -457,6 +466,11 @@ class KVEventsConfig:
                              f"known: {', '.join(known)}")
         return cls(**value)
 
+def _offset_port(endpoint: str, offset: int) -> str:
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, port = endpoint.rsplit(":", 1)
+    return endpoint if port in ("0", "*") else f"{host}:{int(port) + offset}"
 
 
 # -- speculative decoding ----------------------------------------------------------------------------
@@ -612,6 +626,8 @@ class EngineConfig:
     waiting_served_ratio: float | None = None
     async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on TPU/GPU, off on CPU
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine replicas behind one server (engine/data_parallel.py)
+    data_parallel_rank: int = 0  # this engine's replica: its devices and its KV events' port offset
     distributed_init: bool = False
     coordinator_address: str | None = None
     num_processes: int | None = None
@@ -630,8 +646,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPE_CHOICES)}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.data_parallel_rank, int) or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}) "
+                             f"(data_parallel_size), got {self.data_parallel_rank!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

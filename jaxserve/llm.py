@@ -55,6 +55,9 @@ class LLM:
             strict_no_compile=strict_no_compile, enable_prefix_caching=enable_prefix_caching,
             disable_log_stats=disable_log_stats, **engine_kwargs,
         )
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 serves replicas behind one server (`jaxserve serve "
+                             "--data-parallel-size N`); an offline LLM runs one engine")
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
 

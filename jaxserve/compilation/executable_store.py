@@ -47,9 +47,10 @@ _FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 _RUNTIME_ONLY_FLAGS = ("--xla_tpu_use_enhanced_launch_barrier=true",)  # jax's cloud_tpu_init sets it
 
 
-def store_key(manifest: CacheManifest, num_devices: int | None = None) -> str:
+def store_key(manifest: CacheManifest, num_devices: int | None = None, first_device: int = 0) -> str:
     """Hash of everything, besides the input shapes, that decides a compiled step on ``num_devices``
-    devices (default: this process's device count; a target's when compiling for another host)."""
+    devices (default: this process's device count; a target's when compiling for another host) from device
+    ``first_device`` on (a data-parallel replica's group: a serialized executable keeps its devices)."""
     import flax
 
     compared = {f.name: getattr(manifest, f.name) for f in dataclasses.fields(manifest) if f.compare}
@@ -60,6 +61,8 @@ def store_key(manifest: CacheManifest, num_devices: int | None = None) -> str:
         "jax_options": {name: str(getattr(jax.config, name, None)) for name in _LOWERING_OPTIONS},
         "num_devices": jax.device_count() if num_devices is None else num_devices,
     }
+    if first_device:  # only then: the stores of every engine on the first devices keep their keys
+        environment["first_device"] = first_device
     body = json.dumps({"manifest": compared, "environment": environment}, sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()[:32]
 
@@ -83,8 +86,9 @@ PYTHON_CALLBACK = "python_cpu_callback"
 class ExecutableStore:
     """One configuration's serialized executables, one file per name, under ``cache_dir``."""
 
-    def __init__(self, cache_dir: str | Path, manifest: CacheManifest, num_devices: int | None = None):
-        self.directory = Path(cache_dir) / STORE_DIR_NAME / store_key(manifest, num_devices)
+    def __init__(self, cache_dir: str | Path, manifest: CacheManifest, num_devices: int | None = None,
+                 first_device: int = 0):
+        self.directory = Path(cache_dir) / STORE_DIR_NAME / store_key(manifest, num_devices, first_device)
         self.loaded: set[str] = set()  # names this store gave out (their callers compiled nothing)
         self.num_saved = 0
 

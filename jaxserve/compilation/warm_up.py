@@ -101,7 +101,7 @@ def use_compile_cache(runner: ModelRunner, cache_dir: Path, manifest: CacheManif
     executable store for that configuration; the engine's warm-up and precompile both start here."""
     check = check_manifest(cache_dir, manifest)
     (logger.info if check.state in ("match", "empty") else logger.warning)("%s", check.describe())
-    runner.executable_store = ExecutableStore(cache_dir, manifest)
+    runner.executable_store = ExecutableStore(cache_dir, manifest, first_device=runner.mesh.devices.flat[0].id)
     return check
 
 

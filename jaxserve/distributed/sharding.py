@@ -47,15 +47,24 @@ def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
     return Mesh(np.array(devices[:tensor_parallel_size]), (TP_AXIS,))
 
 
-def engine_mesh(tensor_parallel_size: int) -> Mesh:
-    """The engine's mesh. Across processes (multi-host) it must span every device of every host, so that
-    each process holds a part of it: tensor_parallel_size must equal the global device count there."""
+def engine_mesh(tensor_parallel_size: int, data_parallel_rank: int = 0) -> Mesh:
+    """The engine's mesh: devices [rank x tp, (rank + 1) x tp) (a data-parallel replica takes its own group).
+    Across processes (multi-host) it must span every device of every host, so that each process holds a part
+    of it: tensor_parallel_size must equal the global device count there."""
     if jax.process_count() > 1 and tensor_parallel_size != jax.device_count():
         raise ValueError(
             f"with {jax.process_count()} processes, tensor_parallel_size ({tensor_parallel_size}) must equal the "
             f"global device count ({jax.device_count()}): one engine spans every host's devices"
         )
-    return make_mesh(tensor_parallel_size)
+    devices = jax.devices()
+    first = data_parallel_rank * tensor_parallel_size
+    if first + tensor_parallel_size > len(devices):
+        raise ValueError(
+            f"data-parallel replica {data_parallel_rank} needs devices {first} to {first + tensor_parallel_size - 1} "
+            f"(tensor_parallel_size {tensor_parallel_size} each), but this host has {len(devices)} "
+            f"{devices[0].platform} devices"
+        )
+    return make_mesh(tensor_parallel_size, devices[first:])
 
 
 def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:

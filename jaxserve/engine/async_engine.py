@@ -13,6 +13,7 @@ import asyncio
 import collections
 import concurrent.futures
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from typing import Protocol
 
 from jaxserve.compilation.compile_cache import num_backend_compiles
@@ -25,6 +26,13 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 logger = init_logger("jaxserve.engine.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve any more (its core process exited, a host of a multi-host server was lost): the
+    server answers 503, as vLLM."""
+
+    status = HTTPStatus.SERVICE_UNAVAILABLE
 
 
 class OutputObserver(Protocol):
@@ -41,9 +49,11 @@ class AsyncLLMEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: collections.deque = collections.deque()
         self._pending_aborts: collections.deque = collections.deque()
+        self._pending_calls: collections.deque = collections.deque()  # (engine method, future) run between steps
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-step")
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -60,7 +70,10 @@ class AsyncLLMEngine:
 
     @property
     def dead_reason(self) -> str | None:
-        """Why the engine cannot serve (the step loop's error), or None while it can."""
+        """Why the engine cannot serve (a lost host, the step loop's error), or None while it can."""
+        host = self.engine.leading_host
+        if host is not None and host.lost is not None:
+            return host.lost
         task = self._loop_task
         if task is None or not task.done() or task.cancelled():
             return None
@@ -76,7 +89,18 @@ class AsyncLLMEngine:
     def _ensure_loop(self) -> None:
         if not self.is_running:
             self._wakeup = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+            self._event_loop = asyncio.get_running_loop()
+            self._loop_task = self._event_loop.create_task(self._run_loop())
+
+    def host_lost(self, reason: str) -> None:
+        """Multi-host serving lost a host (called from the heartbeat thread): every open stream fails with the
+        reason; `dead_reason` already gives it to /health."""
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self._fail_streams, reason)
+
+    def _fail_streams(self, reason: str) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(EngineDeadError(reason))
 
     async def generate(
         self, prompt, sampling_params: SamplingParams | BeamSearchParams | None, request_id: str
@@ -107,6 +131,14 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         self._request_abort(request_id)
 
+    async def reset_prefix_cache(self) -> int:
+        """`LLMEngine.reset_prefix_cache`, between two steps; the number of cached blocks dropped."""
+        self._ensure_loop()
+        future = asyncio.get_running_loop().create_future()
+        self._pending_calls.append((self.engine.reset_prefix_cache, future))
+        self._wakeup.set()
+        return await future
+
     def _request_abort(self, request_id: str) -> None:
         self._pending_aborts.append(request_id)
         if self._wakeup is not None:
@@ -115,7 +147,8 @@ class AsyncLLMEngine:
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not (self._pending_adds or self._pending_aborts or self.engine.has_unfinished_requests()):
+            if not (self._pending_adds or self._pending_aborts or self._pending_calls
+                    or self.engine.has_unfinished_requests()):
                 self._wakeup.clear()
                 await self._wakeup.wait()
             try:
@@ -144,6 +177,9 @@ class AsyncLLMEngine:
             aborted = self.engine.abort_request(request_id)
             if aborted is not None:
                 delivered.append((request_id, aborted))
+        while self._pending_calls:
+            method, future = self._pending_calls.popleft()
+            _settle_from_thread(future, method)
         if self.engine.has_unfinished_requests():
             delivered += [(out.request_id, out) for out in self.engine.step()]
         return delivered
@@ -152,3 +188,28 @@ class AsyncLLMEngine:
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.close()
+
+    def close(self) -> None:
+        """Stops the followers of a multi-host server (nothing to do on one host)."""
+        if self.engine.leading_host is not None:
+            self.engine.leading_host.stop()
+
+
+def _settle_from_thread(future: asyncio.Future, method) -> None:
+    """Runs ``method`` here (the engine's thread) and hands its result or error to ``future``'s loop."""
+    try:
+        outcome = (method(), None)
+    except Exception as err:
+        outcome = (None, err)
+    future.get_loop().call_soon_threadsafe(settle, future, *outcome)
+
+
+def settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    """``future`` gets ``error`` if given, else ``result``; nothing if its caller stopped waiting."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import multiprocessing
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
-from http import HTTPStatus
 from pathlib import Path
 
 import zmq
@@ -29,10 +29,11 @@ import zmq.asyncio
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import core_messages as msg
-from jaxserve.engine.async_engine import AsyncLLMEngine, OutputObserver
+from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, OutputObserver, settle
 from jaxserve.engine.core_process import run_engine_core
 from jaxserve.engine.engine_info import EngineInfo
 from jaxserve.engine.output_accumulator import CumulativeOutputs, with_prompt
+from jaxserve.engine.serving_hosts import FollowingHost
 from jaxserve.logger import init_logger
 from jaxserve.metrics.stats import StatsSnapshot
 from jaxserve.outputs import RequestOutput
@@ -43,12 +44,6 @@ logger = init_logger("jaxserve.engine.core_client")
 START_POLL_S = 1.0  # how often start-up checks that the core is still alive
 SHUTDOWN_GRACE_S = 10.0  # how long a core may take to stop when told to, before it is terminated
 _REQUEST_ERRORS = {"ValueError": ValueError, "TypeError": TypeError}  # a refused request; anything else: a bug
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process exited: nothing more can be served (the server answers 503, as vLLM)."""
-
-    status = HTTPStatus.SERVICE_UNAVAILABLE
 
 
 @dataclasses.dataclass
@@ -81,6 +76,8 @@ class AsyncMPEngine:
         self._socket_dir = socket_dir
         self._requests: dict[str, _Request] = {}
         self._pending_aborts: list[str] = []
+        self._calls: dict[int, asyncio.Future] = {}  # engine methods called in the core, by call id
+        self._call_ids = itertools.count()
         self._reader: asyncio.Task | None = None
         self._dead: str | None = None
         self._closed = False
@@ -104,11 +101,15 @@ class AsyncMPEngine:
         process.start()
         sender.close()
         try:
-            info, state = _wait_until_ready(process, receiver)
+            ready = _wait_until_ready(process, receiver)
         except BaseException:
             _stop_process(process, grace=0)
             _close_sockets(context, inputs, outputs, socket_dir)
             raise
+        if isinstance(ready, FollowingHost):
+            _close_sockets(context, inputs, outputs, socket_dir)
+            return ready
+        info, state = ready
         logger.info("engine core ready in process %d", process.pid)
         return cls(process, info, state, (context, inputs, outputs), socket_dir)
 
@@ -185,6 +186,22 @@ class AsyncMPEngine:
     async def abort(self, request_id: str) -> None:
         self._request_abort(request_id)
 
+    async def reset_prefix_cache(self) -> int:
+        """`LLMEngine.reset_prefix_cache` in the core, between two steps; the number of cached blocks dropped."""
+        return await self._call_core("reset_prefix_cache")
+
+    async def _call_core(self, method: str):
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        self._ensure_reader()
+        call_id = next(self._call_ids)
+        future = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        self._inputs.send(msg.encode([msg.CALL, call_id, method]))
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
     def _request_abort(self, request_id: str) -> None:
         """Aborts leave together at the loop's next turn (a disconnect storm is one message)."""
         if not self._pending_aborts:
@@ -206,7 +223,16 @@ class AsyncMPEngine:
 
     async def _read_outputs(self) -> None:
         while True:
-            _, outputs, errors, stats, compiles = msg.decode(await self._outputs.recv())
+            message = msg.decode(await self._outputs.recv())
+            if message[0] == msg.DEAD:
+                self._engine_died(message[1])
+                continue
+            if message[0] == msg.CALL_RESULT:
+                _, call_id, result, error = message
+                if call_id in self._calls:
+                    settle(self._calls[call_id], result, None if error is None else RuntimeError(error))
+                continue
+            _, outputs, errors, stats, compiles = message
             self._state = _CoreState(stats, compiles)
             delivered = [(rid, self._rebuild(rid, out)) for rid, out in outputs if rid in self._requests]
             delivered += [(rid, _REQUEST_ERRORS.get(kind, RuntimeError)(text)) for rid, kind, text in errors]
@@ -233,7 +259,15 @@ class AsyncMPEngine:
     def _core_exited(self) -> None:
         asyncio.get_running_loop().remove_reader(self.process.sentinel)
         self.process.join(timeout=1)
-        self._dead = _exited(self.process)
+        self._engine_died(_exited(self.process))
+
+    def _engine_died(self, reason: str) -> None:
+        """The first reason stays (the core says why before it exits); open requests fail with it."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        for future in self._calls.values():
+            settle(future, None, EngineDeadError(reason))
         if self._stopping:
             return
         logger.error("%s: failing %d open requests", self._dead, len(self._requests))
@@ -247,7 +281,7 @@ def _exited(process) -> str:
 ServerEngine = AsyncLLMEngine | AsyncMPEngine  # what the HTTP server runs on: in-process, or a core process
 
 
-def _wait_until_ready(process, receiver) -> tuple[EngineInfo, _CoreState]:
+def _wait_until_ready(process, receiver) -> tuple[EngineInfo, _CoreState] | FollowingHost:
     while not receiver.poll(START_POLL_S):
         if not process.is_alive():
             raise RuntimeError(f"the engine core process exited with code {process.exitcode} while starting")
@@ -256,10 +290,17 @@ def _wait_until_ready(process, receiver) -> tuple[EngineInfo, _CoreState]:
     except EOFError:
         process.join(timeout=5)
         raise RuntimeError(f"the engine core process exited with code {process.exitcode} while starting") from None
+    if message[0] == "follower":  # multi-host: the core makes host 0's device calls until host 0 stops
+        return FollowingHost(lambda: _exit_status(process))
     if message[0] != "ready":
         raise RuntimeError(f"the engine core failed to start: {message[1]}")
     _, info, stats, compiles = message
     return info, _CoreState(stats, compiles)
+
+
+def _exit_status(process) -> int:
+    process.join()
+    return process.exitcode
 
 
 def _stop_process(process, grace: float) -> None:

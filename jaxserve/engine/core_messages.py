@@ -6,9 +6,11 @@ Dataclasses travel as an extension type holding the class name and the field val
 registered here are rebuilt (nothing else can be named by a message); enums by name and value. Tuples become
 lists, numpy scalars Python numbers, and int dict keys stay ints (logprobs are keyed by token id).
 
-Inputs (client -> core): ["add", request_id, prompt, params], ["abort", [request_id, ...]], ["shutdown"].
+Inputs (client -> core): ["add", request_id, prompt, params], ["abort", [request_id, ...]], ["shutdown"],
+["call", call_id, method] (an engine method of `CALLABLE`, run between steps).
 Outputs (core -> client): ["outputs", [[request_id, RequestOutput], ...], [[request_id, error type, message], ...],
-StatsSnapshot, backend compiles].
+StatsSnapshot, backend compiles]; ["call_result", call_id, result, error message or None]; ["dead", reason] when
+the core cannot go on (multi-host: a host was lost).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from jaxserve.metrics.stats import EngineStats, SchedulerStats, StatsSnapshot
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-ADD, ABORT, SHUTDOWN, OUTPUTS = "add", "abort", "shutdown", "outputs"
+ADD, ABORT, SHUTDOWN, OUTPUTS, DEAD = "add", "abort", "shutdown", "outputs", "dead"
+CALL, CALL_RESULT = "call", "call_result"
+CALLABLE = frozenset({"reset_prefix_cache"})  # the LLMEngine methods the API process may call in the core
 
 _DATACLASS, _ENUM = 1, 2
 _CLASSES = {cls.__name__: cls for cls in (
@@ -63,8 +67,13 @@ def _unpack_object(code: int, data: bytes):
         return _ENUMS[name](values)
     if code != _DATACLASS or name not in _CLASSES:
         raise ValueError(f"unknown object in an engine core message: {name!r}")
-    cls = _CLASSES[name]
-    obj = object.__new__(cls)  # the sender's object was valid: no __post_init__ checks again
+    return rebuild_dataclass(_CLASSES[name], values)
+
+
+def rebuild_dataclass(cls, values: list):
+    """A ``cls`` with these field values, in field order; the sender's object was valid, so no __post_init__ checks
+    run again (frozen classes too)."""
+    obj = object.__new__(cls)
     for field, value in zip(dataclasses.fields(cls), values, strict=True):
         object.__setattr__(obj, field.name, value)
     return obj

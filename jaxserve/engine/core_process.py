@@ -18,6 +18,7 @@ import dataclasses
 import os
 import traceback
 
+import jax
 import zmq
 
 from jaxserve.compilation.compile_cache import num_backend_compiles
@@ -25,6 +26,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import core_messages as msg
 from jaxserve.engine.engine_info import EngineInfo
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.serving_hosts import follow, lead, serving_role
 from jaxserve.logger import init_logger
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -42,7 +44,15 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     except BaseException as err:
         ready_pipe.send(("failed", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
         raise
+    role = serving_role()
+    if role == "follower":  # multi-host: this host makes host 0's device calls, its API process serves nothing
+        ready_pipe.send(("follower", jax.process_index()))
+        ready_pipe.close()
+        follow(engine)
+        return
     core = EngineCore(engine, input_address, output_address, parent)
+    if role == "leader":
+        lead(engine, on_lost=core.report_dead)
     ready_pipe.send(("ready", EngineInfo.of(engine), engine.make_stats(), num_backend_compiles()))
     ready_pipe.close()
     core.run()
@@ -57,6 +67,7 @@ class EngineCore:
         self.inputs.connect(input_address)
         self.outputs = self.context.socket(zmq.PUSH)
         self.outputs.connect(output_address)
+        self.output_address = output_address
         self.running = True
 
     def run(self) -> None:
@@ -70,6 +81,8 @@ class EngineCore:
                 if delivered or errors:
                     self._send(delivered, errors)
         finally:
+            if self.engine.leading_host is not None:
+                self.engine.leading_host.stop()
             self.inputs.close(linger=0)
             self.outputs.close(linger=1000)
             self.context.term()
@@ -102,6 +115,8 @@ class EngineCore:
                     errors.append([request_id, type(err).__name__, str(err)])
             elif message[0] == msg.SHUTDOWN:
                 self.running = False
+            elif message[0] == msg.CALL:
+                self._call(*message[1:])
         for message in messages:
             if message[0] == msg.ABORT:
                 for request_id in message[1]:
@@ -110,6 +125,16 @@ class EngineCore:
                         delivered.append(output)
         return delivered, errors
 
+    def _call(self, call_id: int, method: str) -> None:
+        """An engine method the API process asked for; its result goes back at once."""
+        try:
+            if method not in msg.CALLABLE:
+                raise ValueError(f"the engine core does not run {method!r}")
+            result, error = getattr(self.engine, method)(), None
+        except Exception as err:
+            result, error = None, f"{type(err).__name__}: {err}"
+        self.outputs.send(msg.encode([msg.CALL_RESULT, call_id, result, error]))
+
     def _step(self) -> tuple[list, list]:
         try:
             return self.engine.step(), []
@@ -117,6 +142,13 @@ class EngineCore:
             logger.exception("engine step failed")
             failed = self.engine.abort_all_requests()
             return [], [[request_id, "RuntimeError", f"engine step failed: {err}"] for request_id in failed]
+
+    def report_dead(self, reason: str) -> None:
+        """Tells the API process why the engine cannot go on (a lost host), from any thread: a socket of its own."""
+        sock = self.context.socket(zmq.PUSH)
+        sock.connect(self.output_address)
+        sock.send(msg.encode([msg.DEAD, reason]))
+        sock.close(linger=1000)
 
     def _send(self, delivered: list[RequestOutput], errors: list) -> None:
         outputs = [[out.request_id, without_prompt(out)] for out in delivered]

@@ -116,7 +116,7 @@ class LLMEngine:
             logger.info("persistent compile cache: disabled (compile_cache_dir='' or %s='')", CACHE_DIR_ENV)
         else:
             logger.info("persistent compile cache: %s", self.compile_cache_dir)
-        self.mesh = engine_mesh(config.tensor_parallel_size)
+        self.mesh = engine_mesh(config.tensor_parallel_size, config.data_parallel_rank)
         self.config = config = resolve_engine_dtype(config, self.mesh.devices.flat[0])
         loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh)
         self.model_config = loaded.config
@@ -143,6 +143,7 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self.proposer = make_proposer(config, self.grid, draft, self.mesh)
         self.warm_up_report: WarmUpReport | None = None
+        self.leading_host = None  # multi-host serving, host 0: the followers its runner calls reach (serving_hosts)
         self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.mesh.devices.flat[0].platform,
                                                          speculative=self.proposer is not None)
         self._num_sync_groups = 0  # requests that need each step's results before the next is planned
@@ -290,12 +291,13 @@ class LLMEngine:
 
     def _kv_event_publisher(self, events: KVEventsConfig | None) -> KVEventPublisher | None:
         """The publisher of the prefix cache's events (`kv_events_config`), the block manager recording them."""
-        if events is None or not events.publishes:
-            return None
+        if events is None or not events.publishes or jax.process_index() != 0:
+            return None  # multi-host: host 0 schedules, so only its block manager has events
         if self.block_manager.prefix_cache is None:
             logger.warning("kv_events_config: prefix caching is off, so no KV cache events will be published")
         self.block_manager.cache_events = []
-        publisher = KVEventPublisher(events)
+        rank = self.config.data_parallel_rank
+        publisher = KVEventPublisher(events.for_rank(rank), data_parallel_rank=rank)
         logger.info("KV cache events: published at %s (topic %r)", publisher.endpoint(), events.topic)
         return publisher
 
@@ -323,12 +325,23 @@ class LLMEngine:
         if launched is not None and not self._plans_ahead(launched):
             outputs += self._complete(launched)
             self._in_flight = None
-        if self.kv_event_publisher is not None:  # the blocks this step stored and evicted: one batch
-            events = self.block_manager.take_cache_events()
-            self.kv_event_publisher.publish([wire_event(event, self.block_size) for event in events])
+        self._publish_cache_events()  # the blocks this step stored and evicted: one batch
         if self.stat_logger is not None and self.stat_logger.is_due():
             self.stat_logger.log(self.make_stats())
         return outputs
+
+    def reset_prefix_cache(self) -> int:
+        """Drops every cached KV block no running request holds (vLLM's `reset_prefix_cache`; the server's
+        /reset_prefix_cache and /flush_cache): later requests compute their prefixes anew. The number dropped."""
+        dropped = self.block_manager.reset_prefix_cache()
+        self._publish_cache_events()
+        logger.info("prefix cache reset: %d cached blocks dropped", dropped)
+        return dropped
+
+    def _publish_cache_events(self) -> None:
+        if self.kv_event_publisher is not None:
+            events = self.block_manager.take_cache_events()
+            self.kv_event_publisher.publish([wire_event(event, self.block_size) for event in events])
 
     def _plans_ahead(self, launched: InFlightStep) -> bool:
         """Whether the next step is planned before ``launched`` is read: with async scheduling, unless drafts need

@@ -2,7 +2,8 @@
 engine core runs in a process of its own), run by uvicorn.
 
 Routes: /generate (vLLM's demo protocol), /v1/completions, /v1/chat/completions, /v1/models, /health,
-/version, /tokenize, /detokenize and /metrics (Prometheus). Every error is OpenAI's error JSON: 400 for
+/version, /tokenize, /detokenize, /metrics (Prometheus), and for routers /get_server_info, /kv_event_sources,
+/get_load and /reset_prefix_cache (also as /flush_cache). Every error is OpenAI's error JSON: 400 for
 a bad request (invalid JSON, wrong types, invalid values, a prompt that cannot fit), 401 without the API
 key when one is set, 404 for an unknown model or route, 503 once the engine is dead (then `launcher.ApiServer`
 stops the server and the process exits 1). A client that disconnects aborts its request, which frees its KV
@@ -31,10 +32,13 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
-from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.distributed.multihost import distributed_init_requested
+from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.engine.chat_template import load_chat_template
-from jaxserve.engine.core_client import AsyncMPEngine, EngineDeadError, ServerEngine
+from jaxserve.engine.core_client import AsyncMPEngine, ServerEngine
+from jaxserve.engine.data_parallel import DataParallelEngine
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.serving_hosts import FollowingHost, follow, lead, serving_role
 from jaxserve.entrypoints.args import add_engine_args, add_server_args, engine_config_from_args, model_from_args
 from jaxserve.entrypoints.launcher import ApiServer
 from jaxserve.entrypoints.openai_protocol import (
@@ -67,8 +71,12 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
-    """200 while the engine can serve; 503 once it cannot (its core process died), as vLLM answers."""
-    return Response(status_code=200 if raw_request.app.state.engine.is_healthy else 503)
+    """200 while the engine can serve; 503 once it cannot (its core process died, a host was lost), as vLLM
+    answers, with the reason in OpenAI's error object."""
+    reason = raw_request.app.state.engine.dead_reason
+    if reason is None:
+        return Response(status_code=200)
+    return _error_response(reason, HTTPStatus.SERVICE_UNAVAILABLE)
 
 
 @router.get("/version")
@@ -102,6 +110,21 @@ async def server_info(raw_request: Request) -> dict:
 async def kv_event_sources(raw_request: Request) -> dict:
     """Where the engine publishes its KV cache events, by data-parallel rank (vLLM's answer; {}: none)."""
     return raw_request.app.state.engine.info.kv_event_sources
+
+
+@router.post("/reset_prefix_cache")
+@router.post("/flush_cache")
+async def reset_prefix_cache(raw_request: Request) -> dict:
+    """Drops the cached KV blocks that no running request holds (vLLM's /reset_prefix_cache; /flush_cache is what
+    vLLM's router calls on every worker), and says how many."""
+    return {"num_blocks_dropped": await raw_request.app.state.engine.reset_prefix_cache()}
+
+
+@router.get("/get_load")
+async def get_load(raw_request: Request) -> dict:
+    """The requests the engine holds, running and waiting: a worker's load as vLLM's router reads it."""
+    scheduler = raw_request.app.state.engine.make_stats().scheduler
+    return {"load": scheduler.num_running_reqs + scheduler.num_waiting_reqs}
 
 
 @router.post("/tokenize")
@@ -282,6 +305,8 @@ def run_server(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
     engine = start_engine(config, args.engine_core_process)
+    if isinstance(engine, FollowingHost):
+        return engine.run()  # multi-host: host 0 serves; this host makes its device calls
     model = model_from_args(args)
     served_model_name = args.served_model_name or model or EMBEDDED_MODEL_NAME
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
@@ -292,16 +317,29 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        if isinstance(engine, AsyncMPEngine):
-            engine.close()
+        engine.close()
     return 1 if server.engine_died else 0
 
 
-def start_engine(config, core_process: bool) -> ServerEngine:
-    """Loads the model and warms up every bucket, in a core process of its own or in this one."""
+def start_engine(config, core_process: bool) -> ServerEngine | DataParallelEngine | FollowingHost:
+    """Loads the model and warms up every bucket, in a core process of its own or in this one; with
+    data_parallel_size > 1, in that many core processes. Multi-host, host 0 gets the engine that leads the others
+    (`engine/serving_hosts.py`), any other host a `FollowingHost`."""
+    if config.data_parallel_size > 1:
+        if distributed_init_requested(config.distributed_init):
+            raise ValueError("--data-parallel-size with --distributed-init: a multi-host server runs one engine "
+                             "over every host; serve several of them behind vllm-router instead")
+        return DataParallelEngine.launch(config)
     if core_process:
         return AsyncMPEngine.launch(config)
-    return AsyncLLMEngine(LLMEngine(config))
+    engine = LLMEngine(config)
+    role = serving_role()
+    if role == "follower":
+        return FollowingHost(lambda: follow(engine))
+    server_engine = AsyncLLMEngine(engine)
+    if role == "leader":
+        lead(engine, on_lost=server_engine.host_lost)
+    return server_engine
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,12 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
                          "runs on and a request arriving mid-step would wait one step more (as vLLM's CPU backend)"),
     "max_logprobs": (int, "the most logprobs or prompt_logprobs a request may ask for"),
     "tensor_parallel_size": (int, "devices (of all hosts) that hold one engine, split by attention heads"),
+    "data_parallel_size": (int, "engine replicas on this host behind the one API server, each on its own "
+                           "tensor_parallel_size devices (vLLM's internal load balancing: a request goes to the "
+                           "replica holding the fewest unfinished requests)"),
+    "data_parallel_rank": (int, "which replica this engine is: it runs on devices [rank x tensor_parallel_size, "
+                           "(rank + 1) x tensor_parallel_size) and publishes its KV cache events on the endpoint's "
+                           "port + rank (set by --data-parallel-size for each replica)"),
     "distributed_init": (bool, "join a multi-host run: jax.distributed.initialize (or JAXSERVE_DISTRIBUTED_INIT=1)"),
     "coordinator_address": (str, "host:port of process 0 (or JAXSERVE_COORDINATOR_ADDRESS; auto on TPU pods)"),
     "num_processes": (int, "or JAXSERVE_NUM_PROCESSES"),
@@ -62,7 +68,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
                          "JSON: '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' (ZeroMQ, "
                          "vLLM's event format; vllm-router --policy kv_aware reads it)"),
 }
-FLAG_ALIASES = {"tensor_parallel_size": ["-tp"]}  # vLLM's
+FLAG_ALIASES = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"]}  # vLLM's
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from jaxserve.engine.core_client import EngineDeadError
+from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.entrypoints.openai_protocol import (
     CompletionLogProbs,
     CompletionRequest,

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from jaxserve.engine.core_client import EngineDeadError
+from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.entrypoints.openai_protocol import random_id
 from jaxserve.entrypoints.serving_engine import (
     EnginePrompt,

@@ -77,3 +77,27 @@ class StatsSnapshot:
 
     scheduler: SchedulerStats
     engine: EngineStats
+
+
+def combined(snapshots: list[StatsSnapshot]) -> StatsSnapshot:
+    """Several engines' snapshots as one (data-parallel replicas): counters and request counts add up, lists add up
+    position by position, KV cache usage is the mean (the replicas' pools are alike)."""
+    return StatsSnapshot(
+        SchedulerStats(**_summed([s.scheduler for s in snapshots]),
+                       kv_cache_usage=sum(s.scheduler.kv_cache_usage for s in snapshots) / len(snapshots)),
+        EngineStats(**_summed([s.engine for s in snapshots])),
+    )
+
+
+def _summed(stats: list) -> dict:
+    totals = {}
+    for field in dataclasses.fields(stats[0]):
+        values = [getattr(s, field.name) for s in stats]
+        if field.name == "kv_cache_usage":
+            continue
+        if isinstance(values[0], list):
+            width = max(len(v) for v in values)
+            totals[field.name] = [sum(v[i] for v in values if i < len(v)) for i in range(width)]
+        else:
+            totals[field.name] = sum(values)
+    return totals

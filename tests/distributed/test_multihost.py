@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,17 +15,12 @@ from jaxserve import LLM, SamplingParams
 from tests.distributed.multihost_worker import MAX_TOKENS, PROMPTS
 from tests.hf_tiny import make_tiny_model, small_bucket_file
 from tests.paths import REPO_ROOT
+from tests.server import free_port
 from tests.weights.test_orbax import convert_checkpoint
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_workers(model_dir: Path, orbax_dir: Path, buckets: str, out_dir: Path) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     procs = []
     for process_id in range(2):
         env = {

@@ -17,22 +17,16 @@ BATCHING_TOKENS = 8  # outputs of the batching test are capped so that 32 reques
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """The two engines of this module (prefix caching on and off) build the same executables: the second loads
-    them from here."""
-    return str(tmp_path_factory.mktemp("compile_cache"))
+def llm():
+    """Up to 16 sequences (15 executables; 20 at 32): the 32 chats run in turns. Compiled into the session's compile
+    cache (tests/conftest.py), where this module's second engine and the router test's replicas, which build the
+    same executables, load them."""
+    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")
-def llm(compile_cache):
-    """Up to 16 sequences (15 executables; 20 at 32): the 32 chats run in turns."""
-    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=16, compile_cache_dir=compile_cache)
-
-
-@pytest.fixture(scope="module")
-def llm_without_caching(compile_cache):
-    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=16, compile_cache_dir=compile_cache,
-               enable_prefix_caching=False)
+def llm_without_caching():
+    return LLM(dtype="float32", max_model_len=1024, max_num_seqs=16, enable_prefix_caching=False)
 
 
 def test_greedy_tokens_match_transformers_on_every_chat(llm, reference_dir):

@@ -507,11 +507,15 @@ def test_unknown_route_is_an_openai_404(http):
 # ----- what a KV-aware router reads ------------------------------------------------------------------
 
 
-def test_server_info_and_kv_events_tell_a_router_which_blocks_this_replica_holds(http, model_dir):
-    """vllm-router's `kv_aware` policy: `/get_server_info` and `/kv_event_sources` say where to subscribe; a completion
-    then publishes its prompt's full blocks (one BlockStored: 2 blocks of 16 of a 40-token prompt, no parent)."""
-    assert http.get("/get_server_info").json() == {"model_id": MODEL_NAME, "model_path": str(model_dir),
-                                                   "kv_block_size": 16, "max_model_len": 512}
+def _complete(http, prompt: list[int]) -> int:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+    return http.post("/v1/completions", json=body).status_code
+
+
+@pytest.fixture(scope="module")
+def kv_events(http):
+    """A subscriber to the server's KV cache events, once it receives them (a batch published before the
+    subscription is up is not received)."""
     (rank, source), = http.get("/kv_event_sources").json().items()
     assert rank == "0" and source["endpoint"].startswith("tcp://127.0.0.1:")
     assert (source["publisher"], source["encoding"], source["schema_version"]) == ("zmq", "msgpack", 1)
@@ -519,24 +523,50 @@ def test_server_info_and_kv_events_tell_a_router_which_blocks_this_replica_holds
     subscriber.setsockopt(zmq.SUBSCRIBE, b"")
     subscriber.setsockopt(zmq.RCVTIMEO, 200)
     subscriber.connect(source["endpoint"])
-    complete = lambda prompt: http.post("/v1/completions", json={  # noqa: E731
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}).status_code
-    for attempt in range(50):  # until the subscription is up (a batch published before it is not received)
-        assert complete([200 + attempt] * 20) == 200
+    for attempt in range(50):
+        assert _complete(http, [200 + attempt] * 20) == 200
         try:
             subscriber.recv_multipart()
             break
         except zmq.Again:
             continue
-    prompt = list(range(100, 140))
-    assert complete(prompt) == 200
     subscriber.setsockopt(zmq.RCVTIMEO, 5000)
+    yield subscriber
+    subscriber.close()
+
+
+def _next_event(subscriber, wanted) -> tuple[bytes, dict]:
+    """The first event ``wanted(event)`` accepts, with its batch's topic."""
     while True:
         topic, _, payload = subscriber.recv_multipart()
-        stored = [e for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored" and e["token_ids"][0] == 100]
-        if stored:
-            break
-    (event,) = stored
+        for event in msgpack.unpackb(payload)[1]:
+            if wanted(event):
+                return topic, event
+
+
+def test_server_info_and_kv_events_tell_a_router_which_blocks_this_replica_holds(http, model_dir, kv_events):
+    """vllm-router's `kv_aware` policy: `/get_server_info` and `/kv_event_sources` say where to subscribe; a completion
+    then publishes its prompt's full blocks (one BlockStored: 2 blocks of 16 of a 40-token prompt, no parent)."""
+    assert http.get("/get_server_info").json() == {"model_id": MODEL_NAME, "model_path": str(model_dir),
+                                                   "kv_block_size": 16, "max_model_len": 512}
+    prompt = list(range(100, 140))
+    assert _complete(http, prompt) == 200
+    topic, event = _next_event(kv_events, lambda e: e["type"] == "BlockStored" and e["token_ids"][0] == 100)
     assert topic == b"" and event["token_ids"] == prompt[:32] and event["parent_block_hash"] is None
     assert len(event["block_hashes"]) == 2 and event["block_size"] == 16 and event["medium"] == "GPU"
-    subscriber.close()
+
+
+def test_flush_cache_drops_every_cached_block_and_tells_the_router(http, engine, kv_events):
+    """The router's POST /flush_cache (vLLM's /reset_prefix_cache): an idle engine drops every cached block, publishes
+    AllBlocksCleared, and computes the next request's prefix anew; /get_load counts the requests it holds."""
+    prefix_cache = engine.engine.block_manager.prefix_cache
+    assert _complete(http, list(range(150, 190))) == 200
+    cached = prefix_cache.num_cached_blocks
+    assert cached >= 2 and http.get("/get_load").json() == {"load": 0}
+    assert http.post("/flush_cache").json() == {"num_blocks_dropped": cached}
+    assert prefix_cache.num_cached_blocks == 0
+    assert _next_event(kv_events, lambda e: e["type"] == "AllBlocksCleared")[1] == {"type": "AllBlocksCleared"}
+    hits = engine.make_stats().scheduler.prefix_cache_hits
+    assert _complete(http, list(range(150, 190))) == 200
+    assert engine.make_stats().scheduler.prefix_cache_hits == hits
+    assert http.post("/reset_prefix_cache").json() == {"num_blocks_dropped": 2}

@@ -116,6 +116,16 @@ def test_metrics_come_from_the_core(servers):
     assert prompt_tokens and float(prompt_tokens[0].split()[-1]) > 0
 
 
+def test_a_routers_calls_reach_the_core(servers):
+    """/flush_cache runs the engine's reset in the core, between steps: both servers served the same requests, so
+    both drop the same cached blocks, and nothing the second time; /get_load reads the core's stats."""
+    post = lambda server, route: httpx.post(server.base_url + route).json()  # noqa: E731
+    assert [httpx.get(s.base_url + "/get_load").json() for s in servers.values()] == [{"load": 0}] * 2
+    dropped = {name: post(server, "/flush_cache") for name, server in servers.items()}
+    assert dropped["core-process"] == dropped["in-process"] and dropped["in-process"]["num_blocks_dropped"] > 0
+    assert [post(s, "/reset_prefix_cache") for s in servers.values()] == [{"num_blocks_dropped": 0}] * 2
+
+
 async def _collect(engine, prompt, params, request_id):
     return [out async for out in engine.generate(prompt, params, request_id)]
 
