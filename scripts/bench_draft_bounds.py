@@ -92,17 +92,17 @@ def _add(row: dict, name: str, seconds: float, steps: int, tokens: int) -> None:
         row[f"{name}_{key}"] = row.get(f"{name}_{key}", 0) + value
 
 
-def random_smollm2(path: str) -> str:
-    """A random Llama of SmolLM2-135M's shape saved as a Hugging Face directory, with the tests' byte-level
-    tokenizer (`tests/hf_tiny.py`)."""
+def random_smollm2(path: str, **overrides) -> str:
+    """A random Llama of SmolLM2-135M's shape (``overrides``: other LlamaConfig values) saved as a Hugging Face
+    directory, with the tests' byte-level tokenizer (`tests/hf_tiny.py`)."""
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
-        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-    )
+    config = transformers.LlamaConfig(**{
+        "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192, "rope_theta": 100000.0,
+        "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, **overrides,
+    })
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     byte_level_tokenizer().save_pretrained(path)

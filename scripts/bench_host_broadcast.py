@@ -4,11 +4,13 @@ host 0's time to encode and send them, and how long after the send a follower ho
 the step time of the same run.
 
     python scripts/bench_host_broadcast.py [--requests 48] [--max-num-seqs 16] [--out results.json]
+    python scripts/bench_host_broadcast.py --codec-only    # encoding and decoding a step's call, idle
 
 Two processes on this machine (2 CPU devices each, `jax.distributed` on 127.0.0.1, tensor parallel 4 across them),
 a random Llama of SmolLM2-135M's size (30 layers, vocabulary 49152) with 8 heads and 4 KV heads so that 4 devices
 divide them. Requests: the first `--requests` of `../shared/workloads/mixed_lengths.jsonl` (prompts of seeded
-token ids, `output_len` tokens each, lengths capped to fit max_model_len 1024). Host 0 drives its engine with
+token ids, `output_len` tokens each, lengths capped to fit max_model_len 1024; every other one sampled at temperature
+0.8, top_p 0.95, so that its sampler slot is written). Host 0 drives its engine with
 `step()` (the server's loop without HTTP), process 1 follows (`serving_hosts.follow`).
 """
 
@@ -31,21 +33,11 @@ MAX_MODEL_LEN = 1024
 
 
 def random_model(path: Path) -> Path:
-    import torch
-    import transformers
+    """SmolLM2-135M's size with 8 heads of 64 and 4 KV heads (`bench_draft_bounds.random_smollm2`)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_draft_bounds import random_smollm2
 
-    sys.path.insert(0, str(ROOT))
-    from tests.hf_tiny import byte_level_tokenizer
-
-    config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
-        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    byte_level_tokenizer().save_pretrained(path)
-    return path
+    return Path(random_smollm2(str(path), hidden_size=512, num_attention_heads=8, num_key_value_heads=4))
 
 
 def workload(num: int) -> list[tuple[list[int], int]]:
@@ -114,8 +106,9 @@ def record_receipts(step_messages, records: list) -> None:
 
 def drive(engine, requests, sampling_params_class) -> list[float]:
     """Adds every request, then steps until all finish; each step's wall time."""
-    for i, (prompt, output_len) in enumerate(requests):
-        params = sampling_params_class(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, (prompt, output_len) in enumerate(requests):  # every other request sampled: its sampler slot is reset
+        sampled = {"temperature": 0.8, "top_p": 0.95, "seed": i} if i % 2 else {"temperature": 0.0}
+        params = sampling_params_class(max_tokens=output_len, ignore_eos=True, **sampled)
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     steps = []
     while engine.has_unfinished_requests():
@@ -123,6 +116,35 @@ def drive(engine, requests, sampling_params_class) -> list[float]:
         engine.step()
         steps.append(time.perf_counter() - started)
     return steps
+
+
+def codec_microseconds(batch_size: int, repeats: int = 1000) -> dict:
+    """Encoding and decoding one decode step's call of ``batch_size`` rows alone, on an idle process (the run's own
+    figures include waiting for the cores its devices keep busy)."""
+    import numpy as np
+
+    from jaxserve.core.buckets import DecodeBucket
+    from jaxserve.engine.step_messages import OutputHandles, decode, encode
+    from jaxserve.runner.input_batch import StepInputs
+    from jaxserve.runner.sampler import SamplingTensors
+
+    rng, s = np.random.default_rng(0), batch_size
+    sampling = SamplingTensors(rng.random((s, 6), np.float32), rng.integers(0, 9, (s, 8), np.int32),
+                               np.full((s, 49152 // 32), -1, np.int32))
+    rows = np.arange(s, dtype=np.int32)
+    block_tables = rng.integers(0, 4096, (s, MAX_MODEL_LEN // 16), np.int32)
+    inputs = StepInputs(rng.integers(0, 49152, (s, 1), np.int32), block_tables, rows, rows + 100,
+                        np.zeros(s, np.int32), sampling, feed_rows=rows, feed_cols=rows * 0)
+    message = ["target", "execute", [DecodeBucket(s, MAX_MODEL_LEN), inputs, None]]
+    started = time.perf_counter()
+    for _ in range(repeats):
+        payload = encode(message, OutputHandles())
+    encoded = time.perf_counter()
+    for _ in range(repeats):
+        decode(payload, OutputHandles())
+    decoded = time.perf_counter()
+    return {"batch_size": s, "bytes": len(payload), "encode_us": 1e6 * (encoded - started) / repeats,
+            "decode_us": 1e6 * (decoded - encoded) / repeats}
 
 
 # ----- the parent ------------------------------------------------------------------------------------------------
@@ -174,19 +196,23 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--compile-cache-dir", default="")
+    parser.add_argument("--codec-only", action="store_true", help="only the idle encode/decode figures")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--host", nargs=2, metavar=("MODEL", "OUT_JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.host:
         run_host(args.host[0], args, Path(args.host[1]))
         return
-    with tempfile.TemporaryDirectory(prefix="bench-host-broadcast-") as tmp:
-        work = Path(tmp)
-        model = random_model(work / "model")
-        started = time.perf_counter()
-        leader, follower = launch(model, args, work)
-    summary = summarize(leader, follower)
-    summary["wall_s"] = time.perf_counter() - started
+    summary = {}
+    if not args.codec_only:
+        with tempfile.TemporaryDirectory(prefix="bench-host-broadcast-") as tmp:
+            work = Path(tmp)
+            model = random_model(work / "model")
+            started = time.perf_counter()
+            leader, follower = launch(model, args, work)
+        summary = summarize(leader, follower)
+        summary["wall_s"] = time.perf_counter() - started
+    summary["codec_idle"] = [codec_microseconds(s) for s in (1, 16, 64, 256)]
     print(json.dumps(summary, indent=2))
     if args.out:
         args.out.write_text(json.dumps(summary, indent=2) + "\n")

@@ -13,7 +13,8 @@ Settings, each from the engine config or else from the environment:
     num_processes        JAXSERVE_NUM_PROCESSES
     process_id           JAXSERVE_PROCESS_ID
 
-Left unset, `jax.distributed.initialize` detects them itself on Cloud TPU pods, SLURM and Open MPI.
+Left unset, `jax.distributed.initialize` detects them itself on Cloud TPU pods, SLURM and Open MPI. Every process
+must join within `JAXSERVE_DISTRIBUTED_TIMEOUT_S` seconds (default 300, JAX's), or JAX ends the waiting ones.
 """
 
 from __future__ import annotations
@@ -27,11 +28,24 @@ from jaxserve.logger import init_logger
 logger = init_logger("jaxserve.distributed.multihost")
 
 ENABLE_ENV = "JAXSERVE_DISTRIBUTED_INIT"
+TIMEOUT_ENV = "JAXSERVE_DISTRIBUTED_TIMEOUT_S"
+DEFAULT_JOIN_TIMEOUT_S = 300
 SETTING_ENV = {
     "coordinator_address": "JAXSERVE_COORDINATOR_ADDRESS",
     "num_processes": "JAXSERVE_NUM_PROCESSES",
     "process_id": "JAXSERVE_PROCESS_ID",
 }
+
+
+def join_timeout_s() -> int:
+    """Seconds every process has to join (`JAXSERVE_DISTRIBUTED_TIMEOUT_S`; default JAX's 300)."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_JOIN_TIMEOUT_S
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} must be a whole number of seconds, got {value!r}") from None
 
 
 def distributed_init_requested(flag: bool) -> bool:
@@ -64,7 +78,11 @@ def initialize_distributed(
     if jax.distributed.is_initialized():
         return
     settings = distributed_settings(coordinator_address, num_processes, process_id)
-    jax.distributed.initialize(**settings)
+    timeout = join_timeout_s()
+    logger.info("joining jax.distributed (%s): every process must join within %d s (%s), or JAX ends this one with "
+                "DEADLINE_EXCEEDED", ", ".join(f"{k}={v}" for k, v in settings.items()) or "detected settings",
+                timeout, TIMEOUT_ENV)
+    jax.distributed.initialize(**settings, initialization_timeout=timeout)
     logger.info(
         "process %d of %d: %d local and %d global devices", jax.process_index(), jax.process_count(),
         jax.local_device_count(), jax.device_count(),

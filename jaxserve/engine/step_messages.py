@@ -5,8 +5,9 @@ Place in the data flow: `serving_hosts.ReplicatedRunner` (host 0) encodes each d
 host arrays; `serving_hosts.follow` (every other host) decodes it and makes the same call on its own runner, so
 the same SPMD program runs on every host with the same inputs.
 
-A message is `[runner, method, args]`. Arrays keep their dtype and shape; arrays that are mostly zeros (a sampler
-slot's vocabulary-sized rows) travel as their non-zero entries. A device array or `StepOutput` an earlier call
+A message is `[runner, method, args]`. Arrays keep their dtype and shape; large arrays of mostly one value (a sampler
+slot's vocabulary-sized rows, mostly zeros; a step's grammar masks, all ones without a grammar) travel as that
+value and the entries that differ. A device array or `StepOutput` an earlier call
 returned travels as its number (`OutputHandles`): both sides number the outputs of their calls in the same order.
 Only the classes registered here are rebuilt.
 """
@@ -31,7 +32,8 @@ _ARRAY, _SPARSE_ARRAY, _DATACLASS, _OUTPUT, _OUTPUT_TOKENS = 1, 2, 3, 4, 5
 _CLASSES = {cls.__name__: cls for cls in (
     DecodeBucket, PrefillBucket, MixedBucket, StepInputs, SamplingTensors, VerifyInputs,
 )}
-SPARSE_MIN_SIZE = 1024  # arrays this large travel as their non-zero entries when at most 1/8 of them are set
+SPARSE_MIN_SIZE = 1024  # arrays this large travel as their first value and the entries that differ from it, when
+# at most 1/8 of them do
 KEPT_OUTPUTS = 16  # outputs a later call may still name (a step reads the one before it, a resample its own)
 
 
@@ -100,13 +102,14 @@ def decode(data: bytes, handles: OutputHandles):
 
 
 def _pack_array(array: np.ndarray) -> msgpack.ExtType:
+    """Large arrays of mostly one value (zeros; a step's allow-all grammar masks) as that value and the others."""
     array = np.ascontiguousarray(array)
     header = [array.dtype.str, list(array.shape)]
     if array.size >= SPARSE_MIN_SIZE:
         flat = array.reshape(-1)
-        nonzero = np.flatnonzero(flat)
-        if len(nonzero) * 8 <= flat.size:
-            sparse = [*header, nonzero.astype(np.int32).tobytes(), flat[nonzero].tobytes()]
+        others = np.flatnonzero(flat != flat[0])
+        if len(others) * 8 <= flat.size:
+            sparse = [*header, flat[:1].tobytes(), others.astype(np.int32).tobytes(), flat[others].tobytes()]
             return msgpack.ExtType(_SPARSE_ARRAY, msgpack.packb(sparse))
     return msgpack.ExtType(_ARRAY, msgpack.packb([*header, array.tobytes()]))
 
@@ -115,7 +118,7 @@ def _unpack_array(code: int, payload: bytes) -> np.ndarray:
     if code == _ARRAY:
         dtype, shape, data = msgpack.unpackb(payload)
         return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
-    dtype, shape, index, values = msgpack.unpackb(payload)
-    array = np.zeros(int(np.prod(shape)), np.dtype(dtype))
+    dtype, shape, fill, index, values = msgpack.unpackb(payload)
+    array = np.full(int(np.prod(shape)), np.frombuffer(fill, np.dtype(dtype))[0])
     array[np.frombuffer(index, np.int32)] = np.frombuffer(values, np.dtype(dtype))
     return array.reshape(shape)

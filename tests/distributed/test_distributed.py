@@ -4,14 +4,21 @@ test_multihost.py, the 8-device runs in test_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import jax
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.distributed.multihost import distributed_init_requested, distributed_settings
+from jaxserve.distributed.multihost import distributed_init_requested, distributed_settings, join_timeout_s
 from jaxserve.distributed.sharding import engine_mesh, param_spec
 from jaxserve.entrypoints.args import engine_config_from_args
 from jaxserve.entrypoints.cli import build_parser
+from tests.paths import REPO_ROOT
+from tests.server import free_port
 
 
 def test_settings_come_from_arguments_then_environment(monkeypatch):
@@ -42,6 +49,22 @@ def test_initialisation_is_requested_by_flag_or_environment(monkeypatch):
     assert distributed_init_requested(True)
     monkeypatch.setenv("JAXSERVE_DISTRIBUTED_INIT", "1")
     assert distributed_init_requested(False)
+
+
+def test_a_process_whose_peers_never_join_ends_within_the_join_timeout(monkeypatch):
+    """JAX ends a process the others never joined (DEADLINE_EXCEEDED) after JAXSERVE_DISTRIBUTED_TIMEOUT_S; the log
+    says beforehand what it waits for."""
+    code = f"from jaxserve.distributed.multihost import initialize_distributed; " \
+           f"initialize_distributed('127.0.0.1:{free_port()}', 2, 0)"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAXSERVE_DISTRIBUTED_TIMEOUT_S": "3"}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and time.monotonic() - started < 60
+    assert "every process must join within 3 s (JAXSERVE_DISTRIBUTED_TIMEOUT_S)" in done.stdout + done.stderr
+    assert "DEADLINE_EXCEEDED" in done.stderr
+    monkeypatch.setenv("JAXSERVE_DISTRIBUTED_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="_TIMEOUT_S must be a whole number of seconds, got 'soon'"):
+        join_timeout_s()
 
 
 def test_cli_flags_reach_the_engine_config():

@@ -1,5 +1,6 @@
-"""The runner calls host 0 sends to the other hosts: arrays keep dtype, shape and values (mostly-zero ones travel
-sparse), registered dataclasses come back equal, earlier outputs travel as their numbers, anything else is refused."""
+"""The runner calls host 0 sends to the other hosts: arrays keep dtype, shape and values (large ones of mostly one
+value travel as it and the entries that differ), registered dataclasses come back equal, earlier outputs travel as
+their numbers, anything else is refused."""
 
 from __future__ import annotations
 
@@ -52,17 +53,19 @@ def test_a_step_call_comes_back_equal():
     _assert_same(got, inputs)
 
 
-def test_mostly_zero_arrays_travel_as_their_nonzero_entries():
+def test_arrays_of_mostly_one_value_travel_as_it_and_the_others():
     bias = np.zeros(49152, np.float32)
     bias[[3, 40000]] = [2.5, -1.0]
     mask = np.zeros(49152, bool)
     mask[7] = True
+    allow_all = np.full((16, 1536), -1, np.int32)
+    allow_all[3, 7] = 5
     dense = np.arange(2048, dtype=np.int32)
-    payload = encode(["target", "write_slot", [np.int32(5), bias, mask, dense]], OutputHandles())
-    assert len(payload) < 2048 * 4 + 200  # the dense array, its header and two sparse ones of a few entries
-    _, _, (slot, got_bias, got_mask, got_dense) = decode(payload, OutputHandles())
+    payload = encode(["target", "write_slot", [np.int32(5), bias, mask, allow_all, dense]], OutputHandles())
+    assert len(payload) < 2048 * 4 + 300  # the dense array, its header and three sparse ones of a few entries
+    _, _, (slot, *arrays) = decode(payload, OutputHandles())
     assert slot == 5 and isinstance(slot, int)
-    for got, expected in ((got_bias, bias), (got_mask, mask), (got_dense, dense)):
+    for got, expected in zip(arrays, (bias, mask, allow_all, dense), strict=True):
         _assert_same(got, expected)
 
 
