@@ -87,7 +87,7 @@ def start_replicas(args, work: Path) -> list[tuple[str, subprocess.Popen]]:
     replicas = []
     for i in range(2):
         port, events = free_port(), free_port()
-        config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events}"})
+        config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}"})  # a wildcard binds
         cmd = [sys.executable, "-m", "jaxserve.entrypoints.api_server", "--dtype", "float32", "--max-model-len", "1024",
                "--max-num-seqs", "16", "--num-kv-blocks", str(args.num_kv_blocks), "--host", "127.0.0.1",
                "--port", str(port), "--kv-events-config", config]

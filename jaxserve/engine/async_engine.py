@@ -191,9 +191,10 @@ class AsyncLLMEngine:
         self.close()
 
     def close(self) -> None:
-        """Stops the followers of a multi-host server (nothing to do on one host)."""
+        """Stops the followers of a multi-host server, and the engine's KV event publisher."""
         if self.engine.leading_host is not None:
             self.engine.leading_host.stop()
+        self.engine.close()
 
 
 def _settle_from_thread(future: asyncio.Future, method) -> None:

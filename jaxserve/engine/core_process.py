@@ -83,6 +83,7 @@ class EngineCore:
         finally:
             if self.engine.leading_host is not None:
                 self.engine.leading_host.stop()
+            self.engine.close()
             self.inputs.close(linger=0)
             self.outputs.close(linger=1000)
             self.context.term()

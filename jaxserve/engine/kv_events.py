@@ -34,6 +34,7 @@ logger = init_logger(__name__)
 
 MEDIUM = "GPU"  # vLLM's name for the accelerator's memory, the only tier jaxserve caches in
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+REPLAY_POLL_S = 0.01  # with a replay endpoint, how often the publisher thread looks for replay requests
 
 
 def external_hash(block_hash: bytes) -> int:
@@ -145,8 +146,8 @@ class KVEventPublisher:
             while True:
                 if self._replay is not None and poller.poll(0):
                     self._answer_replay()
-                try:
-                    item = self._queue.get(timeout=0.01)
+                try:  # without a replay socket to answer, the thread sleeps until a batch comes
+                    item = self._queue.get(timeout=REPLAY_POLL_S if self._replay is not None else None)
                 except queue.Empty:
                     continue
                 if item is None:

@@ -52,7 +52,7 @@ from jaxserve.core.step_budget import StepBudget
 from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
 from jaxserve.distributed.sharding import engine_mesh
 from jaxserve.engine.beam_search import BeamSearchGroup
-from jaxserve.engine.kv_events import KVEventPublisher, wire_event
+from jaxserve.engine.kv_events import KVEventPublisher, binds, wire_event
 from jaxserve.engine.logprobs import TokenTexts
 from jaxserve.engine.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
 from jaxserve.engine.request_group import (
@@ -298,7 +298,8 @@ class LLMEngine:
         self.block_manager.cache_events = []
         rank = self.config.data_parallel_rank
         publisher = KVEventPublisher(events.for_rank(rank), data_parallel_rank=rank)
-        logger.info("KV cache events: published at %s (topic %r)", publisher.endpoint(), events.topic)
+        how = "published at" if binds(events.endpoint) else "sent to a subscriber that binds"
+        logger.info("KV cache events: %s %s (topic %r)", how, publisher.endpoint(), events.topic)
         return publisher
 
     # ----- one iteration ------------------------------------------------------------------------
@@ -329,6 +330,12 @@ class LLMEngine:
         if self.stat_logger is not None and self.stat_logger.is_due():
             self.stat_logger.log(self.make_stats())
         return outputs
+
+    def close(self) -> None:
+        """Stops what runs beside the steps: the KV event publisher's thread, once it has sent what is queued."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
+            self.kv_event_publisher = None
 
     def reset_prefix_cache(self) -> int:
         """Drops every cached KV block no running request holds (vLLM's `reset_prefix_cache`; the server's
