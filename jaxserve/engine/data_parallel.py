@@ -13,7 +13,9 @@ that must fail alone, go behind vllm-router instead (README).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
 from collections.abc import AsyncIterator
 
 from jaxserve.config import EngineConfig
@@ -22,6 +24,8 @@ from jaxserve.engine.core_client import AsyncMPEngine
 from jaxserve.metrics.stats import StatsSnapshot, combined
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
+
+PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
 
 
 class DataParallelEngine:
@@ -38,8 +42,9 @@ class DataParallelEngine:
         cache); a core that fails to start stops those already running."""
         cores = []
         try:
-            for rank in range(config.data_parallel_size):
-                cores.append(AsyncMPEngine.launch(dataclasses.replace(config, data_parallel_rank=rank)))
+            with _shared_accelerators():
+                for rank in range(config.data_parallel_size):
+                    cores.append(AsyncMPEngine.launch(dataclasses.replace(config, data_parallel_rank=rank)))
         except BaseException:
             for core in cores:
                 core.close()
@@ -102,3 +107,17 @@ class DataParallelEngine:
     def close(self) -> None:
         for core in self.cores:
             core.close()
+
+
+@contextlib.contextmanager
+def _shared_accelerators():
+    """The cores' environment (a spawned process copies this one's): every core sees every GPU of the host and uses
+    its own, so none may reserve most of each GPU's memory up front as JAX does by default
+    (XLA_PYTHON_CLIENT_PREALLOCATE=false unless set); a core sizes its KV pool from its own devices."""
+    saved = os.environ.get(PREALLOCATE_ENV)
+    os.environ.setdefault(PREALLOCATE_ENV, "false")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(PREALLOCATE_ENV, None)

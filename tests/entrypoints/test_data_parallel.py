@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -76,6 +77,16 @@ def test_kv_event_sources_name_each_replica_and_a_flush_reaches_both(server):
     cached = sum(core.make_stats().scheduler.prefix_cache_queries > 0 for core in engine.cores)
     assert cached == 2 and httpx.post(thread.base_url + "/flush_cache").json()["num_blocks_dropped"] > 0
     assert httpx.post(thread.base_url + "/flush_cache").json() == {"num_blocks_dropped": 0}
+
+
+def test_the_cores_do_not_reserve_every_accelerator_up_front(server):
+    """Each core sees every device of the host: it starts with JAX's preallocation off; the server's own environment
+    stays as it was."""
+    _, engine = server
+    for core in engine.cores:
+        environ = Path(f"/proc/{core.process.pid}/environ").read_bytes().split(b"\0")
+        assert b"XLA_PYTHON_CLIENT_PREALLOCATE=false" in environ
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
 
 
 def test_a_replica_port_is_the_endpoints_plus_its_rank():
