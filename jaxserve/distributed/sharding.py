@@ -58,7 +58,7 @@ def engine_mesh(tensor_parallel_size: int, data_parallel_rank: int = 0) -> Mesh:
         )
     devices = jax.devices()
     first = data_parallel_rank * tensor_parallel_size
-    if first + tensor_parallel_size > len(devices):
+    if data_parallel_rank and first + tensor_parallel_size > len(devices):  # rank 0: make_mesh says what is missing
         raise ValueError(
             f"data-parallel replica {data_parallel_rank} needs devices {first} to {first + tensor_parallel_size - 1} "
             f"(tensor_parallel_size {tensor_parallel_size} each), but this host has {len(devices)} "

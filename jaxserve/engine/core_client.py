@@ -85,8 +85,9 @@ class AsyncMPEngine:
 
     # ----- start and stop -----------------------------------------------------------------------
     @classmethod
-    def launch(cls, config: EngineConfig) -> AsyncMPEngine:
-        """Starts the core process and waits until its engine is warm (loading, compiling: minutes)."""
+    def launch(cls, config: EngineConfig) -> AsyncMPEngine | FollowingHost:
+        """Starts the core process and waits until its engine is warm (loading, compiling: minutes). On a host other
+        than 0 of a multi-host server, the core follows host 0 and this gives the `FollowingHost` that waits for it."""
         socket_dir = Path(tempfile.mkdtemp(prefix="jaxserve-core-"))
         input_address, output_address = f"ipc://{socket_dir}/input", f"ipc://{socket_dir}/output"
         context = zmq.asyncio.Context()

@@ -1,8 +1,8 @@
 """Multi-host serving: two processes on 127.0.0.1 (2 CPU devices each) run `jaxserve serve --distributed-init` with
 tensor parallel 4 across them. Process 0 serves HTTP and schedules; process 1 makes the same device calls. Through
-the openai client, completions streamed and not carry the tokens of one process with four devices; stopping
-process 0 stops process 1; killing process 1 turns process 0's /health to 503 naming it, and process 0 exits
-within the host timeout."""
+the openai client, completions streamed and not carry the tokens of one process with four devices (with async
+scheduling too); stopping process 0 stops process 1; killing process 1 turns process 0's /health to 503 naming it,
+and process 0 exits within the host timeout."""
 
 from __future__ import annotations
 
@@ -119,7 +119,9 @@ def test_two_hosts_serve_the_tokens_of_one_process_and_stop_together(model, refe
 
 
 def test_a_lost_host_makes_host_0_answer_503_naming_it_then_every_process_exits(model, reference, tmp_path):
-    hosts = Hosts(*model, tmp_path, "--engine-core-process")  # the engine core split too
+    # the engine core split, and async scheduling: each step reads the one before it on the device, so the followers
+    # resolve host 0's reference to that step's tokens
+    hosts = Hosts(*model, tmp_path, "--engine-core-process", "--async-scheduling")
     try:
         hosts.wait_until_serving()
         texts, _ = _completions(hosts.base_url)

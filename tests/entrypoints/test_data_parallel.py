@@ -11,12 +11,14 @@ import signal
 from pathlib import Path
 
 import httpx
+import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, KVEventsConfig
+from jaxserve.distributed.sharding import engine_mesh
 from jaxserve.engine.data_parallel import DataParallelEngine
-from jaxserve.entrypoints.api_server import build_app
+from jaxserve.entrypoints.api_server import build_app, start_engine
 from tests.hf_tiny import make_tiny_model
 from tests.server import MODEL_NAME, ServerThread, tiny_engine_config
 
@@ -104,6 +106,12 @@ def test_bad_data_parallel_settings_are_refused():
         EngineConfig(data_parallel_size=2, data_parallel_rank=2)
     with pytest.raises(ValueError, match="an offline LLM runs one engine"):
         LLM(data_parallel_size=2)
+    n = len(jax.devices())
+    message = rf"data-parallel replica {n} needs devices {n} to {n} \(tensor_parallel_size 1 each\), but this host has"
+    with pytest.raises(ValueError, match=message):
+        engine_mesh(1, data_parallel_rank=n)
+    with pytest.raises(ValueError, match="--data-parallel-size with --distributed-init: a multi-host server runs one"):
+        start_engine(EngineConfig(data_parallel_size=2, distributed_init=True), core_process=False)
 
 
 def test_a_dead_replica_makes_the_server_unhealthy_naming_it(server):
