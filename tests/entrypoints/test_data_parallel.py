@@ -19,8 +19,8 @@ from jaxserve.config import EngineConfig, KVEventsConfig
 from jaxserve.distributed.sharding import engine_mesh
 from jaxserve.engine.data_parallel import DataParallelEngine
 from jaxserve.entrypoints.api_server import build_app, start_engine
-from tests.hf_tiny import make_tiny_model
-from tests.server import MODEL_NAME, ServerThread, tiny_engine_config
+from tests.hf_tiny import make_tiny_model, small_bucket_file
+from tests.server import MODEL_NAME, ServerThread
 
 PROMPTS = [list(range(3, 40)), [1, 17, 200, 3, 99, 45, 45, 8], [250, 11, 64, 7, 31], list(range(60, 90))]
 MAX_TOKENS = 8
@@ -31,13 +31,19 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=6)
 
 
+def _config(model_dir, **config) -> EngineConfig:
+    """Two executables (decode batch 4, prefill chunks of 32, context 128): each core warms up in seconds."""
+    buckets = small_bucket_file(model_dir.parent, decode_batch_sizes=(4,))
+    return EngineConfig(model=str(model_dir), dtype="float32", max_model_len=128, buckets=buckets, **config)
+
+
 @pytest.fixture(scope="module")
 def server(model_dir):
     """A server over two cores; the core processes inherit two CPU devices each from XLA_FLAGS."""
     flags = os.environ.get("XLA_FLAGS")
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     try:
-        config = tiny_engine_config(model_dir, data_parallel_size=2, kv_events_config={
+        config = _config(model_dir, data_parallel_size=2, kv_events_config={
             "enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*"})
         engine = DataParallelEngine.launch(config)
     finally:
@@ -62,7 +68,7 @@ def test_concurrent_requests_spread_over_the_replicas_with_the_single_engines_to
     thread, engine = server
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         texts = list(pool.map(lambda p: _complete(thread.base_url, p), PROMPTS))
-    config = tiny_engine_config(model_dir)
+    config = _config(model_dir)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=config.max_model_len, buckets=config.buckets)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)

@@ -102,9 +102,10 @@ def model_name(replicas) -> str:
 
 @pytest.fixture(scope="module")
 def expected(replicas, model_name) -> list[str]:
-    """Each chat's greedy answer from the first replica alone."""
+    """Each chat's greedy answer from the first replica alone (CLIENT_THREADS at a time)."""
     client = openai.OpenAI(base_url=replicas[0][0] + "/v1", api_key="none", max_retries=0)
-    return [_ask(client, model_name, chat, stream=False) for chat in _chats()]
+    with concurrent.futures.ThreadPoolExecutor(CLIENT_THREADS) as pool:
+        return list(pool.map(lambda chat: _ask(client, model_name, chat, stream=False), _chats()))
 
 
 def _ask(client: openai.OpenAI, model: str, messages: list[dict], stream: bool) -> str:
