@@ -8,13 +8,16 @@ import pytest
 
 from jaxserve import AsyncLLMEngine, SamplingParams
 from jaxserve.config import EngineConfig
-from tests.hf_tiny import make_tiny_model
+from tests.hf_tiny import make_tiny_model, small_bucket_file
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
+    """Two executables (decode batch 2, prefill chunks of 32, context 512): at most two requests run at once here."""
     path = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=2)
-    return AsyncLLMEngine.from_config(EngineConfig(dtype="float32", model=str(path), max_model_len=512, buckets="cpu"))
+    buckets = small_bucket_file(path.parent, decode_batch_sizes=(2,), context=512)
+    config = EngineConfig(dtype="float32", model=str(path), max_model_len=512, buckets=buckets)
+    return AsyncLLMEngine.from_config(config)
 
 
 def _params(n: int) -> SamplingParams:

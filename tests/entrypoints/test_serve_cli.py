@@ -18,9 +18,8 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.entrypoints import api_server, cli, launcher
 from jaxserve.entrypoints.args import ENGINE_CORE_PROCESS, ENGINE_FLAGS, SERVER_MAX_ITL_MS, engine_config_from_args
-from tests.hf_tiny import make_tiny_model
+from tests.hf_tiny import make_tiny_model, small_bucket_file
 from tests.paths import REPO_ROOT
-from tests.server import SERVER_BUCKETS
 
 
 def test_every_engine_config_field_has_its_flag():
@@ -115,10 +114,9 @@ def server_model(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(params=["in-process", "core-process"])
 def server_process(request, tmp_path, server_model):
     model_dir, cache_dir = server_model
-    buckets = tmp_path / "buckets.toml"
-    buckets.write_text(SERVER_BUCKETS)
+    buckets = small_bucket_file(tmp_path, decode_batch_sizes=(1,), context=512)  # two executables
     command = [sys.executable, "-m", "jaxserve.entrypoints.api_server", "--model", str(model_dir), "--dtype", "float32",
-               "--host", "127.0.0.1", "--port", "0", "--max-model-len", "512", "--buckets", str(buckets),
+               "--host", "127.0.0.1", "--port", "0", "--max-model-len", "512", "--buckets", buckets,
                "--api-key", "secret", "--compile-cache-dir", str(cache_dir), "--served-model-name", "tiny",
                "--uvicorn-log-level", "warning",
                "--engine-core-process" if request.param == "core-process" else "--no-engine-core-process"]
