@@ -166,11 +166,14 @@ def test_cli_refuses_to_compile_cuda_without_a_gpu(capsys):
         main(["precompile", "--target", "cuda"])
 
 
-def test_cli_exits_1_naming_the_programs_that_do_not_fit(small_grid, capsys):
-    """A KV pool of 12000 pages of 64 tokens (17.7 GB) on one v5e chip (15.75 GiB of HBM)."""
+def test_cli_exits_1_naming_the_programs_that_do_not_fit(tmp_path, capsys):
+    """A KV pool of 12000 pages of 64 tokens (17.7 GB) on one v5e chip (15.75 GiB of HBM); a grid of one prefill
+    and one decode bucket."""
+    grid = tmp_path / "two_buckets.toml"
+    grid.write_text(SMALL_TPU_GRID.split("[mixed]")[0].replace("batch_sizes = [8]", "batch_sizes = [1]", 1))
     code = main([
-        "precompile", "--target", "v5e:2x2", "--buckets", str(small_grid), "--max-model-len", "512",
-        "--max-num-seqs", "8", "--num-kv-blocks", "12000", "--compile-cache-dir", "",
+        "precompile", "--target", "v5e:2x2", "--buckets", str(grid), "--max-model-len", "512",
+        "--max-num-seqs", "1", "--num-kv-blocks", "12000", "--compile-cache-dir", "",
     ])
     out = capsys.readouterr().out
     assert code == 1

@@ -36,11 +36,30 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=1)
 
 
+# The CPU grid's shape with fewer sizes (7 executables instead of its 15 up to 16 sequences): decode batches that
+# pad, chunked prefill, and mixed steps.
+GRID = """
+block_size = 16
+[decode]
+batch_sizes = [1, 4, 16]
+[prefill]
+batch_sizes = [1]
+lengths = [32, 128]
+[context]
+lengths = [1024]
+[mixed]
+batch_sizes = [16]
+token_counts = [32, 128]
+token_budget = 128
+"""
+
+
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    """The CPU grid up to 16 sequences (15 executables; 22 at the default 64): the workload's 32 requests run in
-    turns, admitted as others finish."""
-    return LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=16, buckets="cpu")
+    """Up to 16 sequences: the workload's 32 requests run in turns, admitted as others finish."""
+    buckets = model_dir.parent / "grid.toml"
+    buckets.write_text(GRID)
+    return LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=16, buckets=str(buckets))
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -138,7 +157,7 @@ def test_request_arriving_while_others_decode_joins_next_iteration(llm):
 def test_preemption_under_a_tiny_pool_keeps_every_token(model_dir, llm, tmp_path):
     requests = [(list(range(10 + i, 40 + i)), 50) for i in range(6)]  # 80 tokens each: 5 blocks of 16
     expected = _generate_alone(llm, requests)
-    # only the CPU grid's buckets these requests select (2 executables instead of its 13 at max_model_len 128)
+    # only the buckets these requests select (2 executables)
     small = LLM(str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=12,
                 buckets=small_bucket_file(tmp_path, decode_batch_sizes=(1, 2, 4, 8)))
     outputs = small.generate([{"prompt_token_ids": p} for p, _ in requests], _greedy(50), use_tqdm=False)
