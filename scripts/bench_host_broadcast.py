@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the tests' free_port
+from tests.paths import free_port  # noqa: E402
+
 WORKLOAD = ROOT.parent / "shared" / "workloads" / "mixed_lengths.jsonl"
 MAX_MODEL_LEN = 1024
 
@@ -148,12 +150,6 @@ def codec_microseconds(batch_size: int, repeats: int = 1000) -> dict:
 
 
 # ----- the parent ------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(model: Path, args, work: Path) -> list[dict]:
     port, procs = free_port(), []
     for process_id in range(2):

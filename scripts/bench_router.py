@@ -27,7 +27,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,19 +37,16 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the tests' free_port
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prefix_caching import DEFAULT_WORKLOAD, load_workload, shared_prefix_prompt  # noqa: E402
+
+from tests.paths import free_port  # noqa: E402
 
 VOCAB_SIZE = 49152  # the embedded SmolLM2's
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
 ROUTER = Path(sys.executable).with_name("vllm-router")
 START_TIMEOUT_S = 900
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:

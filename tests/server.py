@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -30,12 +29,6 @@ lengths = [32, 128]
 lengths = [512]
 """
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a server in another process)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_engine_config(model_dir, **config) -> EngineConfig:

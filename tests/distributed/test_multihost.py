@@ -14,8 +14,7 @@ from pathlib import Path
 from jaxserve import LLM, SamplingParams
 from tests.distributed.multihost_worker import MAX_TOKENS, PROMPTS
 from tests.hf_tiny import make_tiny_model, small_bucket_file
-from tests.paths import REPO_ROOT
-from tests.server import free_port
+from tests.paths import REPO_ROOT, free_port
 from tests.weights.test_orbax import convert_checkpoint
 
 

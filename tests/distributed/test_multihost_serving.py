@@ -21,8 +21,7 @@ import pytest
 from jaxserve.distributed.host_links import HEARTBEAT_S, LOST_EXIT_GRACE_S
 from tests.distributed.four_device_reference import MAX_TOKENS
 from tests.hf_tiny import make_tiny_model, small_bucket_file
-from tests.paths import REPO_ROOT
-from tests.server import free_port
+from tests.paths import REPO_ROOT, free_port
 
 PROMPTS = ["The quick brown fox", "Hello, world", "a"]
 HOST_TIMEOUT_S = 5

@@ -20,8 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.paths import REPO_ROOT, SHARED_WORKLOADS
-from tests.server import free_port
+from tests.paths import REPO_ROOT, SHARED_WORKLOADS, free_port
 
 REQUESTS = 64
 CLIENT_THREADS = 8
