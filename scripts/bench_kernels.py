@@ -1,14 +1,18 @@
 """Benchmark the GPU (Triton) paged-attention kernels against the XLA reference and the memory roofline.
 
 On a GPU machine this compiles the kernels for real (interpret=False), checks each configuration against
-the jnp reference on random data, then times:
+the jnp reference on random data (the first sequences of each batch), then times:
   * decode (`paged_attention`) for batch sizes 1..256 and contexts 512..8192, next to the XLA reference and
     the roofline time = K/V bytes read / measured device copy bandwidth;
-  * chunked prefill (`prefill_attention`) for a few batch sizes, next to the XLA reference (TFLOP/s).
-Prints markdown tables.
+  * chunked prefill (`prefill_attention`) for a few batch sizes, next to the XLA reference (TFLOP/s);
+  * ragged (`ragged_paged_attention`, the mixed steps' kernel): `batch` decode rows and one prefill chunk in
+    one flat batch, next to the XLA reference and the decode rows' roofline.
+Prints markdown tables, one set per pool dtype. A configuration that differs from the reference is
+reported and the sweep goes on; the exit status is 1 if any did.
 
     python scripts/bench_kernels.py            # full sweep on a GPU
     python scripts/bench_kernels.py --quick    # small sweep
+    python scripts/bench_kernels.py --dtype bfloat16,float32 --batches 64,256 --contexts 1024,8192
     python scripts/bench_kernels.py --interpret --quick   # CPU smoke test (interpret mode, tiny shapes)
 """
 
@@ -31,12 +35,18 @@ from jaxserve.math_utils import cdiv  # noqa: E402
 from kernels_pallas._common import GPU_PLATFORMS  # noqa: E402
 from kernels_pallas.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
 from kernels_pallas.prefill_attention import prefill_attention, prefill_attention_reference  # noqa: E402
+from kernels_pallas.ragged_paged_attention import (  # noqa: E402
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 
 FULL = {"batches": [1, 4, 16, 64, 256], "contexts": [512, 2048, 8192], "prefill_batches": [1, 4, 16]}
 QUICK = {"batches": [1, 16], "contexts": [512, 2048], "prefill_batches": [1]}
 INTERPRET = {"batches": [1, 2], "contexts": [64, 128], "prefill_batches": [1]}
 CHECK_SEQS = 4  # sequences compared against the reference per configuration
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+KERNELS = ("decode", "prefill", "ragged")
+FAILURES: list[str] = []  # configurations whose kernel output differed from the reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +65,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", default="32:8", help="num_q_heads:num_kv_heads (default 32:8)")
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
     p.add_argument("--page-size", type=int, default=16, choices=(16, 32, 64, 128))
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default="bfloat16", help="pool dtypes, comma-separated: bfloat16, float32")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk length (default 512)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
-    p.add_argument("--kernel", default="both", choices=("decode", "prefill", "both"))
+    p.add_argument("--kernel", default="decode,prefill,ragged", help=f"comma-separated, of {', '.join(KERNELS)}")
+    p.add_argument("--batches", default=None, help="decode and ragged batch sizes, comma-separated (default: sweep's)")
+    p.add_argument("--contexts", default=None, help="context lengths, comma-separated (default: the sweep's)")
+    p.add_argument("--prefill-batches", default=None, help="prefill batch sizes, comma-separated (default: sweep's)")
     p.add_argument(
         "--ref-mem-gb", type=float, default=16.0, help="skip the XLA reference above this gather size"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.dtypes = args.dtype.split(",")
+    args.kernels = args.kernel.split(",")
+    for name, values, allowed in (("--dtype", args.dtypes, TOLERANCE), ("--kernel", args.kernels, KERNELS)):
+        if unknown := [v for v in values if v not in allowed]:
+            p.error(f"{name}: unknown {unknown}; choose from {', '.join(allowed)}")
+    return args
+
+
+def chosen_sweep(args, default: dict) -> dict:
+    """The default sweep with the batch and context lists the command line gave."""
+    sweep = dict(default)
+    given = {"batches": args.batches, "contexts": args.contexts, "prefill_batches": args.prefill_batches}
+    for key, value in given.items():
+        if value:
+            sweep[key] = [int(v) for v in value.split(",")]
+    return sweep
 
 
 def time_call(fn, *args, iters: int) -> float:
@@ -108,9 +137,12 @@ def reference_fits(shape: Shape, batch: int, context: int, limit_gb: float, chun
 
 
 def check(name: str, out, ref, dtype: str) -> None:
+    """Records (and prints) a configuration whose kernel output is off the reference by more than the dtype's
+    tolerance."""
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
     if not np.isfinite(err) or err > TOLERANCE[dtype]:
-        raise SystemExit(f"{name}: kernel differs from the reference (max abs error {err:.3g})")
+        FAILURES.append(f"{name} {dtype}: kernel differs from the reference (max abs error {err:.3g})")
+        print(f"FAILED: {FAILURES[-1]}", flush=True)
 
 
 def bench_decode(args, shape: Shape, sweep: dict, bandwidth: float) -> list[str]:
@@ -187,6 +219,52 @@ def bench_prefill(args, shape: Shape, sweep: dict) -> list[str]:
     return rows
 
 
+def ragged_rows(batch: int, context: int, chunk: int):
+    """Row arrays of a mixed step: `batch` decode rows (one token at position context - 1) and one prefill
+    chunk of `chunk` tokens ending at position context - 1, as `ragged_paged_attention` takes them."""
+    query_lens = np.array([1] * batch + [chunk], np.int32)
+    query_starts = np.concatenate([[0], np.cumsum(query_lens)[:-1]]).astype(np.int32)
+    positions = np.array([context - 1] * batch + [context - chunk], np.int32)
+    lengths = np.full(batch + 1, context, np.int32)
+    return tuple(jnp.asarray(x) for x in (query_starts, query_lens, positions, lengths))
+
+
+def ragged_inputs(shape: Shape, batch: int, context: int, chunk: int):
+    key = jax.random.PRNGKey(batch * 31 + context)
+    k_pages, v_pages, table, _ = make_pool(key, shape, batch + 1, context)
+    q = jax.random.normal(key, (batch + chunk, shape.num_q_heads, shape.head_dim), jnp.dtype(shape.dtype))
+    return (q, k_pages, v_pages, table, *ragged_rows(batch, context, chunk))
+
+
+def bench_ragged(args, shape: Shape, sweep: dict, bandwidth: float) -> list[str]:
+    chunk = min(args.chunk, min(sweep["contexts"]))
+    sm_scale = shape.head_dim**-0.5
+    kernel = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=sm_scale, backend="gpu", interpret=args.interpret))
+    reference = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=sm_scale))
+    rows = [
+        f"| decode rows | context (+ one chunk of {chunk}) | kernel us | XLA ref us | decode rows' roofline us "
+        "| speedup vs XLA |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    print("\n".join(rows), flush=True)
+    for batch in sweep["batches"]:
+        for context in sweep["contexts"]:
+            small = ragged_inputs(shape, min(batch, CHECK_SEQS), context, chunk)
+            check(f"ragged b={batch} ctx={context}", kernel(*small), reference(*small), shape.dtype)
+            inputs = ragged_inputs(shape, batch, context, chunk)
+            t_kernel = time_call(kernel, *inputs, iters=args.iters)
+            t_ref = None
+            if reference_fits(shape, batch + chunk, context, args.ref_mem_gb):
+                t_ref = time_call(reference, *inputs, iters=args.iters)
+            t_roof = kv_bytes(shape, batch, context) / bandwidth
+            rows.append(
+                f"| {batch} | {context} | {t_kernel * 1e6:.1f} | {_us(t_ref)} | {t_roof * 1e6:.1f} "
+                f"| {_ratio(t_ref, t_kernel)} |"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
 def _us(seconds: float | None) -> str:
     return "skipped" if seconds is None else f"{seconds * 1e6:.1f}"
 
@@ -204,22 +282,32 @@ def main(argv=None) -> None:
         )
     num_q_heads, num_kv_heads = (int(x) for x in args.heads.split(":"))
     if args.interpret:
-        shape = Shape(4, 2, 64, 16, args.dtype)
         sweep, args.iters, copy_bytes = INTERPRET, min(args.iters, 2), 1 << 24
     else:
-        shape = Shape(num_q_heads, num_kv_heads, args.head_dim, args.page_size, args.dtype)
         sweep, copy_bytes = (QUICK if args.quick else FULL), 1 << 30
+    sweep = chosen_sweep(args, sweep)
     bandwidth = copy_bandwidth(copy_bytes, args.iters)
     mode = "interpret" if args.interpret else "compiled"
-    print(f"# paged attention on {jax.devices()[0].device_kind} ({mode})")
-    print(f"{shape}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)\n")
-    if args.kernel in ("decode", "both"):
-        print("## decode (paged_attention)\n")
-        bench_decode(args, shape, sweep, bandwidth)
-        print()
-    if args.kernel in ("prefill", "both"):
-        print("## chunked prefill (prefill_attention)\n")
-        bench_prefill(args, shape, sweep)
+    print(f"# paged attention on {jax.devices()[0].device_kind} ({mode}, jax {jax.__version__})")
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)\n")
+    benches = {
+        "decode": ("decode (paged_attention)", lambda shape: bench_decode(args, shape, sweep, bandwidth)),
+        "prefill": ("chunked prefill (prefill_attention)", lambda shape: bench_prefill(args, shape, sweep)),
+        "ragged": ("mixed step (ragged_paged_attention)", lambda shape: bench_ragged(args, shape, sweep, bandwidth)),
+    }
+    for dtype in args.dtypes:
+        if args.interpret:
+            shape = Shape(4, 2, 64, 16, dtype)
+        else:
+            shape = Shape(num_q_heads, num_kv_heads, args.head_dim, args.page_size, dtype)
+        for kernel in args.kernels:
+            title, bench = benches[kernel]
+            print(f"## {title}, {shape}\n")
+            bench(shape)
+            print()
+    if FAILURES:
+        raise SystemExit("kernels differing from the reference:\n" + "\n".join(FAILURES))
+    print("every kernel output matched the reference")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ jaxserve's KV usage.
     python scripts/bench_throughput.py --num-requests 64 --hf-batch-sizes 16
     python scripts/bench_throughput.py --baseline vllm      # vLLM bfloat16 on the same requests
     python scripts/bench_throughput.py --baseline transformers,vllm --vllm-dtype bfloat16,float32
+    python scripts/bench_throughput.py --model DIR --dtype bfloat16 --buckets gpu --hf-dtype bfloat16 \
+        --hf-device cuda --hf-batch-sizes 64          # on a GPU machine: both engines on the GPU
 
 `--baseline` is a comma-separated list of transformers (static batches of each `--hf-batch-sizes`, in each
 `--hf-dtype`) and vllm (one run per `--vllm-dtype`); default transformers, empty for jaxserve alone. vLLM
@@ -60,7 +62,8 @@ def bench_jaxserve(args, requests) -> dict:
     from jaxserve import LLM
 
     start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, buckets=args.buckets)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, buckets=args.buckets,
+              num_kv_blocks=args.num_kv_blocks)
     startup = time.perf_counter() - start
     engine = llm.llm_engine
     peak_usage = 0.0
@@ -91,7 +94,8 @@ def bench_transformers(args, requests, batch_size: int, dtype: str) -> dict:
     path = resolve_model_path(args.model)
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     root = path.parent if path.suffix == ".gguf" else path
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(root), dtype=getattr(torch, dtype), **kwargs).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(root), dtype=getattr(torch, dtype), **kwargs)
+    model = model.to(args.hf_device).eval()
     pad_id = 0
     num_out, padded = 0, 0
     start = time.perf_counter()
@@ -99,8 +103,8 @@ def bench_transformers(args, requests, batch_size: int, dtype: str) -> dict:
         batch = requests[i : i + batch_size]
         width = max(len(p) for p, _ in batch)
         new_tokens = max(n for _, n in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch], device=args.hf_device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=args.hf_device)
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -113,7 +117,8 @@ def bench_transformers(args, requests, batch_size: int, dtype: str) -> dict:
     elapsed = time.perf_counter() - start
     real = sum(len(p) + n for p, n in requests)
     return {
-        "engine": f"transformers {dtype} (static batch {batch_size})", "seconds": elapsed, "output_tokens": num_out,
+        "engine": f"transformers {dtype} on {args.hf_device} (static batch {batch_size})", "seconds": elapsed,
+        "output_tokens": num_out,
         "padding_per_real_token": (padded - real) / real,
     }
 
@@ -170,10 +175,13 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--buckets", default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="jaxserve's KV pool in blocks (default: sized from the device's memory; CPU: fixed)")
     parser.add_argument("--baseline", default="transformers",
                         help="comma-separated: transformers, vllm (default transformers; empty for none)")
     parser.add_argument("--hf-batch-sizes", default="8,16,32", help="transformers': comma-separated; empty to skip")
     parser.add_argument("--hf-dtype", default="float32", help="transformers': comma-separated torch dtypes")
+    parser.add_argument("--hf-device", default="cpu", help="transformers' torch device (cuda on a GPU machine)")
     parser.add_argument("--vllm-dtype", default="bfloat16", help="comma-separated: one vLLM run for each")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-omp-bind", default=baselines.VLLM_OMP_BIND,
