@@ -139,6 +139,70 @@ def _attention_factor(rope_type: str, params: dict[str, Any], factor: float, ori
     return 0.1 * math.log(factor) + 1.0
 
 
+# ----- quantization ------------------------------------------------------------------------------------------
+# Schemes (weights per output channel, symmetric; activations, where quantized, per token at run time), applied
+# by `jaxserve.quantization`:
+# - "int8": int8 weights, activations in the model's dtype (W8A16); the weight is converted inside the product
+#   and its scale applied to the float32 result.
+# - "int8_w8a8": int8 weights and activations, an int8 x int8 product accumulating in int32, both scales applied
+#   to the result (TPU v5e/v6e, GPUs, CPUs with VNNI or AMX-INT8 multiply int8 natively).
+# - "fp8": float8 e4m3 weights; activations in float8 too where the matrix unit multiplies float8 (NVIDIA compute
+#   capability 8.9 and later), elsewhere in the model's dtype as "int8" does (vLLM's "fp8" falls back the same way).
+QUANTIZATION_CHOICES = ("int8", "int8_w8a8", "fp8")
+
+INT8_MAX = 127.0
+FP8_E4M3_MAX = 448.0
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScheme:
+    """`name` (one of QUANTIZATION_CHOICES), the stored weight type and whether activations are quantized too."""
+
+    name: str
+    weight_dtype: str  # "int8" or "float8_e4m3fn"
+    quantize_activations: bool
+
+    @property
+    def weight_jnp_dtype(self) -> Any:
+        import jax.numpy as jnp  # configuration imports without jax
+
+        return jnp.dtype(self.weight_dtype)
+
+    @property
+    def max_value(self) -> float:
+        """The largest magnitude of the stored type: a channel's largest weight maps to it."""
+        return INT8_MAX if self.weight_dtype == "int8" else FP8_E4M3_MAX
+
+    def for_platform(self, platform: str, compute_capability: str | None = None) -> QuantScheme:
+        """The scheme as it runs on ``platform`` ("cpu", "tpu", "cuda"/"gpu"): "fp8" quantizes activations only
+        where the matrix unit takes float8 operands."""
+        if self.name != "fp8":
+            return self
+        return dataclasses.replace(self, quantize_activations=has_fp8_matrix_unit(platform, compute_capability))
+
+
+def has_fp8_matrix_unit(platform: str, compute_capability: str | None) -> bool:
+    """NVIDIA GPUs of compute capability 8.9 (Ada) and later multiply float8 natively; TPUs before v7, and CPUs,
+    do not."""
+    if platform not in ("cuda", "gpu") or not compute_capability:
+        return False
+    major, _, minor = compute_capability.partition(".")
+    return (int(major), int(minor or 0)) >= (8, 9)
+
+
+def parse_quantization(name: str | None) -> QuantScheme | None:
+    """The scheme `name` selects (None: no quantization); a ValueError naming the choices otherwise."""
+    if name is None:
+        return None
+    if name == "int8":
+        return QuantScheme("int8", "int8", quantize_activations=False)
+    if name == "int8_w8a8":
+        return QuantScheme("int8_w8a8", "int8", quantize_activations=True)
+    if name == "fp8":
+        return QuantScheme("fp8", "float8_e4m3fn", quantize_activations=True)
+    raise ValueError(f"unsupported quantization {name!r}; supported: {', '.join(QUANTIZATION_CHOICES)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder: the rotary families (Llama 2/3, Mistral, Qwen2/3, SmolLM2, Phi-3, Gemma 2/3,
@@ -189,6 +253,8 @@ class ModelConfig:
     word_embed_proj_dim: int | None = None  # OPT: embeddings narrower than hidden_size, projected in and out
     scale_attn_weights: bool = True  # GPT-2: scores divided by sqrt(head_dim)
     scale_attn_by_inverse_layer_idx: bool = False  # GPT-2: scores also divided by (layer + 1)
+    # weights quantized at load (`jaxserve.quantization`): set by the engine from EngineConfig.quantization
+    quantization: QuantScheme | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -642,6 +708,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     # KV cache events for KV-aware routers (vLLM's dict, or its JSON: `KVEventsConfig`); None: none published
     kv_events_config: KVEventsConfig | dict | str | None = None
+    quantization: str | None = None  # weights quantized at load: "int8", "int8_w8a8" or "fp8" (jaxserve.quantization)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -672,6 +739,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        parse_quantization(self.quantization)  # a ValueError naming the schemes
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
 

@@ -27,7 +27,7 @@ LAYERS = (
     {"jaxserve.logger", "jaxserve.math_utils", "jaxserve.user_cache", "jaxserve.config", "jaxserve.outputs"},
     {"jaxserve.sampling_params", "jaxserve.precision"},
     {"jaxserve.core", "jaxserve.metrics", "jaxserve.distributed", "kernels_pallas", "kernels_cpu"},
-    {"jaxserve.attention"},
+    {"jaxserve.attention", "jaxserve.quantization"},
     {"jaxserve.models", "jaxserve.weights"},
     {"jaxserve.runner"},
     {"jaxserve.speculative"},  # draft proposers: host side, or a draft model on its own runner

@@ -36,6 +36,7 @@ from jaxserve.distributed.sharding import engine_mesh
 from jaxserve.logger import init_logger
 from jaxserve.models import get_model_class
 from jaxserve.precision import resolve_engine_dtype
+from jaxserve.quantization.weights import apply_quantization
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.weights import load_config, resolve_model_path
 
@@ -106,7 +107,8 @@ def precompile(
     config = resolve_engine_dtype(config, mesh.devices.flat[0])
     model_path = resolve_model_path(config.model)
     model_config = load_config(model_path)
-    params = abstract_params(model_config, config.dtype)
+    model_config, params = apply_quantization(model_config, abstract_params(model_config, config.dtype),
+                                              config.quantization)
     grid = engine_bucket_grid(config, model_config, params, jax.default_backend(), mesh)
     runner = ModelRunner.for_engine(model_config, params, config, grid, mesh, abstract=True)
     manifest = CacheManifest.current(

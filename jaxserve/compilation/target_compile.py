@@ -37,6 +37,7 @@ from jaxserve.core.buckets import BucketGrid
 from jaxserve.distributed.sharding import TP_AXIS, check_tensor_parallel
 from jaxserve.logger import init_logger
 from jaxserve.precision import resolve_engine_dtype
+from jaxserve.quantization.weights import apply_quantization
 from jaxserve.runner.input_batch import step_shape
 from jaxserve.runner.model_runner import ModelRunner, executable_name, resample_batch_sizes, resample_name
 from jaxserve.weights import load_config, resolve_model_path
@@ -164,7 +165,8 @@ def compile_for_target(
     check_tensor_parallel(model_config, tensor_parallel_size)
     mesh = target_mesh(target, tensor_parallel_size)
     config = dataclasses.replace(target_dtype(config, target), tensor_parallel_size=tensor_parallel_size)
-    params = abstract_params(model_config, config.dtype)
+    model_config, params = apply_quantization(model_config, abstract_params(model_config, config.dtype),
+                                              config.quantization)
     grid = engine_bucket_grid(config, model_config, params, target.platform, mesh, target.hbm_bytes_per_device,
                               fit_to_steps=not target.lower_only)
     runner = ModelRunner.for_engine(model_config, params, config, grid, mesh, abstract=True, platform=target.platform)

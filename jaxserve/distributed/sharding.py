@@ -92,8 +92,8 @@ def check_divisible(sizes: dict[str, int], tensor_parallel_size: int) -> None:
 
 def param_spec(path: tuple[str, ...], ndim: int) -> P:
     """The partition of one parameter from its tree path, e.g. ("params", "layers", "mlp", "up_proj",
-    "kernel"); kernels are `[..., in, out]` (stacked layers add a leading axis), biases `[..., out]`, the MoE
-    experts' weights `[..., E, in, out]`."""
+    "kernel"); kernels are `[..., in, out]` (stacked layers add a leading axis), biases and a quantized kernel's
+    scales (`kernel_scale`) `[..., out]`, the MoE experts' weights `[..., E, in, out]`."""
     module, leaf = path[-2], path[-1]
     if module == EXPERTS and leaf in EXPERT_PARALLEL:
         return P(*([None] * (ndim - 3)), TP_AXIS, None, None)

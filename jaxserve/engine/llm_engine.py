@@ -68,6 +68,7 @@ from jaxserve.metrics.stat_logger import StatLogger
 from jaxserve.metrics.stats import EngineStats, SchedulerStats, StatsSnapshot
 from jaxserve.outputs import RequestOutput
 from jaxserve.precision import resolve_engine_dtype
+from jaxserve.quantization.weights import apply_quantization
 from jaxserve.runner.input_batch import StepInputs, initial_token_counts, prepare_step_inputs, step_shape
 from jaxserve.runner.model_runner import ModelRunner, StepOutput, resample_batch_sizes
 from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
@@ -119,6 +120,8 @@ class LLMEngine:
         self.mesh = engine_mesh(config.tensor_parallel_size, config.data_parallel_rank)
         self.config = config = resolve_engine_dtype(config, self.mesh.devices.flat[0])
         loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh)
+        model_config, params = apply_quantization(loaded.config, loaded.params, config.quantization)
+        loaded = dataclasses.replace(loaded, config=model_config, params=params)
         self.model_config = loaded.config
         self.model_path = loaded.path
         self.tokenizer = loaded.tokenizer

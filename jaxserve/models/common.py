@@ -31,10 +31,11 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.attention.backends import AttentionBackend
 from jaxserve.attention.kv_cache import write_kv
 from jaxserve.attention.metadata import AttentionMetadata
-from jaxserve.config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, ModelConfig, QuantScheme
 from jaxserve.distributed.sharding import TP_AXIS
 from jaxserve.models.norms import RMSNorm
 from jaxserve.models.rotary import apply_rotary
+from jaxserve.quantization.matmul import quantized_matmul
 
 ACTIVATIONS = {
     "silu": nn.silu,
@@ -56,23 +57,31 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 class Linear(nn.Module):
     """A dense layer under the precision policy: `kernel [in, out]` (and `bias [out]`) stored in
-    `param_dtype`, float32 output. Parameter names and initializers are `nn.Dense`'s."""
+    `param_dtype`, float32 output. Parameter names and initializers are `nn.Dense`'s. With a `quantization`
+    scheme the kernel is stored in its type with `kernel_scale [out]` beside it (`jaxserve.quantization`)."""
 
     features: int
     param_dtype: jnp.dtype
     use_bias: bool = False
+    quantization: QuantScheme | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
-        y = matmul(x, kernel)
+        shape = (x.shape[-1], self.features)
+        if self.quantization is None:
+            y = matmul(x, self.param("kernel", nn.initializers.lecun_normal(), shape, self.param_dtype))
+        else:
+            values = self.param("kernel", nn.initializers.zeros, shape, self.quantization.weight_jnp_dtype)
+            scale = self.param("kernel_scale", nn.initializers.ones, (self.features,), jnp.float32)
+            y = quantized_matmul(x, values, scale, self.quantization, self.param_dtype, matmul)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(jnp.float32)
         return y
 
 
-def dense(features: int, name: str, dtype, use_bias: bool = False) -> Linear:
-    return Linear(features, dtype, use_bias, name=name)
+def dense(features: int, name: str, dtype, use_bias: bool = False, quantization: QuantScheme | None = None) -> Linear:
+    """A `Linear`; `quantization` only for the layers `jaxserve.quantization.weights` quantizes."""
+    return Linear(features, dtype, use_bias, quantization, name=name)
 
 
 class Embedding(nn.Embed):
@@ -187,15 +196,16 @@ class Attention(nn.Module):
             q, k, v, kv_pool, layer, meta, self.backend, sm_scale=attention_scale(cfg),
             sliding_window=sliding_window, slides=slides, logit_softcap=cfg.attn_logit_softcap, mesh=self.mesh,
         )
-        return dense(cfg.hidden_size, "o_proj", self.dtype, self.out_bias)(out), kv_pool
+        return dense(cfg.hidden_size, "o_proj", self.dtype, self.out_bias, cfg.quantization)(out), kv_pool
 
     def _project_qkv(self, x):
         cfg = self.config
         num_seqs, num_q = x.shape[:2]
         bias = cfg.attention_bias
-        q = dense(cfg.num_heads * cfg.head_dim, "q_proj", self.dtype, bias)(x)
-        k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", self.dtype, bias)(x)
-        v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", self.dtype, bias)(x)
+        quantization = cfg.quantization
+        q = dense(cfg.num_heads * cfg.head_dim, "q_proj", self.dtype, bias, quantization)(x)
+        k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", self.dtype, bias, quantization)(x)
+        v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", self.dtype, bias, quantization)(x)
         return (
             q.reshape(num_seqs, num_q, cfg.num_heads, cfg.head_dim),
             k.reshape(num_seqs, num_q, cfg.num_kv_heads, cfg.head_dim),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxserve.config import QuantScheme
 from jaxserve.models.common import ACTIVATIONS, dense
 
 
@@ -14,9 +15,11 @@ class GatedMLP(nn.Module):
     hidden_size: int
     hidden_act: str
     dtype: jnp.dtype
+    quantization: QuantScheme | None = None
 
     @nn.compact
     def __call__(self, x):
-        gate = dense(self.intermediate_size, "gate_proj", self.dtype)(x)
-        up = dense(self.intermediate_size, "up_proj", self.dtype)(x)
-        return dense(self.hidden_size, "down_proj", self.dtype)(ACTIVATIONS[self.hidden_act](gate) * up)
+        gate = dense(self.intermediate_size, "gate_proj", self.dtype, quantization=self.quantization)(x)
+        up = dense(self.intermediate_size, "up_proj", self.dtype, quantization=self.quantization)(x)
+        down = dense(self.hidden_size, "down_proj", self.dtype, quantization=self.quantization)
+        return down(ACTIVATIONS[self.hidden_act](gate) * up)

@@ -37,8 +37,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        up = dense(cfg.intermediate_size, "up_proj", self.dtype, cfg.mlp_bias)(x)
-        return dense(cfg.hidden_size, "down_proj", self.dtype, cfg.mlp_bias)(ACTIVATIONS[cfg.hidden_act](up))
+        up = dense(cfg.intermediate_size, "up_proj", self.dtype, cfg.mlp_bias, cfg.quantization)(x)
+        down = dense(cfg.hidden_size, "down_proj", self.dtype, cfg.mlp_bias, cfg.quantization)
+        return down(ACTIVATIONS[cfg.hidden_act](up))
 
 
 class LayerNormDecoderLayer(nn.Module):

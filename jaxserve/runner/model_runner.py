@@ -24,6 +24,7 @@ its KV sizing probe, precompile and target compiles all build their runner with 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -145,6 +146,10 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None else make_mesh(1)
         self.platform = platform = platform or self.mesh.devices.flat[0].platform
         self.backend = get_attention_backend(attention_backend, platform)
+        if config.quantization is not None:  # "fp8" quantizes activations only on float8 matrix units
+            capability = getattr(self.mesh.devices.flat[0], "compute_capability", None)
+            self.config = config = dataclasses.replace(
+                config, quantization=config.quantization.for_platform(platform, capability))
         check_tensor_parallel(config, self.mesh.size)
         model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
         self.kv_storage_dtype = kv_storage_dtype(self.dtype, platform)

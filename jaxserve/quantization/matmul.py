@@ -1,0 +1,54 @@
+"""The quantized products of a dense layer: float activations times a quantized kernel, float32 out.
+
+Place in the data flow: `models.common.Linear` calls `quantized_matmul` instead of `matmul` when its kernel
+was quantized (`quantization.weights`), inside the bucketed, AOT-compiled steps; `matmul` (the float product
+under the precision policy) is passed in by the caller.
+
+- Weights only ("int8", "fp8" without float8 hardware): x in the model's dtype times the stored values
+  converted to it, float32 accumulation, then the per-channel scales on the float32 result. Scaling the result
+  instead of the weight (qwix dequantizes the weight first) keeps one rounding fewer and leaves XLA a plain
+  convert to fuse into the product: no dequantized weight is materialized as a stored array.
+- Weights and activations ("int8_w8a8", "fp8" on float8 hardware): each token's row is quantized on the fly
+  (its own scale, absmax: `quantize_rows`), and qwix's `dot_general` multiplies the two quantized operands in
+  their type (int8 x int8 accumulating in int32; float8 x float8 in float32) and applies both scales to the
+  result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import qwix
+
+from jaxserve.config import FP8_E4M3_MAX, INT8_MAX, QuantScheme
+
+
+def quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, scheme: QuantScheme,
+                     compute_dtype: jnp.dtype, matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """x [..., in] @ (values [in, out] * scale [out]) as float32 [..., out]."""
+    if scheme.quantize_activations:
+        return _w8a8_matmul(x, values, scale)
+    return matmul(x, values.astype(compute_dtype)) * scale
+
+
+def _w8a8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+    rows = quantize_rows(x.reshape(-1, x.shape[-1]), values.dtype)
+    weight = qwix.QArray(values, scale.reshape(1, -1), qtype=values.dtype)
+    out = qwix.dot_general(rows, weight, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return out.reshape(*x.shape[:-1], values.shape[-1])
+
+
+def quantize_rows(rows: jax.Array, dtype: jnp.dtype) -> qwix.QArray:
+    """Each row of f32[T, in] in ``dtype`` with its own scale, vLLM's dynamic per-token rule: scale = max |row| /
+    the type's largest value (127 for int8, 448 for float8 e4m3; 1 for a zero row), values = row / scale (int8:
+    rounded to nearest even). qwix's `quantize` maps the maximum to 127.5 instead, so the largest entry of
+    every row sits on a rounding boundary (-127 or -128 by the last bit of its product)."""
+    rows = rows.astype(jnp.float32)
+    largest = INT8_MAX if dtype == jnp.int8 else FP8_E4M3_MAX
+    absmax = jnp.max(jnp.abs(rows), axis=1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / largest, 1.0)
+    scaled = rows / scale
+    values = jnp.round(scaled).astype(dtype) if dtype == jnp.int8 else scaled.astype(dtype)
+    return qwix.QArray(values, scale, qtype=dtype)

@@ -1,0 +1,120 @@
+"""Quantized weights (`LLM(quantization=...)`) on a tiny random Llama, float32: every scheme's logits equal
+transformers' with the same quantization applied to its model (the weights replaced by their dequantized values
+and, where the scheme quantizes activations, each quantized layer's input rounded per token as the scheme does),
+and the engine's greedy tokens equal transformers' generate on that model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import QUANTIZATION_CHOICES, QuantScheme, parse_quantization
+from jaxserve.quantization.weights import QUANTIZED_LINEARS, dequantize_kernel, quantize_kernel, quantize_params
+from jaxserve.weights import load_model
+from tests.forward import PagedForward
+from tests.hf_tiny import make_tiny_model, small_bucket_file
+
+PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99], [250, 3, 41]]
+MAX_TOKENS = 8
+# every scheme as it runs here, and float8 activations as a float8 matrix unit runs them (forced on this CPU)
+SCHEMES = {name: parse_quantization(name).for_platform("cpu") for name in QUANTIZATION_CHOICES}
+SCHEMES["fp8 with float8 activations"] = QuantScheme("fp8", "float8_e4m3fn", quantize_activations=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=11)
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    return load_model(str(model_dir), "float32")
+
+
+def _fake_quantized_rows(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """x with each row rounded to the scheme's activation type and back (vLLM's per-token rule: scale = max |row|
+    / 127 for int8, / 448 for float8 e4m3)."""
+    largest = 127.0 if scheme.weight_dtype == "int8" else 448.0
+    absmax = x.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(absmax > 0, absmax / largest, torch.ones_like(absmax))
+    if scheme.weight_dtype == "int8":
+        return torch.round(x / scale) * scale
+    return (x / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
+
+
+def _hf_quantized(model_dir, scheme: QuantScheme):
+    """transformers' model computing what `scheme` computes: weights dequantized, inputs rounded per token."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in QUANTIZED_LINEARS:
+            continue
+        values, scale = quantize_kernel(module.weight.detach().numpy().T, scheme)  # ours: [in, out]
+        module.weight.data = torch.from_numpy(np.ascontiguousarray(dequantize_kernel(values, scale).T))
+        if scheme.quantize_activations:
+            module.register_forward_pre_hook(lambda _, args: (_fake_quantized_rows(args[0], scheme),))
+    return model
+
+
+@pytest.mark.parametrize("scheme", SCHEMES.values(), ids=SCHEMES.keys())
+def test_logits_equal_transformers_with_the_same_quantization(model_dir, loaded, scheme):
+    config = dataclasses.replace(loaded.config, quantization=scheme)
+    forward = PagedForward(config, quantize_params(loaded.params, scheme), block_size=4)
+    tokens = PROMPTS[0]
+    ours = forward.run(tokens, block_table=[3, 0, 2, 1], chunks=[5, 4, 1, 1])
+    with torch.no_grad():
+        theirs = _hf_quantized(model_dir, scheme)(torch.tensor([tokens])).logits[0].numpy()
+    np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=0)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("name", QUANTIZATION_CHOICES)
+def test_engine_greedy_tokens_equal_transformers_generate(model_dir, tmp_path, name):
+    buckets = small_bucket_file(tmp_path, decode_batch_sizes=(2,))
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, buckets=buckets, quantization=name)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    model = _hf_quantized(model_dir, SCHEMES[name])
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                      do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert output.outputs[0].token_ids == expected
+
+
+def test_each_dense_layer_is_quantized_and_nothing_else(loaded):
+    scheme = parse_quantization("int8")
+    quantized = quantize_params(loaded.params, scheme)["params"]
+    layers = quantized["layers"]
+    for module in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        kernel = loaded.params["params"]["layers"]["self_attn"][module]["kernel"]  # [L, in, out]
+        leaf = layers["self_attn"][module]
+        assert leaf["kernel"].dtype == np.int8 and leaf["kernel"].shape == kernel.shape
+        scale = leaf["kernel_scale"]
+        assert scale.dtype == np.float32 and scale.shape == kernel.shape[:1] + kernel.shape[2:]
+    for module in ("gate_proj", "up_proj", "down_proj"):
+        assert layers["mlp"][module]["kernel"].dtype == np.int8
+    assert quantized["embed_tokens"]["embedding"].dtype == np.float32
+    assert layers["input_layernorm"]["weight"].dtype == np.float32
+    assert list(layers["input_layernorm"]) == ["weight"]
+
+
+def test_a_kernel_is_scaled_per_output_channel():
+    kernel = np.array([[1.0, -0.5, 0.0], [-2.0, 0.25, 0.0], [0.5, 0.125, 0.0]], np.float32)  # [in 3, out 3]
+    values, scale = quantize_kernel(kernel, parse_quantization("int8"))
+    np.testing.assert_array_equal(scale, np.float32([2, 0.5, 127]) / np.float32(127))
+    np.testing.assert_array_equal(values, np.array([[64, -127, 0], [-127, 64, 0], [32, 32, 0]], np.int8))
+    values, scale = quantize_kernel(kernel, parse_quantization("fp8"))
+    assert values.dtype == ml_dtypes.float8_e4m3fn
+    np.testing.assert_array_equal(scale, np.float32([2, 0.5, 448]) / np.float32(448))
+    np.testing.assert_array_equal(values.astype(np.float32)[:, 0], [224, -448, 112])
+
+
+def test_unknown_schemes_are_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"^unsupported quantization 'int4'; supported: int8, int8_w8a8, fp8$"):
+        LLM(quantization="int4")
