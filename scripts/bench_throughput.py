@@ -15,6 +15,7 @@ jaxserve's KV usage.
     python scripts/bench_throughput.py --baseline transformers,vllm --vllm-dtype bfloat16,float32
     python scripts/bench_throughput.py --model DIR --dtype bfloat16 --buckets gpu --hf-dtype bfloat16 \
         --hf-device cuda --hf-batch-sizes 64          # on a GPU machine: both engines on the GPU
+    python scripts/bench_throughput.py --baseline "" --quantization int8,int8_w8a8   # quantized against not
 
 `--baseline` is a comma-separated list of transformers (static batches of each `--hf-batch-sizes`, in each
 `--hf-dtype`) and vllm (one run per `--vllm-dtype`); default transformers, empty for jaxserve alone. vLLM
@@ -58,12 +59,14 @@ def add_requests(engine, requests: list[tuple[list[int], int]]) -> None:
         engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
 
 
-def bench_jaxserve(args, requests) -> dict:
+def bench_jaxserve(args, requests, quantization: str | None = None) -> dict:
+    import jax
+
     from jaxserve import LLM
 
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, buckets=args.buckets,
-              num_kv_blocks=args.num_kv_blocks)
+              num_kv_blocks=args.num_kv_blocks, quantization=quantization)
     startup = time.perf_counter() - start
     engine = llm.llm_engine
     peak_usage = 0.0
@@ -79,9 +82,12 @@ def bench_jaxserve(args, requests) -> dict:
     elapsed = time.perf_counter() - start
     check_token_counts("jaxserve", [counts.get(i, 0) for i in range(len(requests))], requests)
     return {
-        "engine": "jaxserve", "seconds": elapsed, "startup_s": startup, "output_tokens": sum(counts.values()),
+        "engine": "jaxserve" if quantization is None else f"jaxserve {quantization}", "seconds": elapsed,
+        "startup_s": startup, "output_tokens": sum(counts.values()),
         "padding_per_real_token": engine.stats.padding_per_real_token, "peak_kv_usage": peak_usage,
         "preemptions": engine.stats.num_preemptions,
+        "weight_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(engine.runner.params)),
+        "kv_blocks": engine.grid.num_blocks,
     }
 
 
@@ -143,7 +149,7 @@ def in_fresh_process(fn, *args):
 
 
 def report(results: list[dict], num_requests: int) -> str:
-    jax_result = next(r for r in results if r["engine"] == "jaxserve")
+    jax_result = next(r for r in results if r["engine"] == "jaxserve")  # the unquantized run
     jax_tps = jax_result["output_tokens"] / jax_result["seconds"]
     lines = [
         "| engine | seconds | output tok/s | requests/s | jaxserve / it | padding per real token |",
@@ -157,10 +163,13 @@ def report(results: list[dict], num_requests: int) -> str:
             f"{jax_tps / tps:.2f}x | {padding} |"
         )
     lines.append("")
-    lines.append(
-        f"jaxserve: start-up (load + warm-up) {jax_result['startup_s']:.1f}s, peak KV usage "
-        f"{jax_result['peak_kv_usage']:.1%}, preemptions {jax_result['preemptions']}"
-    )
+    for r in results:
+        if r["engine"].startswith("jaxserve"):
+            lines.append(
+                f"{r['engine']}: start-up (load + warm-up) {r['startup_s']:.1f}s, weights "
+                f"{r['weight_bytes'] / 1e6:.1f} MB, KV pool {r['kv_blocks']} blocks, peak KV usage "
+                f"{r['peak_kv_usage']:.1%}, preemptions {r['preemptions']}"
+            )
     for r in results:
         if r["engine"].startswith("vllm"):
             lines.append(f"{r['engine']}: start-up (load + compile + warm-up) {r['startup_s']:.1f}s")
@@ -177,6 +186,9 @@ def main() -> None:
     parser.add_argument("--buckets", default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="jaxserve's KV pool in blocks (default: sized from the device's memory; CPU: fixed)")
+    parser.add_argument("--quantization", default="",
+                        help="comma-separated schemes (int8, int8_w8a8, fp8): one more jaxserve run for each, "
+                        "against the unquantized one")
     parser.add_argument("--baseline", default="transformers",
                         help="comma-separated: transformers, vllm (default transformers; empty for none)")
     parser.add_argument("--hf-batch-sizes", default="8,16,32", help="transformers': comma-separated; empty to skip")
@@ -200,6 +212,7 @@ def main() -> None:
     vocab = load_config(resolve_model_path(args.model)).vocab_size
     requests = load_requests(args.workload, args.num_requests, vocab)
     runs = [(bench_jaxserve, args, requests)]
+    runs += [(bench_jaxserve, args, requests, scheme) for scheme in filter(None, args.quantization.split(","))]
     if "transformers" in chosen:
         sizes = [int(size) for size in filter(None, args.hf_batch_sizes.split(","))]
         dtypes = filter(None, args.hf_dtype.split(","))
