@@ -37,7 +37,8 @@ def feed_forward(cfg: ModelConfig, dtype, mesh: Mesh | None, sparse: bool | None
         return GatedMLP(cfg.intermediate_size, cfg.hidden_size, cfg.hidden_act, dtype, cfg.quantization, name="mlp")
     return SparseMoeBlock(
         cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.hidden_act,
-        dtype, mesh, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, name="mlp",
+        dtype, mesh, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+        quantization=cfg.quantization, name="mlp",
     )
 
 

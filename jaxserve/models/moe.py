@@ -26,9 +26,15 @@ Parameters, stored in `dtype`; the names the loaders fill:
     router/kernel                               [hidden, E]     (a `common.Linear` kernel, no bias)
     experts/gate_proj, experts/up_proj          [E, hidden, I]
     experts/down_proj                           [E, I, hidden]
+    experts/{gate_proj,up_proj,down_proj}_scale [E, I] / [E, hidden]   (quantized experts only, float32)
     shared_expert/{gate_proj,up_proj}/kernel    [hidden, Is]    (Qwen2-MoE; `GatedMLP`'s layout)
     shared_expert/down_proj/kernel              [Is, hidden]
     shared_expert_gate/kernel                   [hidden, 1]
+
+Quantized weights (`jaxserve.quantization`): the routed experts' weights are stored in the scheme's type with a
+scale per expert and output channel, weights only whatever the scheme (vLLM's `experts_int8`): each product
+converts the expert's values to `dtype` and scales its float32 result. The router and the shared expert stay in
+`dtype`.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.config import QuantScheme
 from jaxserve.distributed.sharding import TP_AXIS, check_divisible
 from jaxserve.models.common import ACTIVATIONS, matmul
 
@@ -53,16 +60,26 @@ class SharedExpertParams(NamedTuple):
     gate: jax.Array  # [hidden, 1]: the shared expert's output is scaled by sigmoid(x @ gate)
 
 
+class ExpertScales(NamedTuple):
+    """Quantized experts' scales, per expert and output channel (float32)."""
+
+    gate_proj: jax.Array  # [E, I]
+    up_proj: jax.Array  # [E, I]
+    down_proj: jax.Array  # [E, hidden]
+
+
 class MoeParams(NamedTuple):
     router: jax.Array  # [hidden, E]
     gate_proj: jax.Array  # [E, hidden, I]
     up_proj: jax.Array  # [E, hidden, I]
     down_proj: jax.Array  # [E, I, hidden]
     shared: SharedExpertParams | None
+    scales: ExpertScales | None = None  # the experts' scales when they are quantized
 
 
 # How each device holds the parameters inside the shard_map (the layout `sharding.param_spec` gives them).
 EXPERT_PARALLEL_SPECS = MoeParams(P(), P(TP_AXIS, None, None), P(TP_AXIS, None, None), P(TP_AXIS, None, None), None)
+EXPERT_SCALE_SPECS = ExpertScales(P(TP_AXIS, None), P(TP_AXIS, None), P(TP_AXIS, None))
 SHARED_EXPERT_SPECS = SharedExpertParams(P(None, TP_AXIS), P(None, TP_AXIS), P(TP_AXIS, None), P())
 
 
@@ -91,17 +108,26 @@ def inverse_permutation(order: jax.Array) -> jax.Array:
     return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, scale: jax.Array | None = None,
+                   dtype: jnp.dtype | None = None) -> jax.Array:
     """Consecutive runs of x's rows (`group_sizes[g]` rows each) times their group's `w[g]` ([G, in, out]);
-    rows after the last group give 0. The precision policy of `common.matmul`: x in w's dtype, float32 out."""
-    return jax.lax.ragged_dot(x.astype(w.dtype), w, group_sizes, preferred_element_type=jnp.float32)
+    rows after the last group give 0. The precision policy of `common.matmul`: x in the compute ``dtype`` (default
+    w's), float32 out. Quantized ``w``: its values converted to ``dtype``, each row's result times its group's
+    ``scale[g]`` ([G, out])."""
+    dtype = w.dtype if dtype is None else dtype
+    out = jax.lax.ragged_dot(x.astype(dtype), w.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
+    if scale is None:
+        return out
+    group_of_row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]), side="right")
+    return out * scale[jnp.minimum(group_of_row, scale.shape[0] - 1)]
 
 
-def grouped_gated_mlp(rows: jax.Array, params: MoeParams, group_sizes: jax.Array, act) -> jax.Array:
+def grouped_gated_mlp(rows: jax.Array, params: MoeParams, group_sizes: jax.Array, act, dtype=None) -> jax.Array:
     """down(act(gate(x)) * up(x)) of each group of rows through its expert: f32[rows, hidden]."""
-    gate = grouped_matmul(rows, params.gate_proj, group_sizes)
-    up = grouped_matmul(rows, params.up_proj, group_sizes)
-    return grouped_matmul(act(gate) * up, params.down_proj, group_sizes)
+    scales = params.scales or ExpertScales(None, None, None)
+    gate = grouped_matmul(rows, params.gate_proj, group_sizes, scales.gate_proj, dtype)
+    up = grouped_matmul(rows, params.up_proj, group_sizes, scales.up_proj, dtype)
+    return grouped_matmul(act(gate) * up, params.down_proj, group_sizes, scales.down_proj, dtype)
 
 
 def routed_experts(
@@ -111,20 +137,21 @@ def routed_experts(
     params: MoeParams,  # the experts first_expert, first_expert + 1, ... (all of them without a mesh)
     first_expert: jax.Array | int,
     act: Callable[[jax.Array], jax.Array],
+    dtype: jnp.dtype | None = None,  # the products' input dtype (default: the experts' stored dtype)
 ) -> jax.Array:
     """f32[T, hidden]: each token's weighted sum over those of its k experts that `params` holds. With no
     more assignments than experts (decode at small batches) each assignment's expert weights are gathered
     (only the routed experts are read); otherwise one grouped matmul over the assignments sorted by expert."""
     num_tokens, top_k = experts.shape
     if num_tokens * top_k <= params.gate_proj.shape[0]:
-        return gathered_experts(x, weights, experts, params, first_expert, act)
+        return gathered_experts(x, weights, experts, params, first_expert, act, dtype)
     order, group_sizes, is_local = sort_by_expert(experts, first_expert, params.gate_proj.shape[0])
-    out = grouped_gated_mlp(x[order // top_k], params, group_sizes, act)[inverse_permutation(order)]
+    out = grouped_gated_mlp(x[order // top_k], params, group_sizes, act, dtype)[inverse_permutation(order)]
     out = jnp.where(is_local[:, None], out * weights.reshape(-1, 1), 0.0)
     return out.reshape(num_tokens, top_k, -1).sum(axis=1)
 
 
-def gathered_experts(x, weights, experts, params: MoeParams, first_expert, act) -> jax.Array:
+def gathered_experts(x, weights, experts, params: MoeParams, first_expert, act, dtype=None) -> jax.Array:
     """`routed_experts` by gathering each (token, expert) assignment's weights: f32[T, hidden]. XLA:CPU runs
     `ragged_dot` as a masked product over every expert, which at a decode step multiplies E / k times the
     weights a token needs; this reads the k routed experts only."""
@@ -132,12 +159,18 @@ def gathered_experts(x, weights, experts, params: MoeParams, first_expert, act) 
     local = experts - first_expert
     is_local = (local >= 0) & (local < num_local)
     index = jnp.clip(local, 0, num_local - 1)  # [T, k]
-    dtype = params.gate_proj.dtype
+    dtype = params.gate_proj.dtype if dtype is None else dtype
+    scales = params.scales
+
+    def product(spec, lhs, w, scale):
+        out = jnp.einsum(spec, lhs, w[index].astype(dtype), preferred_element_type=jnp.float32)
+        return out if scale is None else out * scale[index]
+
     rows = x.astype(dtype)
-    gate = jnp.einsum("th,tkhi->tki", rows, params.gate_proj[index], preferred_element_type=jnp.float32)
-    up = jnp.einsum("th,tkhi->tki", rows, params.up_proj[index], preferred_element_type=jnp.float32)
+    gate = product("th,tkhi->tki", rows, params.gate_proj, None if scales is None else scales.gate_proj)
+    up = product("th,tkhi->tki", rows, params.up_proj, None if scales is None else scales.up_proj)
     hidden = (act(gate) * up).astype(dtype)
-    out = jnp.einsum("tki,tkih->tkh", hidden, params.down_proj[index], preferred_element_type=jnp.float32)
+    out = product("tki,tkih->tkh", hidden, params.down_proj, None if scales is None else scales.down_proj)
     return jnp.sum(jnp.where(is_local[..., None], out * weights[..., None], 0.0), axis=1)
 
 
@@ -149,11 +182,13 @@ def shared_expert(x: jax.Array, params: SharedExpertParams, act: Callable[[jax.A
 
 
 def moe_forward(
-    x: jax.Array, params: MoeParams, *, top_k: int, norm_topk_prob: bool, act, first_expert: jax.Array | int = 0
+    x: jax.Array, params: MoeParams, *, top_k: int, norm_topk_prob: bool, act, first_expert: jax.Array | int = 0,
+    dtype: jnp.dtype | None = None,
 ) -> jax.Array:
-    """The block on f32[T, hidden] with the experts (and shared-expert slice) that `params` holds."""
+    """The block on f32[T, hidden] with the experts (and shared-expert slice) that `params` holds; ``dtype``: the
+    experts' products' input dtype (default: their stored dtype; the model's dtype when they are quantized)."""
     weights, experts = route(matmul(x, params.router), top_k, norm_topk_prob)
-    out = routed_experts(x, weights, experts, params, first_expert, act)
+    out = routed_experts(x, weights, experts, params, first_expert, act, dtype)
     if params.shared is not None:
         out = out + shared_expert(x, params.shared, act)
     return out
@@ -167,7 +202,8 @@ def expert_parallel_forward(x: jax.Array, params: MoeParams, mesh: Mesh, **kwarg
         first_expert = jax.lax.axis_index(TP_AXIS) * params.gate_proj.shape[0]
         return jax.lax.psum(moe_forward(x, params, first_expert=first_expert, **kwargs), TP_AXIS)
 
-    specs = EXPERT_PARALLEL_SPECS._replace(shared=None if params.shared is None else SHARED_EXPERT_SPECS)
+    specs = EXPERT_PARALLEL_SPECS._replace(shared=None if params.shared is None else SHARED_EXPERT_SPECS,
+                                           scales=None if params.scales is None else EXPERT_SCALE_SPECS)
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), specs), out_specs=P())(x, params)
 
 
@@ -185,22 +221,26 @@ class Kernel(nn.Module):
 
 class ExpertWeights(nn.Module):
     """The routed experts' stacked weights (module "experts"): gate_proj and up_proj [E, hidden, I],
-    down_proj [E, I, hidden]."""
+    down_proj [E, I, hidden]; quantized, in the scheme's type with their scales ([E, I], [E, hidden])."""
 
     num_experts: int
     intermediate_size: int
     dtype: jnp.dtype
+    quantization: QuantScheme | None = None
 
     @nn.compact
-    def __call__(self, hidden_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-        init = nn.initializers.lecun_normal(batch_axis=0)
+    def __call__(self, hidden_size: int) -> tuple[tuple[jax.Array, jax.Array, jax.Array], ExpertScales | None]:
         into = (self.num_experts, hidden_size, self.intermediate_size)
         out_of = (self.num_experts, self.intermediate_size, hidden_size)
-        return (
-            self.param("gate_proj", init, into, self.dtype),
-            self.param("up_proj", init, into, self.dtype),
-            self.param("down_proj", init, out_of, self.dtype),
-        )
+        names_and_shapes = (("gate_proj", into), ("up_proj", into), ("down_proj", out_of))
+        if self.quantization is None:
+            init = nn.initializers.lecun_normal(batch_axis=0)
+            return tuple(self.param(name, init, shape, self.dtype) for name, shape in names_and_shapes), None
+        dtype = self.quantization.weight_jnp_dtype
+        values = tuple(self.param(name, nn.initializers.zeros, shape, dtype) for name, shape in names_and_shapes)
+        scales = ExpertScales(*(self.param(f"{name}_scale", nn.initializers.ones, shape[:1] + shape[2:], jnp.float32)
+                                for name, shape in names_and_shapes))
+        return values, scales
 
 
 class SharedExpertWeights(nn.Module):
@@ -230,13 +270,14 @@ class SparseMoeBlock(nn.Module):
     dtype: jnp.dtype  # parameter dtype
     mesh: Mesh | None = None
     shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's shared expert, None without one
+    quantization: QuantScheme | None = None  # the routed experts' weights quantized (weights only)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         hidden_size = x.shape[-1]
         params = self._params(hidden_size)
         tokens = x.reshape(-1, hidden_size).astype(jnp.float32)
-        routing = dict(top_k=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob)
+        routing = dict(top_k=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob, dtype=self.dtype)
         act = ACTIVATIONS[self.hidden_act]
         if self.mesh is None:
             out = moe_forward(tokens, params, act=act, **routing)
@@ -247,13 +288,14 @@ class SparseMoeBlock(nn.Module):
 
     def _params(self, hidden_size: int) -> MoeParams:
         router = Kernel((hidden_size, self.num_experts), self.dtype, name="router")()
-        experts = ExpertWeights(self.num_experts, self.intermediate_size, self.dtype, name="experts")(hidden_size)
+        experts, scales = ExpertWeights(self.num_experts, self.intermediate_size, self.dtype, self.quantization,
+                                        name="experts")(hidden_size)
         shared = None
         if self.shared_expert_intermediate_size is not None:
             mlp = SharedExpertWeights(self.shared_expert_intermediate_size, self.dtype, name="shared_expert")
             gate = Kernel((hidden_size, 1), self.dtype, name="shared_expert_gate")()
             shared = SharedExpertParams(*mlp(hidden_size), gate)
-        return MoeParams(router, *experts, shared)
+        return MoeParams(router, *experts, shared, scales)
 
     def _check_mesh(self) -> None:
         sizes = {"num_experts": self.num_experts}

@@ -7,8 +7,10 @@ or float8) and gains `kernel_scale` ([..., out], float32): kernel * kernel_scale
 channel scaled so that its largest magnitude is the stored type's largest value. The sharding rules place
 `kernel_scale` as they place a bias (`distributed.sharding.param_spec`).
 
-Quantized: the attention projections and the dense MLPs (`QUANTIZED_LINEARS`). Not quantized: embeddings, norms,
-the LM head, and mixture-of-experts blocks (their stacked experts, router and shared expert).
+Quantized: the attention projections and the dense MLPs (`QUANTIZED_LINEARS`), and the stacked routed experts
+of mixture-of-experts blocks (`experts/gate_proj` [..., E, in, out] gains `experts/gate_proj_scale` [..., E, out];
+weights only, see `models.moe`). Not quantized: embeddings, norms, the LM head, a MoE block's router and shared
+expert.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 from jaxserve.config import ModelConfig, QuantScheme, parse_quantization
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MOE_BLOCK_KEY = "experts"  # a module holding this key is a MoE block: left as it is
+MOE_BLOCK_KEY = "experts"  # a module holding this key is a MoE block: only its experts are quantized
 
 
 def apply_quantization(model_config: ModelConfig, params: dict, quantization: str | None) -> tuple[ModelConfig, dict]:
@@ -44,8 +46,10 @@ def quantize_params(params: dict, scheme: QuantScheme) -> dict:
 
 
 def _quantize_tree(tree: Any, scheme: QuantScheme) -> Any:
-    if not isinstance(tree, dict) or MOE_BLOCK_KEY in tree:
+    if not isinstance(tree, dict):
         return tree
+    if MOE_BLOCK_KEY in tree:
+        return {**tree, MOE_BLOCK_KEY: _quantize_experts(tree[MOE_BLOCK_KEY], scheme)}
     out = {}
     for key, value in tree.items():
         if key in QUANTIZED_LINEARS and isinstance(value, dict) and "kernel" in value:
@@ -53,6 +57,14 @@ def _quantize_tree(tree: Any, scheme: QuantScheme) -> Any:
             out[key] = {**value, "kernel": kernel, "kernel_scale": scale}
         else:
             out[key] = _quantize_tree(value, scheme)
+    return out
+
+
+def _quantize_experts(experts: dict, scheme: QuantScheme) -> dict:
+    """A MoE block's stacked experts ([..., E, in, out]): values and scales per expert and output channel."""
+    out = {}
+    for name, weight in experts.items():
+        out[name], out[f"{name}_scale"] = quantize_kernel(weight, scheme)
     return out
 
 

@@ -1,7 +1,8 @@
 """Quantized weights (`LLM(quantization=...)`) on a tiny random Llama, float32: every scheme's logits equal
 transformers' with the same quantization applied to its model (the weights replaced by their dequantized values
 and, where the scheme quantizes activations, each quantized layer's input rounded per token as the scheme does),
-and the engine's greedy tokens equal transformers' generate on that model."""
+and the engine's greedy tokens equal transformers' generate on that model. A mixture-of-experts model's quantized
+experts (weights only) give the logits of the float model on their dequantized weights."""
 
 from __future__ import annotations
 
@@ -85,6 +86,36 @@ def test_engine_greedy_tokens_equal_transformers_generate(model_dir, tmp_path, n
             expected = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
                                       do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
         assert output.outputs[0].token_ids == expected
+
+
+def _dequantized(tree):
+    """A quantized parameter tree with every quantized array replaced by the float32 weight it stands for."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for key, value in tree.items():
+        if key.endswith("_scale") or key == "kernel_scale":
+            continue
+        scale = tree.get("kernel_scale" if key == "kernel" else f"{key}_scale")
+        out[key] = _dequantized(value) if scale is None else dequantize_kernel(value, scale)
+    return out
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_quantized_experts_give_the_float_model_on_their_dequantized_weights(tmp_path, name):
+    model_dir = make_tiny_model(tmp_path / "moe", "qwen3_moe", seed=2)
+    loaded = load_model(str(model_dir), "float32")
+    scheme = SCHEMES[name]  # weights only here: the dense layers' products are exact on dequantized weights too
+    quantized = quantize_params(loaded.params, scheme)
+    experts = quantized["params"]["layers"]["mlp"]["experts"]
+    assert experts["gate_proj"].dtype == scheme.weight_jnp_dtype and experts["down_proj_scale"].shape == (2, 7, 64)
+    assert quantized["params"]["layers"]["mlp"]["router"]["kernel"].dtype == np.float32
+    ours = PagedForward(dataclasses.replace(loaded.config, quantization=scheme), quantized, block_size=4)
+    reference = PagedForward(loaded.config, _dequantized(quantized), block_size=4)
+    tokens, table = PROMPTS[0], [1, 3, 0, 2]
+    chunks = [8, 1, 1, 1]  # 8 tokens x 3 experts sort into groups; single tokens gather their experts' weights
+    np.testing.assert_allclose(ours.run(tokens, table, chunks), reference.run(tokens, table, chunks), atol=2e-5,
+                               rtol=0)
 
 
 def test_each_dense_layer_is_quantized_and_nothing_else(loaded):
