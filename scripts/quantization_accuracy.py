@@ -8,6 +8,7 @@ answers alone, with each engine's weight bytes.
 
     python scripts/quantization_accuracy.py                          # the embedded SmolLM2, the platform's dtype
     python scripts/quantization_accuracy.py --model DIR --dtype bfloat16 --schemes int8 fp8 --out acc.json
+    python scripts/quantization_accuracy.py --schemes --other-dtypes float32   # what rounding alone changes
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import QUANTIZATION_CHOICES
+from jaxserve.entrypoints.cli import chat_prompt_ids
 
 CHATS = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "chat_questions.jsonl"
 
@@ -32,7 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="auto", help="the unquantized model's dtype and the schemes' activations")
-    parser.add_argument("--schemes", nargs="+", default=list(QUANTIZATION_CHOICES), choices=QUANTIZATION_CHOICES)
+    parser.add_argument("--schemes", nargs="*", default=list(QUANTIZATION_CHOICES), choices=QUANTIZATION_CHOICES)
+    parser.add_argument("--other-dtypes", nargs="*", default=[],
+                        help="also the unquantized model in these dtypes (e.g. float32): the agreement that rounding "
+                        "alone gives")
     parser.add_argument("--chats", type=Path, default=CHATS)
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -40,15 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_llm(args: argparse.Namespace, quantization: str | None) -> LLM:
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, quantization=quantization,
+def make_llm(args: argparse.Namespace, quantization: str | None, dtype: str | None = None) -> LLM:
+    return LLM(args.model, dtype=dtype or args.dtype, max_model_len=args.max_model_len, quantization=quantization,
                enable_prefix_caching=False, disable_log_stats=True)
 
 
 def chat_prompts(llm: LLM, path: Path) -> list[list[int]]:
     tokenizer = llm.get_tokenizer()
     chats = [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
-    return [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True) for chat in chats]
+    return [chat_prompt_ids(tokenizer, chat) for chat in chats]
 
 
 def greedy_answers(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -93,9 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"unquantized ({results['dtype']}): {results['unquantized_weight_bytes'] / 1e6:.1f} MB of weights, "
           f"{len(sequences)} sequences, {time.perf_counter() - start:.0f}s", flush=True)
     del reference_llm
-    for scheme in args.schemes:
+    runs = [(scheme, scheme, None) for scheme in args.schemes]
+    runs += [(f"unquantized {dtype}", None, dtype) for dtype in args.other_dtypes]
+    for scheme, quantization, dtype in runs:
         gc.collect()
-        llm = make_llm(args, scheme)
+        llm = make_llm(args, quantization, dtype)
         result = agreement(reference, most_likely_next(llm, sequences), [len(p) for p in prompts])
         result["weight_bytes"] = weight_bytes(llm)
         results["schemes"][scheme] = result
