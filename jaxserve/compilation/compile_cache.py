@@ -58,7 +58,8 @@ CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # JAX records it when
 # hashes it (folders whole: every .py and .cc file). tests/compilation/test_step_code.py lowers every program
 # of each model family on each attention backend and checks that every file the lowering runs is listed.
 STEP_CODE = (
-    "jaxserve/runner", "jaxserve/models", "jaxserve/attention", "jaxserve/distributed/sharding.py",
+    "jaxserve/runner", "jaxserve/models", "jaxserve/attention", "jaxserve/quantization",
+    "jaxserve/distributed/sharding.py",
     "jaxserve/math_utils.py", "jaxserve/config.py", "kernels_pallas", "kernels_cpu",
 )
 _ROOT = Path(__file__).resolve().parents[2]  # the directory that holds jaxserve/ and the kernel packages

@@ -13,6 +13,7 @@ import pytest
 from jaxserve.compilation import compile_cache
 from jaxserve.compilation.compile_cache import step_code_files, step_code_hash
 from jaxserve.compilation.precompile import abstract_params
+from jaxserve.quantization.weights import apply_quantization
 from jaxserve.runner.input_batch import StepShape
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.weights import load_config
@@ -38,7 +39,7 @@ def _model_config(family: str, directory: Path):
     return load_config(directory)
 
 
-def _files_run_while_lowering(model_config, backend: str, dtype: str) -> set[str]:
+def _files_run_while_lowering(model_config, backend: str, dtype: str, quantization: str | None = None) -> set[str]:
     """Repository files (relative paths) whose functions run while the runner is built and every program of
     ``SHAPES`` (steps, resample, allocations, forks) is traced and lowered."""
     files: set[str] = set()
@@ -47,7 +48,7 @@ def _files_run_while_lowering(model_config, backend: str, dtype: str) -> set[str
         if event == "call":
             files.add(frame.f_code.co_filename)
 
-    params = abstract_params(model_config, dtype)
+    model_config, params = apply_quantization(model_config, abstract_params(model_config, dtype), quantization)
     sys.setprofile(profile)
     try:
         runner = ModelRunner(model_config, params, dtype=dtype, block_size=16, num_blocks=8, max_rows=4,
@@ -67,6 +68,9 @@ def traced_files(tmp_path_factory) -> set[str]:
         model_config = _model_config(family, tmp_path_factory.mktemp(family))
         for backend, dtype in BACKENDS:
             traced |= _files_run_while_lowering(model_config, backend, dtype)
+    # quantized weights and activations: the quantized products are traced into the steps too
+    llama = _model_config("llama", tmp_path_factory.mktemp("llama-int8"))
+    traced |= _files_run_while_lowering(llama, "reference", "float32", quantization="int8_w8a8")
     return traced
 
 
