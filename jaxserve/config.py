@@ -149,6 +149,8 @@ def _attention_factor(rope_type: str, params: dict[str, Any], factor: float, ori
 # - "fp8": float8 e4m3 weights; activations in float8 too where the matrix unit multiplies float8 (NVIDIA compute
 #   capability 8.9 and later), elsewhere in the model's dtype as "int8" does (vLLM's "fp8" falls back the same way).
 QUANTIZATION_CHOICES = ("int8", "int8_w8a8", "fp8")
+# what the KV cache stores (vLLM's names): "auto" the model's dtype; "fp8" (= "fp8_e4m3") float8 e4m3, scale 1
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
 
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0
@@ -709,6 +711,7 @@ class EngineConfig:
     # KV cache events for KV-aware routers (vLLM's dict, or its JSON: `KVEventsConfig`); None: none published
     kv_events_config: KVEventsConfig | dict | str | None = None
     quantization: str | None = None  # weights quantized at load: "int8", "int8_w8a8" or "fp8" (jaxserve.quantization)
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8 e4m3 (attention/kv_cache.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -740,6 +743,9 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         parse_quantization(self.quantization)  # a ValueError naming the schemes
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: "
+                             f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
 

@@ -22,6 +22,10 @@ from jax.experimental.pallas import tpu as pltpu
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# a float8 pool (`kv_cache_dtype="fp8"`) holds K/V rounded to e4m3; q stays in float32 or bfloat16 and every page
+# is widened to q's dtype as it is read (`kv_values`)
+FLOAT8_POOL_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
+POOL_DTYPES = SUPPORTED_DTYPES + FLOAT8_POOL_DTYPES
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 BACKENDS = ("auto", "tpu", "gpu")
@@ -141,8 +145,8 @@ def check_kv_pool(k_pool: jax.Array, v_pool: jax.Array, head_dim: int) -> PoolGe
         raise ValueError(f"k_pages and v_pages must have the same shape, got {k_pool.shape} and {v_pool.shape}")
     if k_pool.dtype != v_pool.dtype:
         raise ValueError(f"k_pages and v_pages must have the same dtype, got {k_pool.dtype} and {v_pool.dtype}")
-    if k_pool.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"k_pages dtype must be float32 or bfloat16, got {k_pool.dtype}")
+    if k_pool.dtype not in POOL_DTYPES:
+        raise ValueError(f"k_pages dtype must be float32, bfloat16 or float8_e4m3fn, got {k_pool.dtype}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     num_layers = k_pool.shape[0] if k_pool.ndim == 5 else 1
@@ -200,8 +204,12 @@ def check_gpu_layout(geometry: PoolGeometry) -> None:
 
 
 def check_query(q: jax.Array, kv_dtype, num_kv_heads: int, head_dim: int, layout: str) -> None:
-    """Validates q's dtype and its trailing [num_q_heads, head_dim] dims against the KV pool."""
-    if q.dtype != kv_dtype:
+    """Validates q's dtype and its trailing [num_q_heads, head_dim] dims against the KV pool: q has the pool's
+    dtype, or float32 / bfloat16 over a float8 pool."""
+    if kv_dtype in FLOAT8_POOL_DTYPES:
+        if q.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"q dtype ({q.dtype}) must be float32 or bfloat16 over a {kv_dtype} pool")
+    elif q.dtype != kv_dtype:
         raise ValueError(f"q dtype ({q.dtype}) must match the k_pages/v_pages dtype ({kv_dtype})")
     if q.shape[-1] != head_dim:
         raise ValueError(
@@ -342,6 +350,11 @@ def row_positions(first_pos, rows: int, block_q: int) -> jax.Array:
     return first_pos + (lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & (block_q - 1))
 
 
+def kv_values(x: jax.Array, dtype) -> jax.Array:
+    """Pages as read from the pool, in the query's dtype (float8 pages widened; others unchanged)."""
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
 def causal_block_step(
     state, q, k, v, *, first_key, row_pos, length, kv_end, sm_scale, sliding_window=None, logit_softcap=None
 ):
@@ -354,6 +367,7 @@ def causal_block_step(
     that is scored separately (no relayout of the block)."""
     head_dim = q.shape[-1]
     tokens_per_row = k.shape[-1] // head_dim
+    k, v = kv_values(k, q.dtype), kv_values(v, q.dtype)
     parts = []
     for part in range(tokens_per_row):
         lanes = slice(part * head_dim, (part + 1) * head_dim)

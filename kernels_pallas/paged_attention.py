@@ -206,8 +206,8 @@ def _gpu_kernel(
         first_in_block = first_page + block * pages_per_block
         pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
         pages = first_of_head + cm.live_pages_only(pages, first_in_block, end_page)
-        k = k_ref[pages].reshape(block_tokens, head_dim)
-        v = v_ref[pages].reshape(block_tokens, head_dim)
+        k = cm.kv_values(k_ref[pages].reshape(block_tokens, head_dim), q.dtype)
+        v = cm.kv_values(v_ref[pages].reshape(block_tokens, head_dim), q.dtype)
         first = first_in_block * page_size
         s = cm.logits(q, k, sm_scale, logit_softcap)  # f32[rows, block_tokens]
         key = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)

@@ -269,8 +269,8 @@ def _gpu_kernel(
     def body(block, state):
         pages = table_ref[pl.ds(block * pages_per_block, pages_per_block)]
         pages = first_of_head + cm.live_pages_only(pages, block * pages_per_block, pl.cdiv(kv_end, page_size))
-        k = k_ref[pages].reshape(block_tokens, head_dim)
-        v = v_ref[pages].reshape(block_tokens, head_dim)
+        k = cm.kv_values(k_ref[pages].reshape(block_tokens, head_dim), q.dtype)
+        v = cm.kv_values(v_ref[pages].reshape(block_tokens, head_dim), q.dtype)
         return step(state, q, k, v, first_key=block * block_tokens)
 
     num_blocks = pl.cdiv(kv_end, block_tokens)

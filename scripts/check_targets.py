@@ -10,6 +10,8 @@ on each topology, tensor parallel over as many chips as the heads divide. Prints
     python scripts/check_targets.py --targets v5e:2x2 --models embedded --out /tmp/tables.md
     python scripts/check_targets.py --targets v6e:2x2 --models qwen3-30b-a3b --largest-only
     python scripts/check_targets.py --targets v5e:2x2 --models llama3-8b --tensor-parallel-size 1 --quantization int8
+    python scripts/check_targets.py --targets v5e:2x2 --models llama3-8b --tensor-parallel-size 1 --quantization int8 \
+        --kv-cache-dtype fp8                                       # and a float8 KV cache: twice the tokens
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
         python scripts/check_targets.py --targets cuda --models qwen3-30b-a3b --tensor-parallel-size 2
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from jaxserve.compilation.target_compile import compile_for_target  # noqa: E402
-from jaxserve.config import QUANTIZATION_CHOICES, EngineConfig  # noqa: E402
+from jaxserve.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, EngineConfig  # noqa: E402
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -71,6 +73,8 @@ def main() -> int:
                              "XLA_FLAGS=--xla_force_host_platform_device_count=N, for a model one GPU cannot hold)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                         help="quantized weights (int8, int8_w8a8, fp8): e.g. Llama-3-8B in int8 on one v5e chip")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                        help="what the KV cache stores: the model's dtype (auto) or float8 e4m3 (fp8)")
     parser.add_argument("--largest-only", action="store_true",
                         help="only the largest prefill, decode and mixed step of the grid (a quick worst case)")
     args = parser.parse_args()
@@ -81,13 +85,15 @@ def main() -> int:
                 limits = {} if args.gpu_memory_utilization is None else {
                     "gpu_memory_utilization": args.gpu_memory_utilization}
                 config = EngineConfig(model=model_path(model, Path(tmp)), max_model_len=args.max_model_len,
-                                      compile_cache_dir="", quantization=args.quantization, **limits)
+                                      compile_cache_dir="", quantization=args.quantization,
+                                      kv_cache_dtype=args.kv_cache_dtype, **limits)
                 start = time.perf_counter()
                 report = compile_for_target(config, target, largest_only=args.largest_only,
                                             tensor_parallel_size=args.tensor_parallel_size)
                 seconds = time.perf_counter() - start
                 scope = ", largest step of each kind" if args.largest_only else ""
                 scope += f", {args.quantization} weights" if args.quantization else ""
+                scope += f", {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype != "auto" else ""
                 text = f"## {model} on {target}{scope} ({seconds:.0f} s)\n\n```\n{report.format_table()}\n```\n"
                 print(text, flush=True)
                 if args.out:

@@ -4,11 +4,13 @@ The unquantized engine answers each chat of `../shared/workloads/chat_questions.
 tokens, stopping at EOS); then every engine, the unquantized one included, reads each prompt + answer whole
 (`prompt_logprobs=1`: its most likely token after every prefix). A scheme's agreement is the share of positions
 where its most likely next token is the unquantized model's; reported over the whole sequences and over the
-answers alone, with each engine's weight bytes.
+answers alone, with each engine's weight bytes. `--kv-cache-dtypes fp8` adds runs with that KV cache, unquantized
+weights and with each scheme's.
 
     python scripts/quantization_accuracy.py                          # the embedded SmolLM2, the platform's dtype
     python scripts/quantization_accuracy.py --model DIR --dtype bfloat16 --schemes int8 fp8 --out acc.json
     python scripts/quantization_accuracy.py --schemes --other-dtypes float32   # what rounding alone changes
+    python scripts/quantization_accuracy.py --schemes int8 --kv-cache-dtypes fp8   # + float8 KV, alone and with int8
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import QUANTIZATION_CHOICES
+from jaxserve.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 from jaxserve.entrypoints.cli import chat_prompt_ids
 
 CHATS = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "chat_questions.jsonl"
@@ -38,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--other-dtypes", nargs="*", default=[],
                         help="also the unquantized model in these dtypes (e.g. float32): the agreement that rounding "
                         "alone gives")
+    parser.add_argument("--kv-cache-dtypes", nargs="*", default=[], choices=KV_CACHE_DTYPE_CHOICES[1:],
+                        help="also these KV caches (fp8), with unquantized weights and with each scheme")
     parser.add_argument("--chats", type=Path, default=CHATS)
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -45,9 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_llm(args: argparse.Namespace, quantization: str | None, dtype: str | None = None) -> LLM:
+def make_llm(args: argparse.Namespace, quantization: str | None, dtype: str | None = None,
+             kv_cache_dtype: str = "auto") -> LLM:
     return LLM(args.model, dtype=dtype or args.dtype, max_model_len=args.max_model_len, quantization=quantization,
-               enable_prefix_caching=False, disable_log_stats=True)
+               kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False, disable_log_stats=True)
 
 
 def chat_prompts(llm: LLM, path: Path) -> list[list[int]]:
@@ -98,11 +103,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"unquantized ({results['dtype']}): {results['unquantized_weight_bytes'] / 1e6:.1f} MB of weights, "
           f"{len(sequences)} sequences, {time.perf_counter() - start:.0f}s", flush=True)
     del reference_llm
-    runs = [(scheme, scheme, None) for scheme in args.schemes]
-    runs += [(f"unquantized {dtype}", None, dtype) for dtype in args.other_dtypes]
-    for scheme, quantization, dtype in runs:
+    runs = [(scheme, scheme, None, "auto") for scheme in args.schemes]
+    runs += [(f"unquantized {dtype}", None, dtype, "auto") for dtype in args.other_dtypes]
+    runs += [(f"{scheme or 'unquantized'} + {kv} KV cache", scheme, None, kv)
+             for kv in args.kv_cache_dtypes for scheme in [None, *args.schemes]]
+    for scheme, quantization, dtype, kv_cache_dtype in runs:
         gc.collect()
-        llm = make_llm(args, quantization, dtype)
+        llm = make_llm(args, quantization, dtype, kv_cache_dtype)
         result = agreement(reference, most_likely_next(llm, sequences), [len(p) for p in prompts])
         result["weight_bytes"] = weight_bytes(llm)
         results["schemes"][scheme] = result

@@ -15,7 +15,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxserve.attention.kv_cache import gather_context, pool_values
+from jaxserve.attention.kv_cache import FP8_KV_DTYPE, gather_context, pool_values
 from jaxserve.attention.metadata import AttentionMetadata, per_token_rows, token_positions
 from jaxserve.logger import init_logger
 from jaxserve.math_utils import cdiv, round_up
@@ -165,7 +165,8 @@ class PallasBackend:
         k_pool, v_pool = pool_values(k_pool), pool_values(v_pool)
         common = dict(layer=layer, sm_scale=sm_scale, interpret=self.interpret, backend=self.kernel_variant,
                       sliding_window=sliding_window, logit_softcap=logit_softcap)
-        query = q.astype(k_pool.dtype)  # the kernels take q in the pool's dtype
+        # the kernels take q in the pool's dtype, or as it is over a float8 pool (they widen its pages)
+        query = q if k_pool.dtype == FP8_KV_DTYPE else q.astype(k_pool.dtype)
         if meta.is_ragged:  # a mixed step ([1, T] tokens of ragged rows): the ragged kernel over the flat tokens
             out = kernels_pallas.ragged_paged_attention(
                 query[0], k_pool, v_pool, meta.block_tables, meta.query_starts, meta.query_lens, meta.q_start,

@@ -8,6 +8,10 @@ is 64 with another dimension minor, and a Mosaic kernel reads only row-major til
 head_dim 64 would be relaid out (copied whole) at every kernel call. The layers' scan carries the whole
 pool and indexes it with the layer number, so `write_kv` updates the donated buffer in place and reads
 touch only the pages of the block tables: the step never copies the pool.
+
+`kv_cache_dtype="fp8"` (vLLM's option) keeps K/V as float8 e4m3 with a scale of 1 (vLLM's default when the
+checkpoint gives no scales): the values are saturated to +-448 and rounded as they are written, and readers
+widen the pages to the query's dtype. Half of bfloat16's bytes, so the same memory holds twice the tokens.
 """
 
 from __future__ import annotations
@@ -91,25 +95,42 @@ def _write_kv_head_windows(k_pool, v_pool, layer, k, v, meta):
     return scatter(k_pool, k), scatter(v_pool, v)
 
 
+FP8_KV_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+FP8_KV_MAX = float(jnp.finfo(FP8_KV_DTYPE).max)  # 448: larger K/V values are saturated, as vLLM's cache writes do
+# integer storage of a 16- and an 8-bit float on XLA:CPU (see kv_storage_dtype), and the float each holds
+_BITS_OF = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), FP8_KV_DTYPE: jnp.dtype(jnp.uint8)}
+_FLOAT_OF = {bits: value for value, bits in _BITS_OF.items()}
+
+
+def kv_value_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype:
+    """The dtype K/V values are kept in: the model's (``"auto"``) or float8 e4m3 (``"fp8"``, ``"fp8_e4m3"``)."""
+    return jnp.dtype(dtype) if kv_cache_dtype == "auto" else FP8_KV_DTYPE
+
+
 def kv_storage_dtype(kv_dtype, platform: str) -> jnp.dtype:
-    """The dtype the pool is stored in for K/V values of ``kv_dtype``. On XLA:CPU a bfloat16 pool is stored as
-    its raw bits (uint16): XLA:CPU has no bfloat16 scatter, and rewrites the K/V write into a bf16 pool as a
-    float32 scatter into a converted copy of the whole pool (every layer's pages, every layer, every step),
-    while an integer scatter updates the donated pool in place. Readers widen pages with `pool_values`."""
+    """The dtype the pool is stored in for K/V values of ``kv_dtype``. On XLA:CPU a bfloat16 (float8) pool is
+    stored as its raw bits, uint16 (uint8): XLA:CPU has no bfloat16 scatter, and rewrites the K/V write into a
+    bf16 pool as a float32 scatter into a converted copy of the whole pool (every layer's pages, every layer,
+    every step), while an integer scatter updates the donated pool in place. Readers widen pages with
+    `pool_values`."""
     kv_dtype = jnp.dtype(kv_dtype)
-    return jnp.dtype(jnp.uint16) if platform == "cpu" and kv_dtype == jnp.bfloat16 else kv_dtype
+    return _BITS_OF.get(kv_dtype, kv_dtype) if platform == "cpu" else kv_dtype
 
 
 def to_pool_dtype(values: jax.Array, pool_dtype) -> jax.Array:
-    """K/V values as the pool stores them (bfloat16 bits for a uint16 pool)."""
-    if pool_dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
-    return values.astype(pool_dtype)
+    """K/V values as the pool stores them: float8 saturated to +-448 and rounded to nearest even, bfloat16 and
+    float8 as their bits in a uint16 / uint8 pool."""
+    value_dtype = _FLOAT_OF.get(jnp.dtype(pool_dtype), jnp.dtype(pool_dtype))
+    if value_dtype == FP8_KV_DTYPE:
+        values = jnp.clip(values, -FP8_KV_MAX, FP8_KV_MAX)
+    values = values.astype(value_dtype)
+    return values if value_dtype == pool_dtype else jax.lax.bitcast_convert_type(values, pool_dtype)
 
 
 def pool_values(pages: jax.Array) -> jax.Array:
-    """Pages read from the pool as K/V values (uint16 storage is bfloat16 bits)."""
-    return jax.lax.bitcast_convert_type(pages, jnp.bfloat16) if pages.dtype == jnp.uint16 else pages
+    """Pages read from the pool as K/V values (uint16 storage is bfloat16 bits, uint8 float8 e4m3 bits)."""
+    value_dtype = _FLOAT_OF.get(pages.dtype)
+    return pages if value_dtype is None else jax.lax.bitcast_convert_type(pages, value_dtype)
 
 
 def gather_context(pool: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:

@@ -255,7 +255,8 @@ class CacheManifest:
     @classmethod
     def current(
         cls, model_config: ModelConfig, dtype: str, grid: BucketGrid, attention_backend: str,
-        tensor_parallel_size: int = 1, max_logprobs: int = 20, device=None, **info: Any,
+        tensor_parallel_size: int = 1, max_logprobs: int = 20, device=None, kv_cache_dtype: str = "auto",
+        **info: Any,
     ) -> CacheManifest:
         """The manifest of this process's configuration (platform and versions of the running JAX) on
         ``device``'s kind (default: this host's first device; a target's when compiling for another)."""
@@ -272,6 +273,7 @@ class CacheManifest:
             "attention_backend": attention_backend,
             "tensor_parallel_size": tensor_parallel_size,
             "max_logprobs": max_logprobs,  # the steps' top-K logprobs shape
+            "kv_cache_dtype": kv_cache_dtype,  # the pool's dtype
         }
         info = {"bucket_file": grid.spec.source, "num_executables": grid.num_executables, **info}
         return cls(

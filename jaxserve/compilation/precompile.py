@@ -113,7 +113,7 @@ def precompile(
     runner = ModelRunner.for_engine(model_config, params, config, grid, mesh, abstract=True)
     manifest = CacheManifest.current(
         model_config, config.dtype, grid, runner.backend.name, mesh.size, max_logprobs=config.max_logprobs,
-        model=str(model_path), written_by="precompile",
+        kv_cache_dtype=config.kv_cache_dtype, model=str(model_path), written_by="precompile",
     )
     logger.info("%s", grid.format_table())
     check = use_compile_cache(runner, path, manifest)

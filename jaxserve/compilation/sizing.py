@@ -25,6 +25,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from jaxserve.attention.kv_cache import kv_value_dtype
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.buckets import BucketGrid, load_bucket_spec
 from jaxserve.distributed.sharding import per_device_bytes
@@ -63,7 +64,9 @@ def engine_bucket_grid(
     if platform != "cpu" and config.num_kv_blocks is None:
         weights_bytes = sum(per_device_bytes(p, mesh) for _, p in models)
         budget = memory_budget(config.gpu_memory_utilization, params, weights_bytes, device_memory_bytes)
-    block_bytes = sum(_block_bytes(c, block_size, config.dtype, mesh) for c, _ in models)
+    # the engine's pool keeps K/V as kv_cache_dtype says; a draft model's pool is in the model dtype
+    kv_dtypes = [kv_value_dtype(config.kv_cache_dtype, config.dtype), config.dtype][:len(models)]
+    block_bytes = sum(_block_bytes(c, block_size, kv, mesh) for (c, _), kv in zip(models, kv_dtypes, strict=True))
     num_slots = config.max_num_seqs or max(spec.decode_batch_sizes)
     pool_budget = None if budget is None else budget.pool_bytes(
         weights_bytes, slot_state_bytes(num_slots, model_config.vocab_size))
@@ -78,8 +81,9 @@ def engine_bucket_grid(
     return grid
 
 
-def _block_bytes(model_config: ModelConfig, block_size: int, dtype: str, mesh: Mesh) -> int:
-    """Bytes of one block of ``model_config``'s pool per device (the pool is split over the heads)."""
+def _block_bytes(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh) -> int:
+    """Bytes of one block of ``model_config``'s pool of K/V in ``dtype`` per device (the pool is split over the
+    heads)."""
     return kv_bytes_per_block(
         num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
         head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize,

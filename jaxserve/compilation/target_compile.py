@@ -178,7 +178,8 @@ def compile_for_target(
     path = resolve_cache_dir(config.compile_cache_dir if cache_dir is None else cache_dir)
     manifest = CacheManifest.current(
         model_config, config.dtype, grid, runner.backend.name, mesh.size, max_logprobs=config.max_logprobs,
-        device=target.devices[0], model=str(model_path), written_by=f"precompile --target {target.name}",
+        kv_cache_dtype=config.kv_cache_dtype, device=target.devices[0], model=str(model_path),
+        written_by=f"precompile --target {target.name}",
     )
     if path is not None:
         runner.executable_store = ExecutableStore(path, manifest, num_devices=len(target.devices))

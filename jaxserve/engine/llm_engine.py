@@ -181,7 +181,8 @@ class LLMEngine:
         if cache_dir is not None:
             manifest = CacheManifest.current(
                 self.model_config, self.config.dtype, self.grid, self.runner.backend.name, self.mesh.size,
-                max_logprobs=self.config.max_logprobs, model=str(self.model_path), written_by="engine warm-up",
+                max_logprobs=self.config.max_logprobs, kv_cache_dtype=self.config.kv_cache_dtype,
+                model=str(self.model_path), written_by="engine warm-up",
             )
             check = use_compile_cache(self.runner, cache_dir, manifest)
         self.runner.compile_helpers()

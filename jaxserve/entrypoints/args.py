@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxserve.config import DTYPE_CHOICES, QUANTIZATION_CHOICES, EngineConfig
+from jaxserve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, EngineConfig
 
 # The server's latency target (ms; `LLM` has none): the load sweep of docs/benchmarks/serving-load.md measured
 # 400 ms ahead of vLLM's P99 ITL at every rate and of its TTFT and throughput from light load to saturation.
@@ -70,6 +70,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "quantization": (str, "quantize the weights at load: int8 (int8 weights, W8A16), int8_w8a8 (int8 weights and "
                      "activations), fp8 (float8 e4m3 weights; float8 activations too on GPUs of compute capability "
                      "8.9+); per output channel, activations per token"),
+    "kv_cache_dtype": (str, "what the KV cache stores: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, "
+                       "scale 1, vLLM's: half of bfloat16's bytes, twice the tokens)"),
 }
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"]}  # vLLM's
 
@@ -94,6 +96,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
             kwargs["choices"] = list(DTYPE_CHOICES)
         elif name == "quantization":
             kwargs["choices"] = list(QUANTIZATION_CHOICES)
+        elif name == "kv_cache_dtype":
+            kwargs["choices"] = list(KV_CACHE_DTYPE_CHOICES)
         elif name == "attention_backend":
             kwargs["choices"] = ["auto", "reference", "pallas", "cpu"]
         parser.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, []), **kwargs)

@@ -36,7 +36,7 @@ import numpy as np
 from flax import struct
 
 from jaxserve.attention.backends import get_attention_backend
-from jaxserve.attention.kv_cache import kv_storage_dtype, pool_page_shape
+from jaxserve.attention.kv_cache import kv_storage_dtype, kv_value_dtype, pool_page_shape
 from jaxserve.attention.metadata import AttentionMetadata, row_offsets, token_layout
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.buckets import BucketGrid
@@ -134,10 +134,12 @@ class ModelRunner:
         num_sampler_slots: int = 1,
         num_logprobs: int = 20,
         platform: str | None = None,
+        kv_cache_dtype: str = "auto",
     ):
-        """``abstract=True``: ``params`` are ``ShapeDtypeStruct``s and no KV pool (nor sampler state) is
-        allocated; such a runner only compiles (precompilation into the persistent cache needs no device
-        memory). ``platform``: what the steps are built for, by default the mesh's devices' platform (a
+        """``kv_cache_dtype``: what the KV pool keeps, the model's dtype ("auto") or float8 ("fp8"; see
+        `attention/kv_cache.py`). ``abstract=True``: ``params`` are ``ShapeDtypeStruct``s and no KV pool (nor
+        sampler state) is allocated; such a runner only compiles (precompilation into the persistent cache needs
+        no device memory). ``platform``: what the steps are built for, by default the mesh's devices' platform (a
         deviceless TPU topology's devices say "tpu"; "cuda" builds for GPUs on a CPU mesh, lowering only)."""
         self.config = config
         self.dtype = jnp.dtype(dtype)
@@ -152,7 +154,7 @@ class ModelRunner:
                 config, quantization=config.quantization.for_platform(platform, capability))
         check_tensor_parallel(config, self.mesh.size)
         model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
-        self.kv_storage_dtype = kv_storage_dtype(self.dtype, platform)
+        self.kv_storage_dtype = kv_storage_dtype(kv_value_dtype(kv_cache_dtype, self.dtype), platform)
         # XLA:CPU keeps bf16 matmuls on its fast path only with one weight array per layer and with
         # untransposed weights (common.layer_stack, common.untie_lm_head); in float32 the scan is as fast and
         # compiles faster, and TPU and GPU keep it
@@ -202,7 +204,7 @@ class ModelRunner:
             model_config.for_max_model_len(grid.max_model_len), params, dtype=config.dtype, block_size=grid.block_size,
             num_blocks=grid.num_blocks if num_blocks is None else num_blocks, max_rows=grid.max_batch_size,
             attention_backend=config.attention_backend, mesh=mesh, abstract=abstract, platform=platform,
-            num_sampler_slots=grid.max_num_seqs, num_logprobs=config.max_logprobs,
+            num_sampler_slots=grid.max_num_seqs, num_logprobs=config.max_logprobs, kv_cache_dtype=config.kv_cache_dtype,
         )
 
     def _abstract_pool(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:

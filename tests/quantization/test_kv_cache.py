@@ -1,0 +1,98 @@
+"""The float8 KV cache (`kv_cache_dtype="fp8"`): K/V saturated to +-448 and rounded to e4m3 as they are written,
+widened as they are read. On a tiny random Llama in float32, every attention backend's greedy tokens equal
+transformers' generate with a cache that rounds K/V the same way (the Pallas kernels interpreted: prefill, decode
+and mixed steps); the pool stores one byte per value, so a memory budget holds twice bfloat16's blocks."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.attention.kv_cache import FP8_KV_MAX, kv_storage_dtype, kv_value_dtype, pool_values, to_pool_dtype
+from jaxserve.config import EngineConfig
+from tests.hf_tiny import make_tiny_model, small_bucket_file
+
+PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99, 3, 250, 41, 17, 8, 66, 90, 12, 200], [250, 3, 41]]
+MAX_TOKENS = 8
+TINY_64 = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}  # head_dim 64: the kernels'
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5, **TINY_64)
+
+
+def _fp8_rounded(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+class Fp8RoundingCache(transformers.DynamicCache):
+    """transformers' cache holding K/V as the float8 pool does: every new key and value rounded as stored."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(_fp8_rounded(key_states), _fp8_rounded(value_states), layer_idx, *args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                 do_sample=False, pad_token_id=0, past_key_values=Fp8RoundingCache(config=model.config))
+        tokens.append(out[0, len(prompt):].tolist())
+    return tokens
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "pallas"])
+def test_fp8_kv_cache_tokens_equal_transformers_with_a_rounding_cache(model_dir, tmp_path, expected, backend):
+    # prefill chunks of 16 (the 20-token prompt takes two, the second a mixed step beside the other's decode)
+    buckets = small_bucket_file(tmp_path, decode_batch_sizes=(2,), mixed=True, chunk=16, context=64)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=64, buckets=buckets, kv_cache_dtype="fp8",
+              attention_backend=backend, max_num_batched_tokens=16)
+    runner = llm.llm_engine.runner
+    assert runner.kv_pool[0].dtype == jnp.uint8  # float8 bits on XLA:CPU (an in-place integer scatter)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.llm_engine.stats.num_mixed_steps > 0
+
+
+def test_the_float8_cache_is_not_the_float32_one(model_dir, expected):
+    """The rounding matters on this model: without it transformers' tokens differ (else the test above could not
+    tell a float8 pool from a float32 one)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    assert plain != expected
+
+
+def test_values_are_saturated_and_rounded_to_e4m3_as_stored():
+    values = jnp.array([500.0, -1000.0, 448.0, 0.1, -0.3, 1e-9, 17.0], jnp.float32)
+    for pool_dtype in (jnp.uint8, jnp.float8_e4m3fn):
+        stored = to_pool_dtype(values, jnp.dtype(pool_dtype))
+        assert stored.dtype == pool_dtype
+        read = np.asarray(pool_values(stored).astype(jnp.float32))
+        np.testing.assert_array_equal(read, [448.0, -448.0, 448.0, 0.1015625, -0.3125, 0.0, 16.0])
+    assert np.asarray(to_pool_dtype(values[:1], jnp.dtype(jnp.uint8)))[0] == ml_dtypes.float8_e4m3fn(448.0).view(
+        np.uint8)
+
+
+def test_the_pool_dtype_per_platform():
+    fp8 = kv_value_dtype("fp8", "bfloat16")
+    assert fp8 == kv_value_dtype("fp8_e4m3", "float32") == jnp.float8_e4m3fn
+    assert kv_value_dtype("auto", "bfloat16") == jnp.bfloat16
+    assert kv_storage_dtype(fp8, "cpu") == jnp.uint8
+    assert kv_storage_dtype(fp8, "tpu") == kv_storage_dtype(fp8, "cuda") == jnp.float8_e4m3fn
+
+
+def test_unknown_kv_cache_dtypes_are_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"^unsupported kv_cache_dtype 'int4'; supported: auto, fp8, fp8_e4m3$"):
+        EngineConfig(kv_cache_dtype="int4")
