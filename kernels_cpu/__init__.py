@@ -11,8 +11,9 @@ reads the pages in place and stops at each token's own position. Its rows are ra
 `lengths[s]` tokens of its sequence, so one call takes a padded [rows, chunk] batch (the engine's steps
 today) or a flat mix of decode rows and prefill chunks. The pool may be float32 or bfloat16 (`POOL_DTYPES`;
 bfloat16 also as its uint16 bits, the engine's CPU storage, see
-`jaxserve.attention.kv_cache.kv_storage_dtype`): one FFI target reads either, widening bfloat16 elements to
-float32 as it loads them, and computes in float32. With `logit_softcap` c (Gemma 2's
+`jaxserve.attention.kv_cache.kv_storage_dtype`), or float8 e4m3 as its uint8 bits (`kv_cache_dtype="fp8"`): one
+FFI target reads each, widening bfloat16 elements (a shift) and float8 ones (a 256-entry table) to float32 as
+it loads them, and computes in float32. With `logit_softcap` c (Gemma 2's
 attn_logit_softcapping) each scaled score s becomes c * tanh(s / c) before masking and the softmax; without
 it the kernel runs a variant compiled with no trace of the cap.
 
@@ -48,8 +49,9 @@ CXX_FLAGS = [
     # lets the dot products vectorize (reassociated sums); infinities keep their meaning (no -ffast-math)
     "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
 ]
-# what the kernel reads the KV pool as: float32, bfloat16, or bfloat16 stored as its bits (uint16)
-POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
+# what the kernel reads the KV pool as: float32, bfloat16, bfloat16 stored as its bits (uint16), or float8 e4m3
+# stored as its bits (uint8: the engine's float8 KV cache on CPU)
+POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16), jnp.dtype(jnp.uint8))
 _build_error: str | None = None
 
 
@@ -114,7 +116,8 @@ def build_error() -> str | None:
 
 def _check_pool_dtypes(k_pool: jax.Array, v_pool: jax.Array) -> None:
     if k_pool.dtype not in POOL_DTYPES or v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"the CPU paged attention reads float32 or bfloat16 (or uint16 bits of bfloat16) "
+        raise ValueError(f"the CPU paged attention reads float32, bfloat16 (or uint16 bits of bfloat16) or uint8 "
+                         f"bits of float8 e4m3 "
                          f"KV pools (both the same dtype), "
                          f"not k_pool {k_pool.dtype} and v_pool {v_pool.dtype}")
 

@@ -6,8 +6,8 @@
 // [layers, kv_heads, blocks, block_size, head_dim] through the block table: nothing is gathered into a
 // copy first, which is what makes the plain-XLA path slow on CPU. Softmax is computed online in float32.
 // The pool is float32 or bfloat16 (both pools the same; bfloat16 also as its raw bits, uint16, which is
-// how the engine stores it on CPU); bfloat16 elements are widened to float32 as they are loaded, so the
-// math is float32 either way.
+// how the engine stores it on CPU), or float8 e4m3 as its bits (uint8: the float8 KV cache); bfloat16 and
+// float8 elements are widened to float32 as they are loaded, so the math is float32 either way.
 // With a logit soft-cap c > 0 (Gemma 2's attn_logit_softcapping) each scaled score s = (q . k) * sm_scale
 // becomes c * tanh(s / c) before masking and the softmax; c = 0 (none) compiles a variant without it.
 // Work items are (row, kv head, block of up to 16 query tokens): each loads a tile of 16 cached tokens
@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -60,6 +61,23 @@ inline float ToFloat(uint16_t bfloat16_bits) {
   std::memcpy(&x, &bits, sizeof(x));
   return x;
 }
+
+// A float8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, S.1111.111 is NaN) as
+// float32, from a table of its 256 values: the engine's float8 KV cache, stored as its bits (uint8).
+struct Float8E4M3Table {
+  float value[256];
+  Float8E4M3Table() {
+    for (int bits = 0; bits < 256; ++bits) {
+      const int exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
+      float magnitude = exponent == 0 ? std::ldexp(mantissa / 8.0f, -6)  // subnormal
+                                      : std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+      if (exponent == 0xF && mantissa == 0x7) magnitude = std::numeric_limits<float>::quiet_NaN();
+      value[bits] = (bits & 0x80) ? -magnitude : magnitude;
+    }
+  }
+};
+const Float8E4M3Table kFloat8E4M3;
+inline float ToFloat(uint8_t float8_e4m3_bits) { return kFloat8E4M3.value[float8_e4m3_bits]; }
 
 // 16 float32 lanes: one AVX-512 register, two AVX2 ones; GCC's and Clang's vector extension, so the code
 // below states the vector algorithm once and the compiler picks the instructions for the native ISA.
@@ -332,10 +350,11 @@ struct SharedWork {
   }
 };
 
-// The AttendBlock variant for the pool's element type (float32, else bfloat16 bits) and the soft-cap:
-// choosing it once per call keeps the branches out of the loops.
-AttendBlockFn PickAttendBlock(bool float32_pool, bool softcap) {
-  if (float32_pool) return softcap ? &AttendBlock<float, true> : &AttendBlock<float, false>;
+// The AttendBlock variant for the pool's element type (float32, bfloat16 bits or float8 e4m3 bits) and the
+// soft-cap: choosing it once per call keeps the branches out of the loops.
+AttendBlockFn PickAttendBlock(ffi::DataType dtype, bool softcap) {
+  if (dtype == ffi::F32) return softcap ? &AttendBlock<float, true> : &AttendBlock<float, false>;
+  if (dtype == ffi::U8) return softcap ? &AttendBlock<uint8_t, true> : &AttendBlock<uint8_t, false>;
   return softcap ? &AttendBlock<uint16_t, true> : &AttendBlock<uint16_t, false>;
 }
 
@@ -367,8 +386,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     if (row_array->element_count() != num_rows) return ffi::Error::InvalidArgument("expected one entry per row");
   }
   const ffi::DataType dtype = k_pool.element_type();
-  if ((dtype != ffi::F32 && dtype != ffi::BF16 && dtype != ffi::U16) || v_pool.element_type() != dtype) {
-    return ffi::Error::InvalidArgument("the KV pools must both be float32 or both bfloat16 (or its uint16 bits)");
+  if ((dtype != ffi::F32 && dtype != ffi::BF16 && dtype != ffi::U16 && dtype != ffi::U8) ||
+      v_pool.element_type() != dtype) {
+    return ffi::Error::InvalidArgument(
+        "the KV pools must both be float32, bfloat16 (or its uint16 bits) or float8 e4m3 bits (uint8)");
   }
   Problem p{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(), block_tables.typed_data(),
             query_starts.typed_data(), query_lens.typed_data(), positions.typed_data(), lengths.typed_data(),
@@ -387,7 +408,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   std::memset(p.out, 0, sizeof(float) * p.num_tokens * p.num_q_heads * p.head_dim);
   auto work = std::make_shared<SharedWork>();
   work->problem = p;
-  work->attend_block = PickAttendBlock(dtype == ffi::F32, p.logit_softcap > 0.0f);
+  work->attend_block = PickAttendBlock(dtype, p.logit_softcap > 0.0f);
   for (int32_t s = 0; s < num_rows; ++s) {
     for (int32_t first = 0; first < p.query_lens[s]; first += kQueryBlock) work->blocks.push_back({s, first});
   }
@@ -407,7 +428,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()         // k_pool: F32, BF16 or U16 (bf16 bits)
+                                  .Arg<ffi::AnyBuffer>()         // k_pool: F32, BF16, U16 (bf16) or U8 (e4m3)
                                   .Arg<ffi::AnyBuffer>()         // v_pool: the same
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables

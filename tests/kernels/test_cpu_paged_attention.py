@@ -3,7 +3,8 @@ plain-XLA attention, on the stacked pool with shuffled pages, float32 and bfloat
 kernel must not read is NaN): decode rows, prefill chunks, and ragged batches mixing both (chunks of 0, 1,
 page-edge and query-block-edge lengths, at page-edge positions, with and without a sliding window); logit
 soft-capping (Gemma 2's c * tanh(score / c)) through the kernel and both backends, on scores well past the
-cap; the pool dtype, soft-cap and row checks; the build's failure path; the backend choice.
+cap; a float8 e4m3 pool stored as its bits (the engine's float8 KV cache); the pool dtype, soft-cap and row checks;
+the build's failure path; the backend choice.
 
 Tolerance: rtol 2e-5, atol 2e-6 for both pool dtypes. A bfloat16 pool is compared with the naive attention
 over the same bfloat16 values upcast (exactly) to float64, and the kernel computes in float32 on those
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -205,6 +207,20 @@ def test_a_bfloat16_pool_stored_as_its_bits_reads_the_same_values():
         np.testing.assert_array_equal(out, attend(step_q, k_pool, v_pool, step_meta))
 
 
+def test_a_float8_pool_stored_as_its_bits_matches_naive_attention_over_its_values():
+    """The float8 KV cache on CPU is e4m3 stored as uint8 (kv_cache.kv_storage_dtype): the kernel widens each
+    element exactly (NaN included: every unseen slot is NaN), on ragged rows of decode tokens and chunks."""
+    rng = np.random.default_rng(13)
+    q, k_pool, v_pool, block_tables, rows = _ragged_inputs(rng, 9, 3, 64, 16, ml_dtypes.float8_e4m3fn)
+    _poison_unseen(k_pool, v_pool, block_tables, rows)
+    bits = k_pool.view(np.uint8), v_pool.view(np.uint8)
+    out = jax.jit(lambda *args: kernels_cpu.paged_attention(*args, sm_scale=0.125))(
+        q, *bits, jnp.int32(LAYER), block_tables, *rows)
+    expected = _naive_ragged(q, k_pool.astype(np.float32), v_pool.astype(np.float32), block_tables, rows, 0.125)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-6)
+    assert np.abs(expected).max() > 0.5  # the values are read (not zeros)
+
+
 def test_auto_picks_the_cpu_kernel_and_a_failed_build_reports_why(monkeypatch, tmp_path):
     assert get_attention_backend("auto").name == "cpu"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -237,14 +253,15 @@ def test_other_pool_dtypes_are_refused_with_a_clear_error():
     half = jnp.asarray(k_pool, jnp.float16), jnp.asarray(v_pool, jnp.float16)
     mixed = k_pool, v_pool.astype(jnp.bfloat16)
     for k, v in (half, mixed):  # the wrapper refuses them before the call...
-        with pytest.raises(ValueError, match=r"reads float32 or bfloat16 \(or uint16 bits of bfloat16\) KV pools "
-                           r"\(both the same dtype\), not k_pool"):
+        with pytest.raises(ValueError, match=r"reads float32, bfloat16 \(or uint16 bits of bfloat16\) or uint8 bits "
+                           r"of float8 e4m3 KV pools \(both the same dtype\), not k_pool"):
             _decode(*args(k, v), sm_scale=0.125)
     # ... and so does the FFI handler, for a caller that goes around the wrapper
     call = jax.ffi.ffi_call(kernels_cpu.TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     for k, v in (half, mixed):
         with pytest.raises(jax.errors.JaxRuntimeError,
-                           match=r"the KV pools must both be float32 or both bfloat16 \(or its uint16 bits\)"):
+                           match=r"the KV pools must both be float32, bfloat16 \(or its uint16 bits\) or float8 "
+                           r"e4m3 bits \(uint8\)"):
             call(q, k, v, np.array([LAYER], np.int32), block_tables, *_decode_rows(lengths),
                  sm_scale=np.float32(0.125), sliding_window=np.int64(0),
                  logit_softcap=np.float32(0)).block_until_ready()

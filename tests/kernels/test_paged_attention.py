@@ -218,13 +218,15 @@ def test_sliding_window_and_softcap_match_naive_attention(variant, rng, make_kv,
 
 @pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0}], ids=["plain", "window-cap"])
 @pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lowers_for_real_hardware(kernel_backend, platform, dtype, variants):
-    """Runs the Mosaic / Triton lowering (no device needed) so unsupported ops fail here, not on hardware."""
+@pytest.mark.parametrize("dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
+                                              (jnp.bfloat16, jnp.float8_e4m3fn)], ids=["f32", "bf16", "bf16-fp8-pool"])
+def test_lowers_for_real_hardware(kernel_backend, platform, dtype, pool_dtype, variants):
+    """Runs the Mosaic / Triton lowering (no device needed) so unsupported ops fail here, not on hardware; a
+    float8 pool (the float8 KV cache) under a bfloat16 query too."""
     args = (
         jax.ShapeDtypeStruct((4, 9, 64), dtype),
-        jax.ShapeDtypeStruct((3, 40, 16, 64), dtype),
-        jax.ShapeDtypeStruct((3, 40, 16, 64), dtype),
+        jax.ShapeDtypeStruct((3, 40, 16, 64), pool_dtype),
+        jax.ShapeDtypeStruct((3, 40, 16, 64), pool_dtype),
         jax.ShapeDtypeStruct((4,), jnp.int32),
         jax.ShapeDtypeStruct((4, 8), jnp.int32),
     )

@@ -1,0 +1,86 @@
+"""Quantized weights and the float8 KV cache on this machine's accelerator (a GPU: the device machine): every
+scheme's greedy tokens, and the float8 KV cache's, against transformers computing what the engine resolved here
+computes, on a tiny random float32 Llama (head_dim 64, so the Pallas kernels run on GPU and TPU).
+
+The references are the tests' (tests/quantization): weights dequantized and, where the scheme quantizes
+activations (fp8 on GPUs of compute capability 8.9+), each quantized layer's input rounded per token; a float8 KV
+cache as transformers' cache rounding K/V to e4m3. Prints each run's tokens and whether they are equal; exit
+status 1 if any run fails or differs.
+
+    python scripts/check_gpu_quantization.py          # PYTHONPATH=. on the device machine (qwix carried as a wheel)
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from tests.hf_tiny import make_tiny_model, small_bucket_file  # noqa: E402
+from tests.quantization.test_kv_cache import Fp8RoundingCache  # noqa: E402
+from tests.quantization.test_quantized_models import MAX_TOKENS, PROMPTS, _hf_quantized  # noqa: E402
+
+TINY_64 = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+RUNS = [("int8", "auto"), ("int8_w8a8", "auto"), ("fp8", "auto"), (None, "fp8"), ("fp8", "fp8")]
+
+
+def engine_tokens(model_dir: Path, work: Path, quantization: str | None, kv_cache_dtype: str):
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=128, quantization=quantization,
+              kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64,
+              buckets=small_bucket_file(work, decode_batch_sizes=(2,), mixed=True, chunk=16, context=128))
+    runner = llm.llm_engine.runner
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs], runner.config.quantization, runner.backend.name
+
+
+def reference_tokens(model_dir: Path, scheme, kv_cache_dtype: str) -> list[list[int]]:
+    if scheme is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    else:
+        model = _hf_quantized(model_dir, scheme)
+    tokens = []
+    for prompt in PROMPTS:
+        cache = Fp8RoundingCache(config=model.config) if kv_cache_dtype != "auto" else None
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                 do_sample=False, pad_token_id=0, past_key_values=cache)
+        tokens.append(out[0, len(prompt):].tolist())
+    return tokens
+
+
+def main() -> None:
+    device = jax.devices()[0]
+    print(f"jax {jax.__version__} on {device.device_kind}, compute capability "
+          f"{getattr(device, 'compute_capability', None)}", flush=True)
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "llama", "llama", seed=11, **TINY_64)
+        for quantization, kv_cache_dtype in RUNS:
+            name = f"weights {quantization or 'float32'}, KV {kv_cache_dtype}"
+            try:
+                ours, scheme, backend = engine_tokens(model_dir, Path(tmp), quantization, kv_cache_dtype)
+                theirs = reference_tokens(model_dir, scheme, kv_cache_dtype)
+                print(f"{name}: {scheme}, {backend} backend; engine {ours}; transformers {theirs}; "
+                      f"equal {ours == theirs}", flush=True)
+                if ours != theirs:
+                    failures.append(name)
+            except Exception as error:  # noqa: BLE001  (report every run, then go on)
+                failures.append(name)
+                print(f"FAILED {name}: {type(error).__name__}: {error}", flush=True)
+            gc.collect()  # the next engine sizes its pool from the memory this one gives back
+    if failures:
+        raise SystemExit(f"runs that failed or differ: {failures}")
+    print("every run's tokens equal transformers'")
+
+
+if __name__ == "__main__":
+    main()
