@@ -31,11 +31,30 @@ MOE_BLOCK_KEY = "experts"  # a module holding this key is a MoE block: only its 
 
 def apply_quantization(model_config: ModelConfig, params: dict, quantization: str | None) -> tuple[ModelConfig, dict]:
     """The model as `quantization` (an `EngineConfig.quantization` name; None: unchanged) serves it: its config
-    carrying the scheme (the layers read it; compile caches key on it) and its quantized parameters."""
+    carrying the scheme (the layers read it; compile caches key on it) and its quantized parameters.
+
+    A checkpoint stored quantized (its config already carries the scheme, `weights.compressed_tensors`) is served
+    as stored: `quantization` may be left out or name the same scheme, as vLLM checks; its parameters are quantized
+    already (an abstract tree for compiling only is quantized here)."""
     scheme = parse_quantization(quantization)
+    stored = model_config.quantization
+    if stored is not None:
+        if scheme is not None and scheme.name != stored.name:
+            raise ValueError(f"quantization={quantization!r} was asked for a checkpoint stored as {stored.name!r} "
+                             f"(its quantization_config): leave it out or give {stored.name!r}")
+        if _has_scales(params):
+            return model_config, params
+        scheme = stored
     if scheme is None:
         return model_config, params
     return dataclasses.replace(model_config, quantization=scheme), quantize_params(params, scheme)
+
+
+def _has_scales(tree: Any) -> bool:
+    """Whether a parameter tree holds quantized kernels (their scales) already."""
+    if not isinstance(tree, dict):
+        return False
+    return any(key.endswith("_scale") or _has_scales(value) for key, value in tree.items())
 
 
 def quantize_params(params: dict, scheme: QuantScheme) -> dict:

@@ -252,27 +252,54 @@ def hf_name_alternatives(name: str, config: ModelConfig) -> list[str]:
     return [name]
 
 
-def params_from_hf(get: TensorGetter, config: ModelConfig, dtype: np.dtype | str) -> dict:
-    """Builds `{"params": ...}` for the family's model from tensors fetched by Hugging Face name."""
+def params_from_hf(get: TensorGetter, config: ModelConfig, dtype: np.dtype | str, tensors=None) -> dict:
+    """Builds `{"params": ...}` for the family's model from tensors fetched by Hugging Face name.
+
+    ``tensors`` (a `compressed_tensors.CheckpointTensors`, for a checkpoint stored quantized: ``config.quantization``
+    is its scheme): the quantized kernels keep their stored values and get their scales beside them; every other
+    leaf is read as float (dequantized where the checkpoint quantized it)."""
+    from jaxserve.weights.compressed_tensors import is_quantized_leaf, scale_path
+
     np_dtype = _numpy_dtype(dtype)
+    read_float = get if tensors is None else tensors.float
     params: dict = {}
     for source in param_sources(config):
         transform = source.transform or (lambda x: x)
+        stack = np.stack if source.per_expert else (lambda arrays: arrays[0])
+        if tensors is not None and config.quantization is not None and is_quantized_leaf(source.path):
+            pairs = [[tensors.quantized(name, config.quantization) for name in names]
+                     for names in _tensor_names(source, config)]
+            # [out, in] values transposed (or split) like a float kernel; the scales (f32[out]) with the same rows
+            values = [stack([transform(v) for v, _ in layer]) for layer in pairs]
+            scales = [stack([_scale_rows(transform, s) for _, s in layer]) for layer in pairs]
+            _put_layers(params, source, config, values)
+            _put_layers(params, dataclasses.replace(source, path=scale_path(source.path)), config, scales)
+            continue
 
-        def leaf(names: list[str], transform=transform, per_expert=source.per_expert) -> np.ndarray:
-            arrays = [transform(np.asarray(get(name))) for name in names]
-            value = np.stack(arrays) if per_expert else arrays[0]
+        def leaf(names: list[str], transform=transform, stack=stack) -> np.ndarray:
+            value = stack([transform(np.asarray(read_float(name))) for name in names])
             return np.asarray(value, dtype=np.float32).astype(np_dtype)
 
-        layer_values = [leaf(names) for names in _tensor_names(source, config)]
-        if not source.per_layer:
-            _put(params, source.path, layer_values[0])
-        elif config.mixes_mlp_kinds:  # one subtree per layer (module docstring)
-            for i, value in zip(_source_layers(source, config), layer_values, strict=True):
-                _put(params, (source.path[0], str(i), *source.path[1:]), value)
-        else:
-            _put(params, source.path, np.stack(layer_values))
+        _put_layers(params, source, config, [leaf(names) for names in _tensor_names(source, config)])
     return {"params": params}
+
+
+def _scale_rows(transform, scale: np.ndarray) -> np.ndarray:
+    """A kernel's per-output-channel scales through its source's transform: a transpose leaves them as they are,
+    a row split (a fused projection's part) takes the same rows."""
+    return transform(scale[:, None]).reshape(-1)
+
+
+def _put_layers(params: dict, source: ParamSource, config: ModelConfig, layer_values: list[np.ndarray]) -> None:
+    """One leaf's values (one per layer, or one for a global tensor) into the tree: stacked for the layers'
+    scan, or one subtree per layer where a model mixes MLP kinds (module docstring)."""
+    if not source.per_layer:
+        _put(params, source.path, layer_values[0])
+    elif config.mixes_mlp_kinds:
+        for i, value in zip(_source_layers(source, config), layer_values, strict=True):
+            _put(params, (source.path[0], str(i), *source.path[1:]), value)
+    else:
+        _put(params, source.path, np.stack(layer_values))
 
 
 def _put(tree: dict, path: tuple[str, ...], value: np.ndarray) -> None:

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.weights.compressed_tensors import CheckpointTensors, checkpoint_scheme
 from jaxserve.weights.convert import hf_name_alternatives, hf_param_names, params_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_hf_config(model_dir: Path) -> ModelConfig:
+    """The model's config; a checkpoint stored quantized (compressed-tensors) carries its scheme."""
     path = model_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-    return ModelConfig.from_hf(json.loads(path.read_text()))
+    hf = json.loads(path.read_text())
+    scheme = checkpoint_scheme(hf)
+    config = ModelConfig.from_hf(hf)
+    return config if scheme is None else dataclasses.replace(config, quantization=scheme)
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:
@@ -50,22 +56,40 @@ def load_safetensors_dir(model_dir: Path, config: ModelConfig, dtype: str) -> di
         raise ValueError(f"model directory {model_dir} lacks tensors: {', '.join(missing[:5])}")
     handles = {}
 
-    def get(name: str) -> np.ndarray:
-        file = files[stored[name]]
+    def read(name: str) -> np.ndarray:  # by the name in the files
+        file = files[name]
         if file not in handles:
             handles[file] = safe_open(file, framework="numpy")
-        return _to_numpy(handles[file], stored[name])
+        return _to_numpy(handles[file], name, file)
 
-    return params_from_hf(get, config, dtype)
+    tensors = None
+    if config.quantization is not None:  # stored quantized: the scales are read beside the kernels
+        tensors = CheckpointTensors(lambda name: read(stored.get(name, name)),
+                                    lambda name: stored.get(name, name) in files)
+    return params_from_hf(lambda name: read(stored[name]), config, dtype, tensors)
 
 
-def _to_numpy(handle, name: str) -> np.ndarray:
-    """Reads one tensor; bfloat16 tensors come back as ml_dtypes.bfloat16 arrays."""
+def _to_numpy(handle, name: str, file: Path) -> np.ndarray:
+    """Reads one tensor; bfloat16 and float8 e4m3 tensors come back as ml_dtypes arrays."""
     try:
         return handle.get_tensor(name)
-    except TypeError:  # older safetensors cannot hand bf16 to numpy: go through raw bytes
-        import ml_dtypes
+    except (TypeError, AttributeError):  # safetensors hands neither bf16 (older versions) nor float8 to numpy
+        return _raw_tensor(file, name)
 
-        view = handle.get_slice(name)
-        raw = np.frombuffer(view[:].tobytes(), dtype=ml_dtypes.bfloat16)
-        return raw.reshape(view.get_shape())
+
+RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}  # safetensors' names -> ml_dtypes'
+
+
+def _raw_tensor(file: Path, name: str) -> np.ndarray:
+    """A tensor read from the file's bytes: an 8-byte little-endian header length, the JSON header (dtype, shape,
+    data offsets per tensor), then the data."""
+    import ml_dtypes
+
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_len))[name]
+        begin, end = entry["data_offsets"]
+        f.seek(8 + header_len + begin)
+        data = f.read(end - begin)
+    dtype = np.dtype(getattr(ml_dtypes, RAW_DTYPES[entry["dtype"]]))
+    return np.frombuffer(data, dtype=dtype).reshape(entry["shape"])
