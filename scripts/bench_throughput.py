@@ -16,6 +16,7 @@ jaxserve's KV usage.
     python scripts/bench_throughput.py --model DIR --dtype bfloat16 --buckets gpu --hf-dtype bfloat16 \
         --hf-device cuda --hf-batch-sizes 64          # on a GPU machine: both engines on the GPU
     python scripts/bench_throughput.py --baseline "" --quantization int8,int8_w8a8   # quantized against not
+    python scripts/bench_throughput.py --baseline vllm --quantization int8_w8a8 --vllm-quantization int8_w8a8
 
 `--baseline` is a comma-separated list of transformers (static batches of each `--hf-batch-sizes`, in each
 `--hf-dtype`) and vllm (one run per `--vllm-dtype`); default transformers, empty for jaxserve alone. vLLM
@@ -59,14 +60,14 @@ def add_requests(engine, requests: list[tuple[list[int], int]]) -> None:
         engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
 
 
-def bench_jaxserve(args, requests, quantization: str | None = None) -> dict:
+def bench_jaxserve(args, requests, quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     import jax
 
     from jaxserve import LLM
 
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, buckets=args.buckets,
-              num_kv_blocks=args.num_kv_blocks, quantization=quantization)
+              num_kv_blocks=args.num_kv_blocks, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     startup = time.perf_counter() - start
     engine = llm.llm_engine
     peak_usage = 0.0
@@ -81,8 +82,10 @@ def bench_jaxserve(args, requests, quantization: str | None = None) -> dict:
         peak_usage = max(peak_usage, engine.block_manager.usage)
     elapsed = time.perf_counter() - start
     check_token_counts("jaxserve", [counts.get(i, 0) for i in range(len(requests))], requests)
+    kv_label = "" if kv_cache_dtype == "auto" else f"{kv_cache_dtype} KV"
     return {
-        "engine": "jaxserve" if quantization is None else f"jaxserve {quantization}", "seconds": elapsed,
+        "engine": " ".join(filter(None, ["jaxserve", quantization, kv_label])),
+        "seconds": elapsed,
         "startup_s": startup, "output_tokens": sum(counts.values()),
         "padding_per_real_token": engine.stats.padding_per_real_token, "peak_kv_usage": peak_usage,
         "preemptions": engine.stats.num_preemptions,
@@ -129,9 +132,26 @@ def bench_transformers(args, requests, batch_size: int, dtype: str) -> dict:
     }
 
 
-def bench_vllm(args, requests, dtype: str) -> dict:
+def bench_vllm(args, requests, dtype: str, quantization: str | None = None) -> dict:
+    """vLLM on the embedded model, or on it written as a compressed-tensors checkpoint of `quantization` (the
+    values jaxserve's scheme computes: `jaxserve.weights.compressed_tensors`; vLLM serves int8 W8A8 on x86 CPUs)."""
     env = baselines.vllm_env(args.vllm_kv_cache_gib, args.vllm_omp_bind, args.vllm_reserved_cpus)
-    return baselines.run_vllm_offline(requests, dtype=dtype, max_model_len=args.max_model_len, env=env)
+    model = None if quantization is None else quantized_embedded_dir(quantization)
+    result = baselines.run_vllm_offline(requests, dtype=dtype, max_model_len=args.max_model_len, env=env, model=model)
+    if quantization is not None:
+        result["engine"] += f" {quantization} (compressed-tensors)"
+    return result
+
+
+def quantized_embedded_dir(quantization: str) -> Path:
+    """The embedded model as a compressed-tensors checkpoint of `quantization`, written once into the baselines'
+    cache."""
+    from jaxserve.weights.compressed_tensors import write_compressed_tensors
+
+    out = baselines.BASELINES_DIR / f"SmolLM2-135M-Instruct-{quantization}-compressed-tensors"
+    if not (out / "config.json").is_file():
+        write_compressed_tensors(baselines.embedded_hf_dir(), out, quantization)
+    return out
 
 
 def check_token_counts(engine: str, counts: list[int], requests: list[tuple[list[int], int]]) -> None:
@@ -189,12 +209,17 @@ def main() -> None:
     parser.add_argument("--quantization", default="",
                         help="comma-separated schemes (int8, int8_w8a8, fp8): one more jaxserve run for each, "
                         "against the unquantized one")
+    parser.add_argument("--kv-cache-dtypes", default="",
+                        help="comma-separated KV cache dtypes (fp8): one more jaxserve run for each (float weights)")
     parser.add_argument("--baseline", default="transformers",
                         help="comma-separated: transformers, vllm (default transformers; empty for none)")
     parser.add_argument("--hf-batch-sizes", default="8,16,32", help="transformers': comma-separated; empty to skip")
     parser.add_argument("--hf-dtype", default="float32", help="transformers': comma-separated torch dtypes")
     parser.add_argument("--hf-device", default="cpu", help="transformers' torch device (cuda on a GPU machine)")
     parser.add_argument("--vllm-dtype", default="bfloat16", help="comma-separated: one vLLM run for each")
+    parser.add_argument("--vllm-quantization", default="",
+                        help="comma-separated schemes: one more vLLM run (first --vllm-dtype) for each, on the embedded"
+                        " model written as a compressed-tensors checkpoint of it (int8_w8a8: vLLM's CPU int8 path)")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-omp-bind", default=baselines.VLLM_OMP_BIND,
                         help="VLLM_CPU_OMP_THREADS_BIND: cores for vLLM's OpenMP threads, auto or nobind")
@@ -213,12 +238,16 @@ def main() -> None:
     requests = load_requests(args.workload, args.num_requests, vocab)
     runs = [(bench_jaxserve, args, requests)]
     runs += [(bench_jaxserve, args, requests, scheme) for scheme in filter(None, args.quantization.split(","))]
+    runs += [(bench_jaxserve, args, requests, None, kv) for kv in filter(None, args.kv_cache_dtypes.split(","))]
     if "transformers" in chosen:
         sizes = [int(size) for size in filter(None, args.hf_batch_sizes.split(","))]
         dtypes = filter(None, args.hf_dtype.split(","))
         runs += [(bench_transformers, args, requests, size, dtype) for dtype in dtypes for size in sizes]
     if "vllm" in chosen:
-        runs += [(bench_vllm, args, requests, dtype) for dtype in filter(None, args.vllm_dtype.split(","))]
+        dtypes = list(filter(None, args.vllm_dtype.split(",")))
+        runs += [(bench_vllm, args, requests, dtype) for dtype in dtypes]
+        runs += [(bench_vllm, args, requests, dtypes[0], scheme)
+                 for scheme in filter(None, args.vllm_quantization.split(","))]
     results = []
     for fn, *fn_args in runs:
         results.append(in_fresh_process(fn, *fn_args))
