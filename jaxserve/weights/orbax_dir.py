@@ -8,6 +8,9 @@ copy of the whole tree, no conversion at start-up). Layout:
     <dir>/jaxserve_checkpoint.json   marker: format version, the ModelConfig, the stored dtype, the source
     <dir>/params/                    the parameter tree as an orbax (OCDBT) checkpoint, uncompressed by default
     <dir>/tokenizer files, config.json (when the source had one)
+
+A quantized checkpoint (`convert_checkpoint.py --quantization`) records its scheme in the ModelConfig and keeps its
+quantized kernels (int8, float8) and their float32 scales as stored; only the float leaves take the serving dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.config import ModelConfig, RopeConfig
+from jaxserve.config import ModelConfig, QuantScheme, RopeConfig
 
 MARKER_FILE = "jaxserve_checkpoint.json"
 PARAMS_DIR = "params"
@@ -41,6 +44,8 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
     fields["rope"] = RopeConfig(**fields["rope"])
     if fields.get("local_rope") is not None:
         fields["local_rope"] = RopeConfig(**fields["local_rope"])
+    if fields.get("quantization") is not None:
+        fields["quantization"] = QuantScheme(**fields["quantization"])
     for name in ("eos_token_id", "layer_types", "mlp_only_layers"):  # JSON lists back to the config's tuples
         if fields.get(name) is not None:
             fields[name] = tuple(fields[name])
@@ -90,8 +95,15 @@ def stored_param_shapes(path: Path) -> dict:
     return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), np.dtype(m.dtype)), tree)
 
 
+def _kept_as_stored(path, dtype) -> bool:
+    """A quantized kernel (int8 or float8 values) or its scales: restored in the stored dtype."""
+    name = str(getattr(path[-1], "key", path[-1]))
+    return name.endswith("_scale") or not jax.numpy.issubdtype(dtype, jax.numpy.floating) or dtype.itemsize == 1
+
+
 def load_orbax_dir(path: Path, dtype: str, mesh) -> tuple[ModelConfig, dict]:
-    """Returns (ModelConfig, params): each array restored directly into its mesh sharding, cast to `dtype`."""
+    """Returns (ModelConfig, params): each array restored directly into its mesh sharding, cast to `dtype` (quantized
+    kernels and their scales restored as stored)."""
     import orbax.checkpoint as ocp
 
     from jaxserve.distributed.sharding import check_tensor_parallel, param_shardings
@@ -100,8 +112,9 @@ def load_orbax_dir(path: Path, dtype: str, mesh) -> tuple[ModelConfig, dict]:
     check_tensor_parallel(config, mesh.size)
     stored = stored_param_shapes(path)
     target_dtype = jax.numpy.dtype(dtype)
-    target = jax.tree.map(
-        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, target_dtype, sharding=sharding),
+    target = jax.tree_util.tree_map_with_path(
+        lambda path, x, sharding: jax.ShapeDtypeStruct(
+            x.shape, x.dtype if _kept_as_stored(path, x.dtype) else target_dtype, sharding=sharding),
         stored, param_shardings(stored, mesh),
     )
     params = ocp.StandardCheckpointer().restore(path / PARAMS_DIR, target)

@@ -84,6 +84,24 @@ def test_llm_serves_the_checkpoint_with_the_same_greedy_tokens(llama_dirs, tmp_p
     assert all(len(t) == 10 for t in outputs[0])
 
 
+def test_a_quantized_checkpoint_keeps_its_stored_values_in_any_serving_dtype(llama_dirs, tmp_path):
+    from jaxserve.config import parse_quantization
+    from jaxserve.quantization.weights import quantize_params
+
+    hf_dir, _ = llama_dirs
+    assert convert_checkpoint(hf_dir, tmp_path / "int8", "--quantization", "int8_w8a8") == 0
+    scheme = parse_quantization("int8_w8a8")
+    for dtype in ("float32", "bfloat16"):
+        restored = load_model(str(tmp_path / "int8"), dtype)
+        assert restored.config.quantization == scheme
+        expected = quantize_params(load_model(str(hf_dir), "float32").params, scheme)
+        expected = jax.tree_util.tree_map_with_path(  # the float leaves in the serving dtype, the rest as stored
+            lambda path, x, dtype=dtype: x if x.dtype.itemsize == 1 or str(path[-1].key).endswith("_scale")
+            else x.astype(dtype), expected)
+        assert_same_params(restored.params, expected)
+        assert flatten_dict(restored.params)[("params", "layers", "self_attn", "q_proj", "kernel")].dtype == np.int8
+
+
 def test_gguf_file_converts(tmp_path):
     hf_dir = make_tiny_model(tmp_path / "hf", "llama", seed=2)
     gguf_path = make_tiny_gguf(tmp_path / "tiny.gguf", hf_dir)
