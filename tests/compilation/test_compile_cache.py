@@ -182,7 +182,7 @@ def test_precompile_compiles_every_bucket_fresh_and_records_the_manifest(precomp
     assert manifest.engine_limits == {
         "block_size": 16, "num_kv_blocks": DEFAULT_CPU_KV_BLOCKS, "max_model_len": 64, "max_num_seqs": 2,
         "max_num_batched_tokens": 16, "mixed_token_limit": 16, "attention_backend": "cpu", "tensor_parallel_size": 1,
-        "max_logprobs": 20,
+        "max_logprobs": 20, "kv_cache_dtype": "auto",
     }
     assert manifest.info["num_executables"] == 4 and manifest.info["written_by"] == "precompile"
 

@@ -267,7 +267,7 @@ BAD_INPUTS = [
             "k_pages": jnp.zeros((2, 6, 16, 64), jnp.float16),
             "v_pages": jnp.zeros((2, 6, 16, 64), jnp.float16),
         },
-        r"k_pages dtype must be float32 or bfloat16, got float16",
+        r"k_pages dtype must be float32, bfloat16 or float8_e4m3fn, got float16",
     ),
     (
         {"k_pages": jnp.zeros((2, 6, 8, 64)), "v_pages": jnp.zeros((2, 6, 8, 64))},

@@ -323,7 +323,7 @@ def test_input_checks_raise_clear_errors():
         ((q, k_pages, v_pages.astype(jnp.bfloat16), block_tables, *rows),
          "k_pages and v_pages must have the same dtype, got float32 and bfloat16"),
         ((q.astype(jnp.float16), k_pages.astype(jnp.float16), v_pages.astype(jnp.float16), block_tables, *rows),
-         "k_pages dtype must be float32 or bfloat16, got float16"),
+         "k_pages dtype must be float32, bfloat16 or float8_e4m3fn, got float16"),
         ((q, k_pages, v_pages, block_tables[0], *rows), "block_tables must have shape (num_rows, pages_per_seq), "
          f"got ({block_tables.shape[1]},)"),
         ((q, k_pages, v_pages, block_tables.astype(jnp.int16), *rows), "block_tables must be int32, got int16"),
