@@ -18,9 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.hf_tiny import hf_greedy, make_tiny_model, small_bucket_file  # noqa: E402
+from tests.hf_tiny import TINY_64, hf_greedy, make_tiny_model, small_bucket_file  # noqa: E402
 
-TINY_64 = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}  # head_dim 64, GQA 2:1
 PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(100, 300))]  # across pages; short; prefilled in chunks
 MAX_TOKENS = 12
 

@@ -24,11 +24,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
-from tests.hf_tiny import make_tiny_model, small_bucket_file  # noqa: E402
+from tests.hf_tiny import TINY_64, make_tiny_model, small_bucket_file  # noqa: E402
 from tests.quantization.test_kv_cache import Fp8RoundingCache  # noqa: E402
 from tests.quantization.test_quantized_models import MAX_TOKENS, PROMPTS, _hf_quantized  # noqa: E402
 
-TINY_64 = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
 RUNS = [("int8", "auto"), ("int8_w8a8", "auto"), ("fp8", "auto"), (None, "fp8"), ("fp8", "fp8")]
 
 

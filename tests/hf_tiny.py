@@ -57,6 +57,10 @@ FAMILY_DEFAULTS = {
 }
 
 
+# A tiny Llama the attention kernels take (head_dim 64 = hidden 256 / 4 heads, GQA 2:1): make_tiny_model(..., **TINY_64)
+TINY_64 = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
 # The families beyond Llama as tiny configs (family, overrides), and a prompt three times their windows: their
 # parity tests (tests/models/test_families.py) and scripts/check_family_bf16.py run these
 FAMILY_TOKENS = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64, 7, 31, 5, 260]  # 16 tokens; windows are 5 or 6

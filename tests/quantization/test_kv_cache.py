@@ -15,11 +15,10 @@ import transformers
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention.kv_cache import FP8_KV_MAX, kv_storage_dtype, kv_value_dtype, pool_values, to_pool_dtype
 from jaxserve.config import EngineConfig
-from tests.hf_tiny import make_tiny_model, small_bucket_file
+from tests.hf_tiny import TINY_64, make_tiny_model, small_bucket_file
 
 PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99, 3, 250, 41, 17, 8, 66, 90, 12, 200], [250, 3, 41]]
 MAX_TOKENS = 8
-TINY_64 = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}  # head_dim 64: the kernels'
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.hf_tiny import make_tiny_model, small_bucket_file
-
-# head_dim 64 (hidden 256 / 4 heads), GQA 2:1: a layout the kernels support
-TINY_64 = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+from tests.hf_tiny import TINY_64, make_tiny_model, small_bucket_file
 
 
 @pytest.fixture(scope="module")
