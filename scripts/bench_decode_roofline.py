@@ -20,29 +20,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxserve, not an installed one
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 COPY_BYTES = 1 << 30
+COPY_RUNS = 20
 # HBM bandwidth of the data sheet, bytes/s, by jax's device_kind: the roofline's second, stricter column
 SPEC_BANDWIDTH = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100 PCIe": 2.0e12}
-
-
-def copy_bandwidth(nbytes: int = COPY_BYTES, runs: int = 20) -> float:
-    """Device bytes/s moved by an elementwise copy (reads + writes) of an nbytes array: the median of `runs`."""
-    import statistics
-    import time
-
-    import jax
-    import jax.numpy as jnp
-
-    x = jnp.zeros((nbytes // 4,), jnp.float32)
-    add_one = jax.jit(lambda a: a + 1.0)
-    add_one(x).block_until_ready()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        add_one(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * x.nbytes / statistics.median(times)
 
 
 def decode_inputs(runner, bucket, cached: int):
@@ -60,10 +43,6 @@ def decode_inputs(runner, bucket, cached: int):
                       SamplingTensors.from_rows([], rows, runner.num_sampler_slots, runner.config.vocab_size))
 
 
-def kv_bytes_per_token(model_config, dtype_bytes: int) -> int:
-    return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * dtype_bytes
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -76,8 +55,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     import jax
+    from bench_kernels import copy_bandwidth
 
     from jaxserve import LLM
+    from jaxserve.compilation.sizing import kv_bytes_per_block
     from jaxserve.runner.step_costs import median_step_seconds
 
     llm = LLM(args.model, dtype=args.dtype, buckets=args.buckets, max_model_len=args.max_model_len,
@@ -85,8 +66,10 @@ def main(argv=None) -> None:
     engine = llm.llm_engine
     runner, model_config = engine.runner, engine.model_config
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.params))
-    token_bytes = kv_bytes_per_token(model_config, jax.tree.leaves(runner.kv_pool)[0].dtype.itemsize)
-    bandwidth = copy_bandwidth()
+    token_bytes = kv_bytes_per_block(  # K and V of one token, every layer
+        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=1,
+        head_dim=model_config.head_dim, dtype_bytes=jax.tree.leaves(runner.kv_pool)[0].dtype.itemsize)
+    bandwidth = copy_bandwidth(COPY_BYTES, COPY_RUNS)
     kind = jax.devices()[0].device_kind
     spec = SPEC_BANDWIDTH.get(kind, bandwidth)
     batches = {int(b) for b in args.batches.split(",")}
