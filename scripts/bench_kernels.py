@@ -105,6 +105,13 @@ def time_call(fn, *args, iters: int) -> float:
     return statistics.median(times)
 
 
+def time_kernel_and_reference(kernel, reference, inputs: tuple, iters: int, run_reference: bool):
+    """(kernel seconds, XLA reference seconds or None where it is not run) on the same inputs, each `time_call`'s
+    median."""
+    t_kernel = time_call(kernel, *inputs, iters=iters)
+    return t_kernel, time_call(reference, *inputs, iters=iters) if run_reference else None
+
+
 def copy_bandwidth(nbytes: int, iters: int) -> float:
     """Device bytes/s moved by an elementwise copy (reads + writes) of an nbytes array."""
     x = jnp.zeros((nbytes // 4,), jnp.float32)
@@ -165,10 +172,9 @@ def bench_decode(args, shape: Shape, sweep: dict, bandwidth: float) -> list[str]
                 reference(q[:n], k_pages, v_pages, lengths[:n], table[:n]),
                 shape.dtype,
             )
-            t_kernel = time_call(kernel, q, k_pages, v_pages, lengths, table, iters=args.iters)
-            t_ref = None
-            if reference_fits(shape, batch, context, args.ref_mem_gb):
-                t_ref = time_call(reference, q, k_pages, v_pages, lengths, table, iters=args.iters)
+            t_kernel, t_ref = time_kernel_and_reference(
+                kernel, reference, (q, k_pages, v_pages, lengths, table), args.iters,
+                reference_fits(shape, batch, context, args.ref_mem_gb))
             t_roof = kv_bytes(shape, batch, context) / bandwidth
             rows.append(
                 f"| {batch} | {context} | {t_kernel * 1e6:.1f} | {_us(t_ref)} | {t_roof * 1e6:.1f} "
@@ -204,10 +210,8 @@ def bench_prefill(args, shape: Shape, sweep: dict) -> list[str]:
                 reference(q[:n], k_pages, v_pages, table[:n], q_start[:n], lengths[:n]),
                 shape.dtype,
             )
-            t_kernel = time_call(kernel, *args_, iters=args.iters)
-            t_ref = None
-            if reference_fits(shape, batch, context, args.ref_mem_gb, chunk):
-                t_ref = time_call(reference, *args_, iters=args.iters)
+            t_kernel, t_ref = time_kernel_and_reference(
+                kernel, reference, args_, args.iters, reference_fits(shape, batch, context, args.ref_mem_gb, chunk))
             # causal chunk at the end of the context: each query row sees (context - chunk + i + 1) keys
             keys_seen = chunk * (context - chunk) + chunk * (chunk + 1) / 2
             flops = 4 * batch * shape.num_q_heads * shape.head_dim * keys_seen
@@ -252,10 +256,8 @@ def bench_ragged(args, shape: Shape, sweep: dict, bandwidth: float) -> list[str]
             small = ragged_inputs(shape, min(batch, CHECK_SEQS), context, chunk)
             check(f"ragged b={batch} ctx={context}", kernel(*small), reference(*small), shape.dtype)
             inputs = ragged_inputs(shape, batch, context, chunk)
-            t_kernel = time_call(kernel, *inputs, iters=args.iters)
-            t_ref = None
-            if reference_fits(shape, batch + chunk, context, args.ref_mem_gb):
-                t_ref = time_call(reference, *inputs, iters=args.iters)
+            t_kernel, t_ref = time_kernel_and_reference(
+                kernel, reference, inputs, args.iters, reference_fits(shape, batch + chunk, context, args.ref_mem_gb))
             t_roof = kv_bytes(shape, batch, context) / bandwidth
             rows.append(
                 f"| {batch} | {context} | {t_kernel * 1e6:.1f} | {_us(t_ref)} | {t_roof * 1e6:.1f} "
