@@ -148,7 +148,11 @@ def _attention_factor(rope_type: str, params: dict[str, Any], factor: float, ori
 #   to the result (TPU v5e/v6e, GPUs, CPUs with VNNI or AMX-INT8 multiply int8 natively).
 # - "fp8": float8 e4m3 weights; activations in float8 too where the matrix unit multiplies float8 (NVIDIA compute
 #   capability 8.9 and later), elsewhere in the model's dtype as "int8" does (vLLM's "fp8" falls back the same way).
-QUANTIZATION_CHOICES = ("int8", "int8_w8a8", "fp8")
+# - "gguf" (vLLM's name for serving a GGUF file's quantized weights): int8 codes with a scale and an offset per
+#   GGUF_GROUP_SIZE inputs of each output channel, the file's Q8_0, Q4/Q5_0/_1 and Q4/Q5_K blocks exactly as stored
+#   (`weights.gguf_blocks`); the weight is rebuilt inside the product, activations in the model's dtype.
+QUANTIZATION_CHOICES = ("int8", "int8_w8a8", "fp8", "gguf")
+GGUF_GROUP_SIZE = 32
 # what the KV cache stores (vLLM's names): "auto" the model's dtype; "fp8" (= "fp8_e4m3") float8 e4m3, scale 1
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
 
@@ -163,6 +167,8 @@ class QuantScheme:
     name: str
     weight_dtype: str  # "int8" or "float8_e4m3fn"
     quantize_activations: bool
+    # None: one scale per output channel (symmetric); n: a scale and an offset per n inputs of an output channel
+    group_size: int | None = None
 
     @property
     def weight_jnp_dtype(self) -> Any:
@@ -202,6 +208,8 @@ def parse_quantization(name: str | None) -> QuantScheme | None:
         return QuantScheme("int8_w8a8", "int8", quantize_activations=True)
     if name == "fp8":
         return QuantScheme("fp8", "float8_e4m3fn", quantize_activations=True)
+    if name == "gguf":
+        return QuantScheme("gguf", "int8", quantize_activations=False, group_size=GGUF_GROUP_SIZE)
     raise ValueError(f"unsupported quantization {name!r}; supported: {', '.join(QUANTIZATION_CHOICES)}")
 
 
@@ -710,7 +718,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     # KV cache events for KV-aware routers (vLLM's dict, or its JSON: `KVEventsConfig`); None: none published
     kv_events_config: KVEventsConfig | dict | str | None = None
-    quantization: str | None = None  # weights quantized at load: "int8", "int8_w8a8" or "fp8" (jaxserve.quantization)
+    # weights quantized at load: "int8", "int8_w8a8" or "fp8"; "gguf": a GGUF file's blocks kept (jaxserve.quantization)
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8 e4m3 (attention/kv_cache.py)
 
     def __post_init__(self) -> None:

@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="jaxserve's KV pool in blocks (default: sized from the device's memory; CPU: fixed)")
     parser.add_argument("--quantization", default="",
-                        help="comma-separated schemes (int8, int8_w8a8, fp8): one more jaxserve run for each, "
+                        help="comma-separated schemes (int8, int8_w8a8, fp8, gguf): one more jaxserve run for each, "
                         "against the unquantized one")
     parser.add_argument("--kv-cache-dtypes", default="",
                         help="comma-separated KV cache dtypes (fp8): one more jaxserve run for each (float weights)")

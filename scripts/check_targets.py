@@ -72,7 +72,7 @@ def main() -> int:
                         help="default: as many of a TPU topology's chips as the heads divide; cuda: 1 (set it, with "
                              "XLA_FLAGS=--xla_force_host_platform_device_count=N, for a model one GPU cannot hold)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
-                        help="quantized weights (int8, int8_w8a8, fp8): e.g. Llama-3-8B in int8 on one v5e chip")
+                        help="quantized weights (int8, int8_w8a8, fp8, gguf): e.g. Llama-3-8B in int8 on one v5e chip")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                         help="what the KV cache stores: the model's dtype (auto) or float8 e4m3 (fp8)")
     parser.add_argument("--largest-only", action="store_true",

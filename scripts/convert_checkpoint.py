@@ -47,7 +47,7 @@ def convert(source: str | None, output: Path, dtype: str, compress: bool = False
 
     if output.exists():
         raise FileExistsError(f"output {output} already exists; choose a new directory")
-    loaded = load_model(source, dtype)
+    loaded = load_model(source, dtype, quantization=quantization)
     config, params = apply_quantization(loaded.config, loaded.params, quantization)
     save_orbax_dir(output, config, params, loaded.tokenizer, source=loaded.path, dtype=dtype, compress=compress)
     return output

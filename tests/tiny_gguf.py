@@ -41,10 +41,12 @@ ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3
                  "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
-def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
+def make_tiny_gguf(path: Path, hf_dir: Path, tensor_types: dict | None = None) -> Path:
     """Writes a tiny HF directory (from `make_tiny_model`) as a float32 GGUF file the way llama.cpp's converter
     does (Llama and Mixtral: q/k rows permuted for its rotary layout; Gemma: norm weights stored as 1 + weight;
-    experts stacked per layer; Phi-3: LongRoPE factors as tensors), with a byte-level BPE tokenizer (one merge)."""
+    experts stacked per layer; Phi-3: LongRoPE factors as tensors), with a byte-level BPE tokenizer (one merge).
+    ``tensor_types``: a layer tensor's llama.cpp name ("attn_q", "ffn_down", ...) -> the `gguf.GGMLQuantizationType`
+    its weight is stored in, quantized with gguf's own quantizer (F16 stored as float16)."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -53,12 +55,23 @@ def make_tiny_gguf(path: Path, hf_dir: Path) -> Path:
     _write_metadata(writer, cfg, arch)
     tensors = load_file(hf_dir / "model.safetensors")
     for gguf_name, tensor in [*_converted_tensors(tensors, cfg, arch), *_rope_factor_tensors(cfg)]:
-        writer.add_tensor(gguf_name, np.ascontiguousarray(tensor, dtype=np.float32))
+        _add_tensor(writer, gguf_name, np.ascontiguousarray(tensor, dtype=np.float32), tensor_types or {})
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_tensor(writer, gguf_name: str, tensor: np.ndarray, tensor_types: dict) -> None:
+    parts = gguf_name.split(".")
+    kind = tensor_types.get(parts[2]) if len(parts) == 4 and parts[3] == "weight" else None
+    if kind is None:
+        writer.add_tensor(gguf_name, tensor)
+    elif kind == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(gguf_name, tensor.astype(np.float16))
+    else:
+        writer.add_tensor(gguf_name, gguf.quants.quantize(tensor, kind), raw_dtype=kind)
 
 
 def _converted_tensors(tensors: dict[str, np.ndarray], cfg: dict, arch: str):

@@ -32,6 +32,8 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 EXPERTS = "experts"  # the MoE block's stacked experts: these leaves are sharded on their expert axis
 EXPERT_PARALLEL = ("gate_proj", "up_proj", "down_proj")
+# a row-parallel layer's leaves split on their input axis: the kernel, and a grouped kernel's scales and offsets
+ROW_SPLIT_LEAVES = ("kernel", "group_scale", "group_offset")
 
 
 def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
@@ -77,6 +79,10 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> Non
         sizes["num_experts"] = config.num_experts
     if config.shared_expert_intermediate_size is not None:
         sizes["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    group = config.quantization.group_size if config.quantization else None
+    if group:  # row-parallel layers split their group scales with their inputs
+        sizes[f"groups of {group} inputs of o_proj"] = config.num_heads * config.head_dim // group
+        sizes[f"groups of {group} inputs of down_proj"] = config.intermediate_size // group
     check_divisible(sizes, tensor_parallel_size)
 
 
@@ -93,7 +99,8 @@ def check_divisible(sizes: dict[str, int], tensor_parallel_size: int) -> None:
 def param_spec(path: tuple[str, ...], ndim: int) -> P:
     """The partition of one parameter from its tree path, e.g. ("params", "layers", "mlp", "up_proj",
     "kernel"); kernels are `[..., in, out]` (stacked layers add a leading axis), biases and a quantized kernel's
-    scales (`kernel_scale`) `[..., out]`, the MoE experts' weights `[..., E, in, out]`."""
+    scales (`kernel_scale`) `[..., out]`, a grouped kernel's `group_scale` / `group_offset` `[..., in / group, out]`
+    (split as the kernel is), the MoE experts' weights `[..., E, in, out]`."""
     module, leaf = path[-2], path[-1]
     if module == EXPERTS and leaf in EXPERT_PARALLEL:
         return P(*([None] * (ndim - 3)), TP_AXIS, None, None)
@@ -101,7 +108,7 @@ def param_spec(path: tuple[str, ...], ndim: int) -> P:
         return P(*([None] * (ndim - 2)), TP_AXIS, None)
     if module in COLUMN_PARALLEL:
         return P(*([None] * (ndim - 1)), TP_AXIS)
-    if module in ROW_PARALLEL and leaf == "kernel":
+    if module in ROW_PARALLEL and leaf in ROW_SPLIT_LEAVES:
         return P(*([None] * (ndim - 2)), TP_AXIS, None)
     return P()
 

@@ -119,7 +119,7 @@ class LLMEngine:
             logger.info("persistent compile cache: %s", self.compile_cache_dir)
         self.mesh = engine_mesh(config.tensor_parallel_size, config.data_parallel_rank)
         self.config = config = resolve_engine_dtype(config, self.mesh.devices.flat[0])
-        loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh)
+        loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh, quantization=config.quantization)
         model_config, params = apply_quantization(loaded.config, loaded.params, config.quantization)
         loaded = dataclasses.replace(loaded, config=model_config, params=params)
         self.model_config = loaded.config

@@ -35,7 +35,8 @@ from jaxserve.config import GEMMA_FAMILIES, ModelConfig, QuantScheme
 from jaxserve.distributed.sharding import TP_AXIS
 from jaxserve.models.norms import RMSNorm
 from jaxserve.models.rotary import apply_rotary
-from jaxserve.quantization.matmul import quantized_matmul
+from jaxserve.quantization.matmul import grouped_matmul, quantized_matmul
+from jaxserve.quantization.weights import GROUP_OFFSET, GROUP_SCALE
 
 ACTIVATIONS = {
     "silu": nn.silu,
@@ -58,7 +59,8 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 class Linear(nn.Module):
     """A dense layer under the precision policy: `kernel [in, out]` (and `bias [out]`) stored in
     `param_dtype`, float32 output. Parameter names and initializers are `nn.Dense`'s. With a `quantization`
-    scheme the kernel is stored in its type with `kernel_scale [out]` beside it (`jaxserve.quantization`)."""
+    scheme the kernel is stored in its type with `kernel_scale [out]` beside it, with a grouped one ("gguf") as int8
+    codes with `group_scale` and `group_offset [in / group, out]` (`jaxserve.quantization`)."""
 
     features: int
     param_dtype: jnp.dtype
@@ -70,6 +72,8 @@ class Linear(nn.Module):
         shape = (x.shape[-1], self.features)
         if self.quantization is None:
             y = matmul(x, self.param("kernel", nn.initializers.lecun_normal(), shape, self.param_dtype))
+        elif self.quantization.group_size:
+            y = self._grouped(x, shape)
         else:
             values = self.param("kernel", nn.initializers.zeros, shape, self.quantization.weight_jnp_dtype)
             scale = self.param("kernel_scale", nn.initializers.ones, (self.features,), jnp.float32)
@@ -77,6 +81,14 @@ class Linear(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(jnp.float32)
         return y
+
+    def _grouped(self, x: jax.Array, shape: tuple[int, int]) -> jax.Array:
+        """x times a grouped kernel: int8 codes with a scale and an offset per group of inputs (a GGUF's blocks)."""
+        groups = (shape[0] // self.quantization.group_size, self.features)
+        codes = self.param("kernel", nn.initializers.zeros, shape, jnp.int8)
+        scale = self.param(GROUP_SCALE, nn.initializers.ones, groups, jnp.float32)
+        offset = self.param(GROUP_OFFSET, nn.initializers.zeros, groups, jnp.float32)
+        return grouped_matmul(x, codes, scale, offset, self.param_dtype, matmul)
 
 
 def dense(features: int, name: str, dtype, use_bias: bool = False, quantization: QuantScheme | None = None) -> Linear:

@@ -12,6 +12,10 @@ under the precision policy) is passed in by the caller.
   (its own scale, absmax: `quantize_rows`), and qwix's `dot_general` multiplies the two quantized operands in
   their type (int8 x int8 accumulating in int32; float8 x float8 in float32) and applies both scales to the
   result.
+- Grouped weights ("gguf"): the weight is rebuilt in float32 from its int8 codes, group scales and offsets
+  (`weights.dequantize_groups`) and converted to the model's dtype, the same values a float load of the GGUF file
+  gives; an offset per group does not factor out of the product as a channel's scale does. XLA fuses the rebuild
+  into the product's operand where it can (TPU); the stored arrays stay int8 codes.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 import qwix
 
 from jaxserve.config import FP8_E4M3_MAX, INT8_MAX, QuantScheme
+from jaxserve.quantization.weights import dequantize_groups
 
 
 def quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, scheme: QuantScheme,
@@ -31,6 +36,12 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, scheme: 
     if scheme.quantize_activations:
         return _w8a8_matmul(x, values, scale)
     return matmul(x, values.astype(compute_dtype)) * scale
+
+
+def grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array, compute_dtype: jnp.dtype,
+                   matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """x [..., in] @ (codes [in, out] * scale + offset, both [in / group, out]) as float32 [..., out]."""
+    return matmul(x, dequantize_groups(codes, scale, offset).astype(compute_dtype))
 
 
 def _w8a8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:

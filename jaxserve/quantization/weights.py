@@ -7,16 +7,21 @@ or float8) and gains `kernel_scale` ([..., out], float32): kernel * kernel_scale
 channel scaled so that its largest magnitude is the stored type's largest value. The sharding rules place
 `kernel_scale` as they place a bias (`distributed.sharding.param_spec`).
 
+A grouped scheme ("gguf": `QuantScheme.group_size`) keeps int8 `kernel` codes with `group_scale` and `group_offset`
+([..., in / group, out], float32) instead: the weight is codes * scale + offset, one scale and offset per group of
+inputs of an output channel, as GGUF's blocks store them (`weights.gguf_blocks` keeps a file's blocks; a float weight
+is quantized to it here, asymmetric: a group's smallest and largest weights span the 256 codes).
+
 Quantized: the attention projections and the dense MLPs (`QUANTIZED_LINEARS`), and the stacked routed experts
 of mixture-of-experts blocks (`experts/gate_proj` [..., E, in, out] gains `experts/gate_proj_scale` [..., E, out];
-weights only, see `models.moe`). Not quantized: embeddings, norms, the LM head, a MoE block's router and shared
-expert.
+weights only, per channel, see `models.moe`). Not quantized: embeddings, norms, the LM head, a MoE block's router
+and shared expert.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +32,17 @@ from jaxserve.config import ModelConfig, QuantScheme, parse_quantization
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MOE_BLOCK_KEY = "experts"  # a module holding this key is a MoE block: only its experts are quantized
+GROUP_SCALE, GROUP_OFFSET = "group_scale", "group_offset"  # a grouped scheme's leaves beside `kernel`
+INT8_CODES = 256
+
+
+class QuantizedTensor(NamedTuple):
+    """A quantized checkpoint tensor as a loader gives it, in Hugging Face orientation: values [out, in] in the
+    stored type; scale f32[out] (per channel) or f32[out, in / group] with offset (grouped)."""
+
+    values: Any
+    scale: Any
+    offset: Any = None
 
 
 def apply_quantization(model_config: ModelConfig, params: dict, quantization: str | None) -> tuple[ModelConfig, dict]:
@@ -71,7 +87,10 @@ def _quantize_tree(tree: Any, scheme: QuantScheme) -> Any:
         return {**tree, MOE_BLOCK_KEY: _quantize_experts(tree[MOE_BLOCK_KEY], scheme)}
     out = {}
     for key, value in tree.items():
-        if key in QUANTIZED_LINEARS and isinstance(value, dict) and "kernel" in value:
+        if key in QUANTIZED_LINEARS and isinstance(value, dict) and "kernel" in value and scheme.group_size:
+            codes, scale, offset = quantize_groups(value["kernel"], scheme.group_size)
+            out[key] = {**value, "kernel": codes, GROUP_SCALE: scale, GROUP_OFFSET: offset}
+        elif key in QUANTIZED_LINEARS and isinstance(value, dict) and "kernel" in value:
             kernel, scale = quantize_kernel(value["kernel"], scheme)
             out[key] = {**value, "kernel": kernel, "kernel_scale": scale}
         else:
@@ -81,6 +100,9 @@ def _quantize_tree(tree: Any, scheme: QuantScheme) -> Any:
 
 def _quantize_experts(experts: dict, scheme: QuantScheme) -> dict:
     """A MoE block's stacked experts ([..., E, in, out]): values and scales per expert and output channel."""
+    if scheme.group_size:
+        raise ValueError(f"quantization={scheme.name!r} does not serve mixture-of-experts models yet; "
+                         "quantization='int8' does")
     out = {}
     for name, weight in experts.items():
         out[name], out[f"{name}_scale"] = quantize_kernel(weight, scheme)
@@ -104,6 +126,38 @@ def quantize_kernel(kernel: Any, scheme: QuantScheme) -> tuple[Any, Any]:
     else:
         values = scaled.astype(ml_dtypes.float8_e4m3fn)
     return values, scale
+
+
+def quantize_groups(kernel: Any, group_size: int) -> tuple[Any, Any, Any]:
+    """(int8 codes [..., in, out], scale and offset [..., in / group_size, out]) of a float kernel: per group of
+    ``group_size`` inputs of an output channel, scale = (largest - smallest) / 255 (1 where they are equal) and
+    codes = round((w - smallest) / scale) - 128, so that codes * scale + offset (offset = smallest + 128 scale)
+    is within half a scale of w."""
+    *lead, inputs, outputs = kernel.shape
+    if inputs % group_size:
+        raise ValueError(f"a kernel of {inputs} inputs does not split into groups of {group_size}")
+    group_shape = (*lead, inputs // group_size, outputs)
+    if isinstance(kernel, jax.ShapeDtypeStruct):
+        return (jax.ShapeDtypeStruct(kernel.shape, jnp.int8), jax.ShapeDtypeStruct(group_shape, jnp.float32),
+                jax.ShapeDtypeStruct(group_shape, jnp.float32))
+    xp = np if isinstance(kernel, np.ndarray) else jnp
+    grouped = xp.asarray(kernel, dtype=np.float32).reshape(*lead, inputs // group_size, group_size, outputs)
+    smallest, largest = xp.min(grouped, axis=-2), xp.max(grouped, axis=-2)
+    scale = xp.where(largest > smallest, (largest - smallest) / (INT8_CODES - 1), 1.0).astype(np.float32)
+    steps = xp.round((grouped - smallest[..., None, :]) / scale[..., None, :])
+    codes = (xp.clip(steps, 0, INT8_CODES - 1) - INT8_CODES // 2).astype(np.int8).reshape(kernel.shape)
+    offset = (smallest + (INT8_CODES // 2) * scale).astype(np.float32)
+    return codes, scale, offset
+
+
+def dequantize_groups(codes: Any, scale: Any, offset: Any) -> Any:
+    """The float32 weight [..., in, out] of grouped codes: codes * scale + offset, group by group (inside the
+    steps, `quantization.matmul`; and references)."""
+    xp = np if isinstance(codes, np.ndarray) else jnp
+    *lead, inputs, outputs = codes.shape
+    groups = scale.shape[-2]
+    grouped = xp.asarray(codes, dtype=np.float32).reshape(*lead, groups, inputs // groups, outputs)
+    return (grouped * scale[..., None, :] + offset[..., None, :]).reshape(codes.shape)
 
 
 def dequantize_kernel(values: Any, scale: Any) -> Any:

@@ -118,13 +118,18 @@ def _gguf_tokenizer(path: Path):
     return tokenizer
 
 
-def load_model(model: str | None, dtype: str = "float32", mesh=None) -> LoadedModel:
-    """`mesh` (a `jax.sharding.Mesh`, default: the first device) is where orbax checkpoints restore to."""
+def load_model(model: str | None, dtype: str = "float32", mesh=None, quantization: str | None = None) -> LoadedModel:
+    """`mesh` (a `jax.sharding.Mesh`, default: the first device) is where orbax checkpoints restore to.
+    `quantization`: only "gguf" changes how weights load (a GGUF file's blocks kept); the other schemes quantize
+    the loaded tree afterwards (`quantization.weights.apply_quantization`)."""
     from jaxserve.weights.orbax_dir import is_orbax_dir, load_orbax_dir
 
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
     path = resolve_model_path(model)
+    if quantization == "gguf" and path.suffix != ".gguf" and not is_orbax_dir(path):
+        raise ValueError(f"quantization='gguf' serves a GGUF file's quantized blocks as stored, and {path} is not "
+                         "a .gguf file: give a .gguf file, or quantization='int8' for int8 weights")
     if is_orbax_dir(path):
         from jaxserve.distributed.sharding import make_mesh
 
@@ -132,7 +137,7 @@ def load_model(model: str | None, dtype: str = "float32", mesh=None) -> LoadedMo
     elif path.suffix == ".gguf":
         from jaxserve.weights.gguf_file import load_gguf
 
-        config, params = load_gguf(path, dtype)
+        config, params = load_gguf(path, dtype, quantization)
     elif path.is_dir():
         from jaxserve.weights.safetensors_dir import load_safetensors_dir, read_hf_config
 

@@ -26,7 +26,13 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.config import QuantScheme, parse_quantization
-from jaxserve.quantization.weights import QUANTIZED_LINEARS, dequantize_kernel, quantize_kernel
+from jaxserve.quantization.weights import (
+    GROUP_SCALE,
+    QUANTIZED_LINEARS,
+    QuantizedTensor,
+    dequantize_kernel,
+    quantize_kernel,
+)
 
 QUANT_METHOD = "compressed-tensors"
 FORMATS = {"int-quantized": "int", "float-quantized": "float"}  # format -> the weights' number type
@@ -84,9 +90,12 @@ def is_quantized_leaf(path: tuple[str, ...]) -> bool:
     return (path[-1] == "kernel" and path[-2] in QUANTIZED_LINEARS) or path[-2] == "experts"
 
 
-def scale_path(path: tuple[str, ...]) -> tuple[str, ...]:
-    """Where a quantized leaf's scales go: `kernel_scale` beside a kernel, `<name>_scale` beside stacked experts."""
-    return (*path[:-1], "kernel_scale") if path[-1] == "kernel" else (*path[:-1], path[-1] + SCALE_SUFFIX)
+def scale_path(path: tuple[str, ...], grouped: bool = False) -> tuple[str, ...]:
+    """Where a quantized leaf's scales go: `kernel_scale` beside a kernel (`group_scale` for grouped codes),
+    `<name>_scale` beside stacked experts."""
+    if path[-1] == "kernel":
+        return (*path[:-1], GROUP_SCALE if grouped else "kernel_scale")
+    return (*path[:-1], path[-1] + SCALE_SUFFIX)
 
 
 class CheckpointTensors:
@@ -102,17 +111,17 @@ class CheckpointTensors:
             return value
         return dequantize_kernel(value.T, self._scale(name, value.shape[0])).T
 
-    def quantized(self, name: str, scheme: QuantScheme) -> tuple[np.ndarray, np.ndarray]:
-        """([out, in] values of the scheme's type, f32[out] scales): as stored, or quantized now if the checkpoint
-        kept this tensor in float (its ignore list)."""
+    def quantized(self, name: str, scheme: QuantScheme) -> QuantizedTensor:
+        """[out, in] values of the scheme's type with their f32[out] scales: as stored, or quantized now if the
+        checkpoint kept this tensor in float (its ignore list)."""
         value = np.asarray(self.get(name))
         if not _is_quantized_type(value.dtype):
             values, scale = quantize_kernel(np.asarray(value, np.float32).T, scheme)
-            return values.T, scale
+            return QuantizedTensor(values.T, scale)
         if value.dtype != np.dtype(scheme.weight_jnp_dtype):
             raise ValueError(f"{name} is stored as {value.dtype}, not the {scheme.weight_dtype} its "
                              "quantization_config says")
-        return value, self._scale(name, value.shape[0])
+        return QuantizedTensor(value, self._scale(name, value.shape[0]))
 
     def _scale(self, name: str, out_features: int) -> np.ndarray:
         scale_name = name + SCALE_SUFFIX

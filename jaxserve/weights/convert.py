@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxserve.config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.quantization.weights import GROUP_OFFSET
 
 TensorGetter = Callable[[str], np.ndarray]
 LAYER = "{i}"  # placeholder for the layer number in per-layer tensor names
@@ -255,26 +256,21 @@ def hf_name_alternatives(name: str, config: ModelConfig) -> list[str]:
 def params_from_hf(get: TensorGetter, config: ModelConfig, dtype: np.dtype | str, tensors=None) -> dict:
     """Builds `{"params": ...}` for the family's model from tensors fetched by Hugging Face name.
 
-    ``tensors`` (a `compressed_tensors.CheckpointTensors`, for a checkpoint stored quantized: ``config.quantization``
-    is its scheme): the quantized kernels keep their stored values and get their scales beside them; every other
-    leaf is read as float (dequantized where the checkpoint quantized it)."""
-    from jaxserve.weights.compressed_tensors import is_quantized_leaf, scale_path
+    ``tensors`` (a checkpoint stored quantized, ``config.quantization`` its scheme: a
+    `compressed_tensors.CheckpointTensors`, or a GGUF file's blocks): the quantized kernels keep their stored values
+    and get their scales (and a grouped scheme's offsets) beside them; every other leaf is read as float
+    (dequantized where the checkpoint quantized it)."""
+    from jaxserve.weights.compressed_tensors import is_quantized_leaf
 
     np_dtype = _numpy_dtype(dtype)
     read_float = get if tensors is None else tensors.float
     params: dict = {}
     for source in param_sources(config):
+        if tensors is not None and config.quantization is not None and is_quantized_leaf(source.path):
+            _put_quantized(params, source, config, tensors)
+            continue
         transform = source.transform or (lambda x: x)
         stack = np.stack if source.per_expert else (lambda arrays: arrays[0])
-        if tensors is not None and config.quantization is not None and is_quantized_leaf(source.path):
-            pairs = [[tensors.quantized(name, config.quantization) for name in names]
-                     for names in _tensor_names(source, config)]
-            # [out, in] values transposed (or split) like a float kernel; the scales (f32[out]) with the same rows
-            values = [stack([transform(v) for v, _ in layer]) for layer in pairs]
-            scales = [stack([_scale_rows(transform, s) for _, s in layer]) for layer in pairs]
-            _put_layers(params, source, config, values)
-            _put_layers(params, dataclasses.replace(source, path=scale_path(source.path)), config, scales)
-            continue
 
         def leaf(names: list[str], transform=transform, stack=stack) -> np.ndarray:
             value = stack([transform(np.asarray(read_float(name))) for name in names])
@@ -284,10 +280,30 @@ def params_from_hf(get: TensorGetter, config: ModelConfig, dtype: np.dtype | str
     return {"params": params}
 
 
+def _put_quantized(params: dict, source: ParamSource, config: ModelConfig, tensors) -> None:
+    """A quantized leaf as stored: [out, in] values transposed (or split) like a float kernel, and beside them the
+    scales (f32[out], or f32[out, groups] with offsets) through the same transform, so that they keep their rows."""
+    from jaxserve.weights.compressed_tensors import scale_path
+
+    transform = source.transform or (lambda x: x)
+    stack = np.stack if source.per_expert else (lambda arrays: arrays[0])
+    layers = [[tensors.quantized(name, config.quantization) for name in names]
+              for names in _tensor_names(source, config)]
+    _put_layers(params, source, config, [stack([transform(t.values) for t in layer]) for layer in layers])
+    grouped = layers[0][0].offset is not None
+    parts = {scale_path(source.path, grouped): lambda t: _scale_rows(transform, t.scale)}
+    if grouped:
+        parts[(*source.path[:-1], GROUP_OFFSET)] = lambda t: transform(t.offset)
+    for path, part in parts.items():
+        values = [stack([part(t) for t in layer]) for layer in layers]
+        _put_layers(params, dataclasses.replace(source, path=path), config, values)
+
+
 def _scale_rows(transform, scale: np.ndarray) -> np.ndarray:
-    """A kernel's per-output-channel scales through its source's transform: a transpose leaves them as they are,
-    a row split (a fused projection's part) takes the same rows."""
-    return transform(scale[:, None]).reshape(-1)
+    """A kernel's scales through its source's transform: per output channel (f32[out]), a transpose leaves them
+    as they are and a row split (a fused projection's part) takes the same rows; grouped ([out, groups]) they
+    transform as the kernel does."""
+    return transform(scale) if scale.ndim == 2 else transform(scale[:, None]).reshape(-1)
 
 
 def _put_layers(params: dict, source: ParamSource, config: ModelConfig, layer_values: list[np.ndarray]) -> None:

@@ -1,4 +1,5 @@
-"""Loads a GGUF file (llama.cpp's format): config from its metadata, tensors dequantized with `gguf`.
+"""Loads a GGUF file (llama.cpp's format): config from its metadata, tensors dequantized with `gguf` (or, served
+with quantization="gguf", the quantized layers' blocks kept as int8 codes: `gguf_blocks`).
 
 The metadata becomes a Hugging Face config dict (`ModelConfig.from_hf` reads it as it reads config.json), and
 tensors get their Hugging Face names, so both loaders share `convert.py`. llama.cpp stores `attn_q`/`attn_k`
@@ -10,13 +11,16 @@ which is dequantized once and served to `convert.py` expert by expert; Phi-3 kee
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, parse_quantization
+from jaxserve.quantization.weights import QuantizedTensor
 from jaxserve.weights.convert import params_from_hf
+from jaxserve.weights.gguf_blocks import grouped_codes
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",  # MixtralForCausalLM where it has experts
@@ -253,8 +257,9 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, -1, 2, *tail).swapaxes(1, 2).reshape(weight.shape)
 
 
-def load_gguf(path: Path, dtype: str):
-    """Returns (ModelConfig, params) for a GGUF file."""
+def load_gguf(path: Path, dtype: str, quantization: str | None = None):
+    """Returns (ModelConfig, params) for a GGUF file: tensors dequantized to ``dtype``, or with
+    ``quantization="gguf"`` the quantized layers' blocks kept as int8 codes (`gguf_blocks`)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -263,25 +268,55 @@ def load_gguf(path: Path, dtype: str):
     moe = config.num_experts is not None
     tensors = {hf_name(t.name, arch, moe): t for t in reader.tensors if hf_name(t.name, arch, moe)}
     experts = ExpertSlices(reader.tensors, arch, config.num_experts or 0)
-    permute = arch == "llama"
+    rows = _RowFixes(arch, config)
+
+    def tensor(name: str):
+        if name not in tensors:
+            raise ValueError(f"GGUF file {path} lacks the tensor for {name}")
+        return tensors[name]
 
     def get(name: str) -> np.ndarray:
         if name in experts:
             return experts.get(name)
-        if name not in tensors:
-            raise ValueError(f"GGUF file {path} lacks the tensor for {name}")
-        array = dequantize_tensor(tensors[name])
+        return rows.fix(name, dequantize_tensor(tensor(name)))
+
+    if quantization != "gguf":
+        return config, params_from_hf(get, config, dtype)
+    if moe:
+        raise ValueError("quantization='gguf' does not serve mixture-of-experts models yet; quantization='int8' does")
+    config = dataclasses.replace(config, quantization=parse_quantization("gguf"))
+    return config, params_from_hf(get, config, dtype, GgufBlocks(get, tensor, rows))
+
+
+class _RowFixes:
+    """What llama.cpp changed in a tensor's rows, undone: Llama's q/k rotary permutation, Gemma's 1 + norm weight,
+    Qwen2-MoE's shared-expert gate flattened."""
+
+    def __init__(self, arch: str, config: ModelConfig):
+        self.arch, self.config = arch, config
+
+    def fix(self, name: str, array: np.ndarray) -> np.ndarray:
         if name.endswith("shared_expert_gate.weight"):
-            array = array.reshape(1, -1)  # llama.cpp keeps Qwen2-MoE's [1, hidden] gate as [hidden]
-        elif permute and ".q_proj." in name:
-            array = unpermute_qk(array, config.num_heads)
-        elif permute and ".k_proj." in name:
-            array = unpermute_qk(array, config.num_kv_heads)
-        elif arch in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
-            array = array - 1.0  # llama.cpp's converter stored 1 + weight
+            return array.reshape(1, -1)  # llama.cpp keeps Qwen2-MoE's [1, hidden] gate as [hidden]
+        if self.arch == "llama" and ".q_proj." in name:
+            return unpermute_qk(array, self.config.num_heads)
+        if self.arch == "llama" and ".k_proj." in name:
+            return unpermute_qk(array, self.config.num_kv_heads)
+        if self.arch in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            return array - 1.0  # llama.cpp's converter stored 1 + weight
         return array
 
-    return config, params_from_hf(get, config, dtype)
+
+class GgufBlocks:
+    """The `params_from_hf` view of a GGUF file served with quantization="gguf": the quantized layers' kernels as
+    int8 codes with group scales and offsets (rows fixed as the float ones are), every other tensor as float."""
+
+    def __init__(self, get, tensor, rows: _RowFixes):
+        self.float, self._tensor, self._rows = get, tensor, rows
+
+    def quantized(self, name: str, scheme) -> QuantizedTensor:
+        blocks = grouped_codes(self._tensor(name), dequantize_tensor)
+        return QuantizedTensor(*(self._rows.fix(name, part) for part in blocks))
 
 
 class ExpertSlices:

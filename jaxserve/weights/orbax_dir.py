@@ -96,9 +96,11 @@ def stored_param_shapes(path: Path) -> dict:
 
 
 def _kept_as_stored(path, dtype) -> bool:
-    """A quantized kernel (int8 or float8 values) or its scales: restored in the stored dtype."""
+    """A quantized kernel (int8 or float8 values) or its scales and offsets: restored in the stored dtype."""
     name = str(getattr(path[-1], "key", path[-1]))
-    return name.endswith("_scale") or not jax.numpy.issubdtype(dtype, jax.numpy.floating) or dtype.itemsize == 1
+    if name.endswith(("_scale", "_offset")):
+        return True
+    return not jax.numpy.issubdtype(dtype, jax.numpy.floating) or dtype.itemsize == 1
 
 
 def load_orbax_dir(path: Path, dtype: str, mesh) -> tuple[ModelConfig, dict]:

@@ -44,7 +44,7 @@ def expected(model_dir):
     for prompt in PROMPTS:
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                 do_sample=False, pad_token_id=0, past_key_values=Fp8RoundingCache(config=model.config))
+                                 do_sample=False, pad_token_id=0, cache=Fp8RoundingCache(config=model.config))
         tokens.append(out[0, len(prompt):].tolist())
     return tokens
 

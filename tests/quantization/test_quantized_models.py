@@ -23,8 +23,10 @@ from tests.hf_tiny import make_tiny_model, small_bucket_file
 
 PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99], [250, 3, 41]]
 MAX_TOKENS = 8
-# every scheme as it runs here, and float8 activations as a float8 matrix unit runs them (forced on this CPU)
-SCHEMES = {name: parse_quantization(name).for_platform("cpu") for name in QUANTIZATION_CHOICES}
+# every scheme that quantizes float weights (not "gguf", which serves a GGUF file's blocks: test_gguf_blocks.py) as
+# it runs here, and float8 activations as a float8 matrix unit runs them (forced on this CPU)
+ONLINE_SCHEMES = tuple(name for name in QUANTIZATION_CHOICES if name != "gguf")
+SCHEMES = {name: parse_quantization(name).for_platform("cpu") for name in ONLINE_SCHEMES}
 SCHEMES["fp8 with float8 activations"] = QuantScheme("fp8", "float8_e4m3fn", quantize_activations=True)
 
 
@@ -74,7 +76,7 @@ def test_logits_equal_transformers_with_the_same_quantization(model_dir, loaded,
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("name", QUANTIZATION_CHOICES)
+@pytest.mark.parametrize("name", ONLINE_SCHEMES)
 def test_engine_greedy_tokens_equal_transformers_generate(model_dir, tmp_path, name):
     buckets = small_bucket_file(tmp_path, decode_batch_sizes=(2,))
     llm = LLM(str(model_dir), dtype="float32", max_model_len=128, buckets=buckets, quantization=name)
@@ -147,5 +149,5 @@ def test_a_kernel_is_scaled_per_output_channel():
 
 
 def test_unknown_schemes_are_refused_naming_the_choices():
-    with pytest.raises(ValueError, match=r"^unsupported quantization 'int4'; supported: int8, int8_w8a8, fp8$"):
+    with pytest.raises(ValueError, match=r"^unsupported quantization 'int4'; supported: int8, int8_w8a8, fp8, gguf$"):
         LLM(quantization="int4")

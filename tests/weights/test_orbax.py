@@ -102,6 +102,22 @@ def test_a_quantized_checkpoint_keeps_its_stored_values_in_any_serving_dtype(lla
         assert flatten_dict(restored.params)[("params", "layers", "self_attn", "q_proj", "kernel")].dtype == np.int8
 
 
+def test_a_gguf_file_converted_with_its_blocks_restores_them_as_stored(tmp_path):
+    import gguf
+
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama", seed=3)
+    kinds = {"attn_q": gguf.GGMLQuantizationType.Q4_1, "ffn_down": gguf.GGMLQuantizationType.Q8_0}
+    gguf_path = make_tiny_gguf(tmp_path / "tiny.gguf", hf_dir, kinds)
+    assert convert_checkpoint(gguf_path, tmp_path / "orbax", "--dtype", "bfloat16", "--quantization", "gguf") == 0
+    restored = load_model(str(tmp_path / "orbax"), "bfloat16")
+    assert restored.config.quantization.name == "gguf" and restored.config.quantization.group_size == 32
+    expected = load_model(str(gguf_path), "bfloat16", quantization="gguf").params
+    assert_same_params(restored.params, expected)  # codes int8, group scales and offsets float32, the rest bfloat16
+    leaf = flatten_dict(restored.params)
+    assert leaf[("params", "layers", "mlp", "down_proj", "group_offset")].dtype == np.float32
+    assert leaf[("params", "layers", "self_attn", "q_proj", "kernel")].dtype == np.int8
+
+
 def test_gguf_file_converts(tmp_path):
     hf_dir = make_tiny_model(tmp_path / "hf", "llama", seed=2)
     gguf_path = make_tiny_gguf(tmp_path / "tiny.gguf", hf_dir)
