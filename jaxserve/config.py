@@ -169,6 +169,9 @@ class QuantScheme:
     quantize_activations: bool
     # None: one scale per output channel (symmetric); n: a scale and an offset per n inputs of an output channel
     group_size: int | None = None
+    # grouped weights: each group's product on its int8 codes, scaled after (TPU, GPU: no rebuilt matrix in HBM),
+    # or the weight rebuilt before one product (CPU, whose dot on groups of 32 is slow); set by `for_platform`
+    group_products: bool = False
 
     @property
     def weight_jnp_dtype(self) -> Any:
@@ -183,7 +186,9 @@ class QuantScheme:
 
     def for_platform(self, platform: str, compute_capability: str | None = None) -> QuantScheme:
         """The scheme as it runs on ``platform`` ("cpu", "tpu", "cuda"/"gpu"): "fp8" quantizes activations only
-        where the matrix unit takes float8 operands."""
+        where the matrix unit takes float8 operands; a grouped scheme multiplies group by group off CPU."""
+        if self.group_size:
+            return dataclasses.replace(self, group_products=platform != "cpu")
         if self.name != "fp8":
             return self
         return dataclasses.replace(self, quantize_activations=has_fp8_matrix_unit(platform, compute_capability))

@@ -56,8 +56,12 @@ def make_llm(args: argparse.Namespace, quantization: str | None, dtype: str | No
 
 
 def chat_prompts(llm: LLM, path: Path) -> list[list[int]]:
+    """Each chat through the tokenizer's chat template; a model without one (a base model's GGUF) reads the
+    messages' contents, one per line, as a plain prompt."""
     tokenizer = llm.get_tokenizer()
     chats = [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
+    if tokenizer.chat_template is None:
+        return [tokenizer.encode("\n".join(m["content"] for m in chat) + "\n") for chat in chats]
     return [chat_prompt_ids(tokenizer, chat) for chat in chats]
 
 

@@ -88,7 +88,7 @@ class Linear(nn.Module):
         codes = self.param("kernel", nn.initializers.zeros, shape, jnp.int8)
         scale = self.param(GROUP_SCALE, nn.initializers.ones, groups, jnp.float32)
         offset = self.param(GROUP_OFFSET, nn.initializers.zeros, groups, jnp.float32)
-        return grouped_matmul(x, codes, scale, offset, self.param_dtype, matmul)
+        return grouped_matmul(x, codes, scale, offset, self.quantization, self.param_dtype, matmul)
 
 
 def dense(features: int, name: str, dtype, use_bias: bool = False, quantization: QuantScheme | None = None) -> Linear:

@@ -12,10 +12,14 @@ under the precision policy) is passed in by the caller.
   (its own scale, absmax: `quantize_rows`), and qwix's `dot_general` multiplies the two quantized operands in
   their type (int8 x int8 accumulating in int32; float8 x float8 in float32) and applies both scales to the
   result.
-- Grouped weights ("gguf"): the weight is rebuilt in float32 from its int8 codes, group scales and offsets
-  (`weights.dequantize_groups`) and converted to the model's dtype, the same values a float load of the GGUF file
-  gives; an offset per group does not factor out of the product as a channel's scale does. XLA fuses the rebuild
-  into the product's operand where it can (TPU); the stored arrays stay int8 codes.
+- Grouped weights ("gguf"), a scale and an offset per group of inputs: a group's scale does not factor out of the
+  whole product as a channel's does, and XLA does not fuse a rebuilt weight into the matrix unit's operand (on TPU
+  it writes the rebuilt matrix to HBM and reads it back, measured deviceless: docs/benchmarks/quantization.md). So
+  off CPU (`QuantScheme.group_products`) each group's product runs on its int8 codes converted in the product, as
+  "int8" does, and the scales weigh the per-group results: x @ W = sum_g s_g (x_g @ c_g) + (sum x_g) @ o_g, the
+  offsets' term a product of the inputs' group sums. On CPU, where XLA runs those many 32-deep products slowly,
+  the weight is rebuilt in float32 (`weights.dequantize_groups`) and converted to the model's dtype: the values a
+  float load of the GGUF file gives.
 """
 
 from __future__ import annotations
@@ -38,10 +42,17 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, scheme: 
     return matmul(x, values.astype(compute_dtype)) * scale
 
 
-def grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array, compute_dtype: jnp.dtype,
-                   matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+def grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array, scheme: QuantScheme,
+                   compute_dtype: jnp.dtype, matmul: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
     """x [..., in] @ (codes [in, out] * scale + offset, both [in / group, out]) as float32 [..., out]."""
-    return matmul(x, dequantize_groups(codes, scale, offset).astype(compute_dtype))
+    if not scheme.group_products:
+        return matmul(x, dequantize_groups(codes, scale, offset).astype(compute_dtype))
+    groups, (inputs, outputs) = scale.shape[0], codes.shape
+    rows = x.reshape(-1, groups, inputs // groups).astype(compute_dtype)
+    per_group = jnp.einsum("tgk,gko->tgo", rows, codes.reshape(groups, inputs // groups, outputs).astype(compute_dtype),
+                           preferred_element_type=jnp.float32)
+    out = jnp.einsum("tgo,go->to", per_group, scale) + jnp.sum(rows, axis=-1, dtype=jnp.float32) @ offset
+    return out.reshape(*x.shape[:-1], outputs)
 
 
 def _w8a8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:

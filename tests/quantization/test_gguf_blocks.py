@@ -12,6 +12,7 @@ import types
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -21,10 +22,13 @@ from jax.sharding import PartitionSpec as P
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import parse_quantization
 from jaxserve.distributed.sharding import check_tensor_parallel, param_spec
+from jaxserve.models.common import matmul
+from jaxserve.quantization.matmul import grouped_matmul
 from jaxserve.quantization.weights import dequantize_groups, quantize_groups
 from jaxserve.weights import load_model
 from jaxserve.weights.gguf_blocks import grouped_codes
 from jaxserve.weights.gguf_file import dequantize_tensor
+from tests.forward import PagedForward
 from tests.hf_tiny import make_tiny_model, small_bucket_file
 from tests.tiny_gguf import make_tiny_gguf
 
@@ -117,6 +121,39 @@ def test_the_loader_keeps_int8_codes_equal_to_the_float_load(gguf_path):
         np.testing.assert_array_equal(dequantize_groups(leaf["kernel"], leaf["group_scale"], leaf["group_offset"]),
                                       kernel)
     assert kept.params["params"]["embed_tokens"]["embedding"].dtype == np.float32
+
+
+def test_products_group_by_group_give_the_rebuilt_weight_s_logits(gguf_path):
+    """Off CPU each group's product runs on its codes and the scales weigh the results; on CPU the weight is rebuilt
+    first: the same logits (float32; the two differ in rounding only)."""
+    kept = load_model(str(gguf_path), "float32", quantization="gguf")
+    scheme = kept.config.quantization
+    assert not scheme.for_platform("cpu").group_products
+    assert scheme.for_platform("tpu").group_products and scheme.for_platform("cuda").group_products
+    grouped = dataclasses.replace(kept.config, quantization=scheme.for_platform("tpu"))
+    tokens, table = PROMPTS[0], [2, 0, 1]
+    rebuilt = PagedForward(kept.config, kept.params, block_size=4).run(tokens, table, [8, 1, 1, 1])
+    np.testing.assert_allclose(PagedForward(grouped, kept.params, block_size=4).run(tokens, table, [8, 1, 1, 1]),
+                               rebuilt, atol=2e-5, rtol=0)
+
+
+def test_on_tpu_products_group_by_group_never_write_the_rebuilt_weight():
+    """Deviceless, one v5e chip, a Llama-3-8B MLP matrix: XLA writes a rebuilt weight to HBM (float32, 4 bytes per
+    weight) and reads it back; group by group it needs no temporaries at decode sizes."""
+    from jaxserve.compilation.targets import resolve_target
+
+    device = resolve_target("v5e:2x2").devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    inputs, outputs = 4096, 14336
+    shapes = [((16, inputs), jnp.bfloat16), ((inputs, outputs), jnp.int8), ((inputs // 32, outputs), jnp.float32),
+              ((inputs // 32, outputs), jnp.float32)]
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes]
+    temporaries = {}
+    for platform in ("cpu", "tpu"):
+        scheme = parse_quantization("gguf").for_platform(platform)
+        product = jax.jit(lambda x, c, s, o, scheme=scheme: grouped_matmul(x, c, s, o, scheme, jnp.bfloat16, matmul))
+        temporaries[platform] = product.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temporaries["cpu"] >= inputs * outputs * 4 and temporaries["tpu"] == 0
 
 
 def test_engine_greedy_tokens_equal_transformers_on_the_quantized_file(gguf_path, tmp_path):
