@@ -155,6 +155,7 @@ QUANTIZATION_CHOICES = ("int8", "int8_w8a8", "fp8", "gguf")
 GGUF_GROUP_SIZE = 32
 # what the KV cache stores (vLLM's names): "auto" the model's dtype; "fp8" (= "fp8_e4m3") float8 e4m3, scale 1
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
+KV_SCALE_NAMES = ("k_scale", "v_scale")  # a layer's float8 K/V scales from a checkpoint (`self_attn.k_scale`)
 
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0
@@ -270,6 +271,9 @@ class ModelConfig:
     scale_attn_by_inverse_layer_idx: bool = False  # GPT-2: scores also divided by (layer + 1)
     # weights quantized at load (`jaxserve.quantization`): set by the engine from EngineConfig.quantization
     quantization: QuantScheme | None = None
+    # the checkpoint gives each layer a float8 scale for K and one for V (`self_attn.k_scale` / `v_scale`,
+    # compressed-tensors' kv_cache_scheme): K/V are stored divided by them (`models.common.Attention`)
+    kv_cache_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.attention.backends import AttentionBackend
 from jaxserve.attention.kv_cache import write_kv
 from jaxserve.attention.metadata import AttentionMetadata
-from jaxserve.config import GEMMA_FAMILIES, ModelConfig, QuantScheme
+from jaxserve.config import GEMMA_FAMILIES, KV_SCALE_NAMES, ModelConfig, QuantScheme
 from jaxserve.distributed.sharding import TP_AXIS
 from jaxserve.models.norms import RMSNorm
 from jaxserve.models.rotary import apply_rotary
@@ -184,7 +184,11 @@ def norm_offset(cfg: ModelConfig) -> float:
 class Attention(nn.Module):
     """Self-attention over the paged pool. `rotary` is (cos, sin) for rotary families, None for learned
     positions; `out_bias` says whether o_proj has a bias (OPT and GPT-2 do, the Llama family does not).
-    Qwen3 and Gemma 3 normalise every head of q and k (`q_norm`, `k_norm`) before the rotary embedding."""
+    Qwen3 and Gemma 3 normalise every head of q and k (`q_norm`, `k_norm`) before the rotary embedding.
+
+    A checkpoint's float8 K/V scales (`k_scale`, `v_scale`: one per layer, `ModelConfig.kv_cache_scales`) are
+    vLLM's: the pool stores K / k_scale and V / v_scale. One number per layer factors out of attention, so no
+    backend reads them: q is multiplied by k_scale (q . K = (q k_scale) . K / k_scale) and the output by v_scale."""
 
     config: ModelConfig
     dtype: jnp.dtype
@@ -203,11 +207,16 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cfg.scale_attn_by_inverse_layer_idx:  # GPT-2 option: scores of layer i divided by i + 1
             q = q / (layer + 1).astype(q.dtype)
+        if cfg.kv_cache_scales:
+            k_scale, v_scale = (self.param(name, nn.initializers.ones, (), jnp.float32) for name in KV_SCALE_NAMES)
+            q, k, v = q * k_scale.astype(q.dtype), k / k_scale.astype(k.dtype), v / v_scale.astype(v.dtype)
         sliding_window, slides = layer_window(cfg, layer)
         out, kv_pool = paged_attention(
             q, k, v, kv_pool, layer, meta, self.backend, sm_scale=attention_scale(cfg),
             sliding_window=sliding_window, slides=slides, logit_softcap=cfg.attn_logit_softcap, mesh=self.mesh,
         )
+        if cfg.kv_cache_scales:
+            out = out * v_scale.astype(out.dtype)
         return dense(cfg.hidden_size, "o_proj", self.dtype, self.out_bias, cfg.quantization)(out), kv_pool
 
     def _project_qkv(self, x):

@@ -11,7 +11,9 @@ Read (vLLM's CompressedTensorsW8A8Int8, W8A16 and W8A8Fp8 schemes): one config g
 8 bits, symmetric, one scale per output channel or per tensor, static; input activations none or 8 bits, dynamic,
 per token, of the weights' type. "int-quantized" with int8 activations is jaxserve's `int8_w8a8`, without them
 `int8`; "float-quantized" (float8 e4m3 weights) is `fp8`, whose activations follow the platform as for online
-quantization. Anything else is refused naming what is read.
+quantization. Anything else is refused naming what is read. A `kv_cache_scheme` (float8, one static scale per
+tensor: llm-compressor's calibrated `self_attn.k_scale` / `v_scale`, with or without quantized weights) gives the
+model its K/V scales (`ModelConfig.kv_cache_scales`; they apply with `kv_cache_dtype="fp8"` as vLLM's do).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxserve.config import QuantScheme, parse_quantization
+from jaxserve.config import KV_SCALE_NAMES, QuantScheme, parse_quantization
 from jaxserve.quantization.weights import (
     GROUP_SCALE,
     QUANTIZED_LINEARS,
@@ -37,6 +39,8 @@ from jaxserve.quantization.weights import (
 QUANT_METHOD = "compressed-tensors"
 FORMATS = {"int-quantized": "int", "float-quantized": "float"}  # format -> the weights' number type
 SCALE_SUFFIX = "_scale"  # `x.weight` -> `x.weight_scale`
+# the kv_cache_scheme read: one static float8 scale per layer for K and one for V (`self_attn.k_scale`, `v_scale`)
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 SUPPORTED = ("int8 (W8A16) and int8 W8A8 per-token dynamic ('int-quantized'), float8 e4m3 weights with or without "
              "per-token dynamic float8 activations ('float-quantized'); symmetric, per channel or per tensor")
 
@@ -52,6 +56,8 @@ def checkpoint_scheme(hf_config: dict[str, Any]) -> QuantScheme | None:
         raise ValueError(f"unsupported quantization_config quant_method {method!r}: jaxserve reads "
                          f"{QUANT_METHOD} checkpoints ({SUPPORTED})")
     groups = list((config.get("config_groups") or {}).values())
+    if not groups and config.get("kv_cache_scheme") is not None:
+        return None  # float weights, a float8 KV cache's scales only
     if len(groups) != 1:
         raise ValueError(f"compressed-tensors checkpoint with {len(groups)} config groups: jaxserve reads one "
                          f"({SUPPORTED})")
@@ -63,6 +69,19 @@ def checkpoint_scheme(hf_config: dict[str, Any]) -> QuantScheme | None:
     if kind == "float":
         return parse_quantization("fp8")
     return parse_quantization("int8" if activations is None else "int8_w8a8")
+
+
+def has_kv_cache_scales(hf_config: dict[str, Any]) -> bool:
+    """Whether a checkpoint gives K and V a float8 scale per layer (its `kv_cache_scheme`: 8-bit float, one static
+    scale per tensor, llm-compressor's calibrated `self_attn.k_scale` / `v_scale`); a ValueError for other schemes."""
+    scheme = (hf_config.get("quantization_config") or {}).get("kv_cache_scheme")
+    if scheme is None:
+        return False
+    wrong = [f"{k}={scheme.get(k)!r}" for k, v in KV_CACHE_SCHEME.items() if scheme.get(k) != v]
+    if wrong:
+        raise ValueError(f"unsupported compressed-tensors kv_cache_scheme ({', '.join(wrong)}); jaxserve reads "
+                         "float8 K/V scales per tensor (num_bits 8, type float, strategy tensor, static, symmetric)")
+    return True
 
 
 def _unsupported(kind: str | None, group: dict, weights: dict, activations: dict | None) -> str | None:
@@ -182,6 +201,28 @@ def write_compressed_tensors(source: Path, out: Path, quantization: str) -> Path
     config["quantization_config"] = quantization_config(scheme)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def write_kv_cache_scales(model_dir: Path, scales: list[tuple[float, float]]) -> Path:
+    """Gives the Hugging Face checkpoint in ``model_dir`` a float8 (k_scale, v_scale) per layer, as llm-compressor
+    writes calibrated ones: `model.layers.{i}.self_attn.k_scale` / `v_scale` tensors and a `kv_cache_scheme` in its
+    `quantization_config` (added to the one it has, or a new one for float weights). Rewrites the directory."""
+    from safetensors.numpy import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"write_kv_cache_scales rewrites a one-file checkpoint; {model_dir} has {len(files)}")
+    tensors = load_file(files[0])
+    for layer, pair in enumerate(scales):
+        for name, scale in zip(KV_SCALE_NAMES, pair, strict=True):
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = np.float32([scale])
+    _save_tensors(tensors, files[0])
+    config = json.loads((model_dir / "config.json").read_text())
+    quantization = config.get("quantization_config") or {"quant_method": QUANT_METHOD, "format": "dense",
+                                                         "config_groups": {}}
+    config["quantization_config"] = {**quantization, "kv_cache_scheme": dict(KV_CACHE_SCHEME)}
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return model_dir
 
 
 def _is_quantized_linear_name(name: str) -> bool:

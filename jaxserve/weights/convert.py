@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxserve.config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, KV_SCALE_NAMES, ModelConfig
 from jaxserve.quantization.weights import GROUP_OFFSET
 
 TensorGetter = Callable[[str], np.ndarray]
@@ -88,6 +88,9 @@ def llama_sources(config: ModelConfig) -> list[ParamSource]:
             bias = config.attention_bias and proj != "o_proj"
             sources += _linear(("layers", "self_attn", proj), f"{layer}.self_attn.{proj}", bias)
         sources += _mlp_sources(config, layer)
+    if config.kv_cache_scales:
+        sources += [ParamSource(("layers", "self_attn", name), f"{layer}.self_attn.{name}", _scalar)
+                    for name in KV_SCALE_NAMES]
     if not config.tie_word_embeddings:
         sources += _linear(("lm_head",), "lm_head", False)
     return sources
@@ -221,7 +224,13 @@ FAMILY_SOURCES = {"opt": opt_sources, "gpt2": gpt2_sources}  # every other famil
 
 
 def param_sources(config: ModelConfig) -> list[ParamSource]:
+    if config.kv_cache_scales and config.family in FAMILY_SOURCES:
+        raise ValueError(f"float8 K/V scales (kv_cache_scheme) are read for the rotary families, not {config.family}")
     return FAMILY_SOURCES.get(config.family, llama_sources)(config)
+
+
+def _scalar(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32).reshape(())
 
 
 def _source_layers(source: ParamSource, config: ModelConfig) -> list[int]:

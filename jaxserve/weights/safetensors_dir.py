@@ -9,20 +9,21 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.weights.compressed_tensors import CheckpointTensors, checkpoint_scheme
+from jaxserve.weights.compressed_tensors import CheckpointTensors, checkpoint_scheme, has_kv_cache_scales
 from jaxserve.weights.convert import hf_name_alternatives, hf_param_names, params_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_hf_config(model_dir: Path) -> ModelConfig:
-    """The model's config; a checkpoint stored quantized (compressed-tensors) carries its scheme."""
+    """The model's config; a checkpoint stored quantized (compressed-tensors) carries its scheme, and whether it
+    gives float8 K/V scales."""
     path = model_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in model directory {model_dir}")
     hf = json.loads(path.read_text())
     scheme = checkpoint_scheme(hf)
-    config = ModelConfig.from_hf(hf)
+    config = dataclasses.replace(ModelConfig.from_hf(hf), kv_cache_scales=has_kv_cache_scales(hf))
     return config if scheme is None else dataclasses.replace(config, quantization=scheme)
 
 

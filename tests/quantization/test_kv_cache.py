@@ -1,9 +1,14 @@
 """The float8 KV cache (`kv_cache_dtype="fp8"`): K/V saturated to +-448 and rounded to e4m3 as they are written,
 widened as they are read. On a tiny random Llama in float32, every attention backend's greedy tokens equal
 transformers' generate with a cache that rounds K/V the same way (the Pallas kernels interpreted: prefill, decode
-and mixed steps); the pool stores one byte per value, so a memory budget holds twice bfloat16's blocks."""
+and mixed steps); the pool stores one byte per value, so a memory budget holds twice bfloat16's blocks. A
+checkpoint's calibrated K/V scales (compressed-tensors' kv_cache_scheme) store K / k_scale and V / v_scale."""
 
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,6 +20,8 @@ import transformers
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention.kv_cache import FP8_KV_MAX, kv_storage_dtype, kv_value_dtype, pool_values, to_pool_dtype
 from jaxserve.config import EngineConfig
+from jaxserve.weights import load_model
+from jaxserve.weights.compressed_tensors import write_kv_cache_scales
 from tests.hf_tiny import TINY_64, make_tiny_model, small_bucket_file
 
 PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99, 3, 250, 41, 17, 8, 66, 90, 12, 200], [250, 3, 41]]
@@ -71,6 +78,52 @@ def test_the_float8_cache_is_not_the_float32_one(model_dir, expected):
         plain = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
                                 do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
     assert plain != expected
+
+
+# a checkpoint's calibrated K/V scales per layer, small enough that K / k_scale often saturates at +-448
+KV_SCALES = [(0.004, 0.006), (0.003, 0.005)]
+
+
+class ScaledFp8RoundingCache(transformers.DynamicCache):
+    """transformers' cache holding K/V as a float8 pool with a checkpoint's scales does: K / k_scale rounded (and
+    saturated), times k_scale as read; V alike."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k_scale, v_scale = KV_SCALES[layer_idx]
+        key_states, value_states = (_fp8_rounded(x / scale) * scale
+                                    for x, scale in ((key_states, k_scale), (value_states, v_scale)))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def test_a_checkpoint_s_kv_scales_store_k_and_v_divided_by_them(model_dir, tmp_path, expected):
+    scaled = write_kv_cache_scales(Path(shutil.copytree(model_dir, tmp_path / "scaled")), KV_SCALES)
+    config = load_model(str(scaled), "float32").config
+    assert config.kv_cache_scales and config.quantization is None
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                    do_sample=False, pad_token_id=0,
+                                    cache=ScaledFp8RoundingCache(config=model.config))[0, len(p):].tolist()
+                     for p in PROMPTS]
+    assert reference != expected  # the scales matter on this model
+    buckets = small_bucket_file(tmp_path, decode_batch_sizes=(2,), mixed=True, chunk=16, context=64)
+    llm = LLM(str(scaled), dtype="float32", max_model_len=64, buckets=buckets, kv_cache_dtype="fp8",
+              max_num_batched_tokens=16)
+    layers = llm.llm_engine.runner.params["params"]["layers"]["self_attn"]
+    np.testing.assert_array_equal(np.asarray(layers["k_scale"]), np.float32([0.004, 0.003]))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+
+
+def test_other_kv_cache_schemes_are_refused(model_dir, tmp_path):
+    scaled = write_kv_cache_scales(Path(shutil.copytree(model_dir, tmp_path / "scaled")), KV_SCALES)
+    config = json.loads((scaled / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"]["strategy"] = "channel"
+    (scaled / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^unsupported compressed-tensors kv_cache_scheme \(strategy='channel'\); "
+                                         r"jaxserve reads float8 K/V scales per tensor"):
+        load_model(str(scaled), "float32")
 
 
 def test_values_are_saturated_and_rounded_to_e4m3_as_stored():
