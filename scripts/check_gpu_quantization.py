@@ -4,15 +4,17 @@ computes, on a tiny random float32 Llama (head_dim 64, so the Pallas kernels run
 
 The references are the tests' (tests/quantization): weights dequantized and, where the scheme quantizes
 activations (fp8 on GPUs of compute capability 8.9+), each quantized layer's input rounded per token; a float8 KV
-cache as transformers' cache rounding K/V to e4m3. Prints each run's tokens and whether they are equal; exit
-status 1 if any run fails or differs.
+cache as transformers' cache rounding K/V to e4m3 (with a checkpoint's K/V scales: K / k_scale rounded); `gguf`
+(its group-by-group products, as on any GPU) on a GGUF file of the model, which transformers dequantizes. Prints
+each run's tokens and whether they are equal; exit status 1 if any run fails or differs.
 
-    python scripts/check_gpu_quantization.py          # PYTHONPATH=. on the device machine (qwix carried as a wheel)
+    python scripts/check_gpu_quantization.py   # PYTHONPATH=. on the device machine (qwix and gguf carried as wheels)
 """
 
 from __future__ import annotations
 
 import gc
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -24,11 +26,13 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.weights.compressed_tensors import write_kv_cache_scales  # noqa: E402
 from tests.hf_tiny import TINY_64, make_tiny_model, small_bucket_file  # noqa: E402
 from tests.quantization.test_kv_cache import Fp8RoundingCache  # noqa: E402
 from tests.quantization.test_quantized_models import MAX_TOKENS, PROMPTS, _hf_quantized  # noqa: E402
 
-RUNS = [("int8", "auto"), ("int8_w8a8", "auto"), ("fp8", "auto"), (None, "fp8"), ("fp8", "fp8")]
+RUNS = [("int8", "auto"), ("int8_w8a8", "auto"), ("fp8", "auto"), (None, "fp8"), ("fp8", "fp8"), ("gguf", "auto"),
+        ("kv scales", "fp8")]
 
 
 def engine_tokens(model_dir: Path, work: Path, quantization: str | None, kv_cache_dtype: str):
@@ -41,19 +45,40 @@ def engine_tokens(model_dir: Path, work: Path, quantization: str | None, kv_cach
     return [o.outputs[0].token_ids for o in outputs], runner.config.quantization, runner.backend.name
 
 
-def reference_tokens(model_dir: Path, scheme, kv_cache_dtype: str) -> list[list[int]]:
-    if scheme is None:
+def reference_tokens(model_dir: Path, scheme, kv_cache_dtype: str, cache_class=Fp8RoundingCache,
+                     model=None) -> list[list[int]]:
+    if model is None and scheme is None:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    else:
+    elif model is None:
         model = _hf_quantized(model_dir, scheme)
     tokens = []
     for prompt in PROMPTS:
-        cache = Fp8RoundingCache(config=model.config) if kv_cache_dtype != "auto" else None
+        cache = cache_class(config=model.config) if kv_cache_dtype != "auto" else None
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                 do_sample=False, pad_token_id=0, past_key_values=cache)
+                                 do_sample=False, pad_token_id=0, cache=cache)
         tokens.append(out[0, len(prompt):].tolist())
     return tokens
+
+
+def run(model_dir: Path, work: Path, quantization: str | None, kv_cache_dtype: str):
+    """(engine tokens, reference tokens, what the engine resolved) of one run."""
+    if quantization == "gguf":  # the model as a GGUF file in the kept block types; transformers reads the file
+        from tests.quantization.test_gguf_blocks import LAYER_TYPES
+        from tests.tiny_gguf import make_tiny_gguf
+
+        path = make_tiny_gguf(work / "tiny.gguf", model_dir, LAYER_TYPES)
+        ours, scheme, backend = engine_tokens(path, work, "gguf", kv_cache_dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(work, gguf_file=path.name, dtype=torch.float32)
+        return ours, reference_tokens(model_dir, None, kv_cache_dtype, model=model.eval()), (scheme, backend)
+    if quantization == "kv scales":  # a checkpoint's float8 K/V scales
+        from tests.quantization.test_kv_cache import KV_SCALES, ScaledFp8RoundingCache
+
+        scaled = write_kv_cache_scales(Path(shutil.copytree(model_dir, work / "scaled")), KV_SCALES)
+        ours, scheme, backend = engine_tokens(scaled, work, None, kv_cache_dtype)
+        return ours, reference_tokens(model_dir, None, kv_cache_dtype, ScaledFp8RoundingCache), (scheme, backend)
+    ours, scheme, backend = engine_tokens(model_dir, work, quantization, kv_cache_dtype)
+    return ours, reference_tokens(model_dir, scheme, kv_cache_dtype), (scheme, backend)
 
 
 def main() -> None:
@@ -66,8 +91,7 @@ def main() -> None:
         for quantization, kv_cache_dtype in RUNS:
             name = f"weights {quantization or 'float32'}, KV {kv_cache_dtype}"
             try:
-                ours, scheme, backend = engine_tokens(model_dir, Path(tmp), quantization, kv_cache_dtype)
-                theirs = reference_tokens(model_dir, scheme, kv_cache_dtype)
+                ours, theirs, (scheme, backend) = run(model_dir, Path(tmp), quantization, kv_cache_dtype)
                 print(f"{name}: {scheme}, {backend} backend; engine {ours}; transformers {theirs}; "
                       f"equal {ours == theirs}", flush=True)
                 if ours != theirs:
