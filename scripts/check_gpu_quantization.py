@@ -27,7 +27,7 @@ import transformers  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.weights.compressed_tensors import write_kv_cache_scales  # noqa: E402
-from tests.hf_tiny import TINY_64, make_tiny_model, small_bucket_file  # noqa: E402
+from tests.hf_tiny import TINY_64, greedy_continuation, make_tiny_model, small_bucket_file  # noqa: E402
 from tests.quantization.test_kv_cache import Fp8RoundingCache  # noqa: E402
 from tests.quantization.test_quantized_models import MAX_TOKENS, PROMPTS, _hf_quantized  # noqa: E402
 
@@ -51,14 +51,9 @@ def reference_tokens(model_dir: Path, scheme, kv_cache_dtype: str, cache_class=F
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     elif model is None:
         model = _hf_quantized(model_dir, scheme)
-    tokens = []
-    for prompt in PROMPTS:
-        cache = cache_class(config=model.config) if kv_cache_dtype != "auto" else None
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                 do_sample=False, pad_token_id=0, cache=cache)
-        tokens.append(out[0, len(prompt):].tolist())
-    return tokens
+    return [greedy_continuation(model, prompt, MAX_TOKENS,
+                                cache_class(config=model.config) if kv_cache_dtype != "auto" else None)
+            for prompt in PROMPTS]
 
 
 def run(model_dir: Path, work: Path, quantization: str | None, kv_cache_dtype: str):

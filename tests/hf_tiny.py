@@ -188,9 +188,16 @@ def hf_greedy(path: Path, token_ids: list[int], max_new_tokens: int) -> list[int
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return greedy_continuation(model, token_ids, max_new_tokens)
+
+
+def greedy_continuation(model, token_ids: list[int], max_new_tokens: int, cache=None) -> list[int]:
+    """The greedy continuation (exactly ``max_new_tokens`` new tokens) of one prompt by a loaded transformers
+    model; ``cache``: the KV cache it generates with (a `transformers.DynamicCache` that rounds K/V, say)."""
+    import torch
+
+    extra = {} if cache is None else {"cache": cache}
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([token_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=0,
-        )
+        out = model.generate(torch.tensor([token_ids]), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **extra)
     return out[0, len(token_ids):].tolist()

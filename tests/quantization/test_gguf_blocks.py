@@ -29,7 +29,7 @@ from jaxserve.weights import load_model
 from jaxserve.weights.gguf_blocks import grouped_codes
 from jaxserve.weights.gguf_file import dequantize_tensor
 from tests.forward import PagedForward
-from tests.hf_tiny import make_tiny_model, small_bucket_file
+from tests.hf_tiny import greedy_continuation, make_tiny_model, small_bucket_file
 from tests.tiny_gguf import make_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -164,11 +164,7 @@ def test_engine_greedy_tokens_equal_transformers_on_the_quantized_file(gguf_path
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                               dtype=torch.float32).eval()
-    for prompt, output in zip(PROMPTS, outputs, strict=True):
-        with torch.no_grad():
-            expected = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                      do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        assert output.outputs[0].token_ids == expected
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy_continuation(model, p, MAX_TOKENS) for p in PROMPTS]
 
 
 def test_gguf_quantization_is_refused_for_other_files_and_for_experts(tmp_path):

@@ -22,7 +22,7 @@ from jaxserve.attention.kv_cache import FP8_KV_MAX, kv_storage_dtype, kv_value_d
 from jaxserve.config import EngineConfig
 from jaxserve.weights import load_model
 from jaxserve.weights.compressed_tensors import write_kv_cache_scales
-from tests.hf_tiny import TINY_64, make_tiny_model, small_bucket_file
+from tests.hf_tiny import TINY_64, greedy_continuation, make_tiny_model, small_bucket_file
 
 PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99, 3, 250, 41, 17, 8, 66, 90, 12, 200], [250, 3, 41]]
 MAX_TOKENS = 8
@@ -47,13 +47,7 @@ class Fp8RoundingCache(transformers.DynamicCache):
 @pytest.fixture(scope="module")
 def expected(model_dir):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokens = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                 do_sample=False, pad_token_id=0, cache=Fp8RoundingCache(config=model.config))
-        tokens.append(out[0, len(prompt):].tolist())
-    return tokens
+    return [greedy_continuation(model, p, MAX_TOKENS, Fp8RoundingCache(config=model.config)) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu", "pallas"])
@@ -74,10 +68,7 @@ def test_the_float8_cache_is_not_the_float32_one(model_dir, expected):
     """The rounding matters on this model: without it transformers' tokens differ (else the test above could not
     tell a float8 pool from a float32 one)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        plain = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
-    assert plain != expected
+    assert [greedy_continuation(model, p, MAX_TOKENS) for p in PROMPTS] != expected
 
 
 # a checkpoint's calibrated K/V scales per layer, small enough that K / k_scale often saturates at +-448
@@ -100,11 +91,8 @@ def test_a_checkpoint_s_kv_scales_store_k_and_v_divided_by_them(model_dir, tmp_p
     config = load_model(str(scaled), "float32").config
     assert config.kv_cache_scales and config.quantization is None
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        reference = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                    do_sample=False, pad_token_id=0,
-                                    cache=ScaledFp8RoundingCache(config=model.config))[0, len(p):].tolist()
-                     for p in PROMPTS]
+    reference = [greedy_continuation(model, p, MAX_TOKENS, ScaledFp8RoundingCache(config=model.config))
+                 for p in PROMPTS]
     assert reference != expected  # the scales matter on this model
     buckets = small_bucket_file(tmp_path, decode_batch_sizes=(2,), mixed=True, chunk=16, context=64)
     llm = LLM(str(scaled), dtype="float32", max_model_len=64, buckets=buckets, kv_cache_dtype="fp8",
