@@ -12,7 +12,7 @@ Kept exactly (codes * scale + offset is the value `gguf`'s dequantizer gives, bi
   Q5_1  32 5-bit q, f16 d and m                 w = d q + m        codes q,       scale d,      offset m
   Q4_K, Q5_K  256 4- or 5-bit q in 8 sub-blocks of 32, 6-bit scales and mins under f16 d and dmin
                                                 w = (d sc) q - (dmin m)   codes q, scale d sc, offset -(dmin m)
-Every other type (Q6_K, Q2_K, Q3_K, the IQ types, F16, ...) is dequantized and quantized to the same layout
+Every other type (Q6_K, Q2_K, Q3_K, the IQ types, F16 and F32 layers, ...) is dequantized and quantized to the layout
 (`quantize_groups`: 256 levels across each group of 32, within half a level of the file's value): Q6_K's scales
 are per 16 weights, which one scale per 32 cannot hold.
 """

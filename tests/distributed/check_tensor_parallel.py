@@ -184,6 +184,29 @@ def test_pallas_backend_under_tensor_parallelism_matches_transformers(tmp_path, 
     assert _generate(llm) == [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
+def test_gguf_blocks_under_tensor_parallelism_match_transformers(tmp_path, buckets):
+    """quantization="gguf": the row-parallel layers split their group scales and offsets with their inputs."""
+    import gguf
+    import torch
+    import transformers
+
+    from tests.hf_tiny import greedy_continuation
+    from tests.tiny_gguf import make_tiny_gguf
+
+    kinds = gguf.GGMLQuantizationType
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama", seed=5, num_attention_heads=8, num_key_value_heads=4)
+    stored = {"attn_q": kinds.Q8_0, "attn_k": kinds.Q4_0, "attn_v": kinds.Q4_1, "attn_output": kinds.Q4_1,
+              "ffn_gate": kinds.Q5_1, "ffn_up": kinds.Q5_0, "ffn_down": kinds.Q4_0}  # every layer kept exactly
+    path = make_tiny_gguf(tmp_path / "tiny.gguf", hf_dir, stored)
+    llm = LLM(str(path), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=2,
+              quantization="gguf")
+    down = llm.llm_engine.runner.params["params"]["layers"]["mlp"]["down_proj"]
+    assert {leaf: value.sharding.spec for leaf, value in down.items()} == {
+        leaf: P(None, "tp", None) for leaf in ("kernel", "group_scale", "group_offset")}
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    assert _generate(llm) == [greedy_continuation(model.eval(), p, GREEDY.max_tokens) for p in PROMPTS]
+
+
 @pytest.mark.parametrize(
     ("family", "overrides"),
     [("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32, "num_attention_heads": 8}),

@@ -11,8 +11,9 @@ two row-parallel all-reduces per layer and update the pool and the sampler state
 kernels work per device (tp 2); OPT and GPT-2 under tp 4 and Qwen3-MoE (experts split across devices) and Gemma 3
 under tp 1, 2 and 4 equal transformers' tokens; an orbax checkpoint
 restores straight into the mesh sharding; the CPU bfloat16 layout (unrolled layers, uint16 KV
-storage) gives tp 1's tokens under tp 2; clear errors for indivisible heads, too few kv heads and too
-many devices.
+storage) gives tp 1's tokens under tp 2; a GGUF served as int8 blocks (quantization="gguf") splits its group
+scales with the row-parallel inputs and equals transformers' tokens under tp 2; clear errors for indivisible
+heads, too few kv heads and too many devices.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from tests.paths import REPO_ROOT, assert_checks_pass_on_cpu_devices
 
 CHECKS = REPO_ROOT / "tests" / "distributed" / "check_tensor_parallel.py"
-NUM_CHECKS = 18
+NUM_CHECKS = 19
 
 
 def test_tensor_parallel_checks_pass_on_8_cpu_devices():
