@@ -140,8 +140,8 @@ def _attention_factor(rope_type: str, params: dict[str, Any], factor: float, ori
 
 
 # ----- quantization ------------------------------------------------------------------------------------------
-# Schemes (weights per output channel, symmetric; activations, where quantized, per token at run time), applied
-# by `jaxserve.quantization`:
+# Schemes (weights per output channel, symmetric, except "gguf"'s groups; activations, where quantized, per token at
+# run time), applied by `jaxserve.quantization`:
 # - "int8": int8 weights, activations in the model's dtype (W8A16); the weight is converted inside the product
 #   and its scale applied to the float32 result.
 # - "int8_w8a8": int8 weights and activations, an int8 x int8 product accumulating in int32, both scales applied
@@ -150,7 +150,8 @@ def _attention_factor(rope_type: str, params: dict[str, Any], factor: float, ori
 #   capability 8.9 and later), elsewhere in the model's dtype as "int8" does (vLLM's "fp8" falls back the same way).
 # - "gguf" (vLLM's name for serving a GGUF file's quantized weights): int8 codes with a scale and an offset per
 #   GGUF_GROUP_SIZE inputs of each output channel, the file's Q8_0, Q4/Q5_0/_1 and Q4/Q5_K blocks exactly as stored
-#   (`weights.gguf_blocks`); the weight is rebuilt inside the product, activations in the model's dtype.
+#   (`weights.gguf_blocks`); activations in the model's dtype, the products per group off CPU
+#   (`QuantScheme.group_products`), the weight rebuilt inside the step on CPU.
 QUANTIZATION_CHOICES = ("int8", "int8_w8a8", "fp8", "gguf")
 GGUF_GROUP_SIZE = 32
 # what the KV cache stores (vLLM's names): "auto" the model's dtype; "fp8" (= "fp8_e4m3") float8 e4m3, scale 1

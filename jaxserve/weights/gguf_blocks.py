@@ -46,20 +46,23 @@ def _half(blocks: np.ndarray, start: int) -> np.ndarray:
     return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)
 
 
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """uint8 [n, 16 k] -> [n, 32 k]: each 16-byte run gives its 16 low nibbles, then its 16 high ones."""
-    runs = packed.reshape(packed.shape[0], -1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+def _no_offset(blocks: np.ndarray) -> np.ndarray:
+    """The offsets of a symmetric type's blocks: zero, float32 [n, 1]."""
+    return np.zeros((blocks.shape[0], 1), np.float32)
+
+
+def _nibbles(packed: np.ndarray, run: int = 16) -> np.ndarray:
+    """uint8 [n, run k] -> [n, 2 run k]: each ``run``-byte run gives its low nibbles, then its high ones."""
+    runs = packed.reshape(packed.shape[0], -1, 1, run) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     return (runs & np.uint8(0x0F)).reshape(packed.shape[0], -1)
 
 
 def _q8_0(blocks: np.ndarray):
-    codes = blocks[:, 2:].copy().view(np.int8)
-    return codes, _half(blocks, 0), np.zeros((blocks.shape[0], 1), np.float32)
+    return blocks[:, 2:].copy().view(np.int8), _half(blocks, 0), _no_offset(blocks)
 
 
 def _q4_0(blocks: np.ndarray):
-    codes = _nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8)
-    return codes, _half(blocks, 0), np.zeros((blocks.shape[0], 1), np.float32)
+    return _nibbles(blocks[:, 2:]).astype(np.int8) - np.int8(8), _half(blocks, 0), _no_offset(blocks)
 
 
 def _q4_1(blocks: np.ndarray):
@@ -74,7 +77,7 @@ def _fifth_bits(packed: np.ndarray) -> np.ndarray:
 
 def _q5_0(blocks: np.ndarray):
     codes = (_nibbles(blocks[:, 6:]) | _fifth_bits(blocks[:, 2:6])).astype(np.int8) - np.int8(16)
-    return codes, _half(blocks, 0), np.zeros((blocks.shape[0], 1), np.float32)
+    return codes, _half(blocks, 0), _no_offset(blocks)
 
 
 def _q5_1(blocks: np.ndarray):
@@ -91,8 +94,7 @@ def _k_quant_groups(blocks: np.ndarray, low_bits: np.ndarray, high_bits: np.ndar
     sub_scales, sub_mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())
     scale = _half(blocks, 0) * sub_scales.astype(np.float32)
     offset = -(_half(blocks, 2) * sub_mins.astype(np.float32))
-    low = low_bits.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    codes = (low & np.uint8(0x0F)).reshape(-1, 8, 32)
+    codes = _nibbles(low_bits, run=32).reshape(-1, 8, 32)
     if high_bits is not None:
         high = high_bits.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
         codes = codes | ((high & np.uint8(1)) << np.uint8(4))
