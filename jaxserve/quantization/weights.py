@@ -98,11 +98,15 @@ def _quantize_tree(tree: Any, scheme: QuantScheme) -> Any:
     return out
 
 
+def grouped_experts_refusal(name: str) -> str:
+    """Why a grouped scheme (``name``) cannot serve a mixture-of-experts model (the loaders refuse with it too)."""
+    return f"quantization={name!r} does not serve mixture-of-experts models yet; quantization='int8' does"
+
+
 def _quantize_experts(experts: dict, scheme: QuantScheme) -> dict:
     """A MoE block's stacked experts ([..., E, in, out]): values and scales per expert and output channel."""
     if scheme.group_size:
-        raise ValueError(f"quantization={scheme.name!r} does not serve mixture-of-experts models yet; "
-                         "quantization='int8' does")
+        raise ValueError(grouped_experts_refusal(scheme.name))
     out = {}
     for name, weight in experts.items():
         out[name], out[f"{name}_scale"] = quantize_kernel(weight, scheme)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import ModelConfig, parse_quantization
-from jaxserve.quantization.weights import QuantizedTensor
+from jaxserve.quantization.weights import QuantizedTensor, grouped_experts_refusal
 from jaxserve.weights.convert import params_from_hf
 from jaxserve.weights.gguf_blocks import grouped_codes
 
@@ -283,7 +283,7 @@ def load_gguf(path: Path, dtype: str, quantization: str | None = None):
     if quantization != "gguf":
         return config, params_from_hf(get, config, dtype)
     if moe:
-        raise ValueError("quantization='gguf' does not serve mixture-of-experts models yet; quantization='int8' does")
+        raise ValueError(grouped_experts_refusal("gguf"))
     config = dataclasses.replace(config, quantization=parse_quantization("gguf"))
     return config, params_from_hf(get, config, dtype, GgufBlocks(get, tensor, rows))
 
