@@ -154,8 +154,9 @@ def _attention_factor(rope_type: str, params: dict[str, Any], factor: float, ori
 #   (`QuantScheme.group_products`), the weight rebuilt inside the step on CPU.
 QUANTIZATION_CHOICES = ("int8", "int8_w8a8", "fp8", "gguf")
 GGUF_GROUP_SIZE = 32
-# what the KV cache stores (vLLM's names): "auto" the model's dtype; "fp8" (= "fp8_e4m3") float8 e4m3, scale 1
-KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
+# what the KV cache stores (vLLM's names): "auto" the model's dtype; "fp8" (= "fp8_e4m3") float8 e4m3, scale 1 (or a
+# checkpoint's per layer); "int8" (= vLLM's "int8_per_token_head") int8 with a float32 scale per token and kv head
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "int8", "int8_per_token_head")
 KV_SCALE_NAMES = ("k_scale", "v_scale")  # a layer's float8 K/V scales from a checkpoint (`self_attn.k_scale`)
 
 INT8_MAX = 127.0
@@ -730,7 +731,7 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | dict | str | None = None
     # weights quantized at load: "int8", "int8_w8a8" or "fp8"; "gguf": a GGUF file's blocks kept (jaxserve.quantization)
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" / "fp8_e4m3": float8 e4m3 (attention/kv_cache.py)
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3; "int8": scaled int8 (kv_cache.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

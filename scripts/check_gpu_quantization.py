@@ -1,10 +1,11 @@
-"""Quantized weights and the float8 KV cache on this machine's accelerator (a GPU: the device machine): every
-scheme's greedy tokens, and the float8 KV cache's, against transformers computing what the engine resolved here
+"""Quantized weights and the float8 and int8 KV caches on this machine's accelerator (a GPU: the device machine):
+every scheme's greedy tokens, and the KV caches', against transformers computing what the engine resolved here
 computes, on a tiny random float32 Llama (head_dim 64, so the Pallas kernels run on GPU and TPU).
 
 The references are the tests' (tests/quantization): weights dequantized and, where the scheme quantizes
 activations (fp8 on GPUs of compute capability 8.9+), each quantized layer's input rounded per token; a float8 KV
-cache as transformers' cache rounding K/V to e4m3 (with a checkpoint's K/V scales: K / k_scale rounded); `gguf`
+cache as transformers' cache rounding K/V to e4m3 (with a checkpoint's K/V scales: K / k_scale rounded), an int8
+one as a cache quantizing each token's row per kv head to int8 times its scale; `gguf`
 (its group-by-group products, as on any GPU) on a GGUF file of the model, which transformers dequantizes. Prints
 each run's tokens and whether they are equal; exit status 1 if any run fails or differs.
 
@@ -28,11 +29,13 @@ import transformers  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.weights.compressed_tensors import write_kv_cache_scales  # noqa: E402
 from tests.hf_tiny import TINY_64, greedy_continuation, make_tiny_model, small_bucket_file  # noqa: E402
+from tests.quantization.test_int8_kv_cache import Int8RoundingCache  # noqa: E402
 from tests.quantization.test_kv_cache import Fp8RoundingCache  # noqa: E402
 from tests.quantization.test_quantized_models import MAX_TOKENS, PROMPTS, _hf_quantized  # noqa: E402
 
 RUNS = [("int8", "auto"), ("int8_w8a8", "auto"), ("fp8", "auto"), (None, "fp8"), ("fp8", "fp8"), ("gguf", "auto"),
-        ("kv scales", "fp8")]
+        ("kv scales", "fp8"), (None, "int8"), ("fp8", "int8")]
+ROUNDING_CACHES = {"fp8": Fp8RoundingCache, "int8": Int8RoundingCache}  # transformers' cache per kv_cache_dtype
 
 
 def engine_tokens(model_dir: Path, work: Path, quantization: str | None, kv_cache_dtype: str):
@@ -45,14 +48,13 @@ def engine_tokens(model_dir: Path, work: Path, quantization: str | None, kv_cach
     return [o.outputs[0].token_ids for o in outputs], runner.config.quantization, runner.backend.name
 
 
-def reference_tokens(model_dir: Path, scheme, kv_cache_dtype: str, cache_class=Fp8RoundingCache,
-                     model=None) -> list[list[int]]:
+def reference_tokens(model_dir: Path, scheme, kv_cache_dtype: str, cache_class=None, model=None) -> list[list[int]]:
     if model is None and scheme is None:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     elif model is None:
         model = _hf_quantized(model_dir, scheme)
-    return [greedy_continuation(model, prompt, MAX_TOKENS,
-                                cache_class(config=model.config) if kv_cache_dtype != "auto" else None)
+    cache_class = cache_class or ROUNDING_CACHES.get(kv_cache_dtype)
+    return [greedy_continuation(model, prompt, MAX_TOKENS, cache_class and cache_class(config=model.config))
             for prompt in PROMPTS]
 
 

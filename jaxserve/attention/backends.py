@@ -15,7 +15,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxserve.attention.kv_cache import FP8_KV_DTYPE, gather_context, pool_values
+from jaxserve.attention.kv_cache import FP8_KV_DTYPE, ScaledPages, gather_context, page_values, pool_values
 from jaxserve.attention.metadata import AttentionMetadata, per_token_rows, token_positions
 from jaxserve.logger import init_logger
 from jaxserve.math_utils import cdiv, round_up
@@ -33,8 +33,8 @@ class AttentionBackend(Protocol):
     def attend(
         self,
         q: jax.Array,  # [S, Q, Hq, D] (a ragged step: [1, T, Hq, D])
-        k_pool: jax.Array,  # [L, Hkv, num_blocks, block_size, D]
-        v_pool: jax.Array,  # [L, Hkv, num_blocks, block_size, D]
+        k_pool: jax.Array,  # [L, Hkv, num_blocks, block_size, D], or ScaledPages (an int8 pool)
+        v_pool: jax.Array,  # as k_pool
         layer: jax.Array,  # i32[]
         meta: AttentionMetadata,
         *,
@@ -66,7 +66,7 @@ class ReferenceBackend:
         return 1
 
     def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None):
-        block_size = k_pool.shape[3]
+        block_size = page_values(k_pool).shape[3]
         chunk_pages = max(1, min(self.chunk_tokens // block_size, meta.block_tables.shape[1]))
         attend_rows = lambda q, meta: chunked_paged_attention(
             q, k_pool, v_pool, layer, meta, chunk_pages=chunk_pages,
@@ -90,7 +90,7 @@ def chunked_paged_attention(
     with ``logit_softcap`` c, each score s = (q . k) * sm_scale becomes c * tanh(s / c) before masking. Returns
     [S, Q, Hq, D] (padding rows 0)."""
     num_seqs, num_q, num_q_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_pool.shape[1], k_pool.shape[3]
+    num_kv_heads, block_size = page_values(k_pool).shape[1], page_values(k_pool).shape[3]
     chunk_len = chunk_pages * block_size
     pages_per_seq = meta.block_tables.shape[1]
     padded_pages = round_up(pages_per_seq, chunk_pages)
@@ -161,12 +161,12 @@ class PallasBackend:
     def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None):
         import kernels_pallas
 
-        # uint16 pools (bfloat16 bits) exist only on XLA:CPU, where the kernels run interpreted
-        k_pool, v_pool = pool_values(k_pool), pool_values(v_pool)
         common = dict(layer=layer, sm_scale=sm_scale, interpret=self.interpret, backend=self.kernel_variant,
-                      sliding_window=sliding_window, logit_softcap=logit_softcap)
-        # the kernels take q in the pool's dtype, or as it is over a float8 pool (they widen its pages)
-        query = q if k_pool.dtype == FP8_KV_DTYPE else q.astype(k_pool.dtype)
+                      sliding_window=sliding_window, logit_softcap=logit_softcap, **pool_scales(k_pool, v_pool))
+        # uint16 pools (bfloat16 bits) exist only on XLA:CPU, where the kernels run interpreted
+        k_pool, v_pool = pool_values(page_values(k_pool)), pool_values(page_values(v_pool))
+        # the kernels take q in the pool's dtype, or as it is over a float8 or int8 pool (they widen its pages)
+        query = q if k_pool.dtype in (FP8_KV_DTYPE, jnp.int8) else q.astype(k_pool.dtype)
         if meta.is_ragged:  # a mixed step ([1, T] tokens of ragged rows): the ragged kernel over the flat tokens
             out = kernels_pallas.ragged_paged_attention(
                 query[0], k_pool, v_pool, meta.block_tables, meta.query_starts, meta.query_lens, meta.q_start,
@@ -202,8 +202,11 @@ class CpuBackend(ReferenceBackend):
         import kernels_cpu
 
         options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
-        if k_pool.dtype not in kernels_cpu.POOL_DTYPES or v_pool.dtype != k_pool.dtype:
+        pool_dtype = page_values(k_pool).dtype
+        if pool_dtype not in kernels_cpu.POOL_DTYPES or page_values(v_pool).dtype != pool_dtype:
             return super().attend(q, k_pool, v_pool, layer, meta, **options)
+        options.update(pool_scales(k_pool, v_pool))
+        k_pool, v_pool = page_values(k_pool), page_values(v_pool)
         if meta.is_ragged:
             out = kernels_cpu.paged_attention(
                 q[0], k_pool, v_pool, layer, meta.block_tables, meta.query_starts, meta.query_lens, meta.q_start,
@@ -214,6 +217,13 @@ class CpuBackend(ReferenceBackend):
                 q, k_pool, v_pool, layer, meta.block_tables, meta.q_start, meta.lengths, **options,
             )
         return out.astype(q.dtype)
+
+
+def pool_scales(k_pool, v_pool) -> dict:
+    """The kernels' ``k_scales`` / ``v_scales`` arguments of an int8 pool (`ScaledPages`); none for other pools."""
+    if not isinstance(k_pool, ScaledPages):
+        return {}
+    return {"k_scales": k_pool.scales, "v_scales": v_pool.scales}
 
 
 ATTENTION_BACKENDS = ("reference", "pallas", "cpu")

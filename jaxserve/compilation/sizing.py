@@ -25,7 +25,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxserve.attention.kv_cache import kv_value_dtype
+from jaxserve.attention.kv_cache import kv_scale_bytes, kv_value_dtype
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.buckets import BucketGrid, load_bucket_spec
 from jaxserve.distributed.sharding import per_device_bytes
@@ -83,10 +83,10 @@ def engine_bucket_grid(
 
 def _block_bytes(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh) -> int:
     """Bytes of one block of ``model_config``'s pool of K/V in ``dtype`` per device (the pool is split over the
-    heads)."""
+    heads), an int8 pool's scales included."""
     return kv_bytes_per_block(
         num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
-        head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize,
+        head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize, scale_bytes=kv_scale_bytes(dtype),
     ) // mesh.size
 
 
@@ -117,10 +117,11 @@ def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: Mo
 
 
 def kv_bytes_per_block(
-    *, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype_bytes: int
+    *, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype_bytes: int, scale_bytes: int = 0
 ) -> int:
-    """Device bytes of one block across all layers: K and V."""
-    return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype_bytes
+    """Device bytes of one block across all layers: K and V, with ``scale_bytes`` per token and kv head beside
+    the values (an int8 pool's scales)."""
+    return 2 * num_layers * num_kv_heads * block_size * (head_dim * dtype_bytes + scale_bytes)
 
 
 def num_blocks_from_budget(

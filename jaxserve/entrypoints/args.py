@@ -70,8 +70,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "quantization": (str, "quantize the weights at load: int8 (int8 weights, W8A16), int8_w8a8 (int8 weights and "
                      "activations), fp8 (float8 e4m3 weights; float8 activations too on GPUs of compute capability "
                      "8.9+); per output channel, activations per token"),
-    "kv_cache_dtype": (str, "what the KV cache stores: auto (the model's dtype) or fp8 / fp8_e4m3 (float8 e4m3, "
-                       "scale 1, vLLM's: half of bfloat16's bytes, twice the tokens)"),
+    "kv_cache_dtype": (str, "what the KV cache stores: auto (the model's dtype), fp8 / fp8_e4m3 (float8 e4m3, "
+                       "scale 1, vLLM's: half of bfloat16's bytes, twice the tokens) or int8 / int8_per_token_head "
+                       "(int8 with a float32 scale per token and kv head: 0.52-0.53 of bfloat16's bytes)"),
 }
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"]}  # vLLM's
 

@@ -36,7 +36,7 @@ import numpy as np
 from flax import struct
 
 from jaxserve.attention.backends import get_attention_backend
-from jaxserve.attention.kv_cache import kv_storage_dtype, kv_value_dtype, pool_page_shape
+from jaxserve.attention.kv_cache import INT8_KV_DTYPE, ScaledPages, kv_storage_dtype, kv_value_dtype, pool_page_shape
 from jaxserve.attention.metadata import AttentionMetadata, row_offsets, token_layout
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.buckets import BucketGrid
@@ -136,11 +136,12 @@ class ModelRunner:
         platform: str | None = None,
         kv_cache_dtype: str = "auto",
     ):
-        """``kv_cache_dtype``: what the KV pool keeps, the model's dtype ("auto") or float8 ("fp8"; see
-        `attention/kv_cache.py`). ``abstract=True``: ``params`` are ``ShapeDtypeStruct``s and no KV pool (nor
-        sampler state) is allocated; such a runner only compiles (precompilation into the persistent cache needs
-        no device memory). ``platform``: what the steps are built for, by default the mesh's devices' platform (a
-        deviceless TPU topology's devices say "tpu"; "cuda" builds for GPUs on a CPU mesh, lowering only)."""
+        """``kv_cache_dtype``: what the KV pool keeps, the model's dtype ("auto"), float8 ("fp8") or int8 with a
+        scale per token and kv head ("int8"; see `attention/kv_cache.py`). ``abstract=True``: ``params`` are
+        ``ShapeDtypeStruct``s and no KV pool (nor sampler state) is allocated; such a runner only compiles
+        (precompilation into the persistent cache needs no device memory). ``platform``: what the steps are built
+        for, by default the mesh's devices' platform (a deviceless TPU topology's devices say "tpu"; "cuda" builds
+        for GPUs on a CPU mesh, lowering only)."""
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
@@ -207,17 +208,21 @@ class ModelRunner:
             num_sampler_slots=grid.max_num_seqs, num_logprobs=config.max_logprobs, kv_cache_dtype=config.kv_cache_dtype,
         )
 
-    def _abstract_pool(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    def _abstract_pool(self) -> tuple:
+        """(K, V) pool structs: pages, or for an int8 pool `ScaledPages` of pages and their scales."""
         cfg = self.config
         tokens_per_row = self.backend.tokens_per_row(self.block_size, cfg.head_dim)
         page = pool_page_shape(self.block_size, cfg.head_dim, tokens_per_row)
-        shape = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks, *page)
-        pool = jax.ShapeDtypeStruct(shape, self.kv_storage_dtype, sharding=kv_pool_sharding(self.mesh))
+        blocks = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks)
+        struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=kv_pool_sharding(self.mesh))
+        pool = struct((*blocks, *page), self.kv_storage_dtype)
+        if self.kv_storage_dtype == INT8_KV_DTYPE:
+            pool = ScaledPages(pool, struct((*blocks, self.block_size), jnp.float32))
         return pool, pool
 
-    def _allocate_pool(self) -> tuple[jax.Array, jax.Array]:
-        zeros = _zeros_program(self._abstract_pool()[0])
-        return zeros(), zeros()
+    def _allocate_pool(self) -> tuple:
+        allocate = lambda pool: jax.tree.map(lambda spec: _zeros_program(spec)(), pool)
+        return tuple(allocate(pool) for pool in self._abstract_pool())
 
     def _no_tokens_struct(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=replicated(self.mesh))
@@ -238,7 +243,8 @@ class ModelRunner:
 
     def _allocation_programs(self) -> dict[str, tuple]:
         """The programs that allocate the pool, `no_tokens` and the sampler state, by name: (jitted, no args)."""
-        structs = [self._abstract_pool()[0], self._no_tokens_struct(), *jax.tree.leaves(self._abstract_slot_state())]
+        structs = [*jax.tree.leaves(self._abstract_pool()[0]), self._no_tokens_struct(),
+                   *jax.tree.leaves(self._abstract_slot_state())]
         return {
             f"zeros-{'x'.join(map(str, spec.shape))}-{spec.dtype}": (_zeros_program(spec), ())
             for spec in dict.fromkeys(structs)
@@ -307,10 +313,10 @@ class ModelRunner:
     def _copy_blocks(kv_pool, slot_state, block_src, block_dst, slot_src, slot_dst):
         """Copy-on-write: KV block dst[i] := block src[i] in every layer, slot dst[i] := slot src[i].
 
-        Sources are read before anything is written; out-of-range dst entries (padding) are no-ops."""
-        k_pool, v_pool = kv_pool
+        Sources are read before anything is written; out-of-range dst entries (padding) are no-ops. An int8
+        pool's scales are copied with its pages."""
         copy = lambda pool: pool.at[:, :, block_dst].set(pool[:, :, block_src], mode="drop")
-        return (copy(k_pool), copy(v_pool)), copy_slots(slot_state, slot_src, slot_dst)
+        return jax.tree.map(copy, kv_pool), copy_slots(slot_state, slot_src, slot_dst)
 
     def _abstract_inputs(self, shape: StepShape):
         s, p = shape.batch_size, shape.pages_per_seq

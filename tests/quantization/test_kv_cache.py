@@ -134,5 +134,6 @@ def test_the_pool_dtype_per_platform():
 
 
 def test_unknown_kv_cache_dtypes_are_refused_naming_the_choices():
-    with pytest.raises(ValueError, match=r"^unsupported kv_cache_dtype 'int4'; supported: auto, fp8, fp8_e4m3$"):
+    with pytest.raises(ValueError, match=r"^unsupported kv_cache_dtype 'int4'; supported: auto, fp8, fp8_e4m3, int8, "
+                                         r"int8_per_token_head$"):
         EngineConfig(kv_cache_dtype="int4")
