@@ -207,6 +207,25 @@ def test_gguf_blocks_under_tensor_parallelism_match_transformers(tmp_path, bucke
     assert _generate(llm) == [greedy_continuation(model.eval(), p, GREEDY.max_tokens) for p in PROMPTS]
 
 
+def test_int8_kv_cache_under_tensor_parallelism_matches_transformers(model_dir, buckets):
+    """kv_cache_dtype="int8": each device holds its kv heads' pages and their scales, written and read in the
+    head shard_map."""
+    import torch
+    import transformers
+
+    from tests.hf_tiny import greedy_continuation
+    from tests.quantization.test_int8_kv_cache import Int8RoundingCache
+
+    llm = LLM(str(model_dir), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=2,
+              kv_cache_dtype="int8")
+    k_pool = llm.llm_engine.runner.kv_pool[0]
+    assert k_pool.values.sharding.spec == k_pool.scales.sharding.spec == P(None, "tp")
+    assert k_pool.scales.addressable_shards[0].data.shape[1] == 2  # 2 of the 4 kv heads' scales per device
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert _generate(llm) == [greedy_continuation(model, p, GREEDY.max_tokens, Int8RoundingCache(config=model.config))
+                              for p in PROMPTS]
+
+
 @pytest.mark.parametrize(
     ("family", "overrides"),
     [("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32, "num_attention_heads": 8}),
