@@ -7,12 +7,15 @@ the jnp reference on random data (the first sequences of each batch), then times
   * chunked prefill (`prefill_attention`) for a few batch sizes, next to the XLA reference (TFLOP/s);
   * ragged (`ragged_paged_attention`, the mixed steps' kernel): `batch` decode rows and one prefill chunk in
     one flat batch, next to the XLA reference and the decode rows' roofline.
-Prints markdown tables, one set per pool dtype. A configuration that differs from the reference is
+Prints markdown tables, one set per pool dtype: bfloat16, float32, or int8 (`kv_cache_dtype="int8"`: int8 pages
+with a float32 scale per token and kv head, bfloat16 queries; the reference reads the pool dequantized in its own
+program, so compare int8 with bfloat16's kernel times). A configuration that differs from the reference is
 reported and the sweep goes on; the exit status is 1 if any did.
 
     python scripts/bench_kernels.py            # full sweep on a GPU
     python scripts/bench_kernels.py --quick    # small sweep
     python scripts/bench_kernels.py --dtype bfloat16,float32 --batches 64,256 --contexts 1024,8192
+    python scripts/bench_kernels.py --dtype bfloat16,int8 --quick      # the int8 KV cache against bfloat16's
     python scripts/bench_kernels.py --interpret --quick   # CPU smoke test (interpret mode, tiny shapes)
 """
 
@@ -31,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxserve.attention.kv_cache import ScaledPages  # noqa: E402
 from jaxserve.math_utils import cdiv  # noqa: E402
 from kernels_pallas._common import GPU_PLATFORMS  # noqa: E402
 from kernels_pallas.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
@@ -44,7 +48,7 @@ FULL = {"batches": [1, 4, 16, 64, 256], "contexts": [512, 2048, 8192], "prefill_
 QUICK = {"batches": [1, 16], "contexts": [512, 2048], "prefill_batches": [1]}
 INTERPRET = {"batches": [1, 2], "contexts": [64, 128], "prefill_batches": [1]}
 CHECK_SEQS = 4  # sequences compared against the reference per configuration
-TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "int8": 3e-2}
 KERNELS = ("decode", "prefill", "ragged")
 FAILURES: list[str] = []  # configurations whose kernel output differed from the reference
 
@@ -65,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", default="32:8", help="num_q_heads:num_kv_heads (default 32:8)")
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
     p.add_argument("--page-size", type=int, default=16, choices=(16, 32, 64, 128))
-    p.add_argument("--dtype", default="bfloat16", help="pool dtypes, comma-separated: bfloat16, float32")
+    p.add_argument("--dtype", default="bfloat16", help="pool dtypes, comma-separated: bfloat16, float32, int8")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk length (default 512)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
     p.add_argument("--kernel", default="decode,prefill,ragged", help=f"comma-separated, of {', '.join(KERNELS)}")
@@ -120,20 +124,54 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
 
 
 def make_pool(key, shape: Shape, batch: int, context: int):
-    """Random pool with each sequence's pages scattered over it; all sequences hold `context` tokens."""
+    """Random pool with each sequence's pages scattered over it; all sequences hold `context` tokens. An int8
+    pool's pages are `ScaledPages` (values in -127..127, scales of about 1/127, as normal K/V would get)."""
     pages_per_seq = cdiv(context, shape.page_size)
     total_pages = batch * pages_per_seq
     dims = (shape.num_kv_heads, total_pages, shape.page_size, shape.head_dim)
     kk, kv, kp = jax.random.split(key, 3)
-    dtype = jnp.dtype(shape.dtype)
-    k_pages = jax.random.normal(kk, dims, dtype)
-    v_pages = jax.random.normal(kv, dims, dtype)
     table = jax.random.permutation(kp, total_pages).reshape(batch, pages_per_seq).astype(jnp.int32)
-    return k_pages, v_pages, table, jnp.full((batch,), context, jnp.int32)
+    pages = lambda key: random_pages(key, dims, shape.dtype)
+    return pages(kk), pages(kv), table, jnp.full((batch,), context, jnp.int32)
+
+
+def random_pages(key, dims: tuple, dtype: str):
+    if dtype != "int8":
+        return jax.random.normal(key, dims, jnp.dtype(dtype))
+    values = jax.random.randint(key, dims, -127, 128, jnp.int32).astype(jnp.int8)
+    return ScaledPages(values, jax.random.uniform(key, dims[:-1], jnp.float32, 0.5 / 127, 2 / 127))
+
+
+def query_dtype(shape: Shape) -> jnp.dtype:
+    """q's dtype: the pool's, bfloat16 over an int8 pool."""
+    return jnp.dtype(jnp.bfloat16 if shape.dtype == "int8" else shape.dtype)
+
+
+def kernel_call(fn, **options):
+    """fn(q, k, v, *rest, **options) on pools as `make_pool` gives them: an int8 pool's scales as k_scales /
+    v_scales."""
+    def call(q, k, v, *rest):
+        if isinstance(k, ScaledPages):
+            return fn(q, k.values, v.values, *rest, k_scales=k.scales, v_scales=v.scales, **options)
+        return fn(q, k, v, *rest, **options)
+    return call
+
+
+def reference_call(fn, **options):
+    """The XLA reference fn(q, k, v, *rest, **options) on the pools' values (an int8 pool dequantized to q's
+    dtype)."""
+    def call(q, k, v, *rest):
+        if isinstance(k, ScaledPages):
+            k, v = ((p.values.astype(jnp.float32) * p.scales[..., None]).astype(q.dtype) for p in (k, v))
+        return fn(q, k, v, *rest, **options)
+    return call
 
 
 def kv_bytes(shape: Shape, batch: int, context: int) -> int:
-    return 2 * batch * context * shape.num_kv_heads * shape.head_dim * jnp.dtype(shape.dtype).itemsize
+    """K/V bytes the context occupies (an int8 pool's float32 scales included)."""
+    scale_bytes = 4 if shape.dtype == "int8" else 0
+    value_bytes = shape.head_dim * jnp.dtype(shape.dtype).itemsize + scale_bytes
+    return 2 * batch * context * shape.num_kv_heads * value_bytes
 
 
 def reference_fits(shape: Shape, batch: int, context: int, limit_gb: float, chunk: int = 1) -> bool:
@@ -153,8 +191,8 @@ def check(name: str, out, ref, dtype: str) -> None:
 
 
 def bench_decode(args, shape: Shape, sweep: dict, bandwidth: float) -> list[str]:
-    kernel = jax.jit(lambda *a: paged_attention(*a, backend="gpu", interpret=args.interpret))
-    reference = jax.jit(paged_attention_reference)
+    kernel = jax.jit(kernel_call(paged_attention, backend="gpu", interpret=args.interpret))
+    reference = jax.jit(reference_call(paged_attention_reference))
     rows = [
         "| batch | context | kernel us | XLA ref us | roofline us | % of roofline | speedup vs XLA |",
         "|---:|---:|---:|---:|---:|---:|---:|",
@@ -164,7 +202,7 @@ def bench_decode(args, shape: Shape, sweep: dict, bandwidth: float) -> list[str]
         for context in sweep["contexts"]:
             key = jax.random.PRNGKey(batch * 100_003 + context)
             k_pages, v_pages, table, lengths = make_pool(key, shape, batch, context)
-            q = jax.random.normal(key, (batch, shape.num_q_heads, shape.head_dim), jnp.dtype(shape.dtype))
+            q = jax.random.normal(key, (batch, shape.num_q_heads, shape.head_dim), query_dtype(shape))
             n = min(batch, CHECK_SEQS)
             check(
                 f"decode b={batch} ctx={context}",
@@ -186,8 +224,8 @@ def bench_decode(args, shape: Shape, sweep: dict, bandwidth: float) -> list[str]
 
 def bench_prefill(args, shape: Shape, sweep: dict) -> list[str]:
     chunk = min(args.chunk, min(sweep["contexts"]))
-    kernel = jax.jit(lambda *a: prefill_attention(*a, backend="gpu", interpret=args.interpret))
-    reference = jax.jit(prefill_attention_reference)
+    kernel = jax.jit(kernel_call(prefill_attention, backend="gpu", interpret=args.interpret))
+    reference = jax.jit(reference_call(prefill_attention_reference))
     rows = [
         f"| batch | context (last chunk of {chunk}) | kernel us | XLA ref us | kernel TFLOP/s "
         "| speedup vs XLA |",
@@ -199,7 +237,7 @@ def bench_prefill(args, shape: Shape, sweep: dict) -> list[str]:
             key = jax.random.PRNGKey(batch * 7 + context)
             k_pages, v_pages, table, lengths = make_pool(key, shape, batch, context)
             q = jax.random.normal(
-                key, (batch, chunk, shape.num_q_heads, shape.head_dim), jnp.dtype(shape.dtype)
+                key, (batch, chunk, shape.num_q_heads, shape.head_dim), query_dtype(shape)
             )
             q_start = lengths - chunk
             args_ = (q, k_pages, v_pages, table, q_start, lengths)
@@ -236,15 +274,15 @@ def ragged_rows(batch: int, context: int, chunk: int):
 def ragged_inputs(shape: Shape, batch: int, context: int, chunk: int):
     key = jax.random.PRNGKey(batch * 31 + context)
     k_pages, v_pages, table, _ = make_pool(key, shape, batch + 1, context)
-    q = jax.random.normal(key, (batch + chunk, shape.num_q_heads, shape.head_dim), jnp.dtype(shape.dtype))
+    q = jax.random.normal(key, (batch + chunk, shape.num_q_heads, shape.head_dim), query_dtype(shape))
     return (q, k_pages, v_pages, table, *ragged_rows(batch, context, chunk))
 
 
 def bench_ragged(args, shape: Shape, sweep: dict, bandwidth: float) -> list[str]:
     chunk = min(args.chunk, min(sweep["contexts"]))
     sm_scale = shape.head_dim**-0.5
-    kernel = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=sm_scale, backend="gpu", interpret=args.interpret))
-    reference = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=sm_scale))
+    kernel = jax.jit(kernel_call(ragged_paged_attention, sm_scale=sm_scale, backend="gpu", interpret=args.interpret))
+    reference = jax.jit(reference_call(ragged_paged_attention_reference, sm_scale=sm_scale))
     rows = [
         f"| decode rows | context (+ one chunk of {chunk}) | kernel us | XLA ref us | decode rows' roofline us "
         "| speedup vs XLA |",
