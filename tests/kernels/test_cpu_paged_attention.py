@@ -253,15 +253,15 @@ def test_other_pool_dtypes_are_refused_with_a_clear_error():
     half = jnp.asarray(k_pool, jnp.float16), jnp.asarray(v_pool, jnp.float16)
     mixed = k_pool, v_pool.astype(jnp.bfloat16)
     for k, v in (half, mixed):  # the wrapper refuses them before the call...
-        with pytest.raises(ValueError, match=r"reads float32, bfloat16 \(or uint16 bits of bfloat16\) or uint8 bits "
-                           r"of float8 e4m3 KV pools \(both the same dtype\), not k_pool"):
+        with pytest.raises(ValueError, match=r"reads float32, bfloat16 \(or uint16 bits of bfloat16\), uint8 bits "
+                           r"of float8 e4m3 or int8 \(with scales\) KV pools \(both the same dtype\), not k_pool"):
             _decode(*args(k, v), sm_scale=0.125)
     # ... and so does the FFI handler, for a caller that goes around the wrapper
     call = jax.ffi.ffi_call(kernels_cpu.TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     for k, v in (half, mixed):
         with pytest.raises(jax.errors.JaxRuntimeError,
-                           match=r"the KV pools must both be float32, bfloat16 \(or its uint16 bits\) or float8 "
-                           r"e4m3 bits \(uint8\)"):
+                           match=r"the KV pools must both be float32, bfloat16 \(or its uint16 bits\), float8 "
+                           r"e4m3 bits \(uint8\) or int8"):
             call(q, k, v, np.array([LAYER], np.int32), block_tables, *_decode_rows(lengths),
                  sm_scale=np.float32(0.125), sliding_window=np.int64(0),
                  logit_softcap=np.float32(0)).block_until_ready()
