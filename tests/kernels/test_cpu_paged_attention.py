@@ -10,7 +10,9 @@ dtype, scale, soft-cap and row checks; the build's failure path; the backend cho
 Tolerance: rtol 2e-5, atol 2e-6 for both pool dtypes. A bfloat16 pool is compared with the naive attention
 over the same bfloat16 values upcast (exactly) to float64, and the kernel computes in float32 on those
 exact values, so its error is the float32 path's: about 5e-7 absolute at most on these cases. The soft-cap's
-tanh is a rational approximation of a few ulp (as XLA:CPU's own), well inside the same tolerance at cap 5."""
+tanh is a rational approximation of a few ulp (as XLA:CPU's own), well inside the same tolerance at cap 5.
+The int8 pool is held to the same tolerance against the float32 pool of int8 * scale (rounded to float32 as the
+kernel rounds it when it loads a row; today the two outputs are equal bit for bit)."""
 
 from __future__ import annotations
 
