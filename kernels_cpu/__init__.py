@@ -11,9 +11,13 @@ reads the pages in place and stops at each token's own position. Its rows are ra
 `lengths[s]` tokens of its sequence, so one call takes a padded [rows, chunk] batch (the engine's steps
 today) or a flat mix of decode rows and prefill chunks. The pool may be float32 or bfloat16 (`POOL_DTYPES`;
 bfloat16 also as its uint16 bits, the engine's CPU storage, see
-`jaxserve.attention.kv_cache.kv_storage_dtype`), or float8 e4m3 as its uint8 bits (`kv_cache_dtype="fp8"`): one
-FFI target reads each, widening bfloat16 elements (a shift) and float8 ones (a 256-entry table) to float32 as
-it loads them, and computes in float32. With `logit_softcap` c (Gemma 2's
+`jaxserve.attention.kv_cache.kv_storage_dtype`), float8 e4m3 as its uint8 bits (`kv_cache_dtype="fp8"`), or
+int8 with a scale per token and kv head (`kv_cache_dtype="int8"`, vLLM's int8_per_token_head): each cached K
+(V) row of one token and head is int8 values times a float32 scale, max|x| / 127 when XLA wrote it, held in
+`k_scales` (`v_scales`) [L, Hkv, num_blocks, block_size] beside the pool, which the kernel reads in place with
+the pages. One FFI target reads them all, one compiled variant per pool type, widening bfloat16 elements (a
+shift), float8 ones (a 256-entry table) and int8 rows (a conversion, times the row's scale) to float32 as it
+loads them, and computes in float32. With `logit_softcap` c (Gemma 2's
 attn_logit_softcapping) each scaled score s becomes c * tanh(s / c) before masking and the softmax; without
 it the kernel runs a variant compiled with no trace of the cap.
 
@@ -49,9 +53,11 @@ CXX_FLAGS = [
     # lets the dot products vectorize (reassociated sums); infinities keep their meaning (no -ffast-math)
     "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
 ]
-# what the kernel reads the KV pool as: float32, bfloat16, bfloat16 stored as its bits (uint16), or float8 e4m3
-# stored as its bits (uint8: the engine's float8 KV cache on CPU)
-POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16), jnp.dtype(jnp.uint8))
+# what the kernel reads the KV pool as: float32, bfloat16, bfloat16 stored as its bits (uint16), float8 e4m3
+# stored as its bits (uint8: the engine's float8 KV cache on CPU), or int8 with per-token-per-head scales
+POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16), jnp.dtype(jnp.uint8),
+               jnp.dtype(jnp.int8))
+SCALED_POOL_DTYPE = jnp.dtype(jnp.int8)  # the pool that comes with k_scales and v_scales
 _build_error: str | None = None
 
 
@@ -116,10 +122,28 @@ def build_error() -> str | None:
 
 def _check_pool_dtypes(k_pool: jax.Array, v_pool: jax.Array) -> None:
     if k_pool.dtype not in POOL_DTYPES or v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"the CPU paged attention reads float32, bfloat16 (or uint16 bits of bfloat16) or uint8 "
-                         f"bits of float8 e4m3 "
-                         f"KV pools (both the same dtype), "
+        raise ValueError(f"the CPU paged attention reads float32, bfloat16 (or uint16 bits of bfloat16), uint8 "
+                         f"bits of float8 e4m3 or int8 (with scales) KV pools (both the same dtype), "
                          f"not k_pool {k_pool.dtype} and v_pool {v_pool.dtype}")
+
+
+def _pool_scales(k_pool: jax.Array, k_scales: jax.Array | None, v_scales: jax.Array | None) -> tuple:
+    """The scale arrays to pass after the row arrays: both for an int8 pool, none for the others; a
+    ValueError for one alone, scales with another pool, an int8 pool without them, or a wrong shape or dtype."""
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("give both k_scales and v_scales (with an int8 KV pool), or neither")
+    scaled = k_pool.dtype == SCALED_POOL_DTYPE
+    if k_scales is None:
+        if scaled:
+            raise ValueError("an int8 KV pool needs k_scales and v_scales: float32 [L, Hkv, num_blocks, block_size]")
+        return ()
+    if not scaled:
+        raise ValueError(f"k_scales and v_scales go with an int8 KV pool, not a {k_pool.dtype} one")
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if scales.dtype != jnp.float32 or tuple(scales.shape) != tuple(k_pool.shape[:-1]):
+            raise ValueError(f"{name} must be float32 {list(k_pool.shape[:-1])} (the pool's shape without head_dim), "
+                             f"not {scales.dtype} {list(scales.shape)}")
+    return k_scales, v_scales
 
 
 def _softcap_attribute(logit_softcap: float | None) -> np.float32:
@@ -131,7 +155,7 @@ def _softcap_attribute(logit_softcap: float | None) -> np.float32:
 
 def paged_attention(
     q: jax.Array,  # f32[T, Hq, D]: every row's query tokens, back to back (other float dtypes are cast to f32)
-    k_pool: jax.Array,  # f32, bf16 or u16 (bf16 bits) [L, Hkv, num_blocks, block_size, D]
+    k_pool: jax.Array,  # f32, bf16, u16 (bf16 bits), u8 (e4m3 bits) or i8 [L, Hkv, num_blocks, block_size, D]
     v_pool: jax.Array,  # the same shape and dtype as k_pool
     layer: jax.Array,  # i32[]
     block_tables: jax.Array,  # i32[S, P]
@@ -143,19 +167,25 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[L, Hkv, num_blocks, block_size]: with an int8 pool only
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Token i of row s, at position ``positions[s] + i``, attends causally over its sequence's cached tokens
     up to itself (the last ``sliding_window`` of them if set); tokens at or past ``lengths[s]``, and tokens of q
     that belong to no row, give zeros. With ``logit_softcap`` c, each score s = (q . k) * sm_scale becomes
-    c * tanh(s / c) before masking and the softmax. Returns f32[T, Hq, D], computed in float32 whatever the
-    pool dtype. Raises ValueError for a pool dtype other than float32 and bfloat16 (`POOL_DTYPES`), and for a
-    negative, infinite or NaN ``logit_softcap``. Call `load()` first."""
+    c * tanh(s / c) before masking and the softmax. An int8 pool's cached token t of block b, kv head h, holds
+    ``k_pool[layer, h, b, t] * k_scales[layer, h, b, t]`` (and so V with ``v_scales``); the kernel reads the
+    scales in place, only those of the tokens it reads. Returns f32[T, Hq, D], computed in float32 whatever the
+    pool dtype. Raises ValueError for a pool dtype not in `POOL_DTYPES` (or two different ones), for scales
+    missing, alone, of the wrong shape or dtype or with another pool than int8, and for a negative, infinite or
+    NaN ``logit_softcap``. Call `load()` first."""
     _check_pool_dtypes(k_pool, v_pool)
+    scales = _pool_scales(k_pool, k_scales, v_scales)
     softcap = _softcap_attribute(logit_softcap)
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     rows = [jnp.asarray(x).astype(jnp.int32) for x in (block_tables, query_starts, query_lens, positions, lengths)]
     return call(
-        q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1), *rows,
+        q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1), *rows, *scales,
         sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0), logit_softcap=softcap,
     )
 
@@ -172,13 +202,17 @@ def padded_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """`paged_attention` on the engine's padded layout (a decode step is Q = 1, q_start = lengths - 1), with
-    the same sliding window and logit soft-cap; returns f32[S, Q, Hq, D], zeros for padding tokens and rows."""
+    the same sliding window, logit soft-cap and int8 pool scales; returns f32[S, Q, Hq, D], zeros for padding
+    tokens and rows."""
     num_rows, num_query = q.shape[:2]
     out = paged_attention(
         q.reshape(num_rows * num_query, *q.shape[2:]), k_pool, v_pool, layer, block_tables,
         jnp.arange(num_rows, dtype=jnp.int32) * num_query, jnp.full((num_rows,), num_query, jnp.int32),
         q_start, lengths, sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+        k_scales=k_scales, v_scales=v_scales,
     )
     return out.reshape(q.shape)

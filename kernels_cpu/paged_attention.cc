@@ -6,8 +6,11 @@
 // [layers, kv_heads, blocks, block_size, head_dim] through the block table: nothing is gathered into a
 // copy first, which is what makes the plain-XLA path slow on CPU. Softmax is computed online in float32.
 // The pool is float32 or bfloat16 (both pools the same; bfloat16 also as its raw bits, uint16, which is
-// how the engine stores it on CPU), or float8 e4m3 as its bits (uint8: the float8 KV cache); bfloat16 and
-// float8 elements are widened to float32 as they are loaded, so the math is float32 either way.
+// how the engine stores it on CPU), float8 e4m3 as its bits (uint8: the float8 KV cache), or int8 with a
+// float32 scale per cached token and kv head (int8_per_token_head: value = int8 * scale, the scales in
+// [layers, kv_heads, blocks, block_size] arrays beside the pools, read in place like the pages); bfloat16,
+// float8 and int8 elements are widened to float32 as they are loaded (int8 rows times their scale), so the
+// math is float32 either way.
 // With a logit soft-cap c > 0 (Gemma 2's attn_logit_softcapping) each scaled score s = (q . k) * sm_scale
 // becomes c * tanh(s / c) before masking and the softmax; c = 0 (none) compiles a variant without it.
 // Work items are (row, kv head, block of up to 16 query tokens): each loads a tile of 16 cached tokens
@@ -24,6 +27,8 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -38,8 +43,10 @@ constexpr int64_t kQueryBlock = 16;   // query tokens per work item
 
 struct Problem {
   const float* q;             // [T, Hq, D]: the rows' query tokens, back to back
-  const void* k_pool;         // [L, Hkv, NB, BS, D], float32 or bfloat16 (as uint16_t)
+  const void* k_pool;         // [L, Hkv, NB, BS, D]: float32, bfloat16 (as uint16_t), float8 (uint8_t) or int8
   const void* v_pool;
+  const float* k_scales;      // [L, Hkv, NB, BS]: an int8 pool's row scales (null for the other pools)
+  const float* v_scales;
   const int32_t* block_tables;  // [S, P]
   const int32_t* query_starts;  // [S]: row s's first token in q
   const int32_t* query_lens;    // [S]: row s's tokens in q
@@ -78,6 +85,11 @@ struct Float8E4M3Table {
 };
 const Float8E4M3Table kFloat8E4M3;
 inline float ToFloat(uint8_t float8_e4m3_bits) { return kFloat8E4M3.value[float8_e4m3_bits]; }
+
+// An int8 element is a value only times its row's scale (int8_per_token_head), which LoadTile applies.
+inline float ToFloat(int8_t x) { return x; }
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, int8_t>;
 
 // 16 float32 lanes: one AVX-512 register, two AVX2 ones; GCC's and Clang's vector extension, so the code
 // below states the vector algorithm once and the compiler picks the instructions for the native ISA.
@@ -171,23 +183,44 @@ inline float Sum(Vec x) {
   return ReduceLanes(x, [](Vec a, Vec b) { return a + b; });
 }
 
-// Up to 16 consecutive cached tokens of one page, widened to float32 into [kLanes, padded_dim] tiles; rows
-// past `count` and columns past `dim` are zeros, so every lane computes on finite numbers and the unread
-// slots of the pool (other sequences' data, or garbage) never enter the arithmetic.
+// Up to 16 consecutive cached tokens of one page, widened to float32 into [kLanes, padded_dim] tiles (an
+// int8 pool's rows times their `scales`, unused for the other pools); rows past `count` and columns past
+// `dim` are zeros, so every lane computes on finite numbers and the unread slots of the pool (other
+// sequences' data, or garbage, their scales included) never enter the arithmetic.
 template <typename T>
-void LoadTile(const T* rows, int64_t count, int64_t dim, int64_t padded_dim, float* tile) {
+void LoadTile(const T* rows, const float* scales, int64_t count, int64_t dim, int64_t padded_dim, float* tile) {
   for (int64_t t = 0; t < count; ++t) {
-    for (int64_t d = 0; d < dim; ++d) tile[t * padded_dim + d] = ToFloat(rows[t * dim + d]);
-    std::fill(tile + t * padded_dim + dim, tile + (t + 1) * padded_dim, 0.0f);
+    float* row = tile + t * padded_dim;
+    if constexpr (kScaled<T>) {
+      const float scale = scales[t];
+      for (int64_t d = 0; d < dim; ++d) row[d] = ToFloat(rows[t * dim + d]) * scale;
+    } else {
+      for (int64_t d = 0; d < dim; ++d) row[d] = ToFloat(rows[t * dim + d]);
+    }
+    std::fill(row + dim, row + padded_dim, 0.0f);
   }
   std::fill(tile + count * padded_dim, tile + kLanes * padded_dim, 0.0f);
 }
 
 // Asks for a page's rows ahead of use: pages are scattered through the pool, so the hardware prefetcher
-// cannot guess the next one, and each page switch would otherwise wait on memory.
-inline void PrefetchPage(const void* page, int64_t bytes) {
+// cannot guess the next one, and each page switch would otherwise wait on memory. Always inlined, as is
+// PrefetchPage: GCC (12, -O2 and up) counts a prefetch as no side effect, so a call to a function that only
+// prefetches, left to its caller's inliner, can be dropped as dead code (its mod/ref summary is empty).
+__attribute__((always_inline)) inline void Prefetch(const void* page, int64_t bytes) {
   const char* first_byte = static_cast<const char*>(page);
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first_byte + offset);
+}
+
+// The K and V rows (and an int8 pool's scales) of the page whose first token slot is `slot`.
+template <typename T>
+__attribute__((always_inline)) inline void PrefetchPage(const Problem& p, int64_t slot) {
+  const int64_t rows = p.block_size * p.head_dim;
+  Prefetch(static_cast<const T*>(p.k_pool) + slot * p.head_dim, rows * static_cast<int64_t>(sizeof(T)));
+  Prefetch(static_cast<const T*>(p.v_pool) + slot * p.head_dim, rows * static_cast<int64_t>(sizeof(T)));
+  if constexpr (kScaled<T>) {
+    Prefetch(p.k_scales + slot, p.block_size * static_cast<int64_t>(sizeof(float)));
+    Prefetch(p.v_scales + slot, p.block_size * static_cast<int64_t>(sizeof(float)));
+  }
 }
 
 // Online-softmax state of one query head of one token: its query (pre-scaled by sm_scale, and with a
@@ -234,7 +267,8 @@ void AttendTile(HeadState& head, const Vec* keys, const Vec* values, int64_t lo,
 // head h (the `group` query heads that share it); T is the pool's element type. The item walks the pages
 // from the first key any of its tokens sees to its last token's position, 16 cached tokens at a time
 // (never crossing a page); each tile is read from the pool and widened once, then used by every token and
-// query head of the item. Tokens at or past the row's length (padding) are left as the handler's zeros.
+// query head of the item (an int8 pool's rows with their scales). Tokens at or past the row's length
+// (padding) are left as the handler's zeros.
 // kSoftCap: whether the scores are soft-capped (p.logit_softcap > 0).
 template <typename T, bool kSoftCap>
 void AttendBlock(const Problem& p, int64_t s, int64_t first_query, int64_t h) {
@@ -274,9 +308,11 @@ void AttendBlock(const Problem& p, int64_t s, int64_t first_query, int64_t h) {
   Vec keys[kLanes * kMaxHeadDim / kLanes], values[kLanes * kMaxHeadDim / kLanes];
   const int64_t layer_head = (p.layer * p.num_kv_heads + h) * p.num_blocks;
   const int32_t* table = p.block_tables + s * p.pages_per_seq;
-  // Out-of-range entries are clamped, as XLA clamps gather indices: a bad table never reads outside the pool.
-  auto page_offset = [&](int64_t page_index) {
-    return (layer_head + std::clamp<int64_t>(table[page_index], 0, p.num_blocks - 1)) * bs * dim;
+  // A page's first token slot in the pool ([L, Hkv, NB, BS] order: its rows start at slot * dim, its scales
+  // at slot). Out-of-range entries are clamped, as XLA clamps gather indices: a bad table never reads
+  // outside the pool.
+  auto page_slot = [&](int64_t page_index) {
+    return (layer_head + std::clamp<int64_t>(table[page_index], 0, p.num_blocks - 1)) * bs;
   };
   const T* k_pool = static_cast<const T*>(p.k_pool);
   const T* v_pool = static_cast<const T*>(p.v_pool);
@@ -284,17 +320,15 @@ void AttendBlock(const Problem& p, int64_t s, int64_t first_query, int64_t h) {
   const int64_t last_key = first_position + hi_query - 1;  // the block's last query attends up to itself
   const int64_t last_page = last_key / bs;
   for (int64_t page_index = first_key / bs; page_index <= last_page; ++page_index) {
-    if (page_index < last_page) {
-      const int64_t next = page_offset(page_index + 1);
-      PrefetchPage(k_pool + next, bs * dim * static_cast<int64_t>(sizeof(T)));
-      PrefetchPage(v_pool + next, bs * dim * static_cast<int64_t>(sizeof(T)));
-    }
-    const int64_t page = page_offset(page_index), page_start = page_index * bs;
+    if (page_index < last_page) PrefetchPage<T>(p, page_slot(page_index + 1));
+    const int64_t page = page_slot(page_index), page_start = page_index * bs;
     const int64_t stop = std::min<int64_t>(bs, last_key + 1 - page_start);
     for (int64_t t = std::max<int64_t>(first_key - page_start, 0); t < stop; t += kLanes) {
-      const int64_t count = std::min<int64_t>(kLanes, stop - t), row = page + t * dim;
-      LoadTile(k_pool + row, count, dim, padded_dim, reinterpret_cast<float*>(keys));
-      LoadTile(v_pool + row, count, dim, padded_dim, reinterpret_cast<float*>(values));
+      const int64_t count = std::min<int64_t>(kLanes, stop - t), slot = page + t;
+      const float* k_scales = kScaled<T> ? p.k_scales + slot : nullptr;
+      const float* v_scales = kScaled<T> ? p.v_scales + slot : nullptr;
+      LoadTile(k_pool + slot * dim, k_scales, count, dim, padded_dim, reinterpret_cast<float*>(keys));
+      LoadTile(v_pool + slot * dim, v_scales, count, dim, padded_dim, reinterpret_cast<float*>(values));
       const int64_t tile_position = page_start + t;
       for (int64_t i = lo_query; i < hi_query; ++i) {  // token i sees positions [window_start, its own]
         const int64_t position = first_position + i;
@@ -350,11 +384,12 @@ struct SharedWork {
   }
 };
 
-// The AttendBlock variant for the pool's element type (float32, bfloat16 bits or float8 e4m3 bits) and the
-// soft-cap: choosing it once per call keeps the branches out of the loops.
+// The AttendBlock variant for the pool's element type (float32, bfloat16 bits, float8 e4m3 bits or int8) and
+// the soft-cap: choosing it once per call keeps the branches out of the loops.
 AttendBlockFn PickAttendBlock(ffi::DataType dtype, bool softcap) {
   if (dtype == ffi::F32) return softcap ? &AttendBlock<float, true> : &AttendBlock<float, false>;
   if (dtype == ffi::U8) return softcap ? &AttendBlock<uint8_t, true> : &AttendBlock<uint8_t, false>;
+  if (dtype == ffi::S8) return softcap ? &AttendBlock<int8_t, true> : &AttendBlock<int8_t, false>;
   return softcap ? &AttendBlock<uint16_t, true> : &AttendBlock<uint16_t, false>;
 }
 
@@ -369,12 +404,31 @@ ffi::Error CheckRows(const Problem& p, int64_t num_rows) {
   return ffi::Error::Success();
 }
 
+using Scales = std::optional<ffi::Buffer<ffi::F32>>;
+
+// An int8 pool comes with both scale arrays, each shaped like the pools without head_dim; the others with none.
+ffi::Error CheckScales(ffi::DataType dtype, ffi::AnyBuffer::Dimensions pool_dims, const Scales& k_scales,
+                       const Scales& v_scales) {
+  if (dtype != ffi::S8) {
+    if (k_scales || v_scales) return ffi::Error::InvalidArgument("k_scales and v_scales go with int8 KV pools only");
+    return ffi::Error::Success();
+  }
+  for (const Scales* scales : {&k_scales, &v_scales}) {
+    if (!*scales) return ffi::Error::InvalidArgument("an int8 KV pool needs both k_scales and v_scales");
+    const ffi::AnyBuffer::Dimensions dims = (*scales)->dimensions();
+    if (dims.size() != 4 || !std::equal(dims.begin(), dims.end(), pool_dims.begin())) {
+      return ffi::Error::InvalidArgument("the KV scales must be float32 [L, Hkv, NB, BS] (the pools' shape)");
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
                               ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> query_starts, ffi::Buffer<ffi::S32> query_lens,
-                              ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> lengths,
-                              ffi::ResultBuffer<ffi::F32> out, float sm_scale, int64_t sliding_window,
-                              float logit_softcap) {
+                              ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> lengths, Scales k_scales,
+                              Scales v_scales, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
+                              int64_t sliding_window, float logit_softcap) {
   auto q_dims = q.dimensions(), pool_dims = k_pool.dimensions(), table_dims = block_tables.dimensions();
   if (q_dims.size() != 3 || pool_dims.size() != 5 || table_dims.size() != 2 ||
       v_pool.dimensions().size() != 5 || !std::equal(pool_dims.begin(), pool_dims.end(), v_pool.dimensions().begin())) {
@@ -386,15 +440,17 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     if (row_array->element_count() != num_rows) return ffi::Error::InvalidArgument("expected one entry per row");
   }
   const ffi::DataType dtype = k_pool.element_type();
-  if ((dtype != ffi::F32 && dtype != ffi::BF16 && dtype != ffi::U16 && dtype != ffi::U8) ||
+  if ((dtype != ffi::F32 && dtype != ffi::BF16 && dtype != ffi::U16 && dtype != ffi::U8 && dtype != ffi::S8) ||
       v_pool.element_type() != dtype) {
     return ffi::Error::InvalidArgument(
-        "the KV pools must both be float32, bfloat16 (or its uint16 bits) or float8 e4m3 bits (uint8)");
+        "the KV pools must both be float32, bfloat16 (or its uint16 bits), float8 e4m3 bits (uint8) or int8");
   }
-  Problem p{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(), block_tables.typed_data(),
-            query_starts.typed_data(), query_lens.typed_data(), positions.typed_data(), lengths.typed_data(),
-            out->typed_data(), layer.typed_data()[0], q_dims[0], q_dims[1], pool_dims[1], pool_dims[2],
-            pool_dims[3], pool_dims[4], table_dims[1], sliding_window, sm_scale, logit_softcap};
+  if (ffi::Error error = CheckScales(dtype, pool_dims, k_scales, v_scales); error.failure()) return error;
+  Problem p{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(),
+            k_scales ? k_scales->typed_data() : nullptr, v_scales ? v_scales->typed_data() : nullptr,
+            block_tables.typed_data(), query_starts.typed_data(), query_lens.typed_data(), positions.typed_data(),
+            lengths.typed_data(), out->typed_data(), layer.typed_data()[0], q_dims[0], q_dims[1], pool_dims[1],
+            pool_dims[2], pool_dims[3], pool_dims[4], table_dims[1], sliding_window, sm_scale, logit_softcap};
   if (p.num_kv_heads == 0 || p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > kMaxGroup ||
       p.head_dim > kMaxHeadDim || q_dims[2] != p.head_dim) {
     return ffi::Error::InvalidArgument("unsupported head layout for the CPU paged attention");
@@ -428,7 +484,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::AnyBuffer>()         // k_pool: F32, BF16, U16 (bf16) or U8 (e4m3)
+                                  .Arg<ffi::AnyBuffer>()         // k_pool: F32, BF16, U16 (bf16), U8 (e4m3), S8
                                   .Arg<ffi::AnyBuffer>()         // v_pool: the same
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
@@ -436,6 +492,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
+                                  .OptionalArg<ffi::Buffer<ffi::F32>>()  // k_scales: with an S8 pool only
+                                  .OptionalArg<ffi::Buffer<ffi::F32>>()  // v_scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")

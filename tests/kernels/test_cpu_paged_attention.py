@@ -3,13 +3,16 @@ plain-XLA attention, on the stacked pool with shuffled pages, float32 and bfloat
 kernel must not read is NaN): decode rows, prefill chunks, and ragged batches mixing both (chunks of 0, 1,
 page-edge and query-block-edge lengths, at page-edge positions, with and without a sliding window); logit
 soft-capping (Gemma 2's c * tanh(score / c)) through the kernel and both backends, on scores well past the
-cap; a float8 e4m3 pool stored as its bits (the engine's float8 KV cache); the pool dtype, soft-cap and row checks;
-the build's failure path; the backend choice.
+cap; a float8 e4m3 pool stored as its bits (the engine's float8 KV cache); an int8 pool with per-token-per-head
+scales (NaN scales in every slot it must not read) against the kernel on the float32 pool of its values; the pool
+dtype, scale, soft-cap and row checks; the build's failure path; the backend choice.
 
 Tolerance: rtol 2e-5, atol 2e-6 for both pool dtypes. A bfloat16 pool is compared with the naive attention
 over the same bfloat16 values upcast (exactly) to float64, and the kernel computes in float32 on those
 exact values, so its error is the float32 path's: about 5e-7 absolute at most on these cases. The soft-cap's
-tanh is a rational approximation of a few ulp (as XLA:CPU's own), well inside the same tolerance at cap 5."""
+tanh is a rational approximation of a few ulp (as XLA:CPU's own), well inside the same tolerance at cap 5.
+The int8 pool is held to the same tolerance against the float32 pool of int8 * scale (rounded to float32 as the
+kernel rounds it when it loads a row; today the two outputs are equal bit for bit)."""
 
 from __future__ import annotations
 
@@ -54,6 +57,14 @@ def _decode_rows(lengths):
     """query_starts, query_lens, positions, lengths of a decode step: row s is token s, its sequence's last."""
     lengths = np.asarray(lengths, np.int32)
     return np.arange(len(lengths), dtype=np.int32), np.ones_like(lengths), lengths - 1, lengths
+
+
+def _call_handler(q, k_pool, v_pool, block_tables, lengths, *scales, logit_softcap=0.0):
+    """The FFI handler called directly on a decode step, around the wrapper's checks, run to completion."""
+    call = jax.ffi.ffi_call(kernels_cpu.TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q, k_pool, v_pool, np.array([LAYER], np.int32), block_tables, *_decode_rows(lengths), *scales,
+                sm_scale=np.float32(0.125), sliding_window=np.int64(0),
+                logit_softcap=np.float32(logit_softcap)).block_until_ready()
 
 
 # Ragged rows (query tokens, position of the first, length seen): a decode row, padding, a chunk from 0 of
@@ -106,7 +117,7 @@ def _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window=None, 
 def _poison_unseen(k_pool, v_pool, block_tables, rows, window=None):
     """NaN in every slot no token of any row sees: other layers, unused pages, the slots past each token's
     position and those before its window. A kernel that reads one of them (or lets a masked one through)
-    returns NaN."""
+    returns NaN. The pools may be [L, Hkv, NB, BS, D] pages or an int8 pool's [L, Hkv, NB, BS] scales."""
     block_size = k_pool.shape[3]
     seen = np.zeros((k_pool.shape[0], k_pool.shape[2], block_size), bool)
     for s, (_, count, first, length) in enumerate(zip(*rows, strict=True)):
@@ -114,7 +125,7 @@ def _poison_unseen(k_pool, v_pool, block_tables, rows, window=None):
             positions = np.arange(0 if window is None else max(0, position - window + 1), position + 1)
             seen[LAYER, block_tables[s, positions // block_size], positions % block_size] = True
     for pool in (k_pool, v_pool):
-        pool.transpose(0, 2, 3, 1, 4)[~seen] = np.nan
+        np.moveaxis(pool, 1, 3)[~seen] = np.nan
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=[f"{c[0]}q{c[1]}kv-d{c[2]}-bs{c[3]}" for c in CASES[:3]])
@@ -253,18 +264,15 @@ def test_other_pool_dtypes_are_refused_with_a_clear_error():
     half = jnp.asarray(k_pool, jnp.float16), jnp.asarray(v_pool, jnp.float16)
     mixed = k_pool, v_pool.astype(jnp.bfloat16)
     for k, v in (half, mixed):  # the wrapper refuses them before the call...
-        with pytest.raises(ValueError, match=r"reads float32, bfloat16 \(or uint16 bits of bfloat16\) or uint8 bits "
-                           r"of float8 e4m3 KV pools \(both the same dtype\), not k_pool"):
+        with pytest.raises(ValueError, match=r"reads float32, bfloat16 \(or uint16 bits of bfloat16\), uint8 bits "
+                           r"of float8 e4m3 or int8 \(with scales\) KV pools \(both the same dtype\), not k_pool"):
             _decode(*args(k, v), sm_scale=0.125)
     # ... and so does the FFI handler, for a caller that goes around the wrapper
-    call = jax.ffi.ffi_call(kernels_cpu.TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     for k, v in (half, mixed):
         with pytest.raises(jax.errors.JaxRuntimeError,
-                           match=r"the KV pools must both be float32, bfloat16 \(or its uint16 bits\) or float8 "
-                           r"e4m3 bits \(uint8\)"):
-            call(q, k, v, np.array([LAYER], np.int32), block_tables, *_decode_rows(lengths),
-                 sm_scale=np.float32(0.125), sliding_window=np.int64(0),
-                 logit_softcap=np.float32(0)).block_until_ready()
+                           match=r"the KV pools must both be float32, bfloat16 \(or its uint16 bits\), float8 "
+                           r"e4m3 bits \(uint8\) or int8"):
+            _call_handler(q, k, v, block_tables, lengths)
     # The cpu backend sends a float16 pool to the plain-XLA path instead.
     meta = AttentionMetadata(jnp.asarray(block_tables), jnp.asarray(np.maximum(lengths - 1, 0)), jnp.asarray(lengths))
     decode_q = jnp.asarray(q[:, None])
@@ -352,7 +360,86 @@ def test_no_soft_cap_is_none_or_zero_and_a_bad_cap_is_refused():
         with pytest.raises(ValueError, match="logit_softcap must be positive and finite"):
             _decode(*args, sm_scale=0.125, logit_softcap=cap)
     # ... and so does the FFI handler, for a caller that goes around the wrapper
-    call = jax.ffi.ffi_call(kernels_cpu.TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     with pytest.raises(jax.errors.JaxRuntimeError, match="logit_softcap must be finite and positive, or 0 for none"):
-        call(q, k_pool, v_pool, np.array([LAYER], np.int32), block_tables, *_decode_rows(lengths),
-             sm_scale=np.float32(0.125), sliding_window=np.int64(0), logit_softcap=np.float32(-1)).block_until_ready()
+        _call_handler(q, k_pool, v_pool, block_tables, lengths, logit_softcap=-1.0)
+
+
+def _int8_pools(rng, k_pool, v_pool):
+    """Each [L, Hkv, NB, BS, D] pool's rows (scaled by e^U(-2, 2) each, so the scales differ from token to token)
+    quantized as XLA writes the int8 KV cache: int8 values and a float32 scale max|x| / 127 per row."""
+    quantized = []
+    for pool in (k_pool, v_pool):
+        pool = pool * np.exp(rng.uniform(-2, 2, pool.shape[:-1]))[..., None].astype(np.float32)
+        scales = (np.abs(pool).max(-1) / 127).astype(np.float32)
+        quantized.append((np.round(pool / scales[..., None]).astype(np.int8), scales))
+    return quantized
+
+
+def _assert_int8_reads_as_float32_of_its_values(run, rng, k_pool, v_pool, block_tables, rows, window):
+    """``run(k_pool, v_pool, **scales)`` on an int8 pool with NaN scales in every slot no row sees equals it on
+    the float32 pool of the values (NaN there too), and depends on the scales."""
+    (k_values, k_scales), (v_values, v_scales) = _int8_pools(rng, k_pool, v_pool)
+    _poison_unseen(k_scales, v_scales, block_tables, rows, window)
+    out = np.asarray(run(k_values, v_values, k_scales=k_scales, v_scales=v_scales))
+    expected = np.asarray(run(k_values * k_scales[..., None], v_values * v_scales[..., None]))
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
+    assert not np.isnan(expected).any() and np.abs(expected).max() > 0.1
+
+
+@pytest.mark.parametrize(("case", "window", "softcap"), [(CASES[0], None, None), (CASES[2], 5, SOFTCAP)],
+                         ids=["9q3kv-d64-bs16", "8q2kv-d128-bs32-window5-softcap"])
+def test_an_int8_pool_with_scales_reads_ragged_rows_as_the_float32_pool_of_its_values(case, window, softcap):
+    """Decode tokens and prefill chunks in one ragged batch (`RAGGED_ROWS`), grouped query heads."""
+    assert kernels_cpu.load() is not None, kernels_cpu.build_error()
+    rng = np.random.default_rng(23)
+    q, k_pool, v_pool, block_tables, rows = _ragged_inputs(rng, *case[:4], np.float32)
+    q *= SOFTCAP_Q_SCALE if softcap else 1.0  # scores past the cap where there is one
+    attend = jax.jit(lambda k, v, **scales: kernels_cpu.paged_attention(
+        q, k, v, jnp.int32(LAYER), block_tables, *rows, sm_scale=case[2] ** -0.5,
+        sliding_window=window, logit_softcap=softcap, **scales))
+    _assert_int8_reads_as_float32_of_its_values(attend, rng, k_pool, v_pool, block_tables, rows, window)
+
+
+@pytest.mark.parametrize("num_query", [1, 20], ids=["decode", "prefill-chunk-20"])
+def test_an_int8_pool_with_scales_reads_padded_steps_as_the_float32_pool_of_its_values(num_query):
+    """A padded decode step and a padded prefill chunk (`padded_paged_attention`), 16 query heads on one kv
+    head, a sliding window of 20."""
+    assert kernels_cpu.load() is not None, kernels_cpu.build_error()
+    rng = np.random.default_rng(29)
+    _, k_pool, v_pool, block_tables, lengths = _inputs(rng, *CASES[3])
+    q_start = np.maximum(lengths - num_query, 0).astype(np.int32)
+    q = rng.standard_normal((len(lengths), num_query, 16, 64)).astype(np.float32)
+    attend = jax.jit(lambda k, v, **scales: kernels_cpu.padded_paged_attention(
+        q, k, v, jnp.int32(LAYER), block_tables, q_start, lengths, sm_scale=0.125, sliding_window=20, **scales))
+    rows = _padded_rows(q_start, lengths, num_query)
+    _assert_int8_reads_as_float32_of_its_values(attend, rng, k_pool, v_pool, block_tables, rows, 20)
+
+
+def test_int8_pool_scales_are_checked_with_clear_errors():
+    assert kernels_cpu.load() is not None, kernels_cpu.build_error()
+    q, k_pool, v_pool, block_tables, lengths = _inputs(np.random.default_rng(31), 4, 4, 32, 8, 5)
+    (k_int8, k_scales), (v_int8, v_scales) = _int8_pools(np.random.default_rng(37), k_pool, v_pool)
+    attend = lambda k, v, **scales: _decode(q, k, v, jnp.int32(LAYER), block_tables, lengths, sm_scale=0.125,
+                                            **scales)
+    refused = [
+        ((k_int8, v_int8), {}, r"an int8 KV pool needs k_scales and v_scales: float32 \[L, Hkv, num_blocks, "),
+        ((k_pool, v_pool), dict(k_scales=k_scales, v_scales=v_scales),
+         "k_scales and v_scales go with an int8 KV pool, not a float32 one"),
+        ((k_int8, v_int8), dict(k_scales=k_scales), "give both k_scales and v_scales"),
+        ((k_int8, v_int8), dict(k_scales=k_scales, v_scales=None), "give both k_scales and v_scales"),
+        ((k_int8, v_int8), dict(k_scales=k_scales[..., None], v_scales=v_scales),
+         r"k_scales must be float32 \[3, 4, 64, 8\] \(the pool's shape without head_dim\), not float32 \[3, 4, 64, 8, "
+         r"1\]"),
+        ((k_int8, v_int8), dict(k_scales=k_scales, v_scales=v_scales.astype(jnp.bfloat16)),
+         r"v_scales must be float32 \[3, 4, 64, 8\] .*, not bfloat16 \[3, 4, 64, 8\]"),
+    ]
+    for pools, scales, message in refused:
+        with pytest.raises(ValueError, match=message):
+            attend(*pools, **scales)
+    # ... and so does the FFI handler, for a caller that goes around the wrapper
+    for pools, scales, message in [((k_int8, v_int8), (), "an int8 KV pool needs both k_scales and v_scales"),
+                                   ((k_int8, v_int8), (k_scales,), "an int8 KV pool needs both k_scales and v_scales"),
+                                   ((k_pool, v_pool), (k_scales, v_scales), "go with int8 KV pools only"),
+                                   ((k_int8, v_int8), (k_scales, v_scales[:1]), r"must be float32 \[L, Hkv, NB, BS\]")]:
+        with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+            _call_handler(q, *pools, block_tables, lengths, *scales)
