@@ -15,10 +15,11 @@ kernel raises otherwise; here tokens outside q are dropped, and a token in two r
 
 Optional variants (static): ``sliding_window`` W further limits a token at position p to keys p - W < k;
 ``logit_softcap`` c replaces the scaled scores s by c * tanh(s / c) before masking and the softmax.
+
 Over the int8 KV cache (``k_scales`` / ``v_scales``: a float32 scale per token and kv head, written by the
 engine with the int8 values) the pages are widened to q's dtype and the scales applied to the scores and
-the softmax weights, as in ``paged_attention`` (``_common``; the TPU variant gathers each row's scales once,
-``_tpu_paging``).
+the softmax weights, as in ``paged_attention`` (``_common``; the TPU variant gathers the scales of each
+row's block table once per call, ``_tpu_paging``).
 
 Work items. The wrapper (plain jnp, inside the same jit) cuts every row into items of at most ``block_q``
 consecutive tokens of that one row: row s gives cdiv(query_lens[s], block_q) items. An item never
