@@ -1,6 +1,17 @@
 """Shared pieces of the paged-attention kernels: backend choice, input validation, tuning lookup, the
-attention mask (causal, length and the optional sliding window), the optional logit soft-cap, and the
-online-softmax step that every kernel body (TPU and GPU, decode and prefill) runs per KV block.
+attention mask (causal, length and the optional sliding window), the optional logit soft-cap, the per-token
+scales of an int8 pool, and the online-softmax step that every kernel body (TPU and GPU, decode and prefill)
+runs per KV block.
+
+The int8 KV cache (`kv_cache_dtype="int8"`, vLLM's ``int8_per_token_head``): the engine writes each K and V
+row of one token and one kv head as int8 values with a float32 scale max|x| / 127 (XLA, outside the
+kernels), the values into the pool and the scales into ``k_scales`` / ``v_scales`` ``[num_layers,
+num_kv_heads, total_pages, page_size]`` (token t of page p at ``[..., p, t]`` whatever the pool's lane
+layout). A kernel reads K as value * scale: the int8 block is widened to the query's dtype for the dots, the
+K scales multiply the scores (``logits``) and the V scales the softmax weights before P @ V
+(``online_softmax_parts``), as vLLM and flashinfer do; scales of tokens at or past ``kv_end`` are zeroed
+first (``valid_scales``), so garbage there (NaN included) never reaches a dot. How the scales reach a
+kernel: ``gpu_token_scales`` (by page offset, like the pages) and ``_tpu_paging`` (gathered, then DMA'd).
 
 Nothing here launches a kernel; ``paged_attention.py``, ``prefill_attention.py`` and
 ``ragged_paged_attention.py`` own the kernels.
@@ -25,7 +36,12 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # a float8 pool (`kv_cache_dtype="fp8"`) holds K/V rounded to e4m3; q stays in float32 or bfloat16 and every page
 # is widened to q's dtype as it is read (`kv_values`)
 FLOAT8_POOL_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
-POOL_DTYPES = SUPPORTED_DTYPES + FLOAT8_POOL_DTYPES
+# an int8 pool (`kv_cache_dtype="int8"`) holds K/V as int8 with a float32 scale per token and kv head
+# (``check_kv_scales``); q stays in float32 or bfloat16 and every page is widened to q's dtype as it is read
+INT8_POOL_DTYPE = jnp.dtype(jnp.int8)
+WIDENED_POOL_DTYPES = FLOAT8_POOL_DTYPES + (INT8_POOL_DTYPE,)  # pools read under a float32 / bfloat16 q
+POOL_DTYPES = SUPPORTED_DTYPES + WIDENED_POOL_DTYPES
+SCALES_DTYPE = jnp.dtype(jnp.float32)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 BACKENDS = ("auto", "tpu", "gpu")
@@ -146,7 +162,7 @@ def check_kv_pool(k_pool: jax.Array, v_pool: jax.Array, head_dim: int) -> PoolGe
     if k_pool.dtype != v_pool.dtype:
         raise ValueError(f"k_pages and v_pages must have the same dtype, got {k_pool.dtype} and {v_pool.dtype}")
     if k_pool.dtype not in POOL_DTYPES:
-        raise ValueError(f"k_pages dtype must be float32, bfloat16 or float8_e4m3fn, got {k_pool.dtype}")
+        raise ValueError(f"k_pages dtype must be float32, bfloat16, float8_e4m3fn or int8, got {k_pool.dtype}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     num_layers = k_pool.shape[0] if k_pool.ndim == 5 else 1
@@ -177,6 +193,16 @@ def stacked_pool(pool: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
     return pool, layer.reshape(1)
 
 
+def stacked_kv(k_pages, v_pages, k_scales, v_scales, layer):
+    """(k_pool, v_pool, k_scales, v_scales, i32[1] layer index) with the pools and scales (None: none) as
+    stacks of layers (``stacked_pool``): a one-layer pool and its scales are layer 0 of a stack of one."""
+    k_pool, layer_index = stacked_pool(k_pages, layer)
+    v_pool, _ = stacked_pool(v_pages, layer)
+    if k_scales is not None and k_pages.ndim == 4:
+        k_scales, v_scales = k_scales[None], v_scales[None]
+    return k_pool, v_pool, k_scales, v_scales, layer_index
+
+
 def layer_pages(pool: jax.Array, layer: jax.Array, geometry: PoolGeometry) -> jax.Array:
     """One layer of a stacked pool in the plain layout ``[num_kv_heads, total_pages, page_size, head_dim]``
     (plain XLA: a reshape of the lane-dense layout; for references and tests)."""
@@ -184,10 +210,29 @@ def layer_pages(pool: jax.Array, layer: jax.Array, geometry: PoolGeometry) -> ja
     return pool[layer[0]].reshape(g.num_kv_heads, g.total_pages, g.page_size, g.head_dim)
 
 
+def reference_pages(k_pages, v_pages, layer, geometry: PoolGeometry, k_scales=None, v_scales=None):
+    """(k, v) of one layer in the plain layout (``layer_pages``) for the references: an int8 pool as float32
+    values times its scales (NaN where a garbage scale is; the references mask by ``where``)."""
+    k_pool, v_pool, k_scales, v_scales, layer_index = stacked_kv(k_pages, v_pages, k_scales, v_scales, layer)
+    pages = [layer_pages(x, layer_index, geometry) for x in (k_pool, v_pool)]
+    if k_scales is None:
+        return tuple(pages)
+    scales = (k_scales, v_scales)
+    return tuple(x.astype(jnp.float32) * s[layer_index[0], ..., None] for x, s in zip(pages, scales, strict=True))
+
+
 def flat_pages(pool: jax.Array) -> jax.Array:
     """A stacked plain-layout pool ``[L, Hkv, P, page_size, D]`` as ``[L * Hkv * P, page_size, D]`` (the GPU
-    kernels address pages by offset: see ``first_page_of``)."""
-    return pool.reshape(-1, *pool.shape[-2:])
+    kernels address pages by offset: see ``first_page_of``); its scales ``[L, Hkv, P, page_size]`` as
+    ``[L * Hkv * P, page_size]``."""
+    return pool.reshape(-1, *pool.shape[3:])
+
+
+def gpu_pool_operands(k_pool, v_pool, k_scales, v_scales):
+    """(in_specs, arrays) of a GPU kernel's pool: the stacked pools' pages (``flat_pages``) and an int8 pool's
+    scales flattened alike, each whole at every grid point (the kernels address pages by offset)."""
+    arrays = [flat_pages(x) for x in (k_pool, v_pool) + ((k_scales, v_scales) if k_scales is not None else ())]
+    return [pl.BlockSpec(x.shape, lambda *_, rank=x.ndim: (0,) * rank) for x in arrays], arrays
 
 
 def first_page_of(layer, head, num_kv_heads: int, total_pages: int):
@@ -205,10 +250,10 @@ def check_gpu_layout(geometry: PoolGeometry) -> None:
 
 def check_query(q: jax.Array, kv_dtype, num_kv_heads: int, head_dim: int, layout: str) -> None:
     """Validates q's dtype and its trailing [num_q_heads, head_dim] dims against the KV pool: q has the pool's
-    dtype, or float32 / bfloat16 over a float8 pool."""
-    if kv_dtype in FLOAT8_POOL_DTYPES:
+    dtype, or float32 / bfloat16 over a float8 or int8 pool."""
+    if kv_dtype in WIDENED_POOL_DTYPES:
         if q.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"q dtype ({q.dtype}) must be float32 or bfloat16 over a {kv_dtype} pool")
+            raise ValueError(f"q dtype ({q.dtype}) must be float32 or bfloat16 over a pool of {kv_dtype}")
     elif q.dtype != kv_dtype:
         raise ValueError(f"q dtype ({q.dtype}) must match the k_pages/v_pages dtype ({kv_dtype})")
     if q.shape[-1] != head_dim:
@@ -220,12 +265,40 @@ def check_query(q: jax.Array, kv_dtype, num_kv_heads: int, head_dim: int, layout
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
 
 
-def check_query_and_pool(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layout: str) -> PoolGeometry:
-    """Validates q (``layout`` names its dims, its last two [num_q_heads, head_dim]) against the pool; a
-    one-layer pool is in the plain layout, so its last dimension is the head_dim q must have."""
+def check_query_and_pool(
+    q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layout: str, k_scales=None, v_scales=None
+) -> PoolGeometry:
+    """Validates q (``layout`` names its dims, its last two [num_q_heads, head_dim]) against the pool and the
+    pool's scales (``check_kv_scales``); a one-layer pool is in the plain layout, so its last dimension is
+    the head_dim q must have."""
     geometry = check_kv_pool(k_pool, v_pool, k_pool.shape[-1] if k_pool.ndim == 4 else q.shape[-1])
+    check_kv_scales(k_pool, k_scales, v_scales, geometry)
     check_query(q, k_pool.dtype, geometry.num_kv_heads, geometry.head_dim, layout)
     return geometry
+
+
+def check_kv_scales(k_pool: jax.Array, k_scales, v_scales, geometry: PoolGeometry) -> None:
+    """An int8 pool comes with both scale arrays, float32 ``[num_layers, num_kv_heads, total_pages,
+    page_size]`` for a stacked pool (``[num_kv_heads, total_pages, page_size]`` for one layer); other pools
+    with neither."""
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales and v_scales must be given together (an int8 pool needs both)")
+    if k_pool.dtype != INT8_POOL_DTYPE:
+        if k_scales is not None:
+            raise ValueError(f"k_scales/v_scales are read only with an int8 pool, got a {k_pool.dtype} pool")
+        return
+    if k_scales is None:
+        raise ValueError("an int8 pool needs k_scales and v_scales (float32, a scale per token and kv head)")
+    g = geometry
+    shape = (g.num_kv_heads, g.total_pages, g.page_size)
+    shape = shape if k_pool.ndim == 4 else (g.num_layers, *shape)
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if scales.shape != shape:
+            dims = "[num_kv_heads, total_pages, page_size]"
+            dims = dims if k_pool.ndim == 4 else f"[num_layers, {dims[1:]}"
+            raise ValueError(f"{name} must have shape {shape} ({dims} of the pool), got {scales.shape}")
+        if scales.dtype != SCALES_DTYPE:
+            raise ValueError(f"{name} must be float32, got {scales.dtype}")
 
 
 def check_int_vector(name: str, x: jax.Array, num_seqs: int) -> None:
@@ -275,11 +348,13 @@ def softcap(s: jax.Array, logit_softcap: float | None) -> jax.Array:
     return logit_softcap * jnp.tanh(s / logit_softcap)
 
 
-def logits(q: jax.Array, k: jax.Array, sm_scale: float, logit_softcap: float | None = None) -> jax.Array:
-    """f32[rows, block_tokens] = (q[rows, d] @ k[block_tokens, d].T) * sm_scale, accumulated in float32,
-    then soft-capped (``softcap``)."""
+def logits(q: jax.Array, k: jax.Array, sm_scale: float, logit_softcap: float | None = None, k_scale=None) -> jax.Array:
+    """f32[rows, block_tokens] = (q[rows, d] @ k[block_tokens, d].T) * sm_scale, accumulated in float32, times
+    the tokens' scales k_scale f32[1, block_tokens] of an int8 block (None: none), then soft-capped
+    (``softcap``)."""
     dims = (((1,), (1,)), ((), ()))
-    return softcap(lax.dot_general(q, k, dims, preferred_element_type=jnp.float32) * sm_scale, logit_softcap)
+    scale = sm_scale if k_scale is None else k_scale * sm_scale
+    return softcap(lax.dot_general(q, k, dims, preferred_element_type=jnp.float32) * scale, logit_softcap)
 
 
 def in_window(mask: jax.Array, key: jax.Array, row_pos: jax.Array, sliding_window: int | None) -> jax.Array:
@@ -351,20 +426,49 @@ def row_positions(first_pos, rows: int, block_q: int) -> jax.Array:
 
 
 def kv_values(x: jax.Array, dtype) -> jax.Array:
-    """Pages as read from the pool, in the query's dtype (float8 pages widened; others unchanged)."""
+    """Pages as read from the pool, in the query's dtype (float8 and int8 pages widened; others unchanged)."""
     return x if x.dtype == dtype else x.astype(dtype)
 
 
+def valid_scales(scales: jax.Array | None, token: jax.Array, kv_end) -> jax.Array | None:
+    """Token scales f32[1, n] of an int8 block with those of tokens at or past kv_end (token i32[1, n]) zeroed:
+    a scale there may be anything, NaN included. None (no int8 pool) stays None."""
+    return None if scales is None else jnp.where(token < kv_end, scales, 0.0)
+
+
+def split_scale_refs(refs, quantized: bool):
+    """(k_scales_ref, v_scales_ref) or (None, None), and the rest: a kernel's refs after the pool's, which
+    begin with the scales' refs when the pool is int8 (``quantized``)."""
+    return (tuple(refs[:2]), refs[2:]) if quantized else ((None, None), refs)
+
+
+def gpu_token_scales(scales_ref, pages: jax.Array) -> jax.Array | None:
+    """f32[1, pages * page_size] scales of a GPU kernel's block of pages, in token order, from the flattened
+    scales ``[num_layers * num_kv_heads * total_pages, page_size]`` (``flat_pages``); None without scales."""
+    return None if scales_ref is None else scales_ref[pages].reshape(1, -1)
+
+
+def gpu_block_scales(k_scales_ref, v_scales_ref, pages: jax.Array):
+    """A GPU kernel's block of pages' scales as ``causal_block_step`` takes them (one slice: the plain layout),
+    None without scales."""
+    if k_scales_ref is None:
+        return None
+    return tuple([gpu_token_scales(x, pages)] for x in (k_scales_ref, v_scales_ref))
+
+
 def causal_block_step(
-    state, q, k, v, *, first_key, row_pos, length, kv_end, sm_scale, sliding_window=None, logit_softcap=None
+    state, q, k, v, *, first_key, row_pos, length, kv_end, sm_scale, sliding_window=None, logit_softcap=None,
+    scales=None,
 ):
     """Online-softmax update of a query block's rows with one KV block of tokens first_key..: a row attends
     keys at or before its position, below ``length`` and in its sliding window (``attend_mask``), with
-    soft-capped logits (``logits``); tokens at or past ``kv_end`` are zeroed in v.
+    soft-capped logits (``logits``); tokens at or past ``kv_end`` are zeroed in v (and in the scales).
 
     k, v: [block_rows, lanes] rows of the pool's layout (``PoolGeometry``): with lanes == head_dim a row is
     one token; lane-dense rows hold ``lanes // head_dim`` consecutive tokens, each a slice of head_dim lanes
-    that is scored separately (no relayout of the block)."""
+    that is scored separately (no relayout of the block).
+    scales: None, or for an int8 block (k_scales, v_scales), each a list over those slices of f32[1, block_rows]
+    scales of the slice's tokens (token first_key + row * tokens_per_row + slice)."""
     head_dim = q.shape[-1]
     tokens_per_row = k.shape[-1] // head_dim
     k, v = kv_values(k, q.dtype), kv_values(v, q.dtype)
@@ -372,11 +476,15 @@ def causal_block_step(
     for part in range(tokens_per_row):
         lanes = slice(part * head_dim, (part + 1) * head_dim)
         k_part, v_part = (k, v) if tokens_per_row == 1 else (k[:, lanes], v[:, lanes])
-        s = logits(q, k_part, sm_scale, logit_softcap)  # f32[rows, block_rows]
+        token_row = first_key + lax.broadcasted_iota(jnp.int32, (1, k.shape[0]), 1) * tokens_per_row + part
+        k_scale, v_scale = (None, None) if scales is None else (
+            valid_scales(x[part], token_row, kv_end) for x in scales
+        )
+        s = logits(q, k_part, sm_scale, logit_softcap, k_scale)  # f32[rows, block_rows]
         key = first_key + lax.broadcasted_iota(jnp.int32, s.shape, 1) * tokens_per_row + part
         mask = attend_mask(key, row_pos, length, sliding_window)
         token = first_key + lax.broadcasted_iota(jnp.int32, (k.shape[0], 1), 0) * tokens_per_row + part
-        parts.append((s, mask, zero_invalid_rows(v_part, token < kv_end)))
+        parts.append((s, mask, zero_invalid_rows(v_part, token < kv_end), v_scale))
     return online_softmax_parts(state, parts)
 
 
@@ -389,29 +497,31 @@ def init_softmax_state(rows: int, head_dim: int):
     )
 
 
-def online_softmax_step(state, s: jax.Array, mask: jax.Array, v: jax.Array):
+def online_softmax_step(state, s: jax.Array, mask: jax.Array, v: jax.Array, v_scale=None):
     """Folds one KV block into the running (max, sum, unnormalised output) of every query row.
 
     s: f32[rows, block_tokens] logits; mask: bool[rows, block_tokens] (True = attend);
-    v: [block_tokens, head_dim] values with masked-out tokens already zeroed.
+    v: [block_tokens, head_dim] values with masked-out tokens already zeroed; v_scale: None, or the tokens'
+    scales f32[1, block_tokens] of an int8 block (finite: see ``valid_scales``).
     """
-    return online_softmax_parts(state, [(s, mask, v)])
+    return online_softmax_parts(state, [(s, mask, v, v_scale)])
 
 
 def online_softmax_parts(state, parts):
-    """``online_softmax_step`` over a KV block given as parts (s, mask, v), each some of the block's tokens:
-    one running max and sum for all of them."""
+    """``online_softmax_step`` over a KV block given as parts (s, mask, v, v_scale), each some of the block's
+    tokens: one running max and sum for all of them."""
     m_prev, l_prev, acc_prev = state
-    parts = [(jnp.where(mask, s, MASK_VALUE), mask, v) for s, mask, v in parts]
+    parts = [(jnp.where(mask, s, MASK_VALUE), mask, v, v_scale) for s, mask, v, v_scale in parts]
     m_next = m_prev
-    for s, _, _ in parts:
+    for s, _, _, _ in parts:
         m_next = jnp.maximum(m_next, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m_prev - m_next)
     l_next, acc_next = alpha * l_prev, alpha * acc_prev
-    for s, mask, v in parts:
+    for s, mask, v, v_scale in parts:
         p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
         l_next = l_next + jnp.sum(p, axis=1, keepdims=True)
-        acc_next = acc_next + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = p if v_scale is None else p * v_scale  # an int8 block: the weights times the tokens' scales
+        acc_next = acc_next + jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_next, l_next, acc_next
 
 

@@ -17,6 +17,12 @@ Tokens at positions >= length never influence the result, and block-table entrie
 length are never dereferenced (they may hold anything).
 A sequence with length 0 produces zeros.
 
+Over the int8 KV cache (``k_scales`` / ``v_scales``: a float32 scale per token and kv head, written by the
+engine with the int8 values; ``_common``) the K scales multiply the scores and the V scales the softmax
+weights. The TPU variant gets the scales of its block tables' pages gathered by XLA in the wrapper and DMAs
+each compute block's window of them with the block's pages (``_tpu_paging``); the GPU variant reads them by
+page offset like the pages.
+
 Optional variants (static): ``sliding_window`` W limits the query (at position length - 1) to the last W
 keys, positions length - W .. length - 1; the TPU variant starts its page walk at the page holding
 position length - W, the GPU variant each split's walk at the compute block holding that page (so at most
@@ -35,7 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as cm
-from kernels_pallas._tpu_paging import PageStream, fold_pages
+from kernels_pallas._tpu_paging import fold_pages, open_stream, stream_operands
 
 # Knobs per (backend, page_size, head_dim). Starting points sized so a compute block covers 128-512 tokens;
 # not yet measured on hardware (scripts/bench_kernels.py is the tool to refine them).
@@ -88,38 +94,23 @@ def _tpu_kernel(
     table_ref,  # SMEM i32[num_seqs * pages_per_seq]
     layer_ref,  # SMEM i32[1]
     q_ref,  # VMEM [group, head_dim]
-    k_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
-    v_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
-    o_ref,  # VMEM [group, head_dim]
-    k_buf,  # VMEM [2, pages_per_block, rows, lanes]
-    v_buf,  # VMEM [2, pages_per_block, rows, lanes]
-    sems,  # DMA semaphores [2, 2]
-    *,
+    *refs,  # the pool's (``_tpu_paging.open_stream``), o_ref VMEM [group, head_dim] among them
     sm_scale: float,
     pages_per_seq: int,
     page_size: int,
+    quantized: bool,
     sliding_window: int | None,
     logit_softcap: float | None,
 ):
     seq, head = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[seq]
-    pages_per_block = k_buf.shape[1]
-    block_tokens = pages_per_block * page_size
     first_page = _window_first_page(length, sliding_window, page_size)
-    group, head_dim = q_ref.shape
-    stream = PageStream(
-        k_hbm,
-        v_hbm,
-        k_buf,
-        v_buf,
-        sems,
-        table_ref,
-        table_offset=seq * pages_per_seq,
-        layer=layer_ref[0],
-        head=head,
-        num_pages=pl.cdiv(length, page_size),
-        first_page=first_page,
+    stream, o_ref = open_stream(
+        refs, quantized=quantized, table_ref=table_ref, table_row=seq, pages_per_seq=pages_per_seq,
+        layer=layer_ref[0], head=head, num_pages=pl.cdiv(length, page_size), first_page=first_page,
     )
+    block_tokens = stream.pages_per_block * page_size
+    group, head_dim = q_ref.shape
     q = q_ref[...]
     # the one query token sits at position length - 1: it attends every key below length (in its window)
     row_pos = jnp.full((group, 1), length - 1, jnp.int32)
@@ -128,16 +119,17 @@ def _tpu_kernel(
         sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
 
-    def body(block, k, v, state):
-        return step(state, q, k, v, first_key=cm.plus(block * block_tokens, first_page * page_size))
+    def body(block, k, v, scales, state):
+        first_key = cm.plus(block * block_tokens, first_page * page_size)
+        return step(state, q, k, v, first_key=first_key, scales=scales)
 
-    num_blocks = cm.blocks_from(first_page, length, page_size, pages_per_block)
+    num_blocks = cm.blocks_from(first_page, length, page_size, stream.pages_per_block)
     state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(group, head_dim))
     o_ref[...] = cm.finalize(state).astype(o_ref.dtype)
 
 
-def _paged_attention_tpu(q, k_pool, v_pool, layer, lengths, page_indices, geometry, *, sm_scale, pages_per_block,
-                         sliding_window, logit_softcap, interpret):
+def _paged_attention_tpu(q, k_pool, v_pool, k_scales, v_scales, layer, lengths, page_indices, geometry, *, sm_scale,
+                         pages_per_block, sliding_window, logit_softcap, interpret):
     """Arrays as in ``paged_attention`` (validated, pools stacked, lengths clamped) -> [num_seqs, num_q_heads,
     head_dim]."""
     num_seqs, num_q_heads, head_dim = q.shape
@@ -148,23 +140,25 @@ def _paged_attention_tpu(q, k_pool, v_pool, layer, lengths, page_indices, geomet
     q_spec = pl.BlockSpec((None, None, group, head_dim), lambda s, h, *_: (s, h, 0, 0))
     kernel = functools.partial(
         _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size,
-        sliding_window=sliding_window, logit_softcap=logit_softcap,
+        quantized=k_scales is not None, sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
-    buf = pltpu.VMEM((2, pages_per_block, g.rows_per_page, g.lanes), k_pool.dtype)
+    pool_specs, pool_arrays, scratch = stream_operands(
+        k_pool, v_pool, k_scales, v_scales, layer, page_indices, g, pages_per_block
+    )
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(num_seqs, g.num_kv_heads),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec, *pool_specs],
             out_specs=q_spec,
-            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+            scratch_shapes=scratch,
         ),
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=cm.interpret_arg("tpu", interpret),
         name="paged_attention_tpu",
-    )(lengths, page_indices.reshape(-1), layer, q4, k_pool, v_pool)
+    )(lengths, page_indices.reshape(-1), layer, q4, *pool_arrays)
     return out.reshape(q.shape)
 
 
@@ -175,13 +169,11 @@ def _gpu_kernel(
     q_ref,  # [rows, head_dim], the KV group's query heads padded to rows (power of two >= 16)
     k_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim], the stacked pool's pages
     v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
-    table_ref,  # i32[pages_per_split], this split's slice of the block table
-    length_ref,  # i32[1]
-    layer_ref,  # i32[1]
-    o_ref,  # f32[rows, head_dim], unnormalised partial output
-    m_ref,  # f32[rows, 1], running max
-    l_ref,  # f32[rows, 1], running sum
-    *,
+    # an int8 pool's scales f32[num_layers * num_kv_heads * total_pages, page_size] (k, v), then:
+    # table_ref i32[pages_per_split], this split's slice of the block table; length_ref, layer_ref i32[1];
+    # o_ref f32[rows, head_dim], unnormalised partial output; m_ref, l_ref f32[rows, 1], running max and sum
+    *refs,
+    quantized: bool,
     sm_scale: float,
     pages_per_block: int,
     num_kv_heads: int,
@@ -189,6 +181,7 @@ def _gpu_kernel(
     sliding_window: int | None,
     logit_softcap: float | None,
 ):
+    (ks_ref, vs_ref), (table_ref, length_ref, layer_ref, o_ref, m_ref, l_ref) = cm.split_scale_refs(refs, quantized)
     split = pl.program_id(2)
     first_of_head = cm.first_page_of(layer_ref[0], pl.program_id(1), num_kv_heads, total_pages)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
@@ -209,11 +202,13 @@ def _gpu_kernel(
         k = cm.kv_values(k_ref[pages].reshape(block_tokens, head_dim), q.dtype)
         v = cm.kv_values(v_ref[pages].reshape(block_tokens, head_dim), q.dtype)
         first = first_in_block * page_size
-        s = cm.logits(q, k, sm_scale, logit_softcap)  # f32[rows, block_tokens]
+        token_row = first + jax.lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+        k_scale, v_scale = (cm.valid_scales(cm.gpu_token_scales(x, pages), token_row, length) for x in (ks_ref, vs_ref))
+        s = cm.logits(q, k, sm_scale, logit_softcap, k_scale)  # f32[rows, block_tokens]
         key = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         mask = _decode_mask(key, length, sliding_window)
         token_ok = first + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0) < length
-        return cm.online_softmax_step(state, s, mask, cm.zero_invalid_rows(v, token_ok))
+        return cm.online_softmax_step(state, s, mask, cm.zero_invalid_rows(v, token_ok), v_scale)
 
     state = cm.init_softmax_state(q_ref.shape[0], head_dim)
     m, denom, acc = jax.lax.fori_loop(first_block, num_blocks, body, state)
@@ -239,6 +234,8 @@ def _paged_attention_gpu(
     q,
     k_pool,
     v_pool,
+    k_scales,
+    v_scales,
     layer,
     lengths,
     page_indices,
@@ -267,20 +264,19 @@ def _paged_attention_gpu(
     table = table.reshape(num_seqs, num_splits, pages_per_split)
     q4 = q.reshape(num_seqs, g.num_kv_heads, group, head_dim)
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    k_flat, v_flat = cm.flat_pages(k_pool), cm.flat_pages(v_pool)
-    pool_spec = pl.BlockSpec(k_flat.shape, lambda s, h, k: (0, 0, 0))  # the whole pool: pages by offset
+    pool_specs, pool_arrays = cm.gpu_pool_operands(k_pool, v_pool, k_scales, v_scales)
     part_shape = (num_seqs, g.num_kv_heads, num_splits, rows)
     kernel = functools.partial(
-        _gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, num_kv_heads=g.num_kv_heads,
-        total_pages=g.total_pages, sliding_window=sliding_window, logit_softcap=logit_softcap,
+        _gpu_kernel, quantized=k_scales is not None, sm_scale=sm_scale, pages_per_block=pages_per_block,
+        num_kv_heads=g.num_kv_heads, total_pages=g.total_pages, sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
     )
     o, m, denom = pl.pallas_call(
         kernel,
         grid=(num_seqs, g.num_kv_heads, num_splits),
         in_specs=[
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
-            pool_spec,
-            pool_spec,
+            *pool_specs,
             pl.BlockSpec((None, None, pages_per_split), lambda s, h, k: (s, k, 0)),
             pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
             pl.BlockSpec((1,), lambda s, h, k: (0,)),
@@ -298,7 +294,7 @@ def _paged_attention_gpu(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=cm.interpret_arg("gpu", interpret),
         name="paged_attention_gpu",
-    )(q4, k_flat, v_flat, table, lengths.reshape(num_seqs, 1), layer)
+    )(q4, *pool_arrays, table, lengths.reshape(num_seqs, 1), layer)
     out = _combine_splits(o, m, denom)[:, :, :group]
     return out.reshape(q.shape).astype(q.dtype)
 
@@ -312,10 +308,10 @@ def _variants(sliding_window, logit_softcap) -> dict:
     return dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
 
 
-def _validate(q, k_pool, v_pool, lengths, page_indices) -> cm.PoolGeometry:
+def _validate(q, k_pool, v_pool, lengths, page_indices, k_scales, v_scales) -> cm.PoolGeometry:
     if q.ndim != 3:
         raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim], got shape {q.shape}")
-    geometry = cm.check_query_and_pool(q, k_pool, v_pool, "[num_seqs, num_q_heads, head_dim]")
+    geometry = cm.check_query_and_pool(q, k_pool, v_pool, "[num_seqs, num_q_heads, head_dim]", k_scales, v_scales)
     cm.check_int_vector("lengths", lengths, q.shape[0])
     cm.check_page_indices(page_indices, q.shape[0])
     return geometry
@@ -352,6 +348,8 @@ def paged_attention(
     num_stages: int | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[L, Hkv, total_pages, page_size] ([Hkv, ...] for one layer): int8 pool
+    v_scales: jax.Array | None = None,  # like k_scales
 ) -> jax.Array:  # [num_seqs, num_q_heads, head_dim], q.dtype
     """Decode attention of one query token per sequence over its paged context.
 
@@ -373,11 +371,13 @@ def paged_attention(
       num_warps, num_stages: GPU only, Triton launch parameters.
       sliding_window: attend only the last ``sliding_window`` keys (the query's own included); None or 0: all.
       logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
+      k_scales, v_scales: with an int8 pool (and only then), the float32 scale of every token's K / V row
+        per kv head, token t of page p at [..., p, t] whatever the pool's lane layout: K = k_pages value *
+        k_scales (``_common``). Scales of pages and tokens past a sequence's length may hold anything.
     """
-    geometry = _validate(q, k_pages, v_pages, lengths, page_indices)
+    geometry = _validate(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales)
     variants = _variants(sliding_window, logit_softcap)
-    k_pool, layer_index = cm.stacked_pool(k_pages, layer)
-    v_pool, _ = cm.stacked_pool(v_pages, layer)
+    k_pool, v_pool, k_scales, v_scales, layer_index = cm.stacked_kv(k_pages, v_pages, k_scales, v_scales, layer)
     backend = cm.resolve_backend(backend, interpret)
     page_size, head_dim = geometry.page_size, geometry.head_dim
     knobs = cm.tuned_knobs(
@@ -393,7 +393,7 @@ def paged_attention(
     pages_per_block = cm.fit_pages_per_block(knobs["pages_per_compute_block"], pages_per_seq)
     sm_scale = cm.default_scale(sm_scale, head_dim)
     lengths = jnp.clip(lengths, 0, pages_per_seq * page_size)  # never walk past the block table
-    args = (q, k_pool, v_pool, layer_index, lengths, page_indices, geometry)
+    args = (q, k_pool, v_pool, k_scales, v_scales, layer_index, lengths, page_indices, geometry)
     if backend == "tpu":
         cm.reject_knobs("tpu", num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
         return _paged_attention_tpu(
@@ -426,12 +426,14 @@ def paged_attention_reference(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [num_seqs, num_q_heads, head_dim], q.dtype
     """Plain-jnp decode attention: gathers each sequence's pages through the block table (float32 math);
-    ``sliding_window`` and ``logit_softcap`` as in ``paged_attention``."""
-    geometry = _validate(q, k_pages, v_pages, lengths, page_indices)
+    ``sliding_window``, ``logit_softcap`` and an int8 pool's scales as in ``paged_attention``."""
+    geometry = _validate(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales)
     sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
-    k_pages, v_pages = (cm.layer_pages(*cm.stacked_pool(x, layer), geometry) for x in (k_pages, v_pages))
+    k_pages, v_pages = cm.reference_pages(k_pages, v_pages, layer, geometry, k_scales, v_scales)
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     sm_scale = cm.default_scale(sm_scale, head_dim)

@@ -14,6 +14,10 @@ p - W < j; a program starts its page walk at the page holding the window start o
 (the GPU variant: at the compute block holding that page), and masking gives every row its own window.
 ``logit_softcap`` c replaces the scaled scores s by c * tanh(s / c) before masking and the softmax.
 
+Over the int8 KV cache (``k_scales`` / ``v_scales``: a float32 scale per token and kv head, written by the
+engine with the int8 values) the pages are widened to q's dtype and the scales applied to the scores and
+the softmax weights, as in ``paged_attention`` (``_common``, ``_tpu_paging``).
+
 Two Pallas variants, both on grid (sequence, kv head, query block) with an online softmax over KV blocks
 that stops at the block's causal/length limit (and, with a window, starts at its window start):
 * TPU (Mosaic): q_start, lengths and block tables scalar-prefetched into SMEM; pages DMA'd from HBM into
@@ -35,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as cm
-from kernels_pallas._tpu_paging import PageStream, fold_pages
+from kernels_pallas._tpu_paging import fold_pages, open_stream, stream_operands
 from kernels_pallas.paged_attention import gather_pages
 
 # Knobs per (backend, page_size, head_dim); starting points, not yet measured on hardware.
@@ -78,17 +82,12 @@ def _tpu_kernel(
     table_ref,  # SMEM i32[num_seqs * pages_per_seq]
     layer_ref,  # SMEM i32[1]
     q_ref,  # VMEM [group * block_q, head_dim]
-    k_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
-    v_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
-    o_ref,  # VMEM [group * block_q, head_dim]
-    k_buf,  # VMEM [2, pages_per_block, rows, lanes]
-    v_buf,  # VMEM [2, pages_per_block, rows, lanes]
-    sems,  # DMA semaphores [2, 2]
-    *,
+    *refs,  # the pool's (``_tpu_paging.open_stream``), o_ref VMEM [group * block_q, head_dim] among them
     sm_scale: float,
     pages_per_seq: int,
     page_size: int,
     block_q: int,
+    quantized: bool,
     sliding_window: int | None,
     logit_softcap: float | None,
 ):
@@ -96,31 +95,23 @@ def _tpu_kernel(
     length = lengths_ref[seq]
     first_q = q_start_ref[seq] + q_block * block_q
     kv_end = _kv_end(first_q, length, block_q)
-    pages_per_block = k_buf.shape[1]
     rows, head_dim = q_ref.shape
     row_pos = cm.row_positions(first_q, rows, block_q)
     first_page = cm.window_first_page(first_q, sliding_window, page_size)
-    stream = PageStream(
-        k_hbm,
-        v_hbm,
-        k_buf,
-        v_buf,
-        sems,
-        table_ref,
-        table_offset=seq * pages_per_seq,
-        layer=layer_ref[0],
-        head=head,
-        num_pages=pl.cdiv(kv_end, page_size),
-        first_page=first_page,
+    stream, o_ref = open_stream(
+        refs, quantized=quantized, table_ref=table_ref, table_row=seq, pages_per_seq=pages_per_seq,
+        layer=layer_ref[0], head=head, num_pages=pl.cdiv(kv_end, page_size), first_page=first_page,
     )
+    pages_per_block = stream.pages_per_block
     q = q_ref[...]
     step = functools.partial(
         cm.causal_block_step, row_pos=row_pos, length=length, kv_end=kv_end, sm_scale=sm_scale,
         sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
 
-    def body(block, k, v, state):
-        return step(state, q, k, v, first_key=cm.plus(block * pages_per_block * page_size, first_page * page_size))
+    def body(block, k, v, scales, state):
+        first_key = cm.plus(block * pages_per_block * page_size, first_page * page_size)
+        return step(state, q, k, v, first_key=first_key, scales=scales)
 
     num_blocks = cm.blocks_from(first_page, kv_end, page_size, pages_per_block)
     state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(rows, head_dim))
@@ -129,8 +120,8 @@ def _tpu_kernel(
 
 
 def _tpu_call(
-    q5, k_pool, v_pool, layer, page_indices, q_start, lengths, geometry, *, block_q, sm_scale, pages_per_block,
-    sliding_window, logit_softcap, interpret
+    q5, k_pool, v_pool, k_scales, v_scales, layer, page_indices, q_start, lengths, geometry, *, block_q, sm_scale,
+    pages_per_block, sliding_window, logit_softcap, interpret
 ):
     """q5 [num_seqs, num_kv_heads, q_blocks, group_p * block_q, head_dim] from ``_to_row_blocks``; others
     as in ``prefill_attention`` (validated, pools stacked, lengths clamped). Returns an array shaped like q5."""
@@ -140,23 +131,25 @@ def _tpu_call(
     q_spec = pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, b, *_: (s, h, b, 0, 0))
     kernel = functools.partial(
         _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size, block_q=block_q,
-        sliding_window=sliding_window, logit_softcap=logit_softcap,
+        quantized=k_scales is not None, sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
-    buf = pltpu.VMEM((2, pages_per_block, g.rows_per_page, g.lanes), k_pool.dtype)
+    pool_specs, pool_arrays, scratch = stream_operands(
+        k_pool, v_pool, k_scales, v_scales, layer, page_indices, g, pages_per_block
+    )
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_seqs, num_kv_heads, num_q_blocks),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec, *pool_specs],
             out_specs=q_spec,
-            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+            scratch_shapes=scratch,
         ),
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=cm.interpret_arg("tpu", interpret),
         name="prefill_attention_tpu",
-    )(q_start, lengths, page_indices.reshape(-1), layer, q5, k_pool, v_pool)
+    )(q_start, lengths, page_indices.reshape(-1), layer, q5, *pool_arrays)
 
 
 # --------------------------------------------------------------------------------------------- GPU
@@ -166,10 +159,11 @@ def _gpu_kernel(
     q_ref,  # [group_p * block_q, head_dim], group padded to a power of two
     k_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim], the stacked pool's pages
     v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
-    table_ref,  # i32[padded_pages_per_seq], this sequence's block table
-    meta_ref,  # i32[3]: q_start, length, layer
-    o_ref,  # [group_p * block_q, head_dim]
-    *,
+    # an int8 pool's scales f32[num_layers * num_kv_heads * total_pages, page_size] (k, v), then:
+    # table_ref i32[padded_pages_per_seq], this sequence's block table; meta_ref i32[3]: q_start, length,
+    # layer; o_ref [group_p * block_q, head_dim]
+    *refs,
+    quantized: bool,
     sm_scale: float,
     pages_per_block: int,
     block_q: int,
@@ -178,6 +172,7 @@ def _gpu_kernel(
     sliding_window: int | None,
     logit_softcap: float | None,
 ):
+    (ks_ref, vs_ref), (table_ref, meta_ref, o_ref) = cm.split_scale_refs(refs, quantized)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_tokens = pages_per_block * page_size
     length = meta_ref[1]
@@ -198,7 +193,8 @@ def _gpu_kernel(
         pages = first_of_head + cm.live_pages_only(pages, block * pages_per_block, pl.cdiv(kv_end, page_size))
         k = cm.kv_values(k_ref[pages].reshape(block_tokens, head_dim), q.dtype)
         v = cm.kv_values(v_ref[pages].reshape(block_tokens, head_dim), q.dtype)
-        return step(state, q, k, v, first_key=block * block_tokens)
+        scales = cm.gpu_block_scales(ks_ref, vs_ref, pages)
+        return step(state, q, k, v, first_key=block * block_tokens, scales=scales)
 
     num_blocks = pl.cdiv(kv_end, block_tokens)
     state = jax.lax.fori_loop(first_block, num_blocks, body, cm.init_softmax_state(rows, head_dim))
@@ -210,6 +206,8 @@ def _gpu_call(
     q5,
     k_pool,
     v_pool,
+    k_scales,
+    v_scales,
     layer,
     page_indices,
     q_start,
@@ -233,11 +231,10 @@ def _gpu_call(
     table = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % pages_per_block)))
     meta = jnp.stack([q_start, lengths, jnp.broadcast_to(layer, q_start.shape)], axis=1)  # i32[num_seqs, 3]
     q_spec = pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, b: (s, h, b, 0, 0))
-    k_flat, v_flat = cm.flat_pages(k_pool), cm.flat_pages(v_pool)
-    pool_spec = pl.BlockSpec(k_flat.shape, lambda s, h, b: (0, 0, 0))  # the whole pool: pages by offset
+    pool_specs, pool_arrays = cm.gpu_pool_operands(k_pool, v_pool, k_scales, v_scales)
     kernel = functools.partial(
-        _gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, block_q=block_q,
-        num_kv_heads=num_kv_heads, total_pages=geometry.total_pages, sliding_window=sliding_window,
+        _gpu_kernel, quantized=k_scales is not None, sm_scale=sm_scale, pages_per_block=pages_per_block,
+        block_q=block_q, num_kv_heads=num_kv_heads, total_pages=geometry.total_pages, sliding_window=sliding_window,
         logit_softcap=logit_softcap,
     )
     return pl.pallas_call(
@@ -245,8 +242,7 @@ def _gpu_call(
         grid=(num_seqs, num_kv_heads, num_q_blocks),
         in_specs=[
             q_spec,
-            pool_spec,
-            pool_spec,
+            *pool_specs,
             pl.BlockSpec((None, table.shape[1]), lambda s, h, b: (s, 0)),
             pl.BlockSpec((None, 3), lambda s, h, b: (s, 0)),
         ],
@@ -255,7 +251,7 @@ def _gpu_call(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=cm.interpret_arg("gpu", interpret),
         name="prefill_attention_gpu",
-    )(q5, k_flat, v_flat, table, meta)
+    )(q5, *pool_arrays, table, meta)
 
 
 # ------------------------------------------------------------------------------------------ public
@@ -283,10 +279,12 @@ def _from_row_blocks(x, q_shape, group_p: int, block_q: int) -> jax.Array:
     return x.reshape(num_seqs, num_q_blocks * block_q, num_q_heads, head_dim)[:, :chunk_len]
 
 
-def _validate(q, k_pages, v_pages, page_indices, q_start, lengths) -> cm.PoolGeometry:
+def _validate(q, k_pages, v_pages, page_indices, q_start, lengths, k_scales, v_scales) -> cm.PoolGeometry:
     if q.ndim != 4:
         raise ValueError(f"q must be [num_seqs, chunk_len, num_q_heads, head_dim], got shape {q.shape}")
-    geometry = cm.check_query_and_pool(q, k_pages, v_pages, "[num_seqs, chunk_len, num_q_heads, head_dim]")
+    geometry = cm.check_query_and_pool(
+        q, k_pages, v_pages, "[num_seqs, chunk_len, num_q_heads, head_dim]", k_scales, v_scales
+    )
     cm.check_page_indices(page_indices, q.shape[0])
     cm.check_int_vector("q_start", q_start, q.shape[0])
     cm.check_int_vector("lengths", lengths, q.shape[0])
@@ -325,6 +323,8 @@ def prefill_attention(
     num_stages: int | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[L, Hkv, total_pages, page_size] ([Hkv, ...] for one layer): int8 pool
+    v_scales: jax.Array | None = None,  # like k_scales
 ) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
     """Causal attention of a chunk of query tokens over the paged KV cache (prefix + the chunk itself).
 
@@ -341,11 +341,11 @@ def prefill_attention(
       num_warps, num_stages: GPU only, Triton launch parameters.
       sliding_window: a query at position p attends only keys p - sliding_window < j <= p; None or 0: all.
       logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
+      k_scales, v_scales: an int8 pool's scales per token and kv head (as in ``paged_attention``).
     """
-    geometry = _validate(q, k_pages, v_pages, page_indices, q_start, lengths)
+    geometry = _validate(q, k_pages, v_pages, page_indices, q_start, lengths, k_scales, v_scales)
     sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
-    k_pool, layer_index = cm.stacked_pool(k_pages, layer)
-    v_pool, _ = cm.stacked_pool(v_pages, layer)
+    k_pool, v_pool, k_scales, v_scales, layer_index = cm.stacked_kv(k_pages, v_pages, k_scales, v_scales, layer)
     backend = cm.resolve_backend(backend, interpret)
     num_seqs, chunk_len, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = geometry.num_kv_heads, geometry.page_size
@@ -380,7 +380,8 @@ def prefill_attention(
         group_p = cm.next_power_of_2(group)  # Triton tensors need power-of-two sizes
         call = functools.partial(_gpu_call, num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
     q5 = _to_row_blocks(q, num_kv_heads, group_p, block_q)
-    out = call(q5, k_pool, v_pool, layer_index, page_indices, q_start, lengths, geometry, **common)
+    out = call(q5, k_pool, v_pool, k_scales, v_scales, layer_index, page_indices, q_start, lengths, geometry,
+               **common)
     return _from_row_blocks(out, q.shape, group_p, block_q)
 
 
@@ -397,12 +398,14 @@ def prefill_attention_reference(
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
-    """Plain-jnp chunked causal attention through the block table (float32 math); ``sliding_window`` and
-    ``logit_softcap`` as in ``prefill_attention``."""
-    geometry = _validate(q, k_pages, v_pages, page_indices, q_start, lengths)
+    """Plain-jnp chunked causal attention through the block table (float32 math); ``sliding_window``,
+    ``logit_softcap`` and an int8 pool's scales as in ``prefill_attention``."""
+    geometry = _validate(q, k_pages, v_pages, page_indices, q_start, lengths, k_scales, v_scales)
     sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
-    k_pages, v_pages = (cm.layer_pages(*cm.stacked_pool(x, layer), geometry) for x in (k_pages, v_pages))
+    k_pages, v_pages = cm.reference_pages(k_pages, v_pages, layer, geometry, k_scales, v_scales)
     return causal_paged_attention(
         q, k_pages, v_pages, page_indices, q_start, lengths, sm_scale=sm_scale, sliding_window=sliding_window,
         logit_softcap=logit_softcap,

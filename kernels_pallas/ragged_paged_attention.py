@@ -16,6 +16,11 @@ kernel raises otherwise; here tokens outside q are dropped, and a token in two r
 Optional variants (static): ``sliding_window`` W further limits a token at position p to keys p - W < k;
 ``logit_softcap`` c replaces the scaled scores s by c * tanh(s / c) before masking and the softmax.
 
+Over the int8 KV cache (``k_scales`` / ``v_scales``: a float32 scale per token and kv head, written by the
+engine with the int8 values) the pages are widened to q's dtype and the scales applied to the scores and
+the softmax weights, as in ``paged_attention`` (``_common``; the TPU variant gathers the scales of each
+row's block table once per call, ``_tpu_paging``).
+
 Work items. The wrapper (plain jnp, inside the same jit) cuts every row into items of at most ``block_q``
 consecutive tokens of that one row: row s gives cdiv(query_lens[s], block_q) items. An item never
 straddles rows, so the kernel body is the plain one-sequence causal block of the prefill kernel, with one
@@ -64,7 +69,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as cm
-from kernels_pallas._tpu_paging import PageStream, fold_pages
+from kernels_pallas._tpu_paging import fold_pages, open_stream, stream_operands
 from kernels_pallas.paged_attention import gather_pages
 
 # Knobs per backend, the KV block sized to ~128 tokens; starting points, not yet measured on hardware.
@@ -155,57 +160,44 @@ def _tpu_kernel(
     table_ref,  # SMEM i32[num_rows * pages_per_seq], flattened block tables
     layer_ref,  # SMEM i32[1]
     q_ref,  # VMEM [group * block_q, head_dim]
-    k_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
-    v_hbm,  # HBM [num_layers, num_kv_heads, total_pages, rows, lanes]
-    o_ref,  # VMEM [group * block_q, head_dim]
-    k_buf,  # VMEM [2, pages_per_block, rows, lanes]
-    v_buf,  # VMEM [2, pages_per_block, rows, lanes]
-    sems,  # DMA semaphores [2, 2]
-    *,
+    *refs,  # the pool's (``_tpu_paging.open_stream``), o_ref VMEM [group * block_q, head_dim] among them
     sm_scale: float,
     pages_per_seq: int,
     page_size: int,
     block_q: int,
+    quantized: bool,
     sliding_window: int | None,
     logit_softcap: float | None,
 ):
     head, item = pl.program_id(0), pl.program_id(1)
     kv_end = kv_end_ref[item]
-    pages_per_block = k_buf.shape[1]
     rows, head_dim = q_ref.shape
     first_pos = first_pos_ref[item]
     row_pos = cm.row_positions(first_pos, rows, block_q)
     first_page = cm.window_first_page(first_pos, sliding_window, page_size)
     real = (row_pos >= 0) & (row_pos < kv_end)  # [rows, 1]: a token of the row with something to attend
-    stream = PageStream(
-        k_hbm,
-        v_hbm,
-        k_buf,
-        v_buf,
-        sems,
-        table_ref,
-        table_offset=rows_ref[item] * pages_per_seq,
-        layer=layer_ref[0],
-        head=head,
-        num_pages=pl.cdiv(kv_end, page_size),
-        first_page=first_page,
+    stream, o_ref = open_stream(
+        refs, quantized=quantized, table_ref=table_ref, table_row=rows_ref[item], pages_per_seq=pages_per_seq,
+        layer=layer_ref[0], head=head, num_pages=pl.cdiv(kv_end, page_size), first_page=first_page,
     )
+    pages_per_block = stream.pages_per_block
     q = q_ref[...]  # rows of padding tokens may hold anything; they only reach their own (zeroed) rows
     step = functools.partial(
         cm.causal_block_step, row_pos=row_pos, length=kv_end, kv_end=kv_end, sm_scale=sm_scale,
         sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
 
-    def body(block, k, v, state):
-        return step(state, q, k, v, first_key=cm.plus(block * pages_per_block * page_size, first_page * page_size))
+    def body(block, k, v, scales, state):
+        first_key = cm.plus(block * pages_per_block * page_size, first_page * page_size)
+        return step(state, q, k, v, first_key=first_key, scales=scales)
 
     num_blocks = cm.blocks_from(first_page, kv_end, page_size, pages_per_block)
     state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(rows, head_dim))
     o_ref[...] = jnp.where(real, cm.finalize(state), 0.0).astype(o_ref.dtype)
 
 
-def _tpu_call(q_items, k_pool, v_pool, layer, block_tables, items: _Items, geometry, *, block_q, sm_scale,
-              pages_per_block, sliding_window, logit_softcap, interpret):
+def _tpu_call(q_items, k_pool, v_pool, k_scales, v_scales, layer, block_tables, items: _Items, geometry, *, block_q,
+              sm_scale, pages_per_block, sliding_window, logit_softcap, interpret):
     """q_items [items, kvh, group * block_q, D] from ``_gather_items`` -> an array shaped like it."""
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     g = geometry
@@ -213,23 +205,25 @@ def _tpu_call(q_items, k_pool, v_pool, layer, block_tables, items: _Items, geome
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (w, h, 0, 0))
     kernel = functools.partial(
         _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size, block_q=block_q,
-        sliding_window=sliding_window, logit_softcap=logit_softcap,
+        quantized=k_scales is not None, sliding_window=sliding_window, logit_softcap=logit_softcap,
     )
-    buf = pltpu.VMEM((2, pages_per_block, g.rows_per_page, g.lanes), k_pool.dtype)
+    pool_specs, pool_arrays, scratch = stream_operands(
+        k_pool, v_pool, k_scales, v_scales, layer, block_tables, g, pages_per_block
+    )
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(num_kv_heads, num_items),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec, *pool_specs],
             out_specs=q_spec,
-            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+            scratch_shapes=scratch,
         ),
         out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=cm.interpret_arg("tpu", interpret),
         name="ragged_paged_attention_tpu",
-    )(items.rows, items.first_pos, items.kv_end, block_tables.reshape(-1), layer, q_items, k_pool, v_pool)
+    )(items.rows, items.first_pos, items.kv_end, block_tables.reshape(-1), layer, q_items, *pool_arrays)
 
 
 # --------------------------------------------------------------------------------------------- GPU
@@ -239,10 +233,11 @@ def _gpu_kernel(
     q_ref,  # [group_p * block_q, head_dim]
     k_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim], the stacked pool's pages
     v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
-    table_ref,  # i32[padded_pages_per_seq], the item's row's block table
-    meta_ref,  # i32[3]: the item's first position, kv_end, the layer
-    o_ref,  # [group_p * block_q, head_dim]
-    *,
+    # an int8 pool's scales f32[num_layers * num_kv_heads * total_pages, page_size] (k, v), then:
+    # table_ref i32[padded_pages_per_seq], the item's row's block table; meta_ref i32[3]: the item's first
+    # position, kv_end, the layer; o_ref [group_p * block_q, head_dim]
+    *refs,
+    quantized: bool,
     sm_scale: float,
     pages_per_block: int,
     block_q: int,
@@ -251,6 +246,7 @@ def _gpu_kernel(
     sliding_window: int | None,
     logit_softcap: float | None,
 ):
+    (ks_ref, vs_ref), (table_ref, meta_ref, o_ref) = cm.split_scale_refs(refs, quantized)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_tokens = pages_per_block * page_size
     kv_end = meta_ref[1]
@@ -271,15 +267,16 @@ def _gpu_kernel(
         pages = first_of_head + cm.live_pages_only(pages, block * pages_per_block, pl.cdiv(kv_end, page_size))
         k = cm.kv_values(k_ref[pages].reshape(block_tokens, head_dim), q.dtype)
         v = cm.kv_values(v_ref[pages].reshape(block_tokens, head_dim), q.dtype)
-        return step(state, q, k, v, first_key=block * block_tokens)
+        scales = cm.gpu_block_scales(ks_ref, vs_ref, pages)
+        return step(state, q, k, v, first_key=block * block_tokens, scales=scales)
 
     num_blocks = pl.cdiv(kv_end, block_tokens)
     state = jax.lax.fori_loop(first_block, num_blocks, body, cm.init_softmax_state(rows, head_dim))
     o_ref[...] = jnp.where(real, cm.finalize(state), 0.0).astype(o_ref.dtype)
 
 
-def _gpu_call(q_items, k_pool, v_pool, layer, block_tables, items: _Items, geometry, *, block_q, sm_scale,
-              pages_per_block, num_warps, num_stages, sliding_window, logit_softcap, interpret):
+def _gpu_call(q_items, k_pool, v_pool, k_scales, v_scales, layer, block_tables, items: _Items, geometry, *, block_q,
+              sm_scale, pages_per_block, num_warps, num_stages, sliding_window, logit_softcap, interpret):
     """q_items [items, kvh, group_p * block_q, D] from ``_gather_items`` -> an array shaped like it."""
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     pages_per_seq = block_tables.shape[1]
@@ -288,11 +285,10 @@ def _gpu_call(q_items, k_pool, v_pool, layer, block_tables, items: _Items, geome
     layers = jnp.broadcast_to(layer, items.kv_end.shape)
     meta = jnp.stack([items.first_pos, items.kv_end, layers], axis=1)  # i32[items, 3]
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w: (w, h, 0, 0))
-    k_flat, v_flat = cm.flat_pages(k_pool), cm.flat_pages(v_pool)
-    pool_spec = pl.BlockSpec(k_flat.shape, lambda h, w: (0, 0, 0))  # the whole pool: pages by offset
+    pool_specs, pool_arrays = cm.gpu_pool_operands(k_pool, v_pool, k_scales, v_scales)
     kernel = functools.partial(
-        _gpu_kernel, sm_scale=sm_scale, pages_per_block=pages_per_block, block_q=block_q,
-        num_kv_heads=num_kv_heads, total_pages=geometry.total_pages, sliding_window=sliding_window,
+        _gpu_kernel, quantized=k_scales is not None, sm_scale=sm_scale, pages_per_block=pages_per_block,
+        block_q=block_q, num_kv_heads=num_kv_heads, total_pages=geometry.total_pages, sliding_window=sliding_window,
         logit_softcap=logit_softcap,
     )
     return pl.pallas_call(
@@ -300,8 +296,7 @@ def _gpu_call(q_items, k_pool, v_pool, layer, block_tables, items: _Items, geome
         grid=(num_kv_heads, num_items),
         in_specs=[
             q_spec,
-            pool_spec,
-            pool_spec,
+            *pool_specs,
             pl.BlockSpec((None, table.shape[1]), lambda h, w: (w, 0)),
             pl.BlockSpec((None, 3), lambda h, w: (w, 0)),
         ],
@@ -310,16 +305,17 @@ def _gpu_call(q_items, k_pool, v_pool, layer, block_tables, items: _Items, geome
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=cm.interpret_arg("gpu", interpret),
         name="ragged_paged_attention_gpu",
-    )(q_items, k_flat, v_flat, table, meta)
+    )(q_items, *pool_arrays, table, meta)
 
 
 # ------------------------------------------------------------------------------------------ public
 
 
-def _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths) -> cm.PoolGeometry:
+def _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths, k_scales,
+              v_scales) -> cm.PoolGeometry:
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
-    geometry = cm.check_query_and_pool(q, k_pages, v_pages, "[num_tokens, num_q_heads, head_dim]")
+    geometry = cm.check_query_and_pool(q, k_pages, v_pages, "[num_tokens, num_q_heads, head_dim]", k_scales, v_scales)
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must have shape (num_rows, pages_per_seq), got {block_tables.shape}")
     if block_tables.dtype != jnp.int32:
@@ -369,6 +365,8 @@ def ragged_paged_attention(
     backend: str = "auto",
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scales: jax.Array | None = None,  # f32[L, Hkv, num_blocks, block_size] ([Hkv, ...] for one layer): int8 pool
+    v_scales: jax.Array | None = None,  # like k_scales
 ) -> jax.Array:  # [T, Hq, D], q.dtype; zeros for tokens in no row and tokens outside [0, length)
     """Causal attention of ragged rows (decode tokens and prefill chunks) over the paged KV cache.
 
@@ -385,11 +383,12 @@ def ragged_paged_attention(
       backend: "tpu", "gpu" or "auto" (as in ``paged_attention``).
       sliding_window: a token at position p attends only keys p - sliding_window < k <= p; None or 0: all.
       logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
+      k_scales, v_scales: an int8 pool's scales per token and kv head (as in ``paged_attention``).
     """
-    geometry = _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths)
+    geometry = _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths, k_scales,
+                         v_scales)
     sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
-    k_pool, layer_index = cm.stacked_pool(k_pages, layer)
-    v_pool, _ = cm.stacked_pool(v_pages, layer)
+    k_pool, v_pool, k_scales, v_scales, layer_index = cm.stacked_kv(k_pages, v_pages, k_scales, v_scales, layer)
     backend = cm.resolve_backend(backend, interpret)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, total_pages, page_size = geometry.num_kv_heads, geometry.total_pages, geometry.page_size
@@ -432,7 +431,7 @@ def ragged_paged_attention(
         group_p = max(cm.next_power_of_2(group), pl.cdiv(MIN_GPU_ROWS, block_q))
         call = functools.partial(_gpu_call, num_warps=knobs["num_warps"], num_stages=knobs["num_stages"])
     q_items = _gather_items(q, items, num_kv_heads, group_p, block_q)
-    out = call(q_items, k_pool, v_pool, layer_index, block_tables, items, geometry, **common)
+    out = call(q_items, k_pool, v_pool, k_scales, v_scales, layer_index, block_tables, items, geometry, **common)
     return _scatter_items(out, items, q.shape, group_p, block_q)
 
 
@@ -451,13 +450,17 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [T, Hq, D], q.dtype
     """Plain-jnp ragged attention (float32 math): every token gathers its row's pages through the block
     table (an [T, Hkv, P * block_size, D] copy, so for tests and small batches) and takes a masked softmax.
-    Same semantics as ``ragged_paged_attention``, ``sliding_window`` and ``logit_softcap`` included."""
-    geometry = _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths)
+    Same semantics as ``ragged_paged_attention``, ``sliding_window``, ``logit_softcap`` and an int8 pool's
+    scales included."""
+    geometry = _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths, k_scales,
+                         v_scales)
     sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
-    k_pages, v_pages = (cm.layer_pages(*cm.stacked_pool(x, layer), geometry) for x in (k_pages, v_pages))
+    k_pages, v_pages = cm.reference_pages(k_pages, v_pages, layer, geometry, k_scales, v_scales)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, total_pages, page_size, _ = k_pages.shape
     num_rows, pages_per_seq = block_tables.shape

@@ -219,10 +219,15 @@ def test_sliding_window_and_softcap_match_naive_attention(variant, rng, make_kv,
 @pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0}], ids=["plain", "window-cap"])
 @pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
 @pytest.mark.parametrize("dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
-                                              (jnp.bfloat16, jnp.float8_e4m3fn)], ids=["f32", "bf16", "bf16-fp8-pool"])
+                                              (jnp.bfloat16, jnp.float8_e4m3fn), (jnp.bfloat16, jnp.int8)],
+                         ids=["f32", "bf16", "bf16-fp8-pool", "bf16-int8-pool"])
 def test_lowers_for_real_hardware(kernel_backend, platform, dtype, pool_dtype, variants):
     """Runs the Mosaic / Triton lowering (no device needed) so unsupported ops fail here, not on hardware; a
-    float8 pool (the float8 KV cache) under a bfloat16 query too."""
+    float8 pool (the float8 KV cache) and an int8 pool with its scales (the int8 KV cache) under a bfloat16
+    query too."""
+    if pool_dtype == jnp.int8:
+        scales = jax.ShapeDtypeStruct((3, 40, 16), jnp.float32)
+        variants = variants | dict(k_scales=scales, v_scales=scales)
     args = (
         jax.ShapeDtypeStruct((4, 9, 64), dtype),
         jax.ShapeDtypeStruct((3, 40, 16, 64), pool_dtype),
@@ -267,7 +272,7 @@ BAD_INPUTS = [
             "k_pages": jnp.zeros((2, 6, 16, 64), jnp.float16),
             "v_pages": jnp.zeros((2, 6, 16, 64), jnp.float16),
         },
-        r"k_pages dtype must be float32, bfloat16 or float8_e4m3fn, got float16",
+        r"k_pages dtype must be float32, bfloat16, float8_e4m3fn or int8, got float16",
     ),
     (
         {"k_pages": jnp.zeros((2, 6, 8, 64)), "v_pages": jnp.zeros((2, 6, 8, 64))},

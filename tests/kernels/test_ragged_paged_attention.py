@@ -213,10 +213,15 @@ def test_sliding_window_and_softcap_match_naive_attention(backend, dtype_name, w
 @pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0}], ids=["plain", "window-cap"])
 @pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
 @pytest.mark.parametrize("dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
-                                              (jnp.bfloat16, jnp.float8_e4m3fn)], ids=["f32", "bf16", "bf16-fp8-pool"])
+                                              (jnp.bfloat16, jnp.float8_e4m3fn), (jnp.bfloat16, jnp.int8)],
+                         ids=["f32", "bf16", "bf16-fp8-pool", "bf16-int8-pool"])
 def test_lowers_for_real_hardware(kernel_backend, platform, dtype, pool_dtype, variants):
     """Runs the Mosaic / Triton lowering (no device needed) so unsupported ops fail here, not on hardware; a
-    float8 pool (the float8 KV cache) under a bfloat16 query too."""
+    float8 pool (the float8 KV cache) and an int8 pool with its scales (the int8 KV cache) under a bfloat16
+    query too."""
+    if pool_dtype == jnp.int8:
+        scales = jax.ShapeDtypeStruct((3, 2, 40, 16), jnp.float32)
+        variants = variants | dict(k_scales=scales, v_scales=scales)
     rows = jax.ShapeDtypeStruct((4,), jnp.int32)
     args = (
         jax.ShapeDtypeStruct((50, 8, 64), dtype),
@@ -323,7 +328,7 @@ def test_input_checks_raise_clear_errors():
         ((q, k_pages, v_pages.astype(jnp.bfloat16), block_tables, *rows),
          "k_pages and v_pages must have the same dtype, got float32 and bfloat16"),
         ((q.astype(jnp.float16), k_pages.astype(jnp.float16), v_pages.astype(jnp.float16), block_tables, *rows),
-         "k_pages dtype must be float32, bfloat16 or float8_e4m3fn, got float16"),
+         "k_pages dtype must be float32, bfloat16, float8_e4m3fn or int8, got float16"),
         ((q, k_pages, v_pages, block_tables[0], *rows), "block_tables must have shape (num_rows, pages_per_seq), "
          f"got ({block_tables.shape[1]},)"),
         ((q, k_pages, v_pages, block_tables.astype(jnp.int16), *rows), "block_tables must be int32, got int16"),
