@@ -10,6 +10,7 @@ one as a cache quantizing each token's row per kv head to int8 times its scale; 
 each run's tokens and whether they are equal; exit status 1 if any run fails or differs.
 
     python scripts/check_gpu_quantization.py   # PYTHONPATH=. on the device machine (qwix and gguf carried as wheels)
+    python scripts/check_gpu_quantization.py none:int8 fp8:int8   # some runs: weights:kv_cache_dtype
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def main() -> None:
     print(f"jax {jax.__version__} on {device.device_kind}, compute capability "
           f"{getattr(device, 'compute_capability', None)}", flush=True)
     failures = []
+    chosen = [tuple(None if part == "none" else part for part in run.split(":")) for run in sys.argv[1:]]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "llama", "llama", seed=11, **TINY_64)
-        for quantization, kv_cache_dtype in RUNS:
+        for quantization, kv_cache_dtype in chosen or RUNS:
             name = f"weights {quantization or 'float32'}, KV {kv_cache_dtype}"
             try:
                 ours, theirs, (scheme, backend) = run(model_dir, Path(tmp), quantization, kv_cache_dtype)

@@ -194,9 +194,13 @@ def hf_greedy(path: Path, token_ids: list[int], max_new_tokens: int) -> list[int
 def greedy_continuation(model, token_ids: list[int], max_new_tokens: int, cache=None) -> list[int]:
     """The greedy continuation (exactly ``max_new_tokens`` new tokens) of one prompt by a loaded transformers
     model; ``cache``: the KV cache it generates with (a `transformers.DynamicCache` that rounds K/V, say)."""
+    import inspect
+
     import torch
 
-    extra = {} if cache is None else {"cache": cache}
+    # transformers names the argument `cache` since 5.2x, `past_key_values` before (the GPU image's 5.17)
+    cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    extra = {} if cache is None else {cache_argument: cache}
     with torch.no_grad():
         out = model.generate(torch.tensor([token_ids]), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **extra)
