@@ -184,13 +184,16 @@ def test_pallas_backend_under_tensor_parallelism_matches_transformers(tmp_path, 
     assert _generate(llm) == [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
-def test_gguf_blocks_under_tensor_parallelism_match_transformers(tmp_path, buckets):
-    """quantization="gguf": the row-parallel layers split their group scales and offsets with their inputs."""
+def test_gguf_blocks_and_an_int8_kv_cache_under_tensor_parallelism_match_transformers(tmp_path, buckets):
+    """quantization="gguf": the row-parallel layers split their group scales and offsets with their inputs;
+    kv_cache_dtype="int8": each device holds its kv heads' pages and their scales, written and read in the head
+    shard_map (one engine for both: transformers reads the file with a cache quantizing K/V as the pool does)."""
     import gguf
     import torch
     import transformers
 
     from tests.hf_tiny import greedy_continuation
+    from tests.quantization.test_int8_kv_cache import Int8RoundingCache
     from tests.tiny_gguf import make_tiny_gguf
 
     kinds = gguf.GGMLQuantizationType
@@ -199,29 +202,15 @@ def test_gguf_blocks_under_tensor_parallelism_match_transformers(tmp_path, bucke
               "ffn_gate": kinds.Q5_1, "ffn_up": kinds.Q5_0, "ffn_down": kinds.Q4_0}  # every layer kept exactly
     path = make_tiny_gguf(tmp_path / "tiny.gguf", hf_dir, stored)
     llm = LLM(str(path), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=2,
-              quantization="gguf")
+              quantization="gguf", kv_cache_dtype="int8")
     down = llm.llm_engine.runner.params["params"]["layers"]["mlp"]["down_proj"]
     assert {leaf: value.sharding.spec for leaf, value in down.items()} == {
         leaf: P(None, "tp", None) for leaf in ("kernel", "group_scale", "group_offset")}
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
-    assert _generate(llm) == [greedy_continuation(model.eval(), p, GREEDY.max_tokens) for p in PROMPTS]
-
-
-def test_int8_kv_cache_under_tensor_parallelism_matches_transformers(model_dir, buckets):
-    """kv_cache_dtype="int8": each device holds its kv heads' pages and their scales, written and read in the
-    head shard_map."""
-    import torch
-    import transformers
-
-    from tests.hf_tiny import greedy_continuation
-    from tests.quantization.test_int8_kv_cache import Int8RoundingCache
-
-    llm = LLM(str(model_dir), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=2,
-              kv_cache_dtype="int8")
     k_pool = llm.llm_engine.runner.kv_pool[0]
     assert k_pool.values.sharding.spec == k_pool.scales.sharding.spec == P(None, "tp")
     assert k_pool.scales.addressable_shards[0].data.shape[1] == 2  # 2 of the 4 kv heads' scales per device
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    model = model.eval()
     assert _generate(llm) == [greedy_continuation(model, p, GREEDY.max_tokens, Int8RoundingCache(config=model.config))
                               for p in PROMPTS]
 

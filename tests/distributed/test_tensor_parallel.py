@@ -21,7 +21,7 @@ from __future__ import annotations
 from tests.paths import REPO_ROOT, assert_checks_pass_on_cpu_devices
 
 CHECKS = REPO_ROOT / "tests" / "distributed" / "check_tensor_parallel.py"
-NUM_CHECKS = 20
+NUM_CHECKS = 19
 
 
 def test_tensor_parallel_checks_pass_on_8_cpu_devices():
