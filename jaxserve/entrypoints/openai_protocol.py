@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -317,9 +317,47 @@ class ChatCompletionRequest(SamplingFields):
         return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs, None))
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """One streamed piece of tool call `index`: its first piece carries id, type and name; later pieces
+    carry fragments of the arguments text (streams are dumped with exclude_unset, so unset fields stay out)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's extra, filled by a reasoning parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _omit_unused(self, handler):
+        """An answer without reasoning or tool calls is dumped as before these fields existed."""
+        data = handler(self)
+        if self.reasoning_content is None:
+            data.pop("reasoning_content", None)
+        if not self.tool_calls:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -356,6 +394,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
