@@ -29,6 +29,7 @@ from jaxserve.entrypoints.tool_parsers.json_scan import Status
 START_TAG = "<|python_start|>"
 
 _SPACE = re.compile(r"[ \t\f\r\n]*")  # whitespace Python's tokenizer skips inside brackets
+_SPACE_OR_COMMENT = re.compile(r"(?:[ \t\f\r\n]+|#[^\r\n]*)*")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PLAIN_RUN = re.compile(r"""[^"'#()\[\]{},]*""")  # value characters that change no nesting
 _SINGLE_QUOTED = {q: re.compile(rf"{q}(?:[^{q}\\\r\n]|\\.)*{q}", re.DOTALL) for q in "'\""}
@@ -60,6 +61,11 @@ def _skip_space(text: str, pos: int) -> int:
     return _SPACE.match(text, pos).end()
 
 
+def _skip_space_in_list(text: str, pos: int) -> int:
+    """Whitespace and comments, both of which Python skips inside the list's brackets."""
+    return _SPACE_OR_COMMENT.match(text, pos).end()
+
+
 def _out_of_text(final: bool) -> Status:
     return Status.BAD if final else Status.MORE
 
@@ -67,7 +73,7 @@ def _out_of_text(final: bool) -> Status:
 def _scan_call_list(text: str, pos: int, final: bool, calls: list[ScannedCall]) -> tuple[Status, int]:
     """The calls of the list whose `[` is before `pos`; DONE's position is right after its `]`."""
     while True:
-        pos = _skip_space(text, pos)
+        pos = _skip_space_in_list(text, pos)
         if pos == len(text):
             return _out_of_text(final), pos
         if calls and text[pos] == "]":  # after a trailing comma
@@ -75,7 +81,7 @@ def _scan_call_list(text: str, pos: int, final: bool, calls: list[ScannedCall]) 
         status, pos = _scan_call(text, pos, final, calls)
         if status is not Status.DONE:
             return status, pos
-        pos = _skip_space(text, pos)
+        pos = _skip_space_in_list(text, pos)
         if pos == len(text):
             return _out_of_text(final), pos
         if text[pos] == "]":
@@ -88,9 +94,11 @@ def _scan_call_list(text: str, pos: int, final: bool, calls: list[ScannedCall]) 
 def _scan_call(text: str, pos: int, final: bool, calls: list[ScannedCall]) -> tuple[Status, int]:
     """`name(keyword=value, ...)`; the call joins `calls` once its `(` is read."""
     match = _IDENTIFIER.match(text, pos)
+    if match and match.end() == len(text):  # the name may go on
+        return _out_of_text(final), len(text)
     if not match or keyword.iskeyword(match.group()):
         return Status.BAD, pos
-    pos = _skip_space(text, match.end())
+    pos = _skip_space_in_list(text, match.end())
     if pos == len(text):
         return _out_of_text(final), pos
     if text[pos] != "(":
@@ -105,16 +113,18 @@ def _scan_keywords(text: str, pos: int, final: bool, call: ScannedCall) -> tuple
     DONE's position is right after the `)`."""
     keywords: list[str] = []
     while True:
-        pos = _skip_space(text, pos)
+        pos = _skip_space_in_list(text, pos)
         if pos == len(text):
             return _out_of_text(final), pos
         if text[pos] == ")":
             call.arguments += "}" if keywords else "{}"
             return Status.DONE, pos + 1
         match = _IDENTIFIER.match(text, pos)
+        if match and match.end() == len(text):  # the keyword may go on
+            return _out_of_text(final), len(text)
         if not match or keyword.iskeyword(match.group()) or match.group() in keywords:
             return Status.BAD, pos
-        pos = _skip_space(text, match.end())
+        pos = _skip_space_in_list(text, match.end())
         if pos == len(text):
             return _out_of_text(final), pos
         if text[pos] != "=" or text.startswith("==", pos):
@@ -161,14 +171,13 @@ def _scan_value(text: str, pos: int, final: bool) -> tuple[Status, int]:
 
 
 def _scan_string(text: str, pos: int, final: bool) -> tuple[Status, int]:
-    """A quoted string (any prefix letters were read before it) starting at `pos`."""
+    """A quoted string (any prefix letters were read before it) starting at `pos`. A `''` at the end of the text
+    may yet open a triple-quoted string; reading it as an empty one is harmless, since a value only counts
+    once the `,` or `)` after it is read."""
     quote = text[pos]
     if text.startswith(quote * 3, pos):
         match = _TRIPLE_QUOTED[quote].match(text, pos)
         return (Status.DONE, match.end()) if match else (_out_of_text(final), len(text))
-    left = len(text) - pos
-    if not final and (left == 1 or (left == 2 and text[pos + 1] == quote)):  # may still open a triple quote
-        return Status.MORE, len(text)
     match = _SINGLE_QUOTED[quote].match(text, pos)
     if match:
         return Status.DONE, match.end()
