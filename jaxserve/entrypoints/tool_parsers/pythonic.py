@@ -6,9 +6,10 @@ outputs that are a Python list of calls with keyword arguments,
 optionally between Llama 4's `<|python_start|>` and `<|python_end|>`. Argument values must be Python literals
 (strings, numbers, True/False/None, and lists, tuples and dicts of them; dict keys strings); each is rendered
 as JSON with `json.dumps`, so `arguments` is `json.dumps({keyword: value, ...}, ensure_ascii=False)`. An output
-is calls when, after optional whitespace (and the start tag), it starts with `[`; text after the list is
-ignored. Positional arguments, calls or names inside values, f-strings, bytes, sets, repeated keywords, or
-any other syntax make the whole output content.
+is calls when, after optional whitespace (and the start tag), it starts with `[`; inside the list whitespace,
+newlines and comments are skipped as Python skips them; text after the list is ignored. Positional
+arguments, calls or names inside values, f-strings, bytes, sets, repeated keywords, non-ASCII names, or any
+other syntax make the whole output content.
 
 While streaming, a call's name is sent at its `(`, and each keyword argument as soon as its value is
 complete (at the `,` or `)` after it), rendered on its own; a finished output is checked once more with
