@@ -39,7 +39,14 @@ from jaxserve.engine.core_client import AsyncMPEngine, ServerEngine
 from jaxserve.engine.data_parallel import DataParallelEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.serving_hosts import FollowingHost, follow, lead, serving_role
-from jaxserve.entrypoints.args import add_engine_args, add_server_args, engine_config_from_args, model_from_args
+from jaxserve.entrypoints.args import (
+    add_engine_args,
+    add_server_args,
+    chat_parser_options_from_args,
+    engine_config_from_args,
+    model_from_args,
+)
+from jaxserve.entrypoints.chat_output import ChatParserOptions
 from jaxserve.entrypoints.launcher import ApiServer
 from jaxserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -262,10 +269,10 @@ class APIKeyMiddleware:
 
 def build_app(
     engine: ServerEngine, *, served_model_name: str, api_key: str | None = None, model_path: str | None = None,
-    chat_template: str | None = None,
+    chat_template: str | None = None, chat_parsers: ChatParserOptions | None = None,
 ) -> FastAPI:
     """The app over a warm engine; its metrics registry is its own. `chat_template`: the template text for chats
-    whose request names none (default: the tokenizer's)."""
+    whose request names none (default: the tokenizer's). `chat_parsers`: tool call and reasoning parsing."""
     metrics = ServingMetrics(engine.make_stats, engine.backend_compiles)
     engine.observer = metrics
 
@@ -280,7 +287,7 @@ def build_app(
     state.engine, state.metrics, state.served_model_name = engine, metrics, served_model_name
     state.model_path, state.max_model_len = model_path, engine.info.max_model_len
     state.completions = OpenAIServingCompletion(engine, served_model_name)
-    state.chat = OpenAIServingChat(engine, served_model_name, chat_template)
+    state.chat = OpenAIServingChat(engine, served_model_name, chat_template, parser_options=chat_parsers)
     state.generate = GenerateServing(engine, served_model_name)
     state.tokenization = OpenAIServingTokenization(engine, served_model_name, chat_template)
     app.add_exception_handler(ServingError, _serving_error)
@@ -304,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_server(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
+    chat_parsers = chat_parser_options_from_args(args)  # so does a tool parser flag without its partner
     engine = start_engine(config, args.engine_core_process)
     if isinstance(engine, FollowingHost):
         return engine.run()  # multi-host: host 0 serves; this host makes its device calls
@@ -311,7 +319,7 @@ def run_server(args: argparse.Namespace) -> int:
     served_model_name = args.served_model_name or model or EMBEDDED_MODEL_NAME
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key, model_path=model,
-                    chat_template=chat_template)
+                    chat_template=chat_template, chat_parsers=chat_parsers)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     server = ApiServer(config, engine, served_model_name)
     try:

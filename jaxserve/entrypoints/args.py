@@ -9,6 +9,9 @@ import argparse
 import dataclasses
 
 from jaxserve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, EngineConfig
+from jaxserve.entrypoints.chat_output import ChatParserOptions
+from jaxserve.entrypoints.reasoning_parsers import REASONING_PARSERS
+from jaxserve.entrypoints.tool_parsers import TOOL_PARSERS
 
 # The server's latency target (ms; `LLM` has none): the load sweep of docs/benchmarks/serving-load.md measured
 # 400 ms ahead of vLLM's P99 ITL at every rate and of its TTFT and throughput from light load to saturation.
@@ -127,11 +130,22 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="the chat template for chat requests that name none: a Jinja file, or the template "
                         "itself (default: the tokenizer's; needed for models without one, e.g. many GGUF files)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="tool_choice \"auto\": parse the model's own tool calls (needs --tool-call-parser)")
+    parser.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
+                        help="the model's tool call format, read under tool_choice \"auto\" (vLLM's names)")
+    parser.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                        help="split <think> reasoning into reasoning_content (deepseek_r1, qwen3)")
     parser.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=ENGINE_CORE_PROCESS,
                         help="run the scheduler and the device steps in a process of their own, the HTTP server, "
                         "tokenization and streaming in this one (vLLM V1's split)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def chat_parser_options_from_args(args: argparse.Namespace) -> ChatParserOptions:
+    return ChatParserOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:

@@ -282,8 +282,33 @@ class ChatMessageParam(OpenAIBaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageParam]
+    tools: list[ChatCompletionToolsParam] | None = None
+    # vLLM's default: "auto" when tools are given, else "none" (set by _check_tools)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     logprobs: bool | None = False
     top_logprobs: int | None = 0
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -305,7 +330,27 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("messages must contain at least one message")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        """tool_choice defaults as vLLM's; one that needs tools without them, or names a function the tools do
+        not define, is refused naming the problem."""
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        elif self.tool_choice != "none" and not self.tools:
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools must have distinct function names, got {names}")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                             f"among the tools ({', '.join(names)})")
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """tool_choice "required" or a named function: the output is constrained to calls (`tool_choice.py`)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -2,7 +2,9 @@
 
 Non-streaming answers one `ChatCompletionResponse`; streaming answers server-sent events: a first chunk
 per choice with the assistant role, content deltas, the finish reason, an optional usage chunk, then
-`data: [DONE]`.
+`data: [DONE]`. Tools: the request's tools are checked (`tool_choice.py`) and rendered by the chat template;
+a tool_choice that forces calls constrains the output with structured outputs; each choice's text is read by
+a `ChoiceOutputParser` (`chat_output.py`: reasoning, tool calls, content), whole or streamed.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 
 from jaxserve.engine.async_engine import EngineDeadError
+from jaxserve.entrypoints.chat_output import AUTO_NEEDS_FLAGS, ChatParserOptions, ChoiceOutputParser, finish_reason
 from jaxserve.entrypoints.openai_protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -34,37 +37,81 @@ from jaxserve.entrypoints.serving_engine import (
     stream_error,
     streamable_text,
 )
+from jaxserve.entrypoints.tool_choice import check_tool_schemas, forced_calls_constraint
 from jaxserve.outputs import CompletionOutput, RequestOutput
 
 ROLE = "assistant"
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, parser_options: ChatParserOptions | None = None, **kwargs):
+        """``parser_options``: the server's `--enable-auto-tool-choice`, `--tool-call-parser` and
+        `--reasoning-parser`."""
+        super().__init__(*args, **kwargs)
+        self.parser_options = parser_options or ChatParserOptions()
+
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
+        self._check_tools(request)
         prompt = self.chat_prompt(request)
+        parsers = [ChoiceOutputParser.for_request(request, self.parser_options) for _ in range(request.n)]
+        request = self._with_tool_constraints(request, parsers[0])
         params = self.sampling_params(request, prompt)
         request_id, created = random_id("chatcmpl"), int(time.time())
         stream = self.generate([prompt], [params], request_id)
         if request.stream:
-            return self._stream(request, prompt, params, stream, request_id, created)
+            return self._stream(request, prompt, params, stream, request_id, created, parsers)
         (final,) = await self.final_outputs(stream, 1)
-        return self._response(request, prompt, final, request_id, created)
+        return self._response(request, prompt, final, request_id, created, parsers)
+
+    def _check_tools(self, request: ChatCompletionRequest) -> None:
+        """Tools whose schemas the grammar engine takes; "auto" only on a server that parses calls, with a chat
+        template that renders the tools (else the model would never see them)."""
+        if not request.tools:
+            return
+        try:
+            check_tool_schemas(request.tools)
+        except ValueError as err:
+            raise ServingError(str(err), param="tools") from err
+        if request.tool_choice == "auto":
+            if not self.parser_options.auto_tool_choice:
+                raise ServingError(AUTO_NEEDS_FLAGS, param="tool_choice")
+            if self.chat_prompt(request).text == self.chat_prompt(request, with_tools=False).text:
+                raise ServingError("the chat template does not render tools, so the model cannot call them: "
+                                   "\"auto\" tool choice needs a tool-aware template (the request's or the "
+                                   "server's chat_template)", param="tools")
+
+    @staticmethod
+    def _with_tool_constraints(request: ChatCompletionRequest, parser: ChoiceOutputParser) -> ChatCompletionRequest:
+        """The request with tool_choice's output constraint (forced calls) and the special tokens its parser
+        needs kept in the text."""
+        update = {}
+        if request.forces_tool_calls:
+            if request.response_format is not None or request.structured_outputs is not None or any(
+                    getattr(request, f"guided_{kind}") is not None for kind in ("json", "regex", "choice", "grammar")):
+                raise ServingError("tool_choice \"required\" or a named function constrains the output itself: "
+                                   "give no response_format or structured outputs with it", param="tool_choice")
+            update["structured_outputs"] = forced_calls_constraint(request)
+        if parser.keeps_special_tokens:
+            update["skip_special_tokens"] = False
+        return request.model_copy(update=update) if update else request
 
     def _response(
         self, request: ChatCompletionRequest, prompt: EnginePrompt, final: RequestOutput, request_id: str,
-        created: int,
+        created: int, parsers: list[ChoiceOutputParser],
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionResponseChoice(
-                index=output.index, message=ChatMessage(role=ROLE, content=output.text),
-                logprobs=self._logprobs(request, output, 0), finish_reason=output.finish_reason,
+        choices = []
+        for output in final.outputs:
+            parsed = parsers[output.index].message(output.text)
+            message = ChatMessage(role=ROLE, content=parsed.content, reasoning_content=parsed.reasoning_content,
+                                  tool_calls=parsed.tool_calls)
+            choices.append(ChatCompletionResponseChoice(
+                index=output.index, message=message, logprobs=self._logprobs(request, output, 0),
+                finish_reason=finish_reason(output.finish_reason, bool(parsed.tool_calls)),
                 stop_reason=output.stop_reason,
-            )
-            for output in final.outputs
-        ]
+            ))
         num_prompt = len(prompt.token_ids)
         num_generated = sum(len(o.token_ids) for o in final.outputs)
         return ChatCompletionResponse(
@@ -76,11 +123,11 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(
         self, request: ChatCompletionRequest, prompt: EnginePrompt, params: RequestParams,
         stream: AsyncIterator[tuple[int, RequestOutput]], request_id: str, created: int,
+        parsers: list[ChoiceOutputParser],
     ) -> AsyncIterator[str]:
         options = request.stream_options
         continuous_usage = bool(options and options.include_usage and options.continuous_usage_stats)
         num_prompt = len(prompt.token_ids)
-        sent_chars: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
 
         def event(choices: list, usage: UsageInfo | None = None) -> str:
@@ -95,7 +142,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield event([role], UsageInfo.of(num_prompt, 0) if continuous_usage else None)
             async for _, result in stream:
                 for output in result.outputs:
-                    choice = self._choice_delta(request, params, output, sent_chars, sent_tokens)
+                    choice = self._choice_delta(request, params, output, parsers[output.index], sent_tokens)
                     if choice is not None:
                         usage = UsageInfo.of(num_prompt, sent_tokens[output.index]) if continuous_usage else None
                         yield event([choice], usage)
@@ -107,18 +154,18 @@ class OpenAIServingChat(OpenAIServing):
 
     def _choice_delta(
         self, request: ChatCompletionRequest, params: RequestParams, output: CompletionOutput,
-        sent_chars: dict[int, int], sent_tokens: dict[int, int],
+        parser: ChoiceOutputParser, sent_tokens: dict[int, int],
     ) -> ChatCompletionResponseStreamChoice | None:
         index = output.index
-        prev_chars, prev_tokens = sent_chars.get(index, 0), sent_tokens.get(index, 0)
-        text = streamable_text(output, params)
-        delta_text = text[prev_chars:]
-        if not delta_text and len(output.token_ids) == prev_tokens and output.finish_reason is None:
+        prev_tokens = sent_tokens.get(index, 0)
+        finished = output.finish_reason is not None
+        delta = parser.delta(streamable_text(output, params), finished)
+        if delta is None and len(output.token_ids) == prev_tokens and not finished:
             return None
-        sent_chars[index], sent_tokens[index] = len(text), len(output.token_ids)
+        sent_tokens[index] = len(output.token_ids)
         return ChatCompletionResponseStreamChoice(
-            index=index, delta=DeltaMessage(content=delta_text), logprobs=self._logprobs(request, output, prev_tokens),
-            finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+            index=index, delta=delta or DeltaMessage(content=""), logprobs=self._logprobs(request, output, prev_tokens),
+            finish_reason=finish_reason(output.finish_reason, parser.streamed_calls), stop_reason=output.stop_reason,
         )
 
     def _logprobs(

@@ -132,13 +132,17 @@ class OpenAIServing:
             return [self.token_prompt(prompt)]
         return [self.token_prompt(p) for p in prompt]
 
-    def chat_prompt(self, request: Any) -> EnginePrompt:
-        """Renders the conversation with the chat template (the request's own, the server's, or the model's)."""
+    def chat_prompt(self, request: Any, with_tools: bool = True) -> EnginePrompt:
+        """Renders the conversation with the chat template (the request's own, the server's, or the model's),
+        and the request's tools, if any (tool-aware templates render them)."""
         messages = [_message_dict(m) for m in request.messages]
         kwargs = dict(request.chat_template_kwargs or {})
         template = request.chat_template if request.chat_template is not None else self.chat_template
         if template is not None:
             kwargs["chat_template"] = template
+        tools = getattr(request, "tools", None)
+        if tools and with_tools:
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
@@ -208,7 +212,22 @@ def _message_dict(message: Any) -> dict:
                 raise ServingError("A text content part needs a `text` string.")
             texts.append(part["text"])
         data["content"] = "\n".join(texts)
+    for call in data.get("tool_calls") or []:  # an assistant turn's calls: templates take arguments as objects
+        _arguments_as_object(call)
     return data
+
+
+def _arguments_as_object(call: Any) -> None:
+    """OpenAI sends a call's arguments as JSON text; chat templates (Qwen's, Llama's) write them with `tojson`,
+    so they get the object, as vLLM gives them."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError as err:
+            raise ServingError(f"A tool call's arguments must be JSON text, got {arguments!r}.",
+                               param="messages") from err
 
 
 async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 
+import httpx
 import pytest
 
 from jaxserve import LLM, AsyncLLMEngine, SamplingParams, StructuredOutputsParams
@@ -270,3 +271,121 @@ def test_the_openai_client_gets_structured_outputs_from_the_server(llm):
             chat(response_format={"type": "structural_tag"})
         with pytest.raises(openai.BadRequestError, match="invalid structured outputs json: Invalid type: nope"):
             chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+
+
+# ----- tool calling through the server --------------------------------------------------------------------------
+
+# bounded schemas, so that 200 tokens always close a call at temperature 1
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city"], "additionalProperties": False}
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time now",
+                                           "parameters": NO_ARGUMENTS}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": NO_ARGUMENTS}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+# a Hermes-style template (Qwen2.5's shape): tools in a system turn, calls as <tool_call> JSON, results as
+# <tool_response> in a user turn
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}</tools>\nCall one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n"
+    "{% endif %}{% for message in messages %}{% if message.role == 'tool' %}<|im_start|>user\n<tool_response>"
+    "{{ message.content }}</tool_response><|im_end|>\n{% elif message.tool_calls %}<|im_start|>assistant\n"
+    "{% for call in message.tool_calls %}<tool_call>{{ {'name': call.function.name, 'arguments': "
+    "call.function.arguments} | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% else %}<|im_start|>"
+    "{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+FORCED_HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n</tool_call>'
+
+
+def _calls(choice) -> list[tuple[str, dict]]:
+    return [(call.function.name, json.loads(call.function.arguments)) for call in choice.message.tool_calls]
+
+
+def _streamed_calls(stream) -> tuple[list[tuple[str, dict]], str | None]:
+    """A streamed answer's tool calls reassembled from their deltas (name first, then argument fragments), and
+    its finish reason."""
+    calls, finish = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": None, "arguments": ""})
+                if delta.function.name:
+                    assert entry["name"] is None and delta.id.startswith("call_")
+                    entry["name"] = delta.function.name
+                entry["arguments"] += delta.function.arguments or ""
+    return [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)], finish
+
+
+def test_the_openai_client_calls_tools(llm):
+    """tool_choice named and "required": valid calls over 20 seeds at temperature 1 (the grammar enforces each
+    function's schema); streamed, the same call; "auto" parses the model's hermes call (here forced by a regex);
+    the call and its result go back through the template; bad tool requests are 400s naming the problem."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+    import openai
+
+    from jaxserve.entrypoints.api_server import build_app
+    from jaxserve.entrypoints.chat_output import ChatParserOptions
+    from tests.server import ServerThread
+
+    engine = AsyncLLMEngine(llm.llm_engine)
+    options = ChatParserOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    app = build_app(engine, served_model_name="smol", chat_template=TOOL_TEMPLATE, chat_parsers=options)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with ServerThread(app, engine) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        ask = lambda seed=0, **kwargs: client.chat.completions.create(  # noqa: E731
+            model="smol", messages=kwargs.pop("messages", WEATHER_QUESTION), tools=TOOLS, temperature=1.0, seed=seed,
+            max_tokens=200, **kwargs)
+        with ThreadPoolExecutor(20) as pool:  # 20 requests at once: one batch
+            named_answers = list(pool.map(lambda seed: ask(seed, tool_choice=named).choices[0], range(20)))
+            required = list(pool.map(lambda seed: ask(seed, tool_choice="required", parallel_tool_calls=False)
+                                     .choices[0], range(20)))
+        for choice in named_answers:
+            ((name, arguments),) = _calls(choice)
+            assert (name, choice.finish_reason, choice.message.content) == ("get_weather", "tool_calls", None)
+            jsonschema.validate(arguments, WEATHER)
+        for choice in required:
+            ((name, arguments),) = _calls(choice)
+            assert choice.finish_reason == "tool_calls"
+            jsonschema.validate(arguments, SCHEMAS[name])
+        assert _streamed_calls(ask(3, tool_choice=named, stream=True)) == (_calls(named_answers[3]), "tool_calls")
+        assert _streamed_calls(ask(5, tool_choice="required", parallel_tool_calls=False, stream=True)) == (
+            _calls(required[5]), "tool_calls")
+
+        forced = {"structured_outputs": {"regex": FORCED_HERMES_CALL}}
+        auto = ask(extra_body=forced).choices[0]  # tool_choice "auto": the server's hermes parser reads the call
+        assert (_calls(auto), auto.finish_reason, auto.message.content) == (
+            [("get_weather", {"city": "Paris"})], "tool_calls", None)
+        assert _streamed_calls(ask(extra_body=forced, stream=True)) == (_calls(auto), "tool_calls")
+
+        call = auto.message.tool_calls[0]
+        second_turn = [*WEATHER_QUESTION, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                       {"role": "tool", "tool_call_id": call.id, "content": "21 C and sunny"}]
+        answer = ask(messages=second_turn, tool_choice="none", max_tokens=8).choices[0]
+        assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
+        rendered = httpx.post(server.base_url + "/tokenize", json={"messages": second_turn}).json()["tokens"]
+        prompt = llm.get_tokenizer().decode(rendered)
+        assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
+        assert "<tool_response>21 C and sunny</tool_response>" in prompt
+
+        bad = {"type": "function", "function": {"name": "nope"}}
+        with pytest.raises(openai.BadRequestError, match="tool_choice names the function 'nope', which is not among "
+                                                         r"the tools \(get_weather, get_time\)"):
+            ask(tool_choice=bad)
+        broken = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
+        with pytest.raises(openai.BadRequestError, match="tool 'f' has invalid parameters"):
+            client.chat.completions.create(model="smol", messages=WEATHER_QUESTION, tools=broken)
+        with pytest.raises(openai.BadRequestError, match="the chat template does not render tools"):
+            ask(extra_body={"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+    plain = build_app(engine, served_model_name="smol", chat_template=TOOL_TEMPLATE)
+    with ServerThread(plain, engine) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError, match='"auto" tool choice requires --enable-auto-tool-choice and '
+                                                         "--tool-call-parser to be set"):
+            client.chat.completions.create(model="smol", messages=WEATHER_QUESTION, tools=TOOLS)
