@@ -341,7 +341,7 @@ def test_the_openai_client_calls_tools(llm):
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
         ask = lambda seed=0, **kwargs: client.chat.completions.create(  # noqa: E731
             model="smol", messages=kwargs.pop("messages", WEATHER_QUESTION), tools=TOOLS, temperature=1.0, seed=seed,
-            max_tokens=200, **kwargs)
+            max_tokens=kwargs.pop("max_tokens", 200), **kwargs)
         with ThreadPoolExecutor(20) as pool:  # 20 requests at once: one batch
             named_answers = list(pool.map(lambda seed: ask(seed, tool_choice=named).choices[0], range(20)))
             required = list(pool.map(lambda seed: ask(seed, tool_choice="required", parallel_tool_calls=False)
