@@ -323,7 +323,8 @@ def _streamed_calls(stream) -> tuple[list[tuple[str, dict]], str | None]:
 def test_the_openai_client_calls_tools(llm):
     """tool_choice named and "required": valid calls over 20 seeds at temperature 1 (the grammar enforces each
     function's schema); streamed, the same call; "auto" parses the model's hermes call (here forced by a regex);
-    the call and its result go back through the template; bad tool requests are 400s naming the problem."""
+    the qwen3 reasoning parser splits <think> reasoning off, whole and streamed; the call and its result go back
+    through the template; bad tool requests are 400s naming the problem."""
     from concurrent.futures import ThreadPoolExecutor
 
     import jsonschema
@@ -334,7 +335,7 @@ def test_the_openai_client_calls_tools(llm):
     from tests.server import ServerThread
 
     engine = AsyncLLMEngine(llm.llm_engine)
-    options = ChatParserOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    options = ChatParserOptions(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
     app = build_app(engine, served_model_name="smol", chat_template=TOOL_TEMPLATE, chat_parsers=options)
     named = {"type": "function", "function": {"name": "get_weather"}}
     with ServerThread(app, engine) as server:
@@ -363,6 +364,13 @@ def test_the_openai_client_calls_tools(llm):
         assert (_calls(auto), auto.finish_reason, auto.message.content) == (
             [("get_weather", {"city": "Paris"})], "tool_calls", None)
         assert _streamed_calls(ask(extra_body=forced, stream=True)) == (_calls(auto), "tool_calls")
+
+        thought = {"structured_outputs": {"regex": r"<think>Paris is in France\.</think>Sunny\."}}
+        reasoned = ask(tool_choice="none", extra_body=thought).choices[0].message
+        assert (reasoned.model_extra["reasoning_content"], reasoned.content) == ("Paris is in France.", "Sunny.")
+        deltas = [c.choices[0].delta for c in ask(tool_choice="none", extra_body=thought, stream=True) if c.choices]
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "Paris is in France."
+        assert "".join(d.content or "" for d in deltas) == "Sunny."
 
         call = auto.message.tool_calls[0]
         second_turn = [*WEATHER_QUESTION, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
