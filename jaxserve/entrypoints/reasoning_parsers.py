@@ -34,6 +34,9 @@ class ReasoningParser:
     """One instance per streamed choice: it remembers what it has sent. `extract` keeps no state."""
 
     name: ClassVar[str] = ""
+    # the chat template opens <think> in the prompt (DeepSeek-R1): an output without it is reasoning up to
+    # </think>; otherwise such an output is all content (Qwen3 with thinking switched off)
+    opened_by_template: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._sent_reasoning = 0
@@ -42,7 +45,12 @@ class ReasoningParser:
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) that `text` shows. `final`: the text is the whole output; otherwise only what
         more text cannot change, so both parts only grow as the text grows."""
-        raise NotImplementedError
+        pos = skip_whitespace(text, 0)
+        if text.startswith(THINK_START, pos):
+            return _split_at_think_end(text, pos + len(THINK_START), final)
+        if not final and _may_become_think_start(text, pos):
+            return "", ""
+        return _split_at_think_end(text, 0, final) if self.opened_by_template else ("", text)
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning_content, content) of a finished output; an empty part is None."""
@@ -68,26 +76,11 @@ class ReasoningParser:
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
-
-    def split(self, text: str, final: bool) -> tuple[str, str]:
-        pos = skip_whitespace(text, 0)
-        if text.startswith(THINK_START, pos):
-            return _split_at_think_end(text, pos + len(THINK_START), final)
-        if not final and _may_become_think_start(text, pos):
-            return "", ""
-        return _split_at_think_end(text, 0, final)
+    opened_by_template = True
 
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
-
-    def split(self, text: str, final: bool) -> tuple[str, str]:
-        pos = skip_whitespace(text, 0)
-        if text.startswith(THINK_START, pos):
-            return _split_at_think_end(text, pos + len(THINK_START), final)
-        if not final and _may_become_think_start(text, pos):
-            return "", ""
-        return "", text
 
 
 def _may_become_think_start(text: str, pos: int) -> bool:
