@@ -90,7 +90,7 @@ def chunked_paged_attention(
     with ``logit_softcap`` c, each score s = (q . k) * sm_scale becomes c * tanh(s / c) before masking. Returns
     [S, Q, Hq, D] (padding rows 0)."""
     num_seqs, num_q, num_q_heads, head_dim = q.shape
-    num_kv_heads, block_size = page_values(k_pool).shape[1], page_values(k_pool).shape[3]
+    _, num_kv_heads, _, block_size, _ = page_values(k_pool).shape
     chunk_len = chunk_pages * block_size
     pages_per_seq = meta.block_tables.shape[1]
     padded_pages = round_up(pages_per_seq, chunk_pages)

@@ -221,8 +221,11 @@ class ModelRunner:
         return pool, pool
 
     def _allocate_pool(self) -> tuple:
-        allocate = lambda pool: jax.tree.map(lambda spec: _zeros_program(spec)(), pool)
-        return tuple(allocate(pool) for pool in self._abstract_pool())
+        """Zeroed K and V pools: one allocation program per array shape (K's and V's are the same), run for each."""
+        k_struct, v_struct = self._abstract_pool()
+        zeros = {spec: _zeros_program(spec) for spec in jax.tree.leaves(k_struct)}
+        allocate = lambda pool: jax.tree.map(lambda spec: zeros[spec](), pool)
+        return allocate(k_struct), allocate(v_struct)
 
     def _no_tokens_struct(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=replicated(self.mesh))

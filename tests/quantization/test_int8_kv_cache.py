@@ -21,6 +21,7 @@ from jaxserve.compilation.sizing import kv_bytes_per_block
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.sampler_state import SlotState
 from tests.hf_tiny import TINY_64, greedy_continuation, make_tiny_model, small_bucket_file
+from tests.quantization.test_kv_cache import RoundingCache
 
 PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99, 3, 250, 41, 17, 8, 66, 90, 12, 200], [250, 3, 41]]
 MAX_TOKENS = 8
@@ -37,11 +38,10 @@ def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x / torch.where(scale == 0, 1.0, scale)).clamp(-127, 127) * scale
 
 
-class Int8RoundingCache(transformers.DynamicCache):
-    """transformers' cache holding K/V as the int8 pool does: every new key and value row quantized as stored."""
+class Int8RoundingCache(RoundingCache):
+    """The int8 pool: every new key and value row quantized to its own max."""
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return super().update(_int8_rounded(key_states), _int8_rounded(value_states), layer_idx, *args, **kwargs)
+    rounded = staticmethod(_int8_rounded)
 
 
 @pytest.fixture(scope="module")

@@ -37,11 +37,20 @@ def _fp8_rounded(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(torch.float8_e4m3fn).to(x.dtype)
 
 
-class Fp8RoundingCache(transformers.DynamicCache):
-    """transformers' cache holding K/V as the float8 pool does: every new key and value rounded as stored."""
+class RoundingCache(transformers.DynamicCache):
+    """transformers' cache holding K/V as a quantized pool returns them: every new key and value passed through
+    `rounded` (a subclass's) as it is stored."""
+
+    rounded = staticmethod(lambda x: x)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return super().update(_fp8_rounded(key_states), _fp8_rounded(value_states), layer_idx, *args, **kwargs)
+        return super().update(self.rounded(key_states), self.rounded(value_states), layer_idx, *args, **kwargs)
+
+
+class Fp8RoundingCache(RoundingCache):
+    """The float8 pool: K/V saturated and rounded to e4m3."""
+
+    rounded = staticmethod(_fp8_rounded)
 
 
 @pytest.fixture(scope="module")
