@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from jaxserve.entrypoints.openai_protocol import DeltaMessage
-from jaxserve.entrypoints.text_markers import held_marker_len, skip_whitespace
+from jaxserve.entrypoints.text_markers import find_marker, may_become_marker, skip_whitespace
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -48,7 +48,7 @@ class ReasoningParser:
         pos = skip_whitespace(text, 0)
         if text.startswith(THINK_START, pos):
             return _split_at_think_end(text, pos + len(THINK_START), final)
-        if not final and _may_become_think_start(text, pos):
+        if not final and may_become_marker(text, pos, THINK_START):
             return "", ""
         return _split_at_think_end(text, 0, final) if self.opened_by_template else ("", text)
 
@@ -83,17 +83,12 @@ class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
 
 
-def _may_become_think_start(text: str, pos: int) -> bool:
-    """Whether the text from `pos` on (after leading whitespace) is still a beginning of `<think>`."""
-    return len(text) - pos < len(THINK_START) and THINK_START.startswith(text[pos:])
-
-
 def _split_at_think_end(text: str, reasoning_start: int, final: bool) -> tuple[str, str]:
-    end = text.find(THINK_END, reasoning_start)
-    if end >= 0:
-        return text[reasoning_start:end], text[end + len(THINK_END):]
-    certain_end = len(text) if final else max(len(text) - held_marker_len(text, THINK_END), reasoning_start)
-    return text[reasoning_start:certain_end], ""
+    """(reasoning, content) around the first `</think>` after `reasoning_start`; without one, all reasoning
+    (but for a tail that may still become `</think>`)."""
+    reasoning_end, found = find_marker(text, THINK_END, final, reasoning_start)
+    content = text[reasoning_end + len(THINK_END):] if found else ""
+    return text[reasoning_start:reasoning_end], content
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {

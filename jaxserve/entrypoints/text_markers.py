@@ -1,6 +1,6 @@
 """Text helpers shared by the tool call and reasoning parsers, which read the engine's output text while it
-streams: how much of the text's end could still grow into a marker such as `<tool_call>` or `</think>` (and so
-cannot be sent as plain text yet), and where a run of whitespace ends."""
+streams: where a marker such as `<tool_call>` or `</think>` stands, how much of the text's end could still grow
+into one (and so cannot be sent as plain text yet), and where a run of whitespace ends."""
 
 from __future__ import annotations
 
@@ -17,6 +17,24 @@ def held_marker_len(text: str, marker: str) -> int:
         if text.endswith(marker[:size]):
             return size
     return 0
+
+
+def may_become_marker(text: str, pos: int, marker: str) -> bool:
+    """Whether all of the text from `pos` on is a proper beginning of `marker` (or nothing), so that more text
+    may still make it the marker."""
+    return len(text) - pos < len(marker) and marker.startswith(text[pos:])
+
+
+def find_marker(text: str, marker: str, final: bool, start: int = 0) -> tuple[int, bool]:
+    """Where `marker` first stands in `text` at or after `start`, and True; or, when it is not there, where the
+    text that cannot be part of it ends, and False: at the text's end once the text is `final`, otherwise
+    before a tail that may still grow into the marker (never before `start`)."""
+    found = text.find(marker, start)
+    if found >= 0:
+        return found, True
+    if final:
+        return len(text), False
+    return max(len(text) - held_marker_len(text, marker), start), False
 
 
 def skip_json_whitespace(text: str, pos: int) -> int:

@@ -16,7 +16,7 @@ is broken, has no name, or has arguments that are not an object makes the whole 
 
 from __future__ import annotations
 
-from jaxserve.entrypoints.text_markers import held_marker_len, skip_json_whitespace
+from jaxserve.entrypoints.text_markers import find_marker, may_become_marker, skip_json_whitespace
 from jaxserve.entrypoints.tool_parsers.base import ScannedOutput, ToolParser
 from jaxserve.entrypoints.tool_parsers.json_scan import Status, scan_call_object
 
@@ -28,12 +28,9 @@ class HermesToolParser(ToolParser):
     name = "hermes"
 
     def scan(self, text: str, final: bool) -> ScannedOutput:
-        start = text.find(CALL_START)
-        if start < 0:
-            content = text if final else text[: len(text) - held_marker_len(text, CALL_START)]
-            return ScannedOutput(content=content)
+        start, found = find_marker(text, CALL_START, final)
         scanned = ScannedOutput(content=text[:start])
-        while start >= 0:
+        while found:
             pos = skip_json_whitespace(text, start + len(CALL_START))
             if pos == len(text):
                 return ScannedOutput(all_content=True) if final else scanned
@@ -46,7 +43,7 @@ class HermesToolParser(ToolParser):
             end_status, end = _scan_call_end(text, end, final)
             if end_status is not Status.DONE:
                 return ScannedOutput(all_content=True) if end_status is Status.BAD else scanned
-            start = text.find(CALL_START, end)
+            start, found = find_marker(text, CALL_START, final, end)
         return scanned
 
 
@@ -57,6 +54,6 @@ def _scan_call_end(text: str, pos: int, final: bool) -> tuple[Status, int]:
         return Status.DONE, pos + len(CALL_END)
     if pos == len(text):
         return (Status.DONE, pos) if final else (Status.MORE, pos)
-    if not final and len(text) - pos < len(CALL_END) and CALL_END.startswith(text[pos:]):
+    if not final and may_become_marker(text, pos, CALL_END):
         return Status.MORE, pos
     return Status.BAD, pos

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import string
 
-from jaxserve.entrypoints.text_markers import held_marker_len, skip_json_whitespace
+from jaxserve.entrypoints.text_markers import find_marker, skip_json_whitespace
 from jaxserve.entrypoints.tool_parsers.base import ScannedOutput, ToolParser
 from jaxserve.entrypoints.tool_parsers.json_scan import Status, scan_call_object
 
@@ -30,11 +30,10 @@ class MistralToolParser(ToolParser):
         return "".join(random.choices(_ID_CHARS, k=9))
 
     def scan(self, text: str, final: bool) -> ScannedOutput:
-        start = text.find(TOOL_CALLS)
-        if start < 0:
-            content = text if final else text[: len(text) - held_marker_len(text, TOOL_CALLS)]
-            return ScannedOutput(content=content)
+        start, found = find_marker(text, TOOL_CALLS, final)
         scanned = ScannedOutput(content=text[:start])
+        if not found:
+            return scanned
         pos = skip_json_whitespace(text, start + len(TOOL_CALLS))
         if pos == len(text):
             return ScannedOutput(all_content=True) if final else scanned
