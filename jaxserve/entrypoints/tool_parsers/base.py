@@ -25,10 +25,12 @@ shape); a streamed call's id differs from the one `extract` would make for the s
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from jaxserve.entrypoints.openai_protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall
+from jaxserve.entrypoints.text_markers import may_become_marker
 
 
 @dataclass
@@ -58,6 +60,25 @@ class ExtractedToolCalls:
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def find_calls_start(
+    text: str, final: bool, start_tag: str, opener: str, skip_space: Callable[[str, int], int]
+) -> int | ScannedOutput:
+    """For the formats whose calls are the whole output, after whitespace and an optional start tag
+    (llama3_json's `<|python_tag|>` before `{`, pythonic's `<|python_start|>` before `[`): the position of the
+    calls' `opener`; or, where the text has none there, what it shows instead: content (it is not calls),
+    nothing yet (it may still become the tag), or a broken output (the tag and no call)."""
+    pos = skip_space(text, 0)
+    if text.startswith(start_tag, pos):
+        pos = skip_space(text, pos + len(start_tag))
+    elif may_become_marker(text, pos, start_tag):
+        return ScannedOutput(content=text) if final else ScannedOutput()
+    if pos == len(text):  # the tag and no call
+        return ScannedOutput(all_content=True) if final else ScannedOutput()
+    if text[pos] != opener:
+        return ScannedOutput(content=text)
+    return pos
 
 
 class ToolParser:

@@ -12,7 +12,7 @@ JSON answer) or broken JSON makes the whole output content.
 from __future__ import annotations
 
 from jaxserve.entrypoints.text_markers import skip_json_whitespace
-from jaxserve.entrypoints.tool_parsers.base import ScannedOutput, ToolParser
+from jaxserve.entrypoints.tool_parsers.base import ScannedOutput, ToolParser, find_calls_start
 from jaxserve.entrypoints.tool_parsers.json_scan import Status, scan_call_object
 
 PYTHON_TAG = "<|python_tag|>"
@@ -22,16 +22,10 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
 
     def scan(self, text: str, final: bool) -> ScannedOutput:
-        pos = skip_json_whitespace(text, 0)
-        if text.startswith(PYTHON_TAG, pos):
-            pos = skip_json_whitespace(text, pos + len(PYTHON_TAG))
-        elif len(text) - pos < len(PYTHON_TAG) and PYTHON_TAG.startswith(text[pos:]):  # the tag's beginning
-            return ScannedOutput(content=text) if final else ScannedOutput()
-        if pos == len(text):  # the tag and no call
-            return ScannedOutput(all_content=True) if final else ScannedOutput()
-        if text[pos] != "{":
-            return ScannedOutput(content=text)
-        return _scan_calls(text, pos, final)
+        calls_start = find_calls_start(text, final, PYTHON_TAG, "{", skip_json_whitespace)
+        if isinstance(calls_start, ScannedOutput):
+            return calls_start
+        return _scan_calls(text, calls_start, final)
 
 
 def _scan_calls(text: str, pos: int, final: bool) -> ScannedOutput:

@@ -24,7 +24,7 @@ import keyword
 import math
 import re
 
-from jaxserve.entrypoints.tool_parsers.base import ScannedCall, ScannedOutput, ToolParser
+from jaxserve.entrypoints.tool_parsers.base import ScannedCall, ScannedOutput, ToolParser, find_calls_start
 from jaxserve.entrypoints.tool_parsers.json_scan import Status
 
 START_TAG = "<|python_start|>"
@@ -42,18 +42,12 @@ class PythonicToolParser(ToolParser):
     name = "pythonic"
 
     def scan(self, text: str, final: bool) -> ScannedOutput:
-        pos = _skip_space(text, 0)
-        if text.startswith(START_TAG, pos):
-            pos = _skip_space(text, pos + len(START_TAG))
-        elif len(text) - pos < len(START_TAG) and START_TAG.startswith(text[pos:]):  # the tag's beginning
-            return ScannedOutput(content=text) if final else ScannedOutput()
-        if pos == len(text):  # the tag and no call
-            return ScannedOutput(all_content=True) if final else ScannedOutput()
-        if text[pos] != "[":
-            return ScannedOutput(content=text)
+        list_start = find_calls_start(text, final, START_TAG, "[", _skip_space)
+        if isinstance(list_start, ScannedOutput):
+            return list_start
         scanned = ScannedOutput()
-        status, end = _scan_call_list(text, pos + 1, final, scanned.calls)
-        if status is Status.BAD or (final and not _python_reads_same_calls(text[pos:end], scanned.calls)):
+        status, end = _scan_call_list(text, list_start + 1, final, scanned.calls)
+        if status is Status.BAD or (final and not _python_reads_same_calls(text[list_start:end], scanned.calls)):
             return ScannedOutput(all_content=True)
         return scanned
 
