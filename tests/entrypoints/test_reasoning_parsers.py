@@ -1,15 +1,14 @@
 """Reasoning parsers: exact (reasoning_content, content) of canned outputs for deepseek_r1 and qwen3, and
-streams that reassemble to exactly the same for many splits (pieces of 1, 2, 3 and 7 characters, every
-single cut, seeded random splits), reasoning first, then content."""
+streams that reassemble to exactly the same for many splits (pieces of 1, 2, 3 and 7 characters, seeded random
+splits, the whole text, every single cut), reasoning first, then content."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 
 from jaxserve.entrypoints.openai_protocol import DeltaMessage
 from jaxserve.entrypoints.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
+from tests.entrypoints.parser_streams import single_cuts, splits_of, stream
 
 # text -> (reasoning_content, content)
 DEEPSEEK_R1 = {
@@ -45,27 +44,6 @@ CASES = {"deepseek_r1": DEEPSEEK_R1, "qwen3": QWEN3}
 PARAMS = [pytest.param(parser, case, id=f"{parser}-{case}") for parser, cases in CASES.items() for case in cases]
 
 
-def splits_of(text: str) -> list[list[str]]:
-    pieces = [[text[i:i + size] for i in range(0, len(text), size)] or [""] for size in (1, 2, 3, 7)]
-    for seed in range(5):
-        rng = random.Random(seed)
-        cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 6)))) if text else []
-        bounds = [0, *cuts, len(text)]
-        pieces.append([text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
-    return pieces + [[text[:cut], text[cut:]] for cut in range(1, len(text))]
-
-
-def stream(parser_name: str, pieces: list[str]) -> list[DeltaMessage]:
-    parser = get_reasoning_parser(parser_name)()
-    deltas, text = [], ""
-    for number, piece in enumerate(pieces):
-        previous, text = text, text + piece
-        delta = parser.extract_streaming(previous, text, piece, finished=number == len(pieces) - 1)
-        if delta is not None:
-            deltas.append(delta)
-    return deltas
-
-
 def reassemble(deltas: list[DeltaMessage]) -> tuple[str | None, str | None]:
     """(reasoning_content, content) of a stream; no reasoning after the content began, no empty fields."""
     reasoning, content = "", ""
@@ -88,8 +66,8 @@ def test_extract_splits_reasoning_from_content(parser_name, case):
 @pytest.mark.parametrize(("parser_name", "case"), PARAMS)
 def test_stream_reassembles_to_extract_for_many_splits(parser_name, case):
     text, expected = CASES[parser_name][case]
-    for pieces in splits_of(text):
-        assert reassemble(stream(parser_name, pieces)) == expected, pieces
+    for pieces in splits_of(text, most_random_cuts=6) + single_cuts(text):
+        assert reassemble(stream(get_reasoning_parser(parser_name), pieces)) == expected, pieces
 
 
 @pytest.mark.parametrize(("parser_name", "case"), PARAMS)

@@ -5,7 +5,6 @@ every single cut, seeded random splits), with each call's name in its first delt
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import pytest
@@ -21,6 +20,7 @@ from jaxserve.entrypoints.openai_protocol import (
 from jaxserve.entrypoints.tool_parsers import TOOL_PARSERS, get_tool_parser
 from jaxserve.entrypoints.tool_parsers.base import ScannedOutput
 from jaxserve.entrypoints.tool_parsers.json_scan import Status, scan_call_object, scan_value
+from tests.entrypoints.parser_streams import single_cuts, split_in_pieces, splits_of, stream
 
 # ----- canned outputs: (text, expected calls as (name, arguments) or None, expected content) ---------------
 
@@ -217,33 +217,6 @@ BROKEN_PARAMS = params_of(BROKEN)
 # ----- helpers -----------------------------------------------------------------------------------------------
 
 
-def split_in_pieces(text: str, size: int) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)] or [""]
-
-
-def random_split(text: str, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12)))) if len(text) > 1 else []
-    bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-
-
-def splits_of(text: str) -> list[list[str]]:
-    fixed = [split_in_pieces(text, size) for size in (1, 2, 3, 7)]
-    return fixed + [random_split(text, seed) for seed in range(5)] + [[text]]
-
-
-def stream(parser_name: str, pieces: list[str]) -> list[DeltaMessage]:
-    parser = get_tool_parser(parser_name)()
-    deltas, text = [], ""
-    for number, piece in enumerate(pieces):
-        previous, text = text, text + piece
-        delta = parser.extract_streaming(previous, text, piece, finished=number == len(pieces) - 1)
-        if delta is not None:
-            deltas.append(delta)
-    return deltas
-
-
 def reassemble(deltas: list[DeltaMessage]) -> tuple[str | None, list[tuple[str, str]], list[str]]:
     """(content, [(name, arguments)], ids) of a stream, checking OpenAI's delta shape on the way: a call's first
     piece has index, id, type and name and nothing else; later pieces only a non-empty arguments fragment;
@@ -303,7 +276,7 @@ def test_call_ids_have_openai_shape_and_mistral_shape():
     assert all(re.fullmatch(r"call_[0-9a-f]{24}", call_id) for call_id in ids) and len(set(ids)) == 2
     mistral_text = MISTRAL["two_calls_no_space"][0]
     mistral_ids = [call.id for call in get_tool_parser("mistral")().extract(mistral_text).tool_calls]
-    _, _, streamed_ids = reassemble(stream("mistral", split_in_pieces(mistral_text, 5)))
+    _, _, streamed_ids = reassemble(stream(get_tool_parser("mistral"), split_in_pieces(mistral_text, 5)))
     for call_id in mistral_ids + streamed_ids:
         assert re.fullmatch(r"[A-Za-z0-9]{9}", call_id)
     assert len(set(mistral_ids + streamed_ids)) == 4
@@ -315,9 +288,9 @@ def test_call_ids_have_openai_shape_and_mistral_shape():
 @pytest.mark.parametrize(("parser_name", "case"), VALID_PARAMS)
 def test_stream_reassembles_to_extract_for_many_splits(parser_name, case):
     text, calls, content = expected_of(parser_name, case)
-    for pieces in splits_of(text):
+    for pieces in splits_of(text, most_random_cuts=12):
         assert "".join(pieces) == text
-        streamed_content, streamed_calls, ids = reassemble(stream(parser_name, pieces))
+        streamed_content, streamed_calls, ids = reassemble(stream(get_tool_parser(parser_name), pieces))
         assert (streamed_content, streamed_calls) == (content, calls), pieces
         assert len(set(ids)) == len(ids)
 
@@ -325,9 +298,9 @@ def test_stream_reassembles_to_extract_for_many_splits(parser_name, case):
 @pytest.mark.parametrize(("parser_name", "case"), VALID_PARAMS)
 def test_stream_reassembles_to_extract_for_every_single_cut(parser_name, case):
     text, calls, content = expected_of(parser_name, case)
-    for cut in range(1, len(text)):
-        streamed_content, streamed_calls, _ = reassemble(stream(parser_name, [text[:cut], text[cut:]]))
-        assert (streamed_content, streamed_calls) == (content, calls), cut
+    for pieces in single_cuts(text):
+        streamed_content, streamed_calls, _ = reassemble(stream(get_tool_parser(parser_name), pieces))
+        assert (streamed_content, streamed_calls) == (content, calls), pieces
 
 
 @pytest.mark.parametrize(("parser_name", "case"), VALID_PARAMS)
@@ -359,8 +332,8 @@ def test_broken_streams_are_content_or_stop_after_the_calls_they_sent(parser_nam
     """Before any call streamed, a broken output streams as the plain content `extract` answers; a call already
     streamed cannot be taken back, so then the stream stops with what it sent (which was written in the text)."""
     text = BROKEN[parser_name][case]
-    for pieces in splits_of(text):
-        streamed_content, streamed_calls, _ = reassemble(stream(parser_name, pieces))
+    for pieces in splits_of(text, most_random_cuts=12):
+        streamed_content, streamed_calls, _ = reassemble(stream(get_tool_parser(parser_name), pieces))
         if not streamed_calls:
             assert streamed_content == text, pieces
             continue
@@ -399,7 +372,7 @@ def test_a_call_is_named_before_its_arguments_even_when_they_come_first():
 
 def test_streamed_deltas_serialise_as_openai_chunks():
     text = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
-    deltas = stream("hermes", split_in_pieces(text, 30))
+    deltas = stream(get_tool_parser("hermes"), split_in_pieces(text, 30))
     dumped = [json.loads(delta.model_dump_json(exclude_unset=True)) for delta in deltas]
     call_id = deltas[0].tool_calls[0].id
     assert dumped == [
