@@ -41,6 +41,8 @@ from jaxserve.entrypoints.tool_choice import check_tool_schemas, forced_calls_co
 from jaxserve.outputs import CompletionOutput, RequestOutput
 
 ROLE = "assistant"
+TEMPLATE_IGNORES_TOOLS = ("the chat template does not render tools, so the model cannot call them: \"auto\" tool "
+                          "choice needs a tool-aware template (the request's or the server's chat_template)")
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -56,6 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self._check_tools(request)
         prompt = self.chat_prompt(request)
+        self._check_template_renders_tools(request, prompt.text)
         parsers = [ChoiceOutputParser.for_request(request, self.parser_options) for _ in range(request.n)]
         request = self._with_tool_constraints(request, parsers[0])
         params = self.sampling_params(request, prompt)
@@ -67,21 +70,24 @@ class OpenAIServingChat(OpenAIServing):
         return self._response(request, prompt, final, request_id, created, parsers)
 
     def _check_tools(self, request: ChatCompletionRequest) -> None:
-        """Tools whose schemas the grammar engine takes; "auto" only on a server that parses calls, with a chat
-        template that renders the tools (else the model would never see them)."""
+        """Tools whose schemas the grammar engine takes; "auto" only on a server that parses calls."""
         if not request.tools:
             return
         try:
             check_tool_schemas(request.tools)
         except ValueError as err:
             raise ServingError(str(err), param="tools") from err
-        if request.tool_choice == "auto":
-            if not self.parser_options.auto_tool_choice:
-                raise ServingError(AUTO_NEEDS_FLAGS, param="tool_choice")
-            if self.chat_prompt(request).text == self.chat_prompt(request, with_tools=False).text:
-                raise ServingError("the chat template does not render tools, so the model cannot call them: "
-                                   "\"auto\" tool choice needs a tool-aware template (the request's or the "
-                                   "server's chat_template)", param="tools")
+        if request.tool_choice == "auto" and not self.parser_options.auto_tool_choice:
+            raise ServingError(AUTO_NEEDS_FLAGS, param="tool_choice")
+
+    def _check_template_renders_tools(self, request: ChatCompletionRequest, prompt_text: str) -> None:
+        """An "auto" tool choice needs a chat template that renders the tools (else the model would never see
+        them): the prompt's text must differ from the conversation rendered without them (compared as text; the
+        check tokenizes nothing)."""
+        if not request.tools or request.tool_choice != "auto":
+            return
+        if prompt_text == self.render_chat(request, with_tools=False):
+            raise ServingError(TEMPLATE_IGNORES_TOOLS, param="tools")
 
     @staticmethod
     def _with_tool_constraints(request: ChatCompletionRequest, parser: ChoiceOutputParser) -> ChatCompletionRequest:

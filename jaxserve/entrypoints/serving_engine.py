@@ -132,9 +132,13 @@ class OpenAIServing:
             return [self.token_prompt(prompt)]
         return [self.token_prompt(p) for p in prompt]
 
-    def chat_prompt(self, request: Any, with_tools: bool = True) -> EnginePrompt:
-        """Renders the conversation with the chat template (the request's own, the server's, or the model's),
-        and the request's tools, if any (tool-aware templates render them)."""
+    def chat_prompt(self, request: Any) -> EnginePrompt:
+        """The conversation rendered by the chat template with the request's tools (`render_chat`), tokenized."""
+        return self.text_prompt(self.render_chat(request), bool(request.add_special_tokens))
+
+    def render_chat(self, request: Any, with_tools: bool = True) -> str:
+        """The text of the conversation rendered with the chat template (the request's own, the server's, or the
+        model's), and the request's tools, if any and `with_tools` (tool-aware templates render them)."""
         messages = [_message_dict(m) for m in request.messages]
         kwargs = dict(request.chat_template_kwargs or {})
         template = request.chat_template if request.chat_template is not None else self.chat_template
@@ -144,13 +148,12 @@ class OpenAIServing:
         if tools and with_tools:
             kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message, **kwargs,
             )
         except Exception as err:  # no template, a template error, bad kwargs: the request's fault
             raise ServingError(f"Cannot apply the chat template: {err}") from err
-        return self.text_prompt(text, bool(request.add_special_tokens))
 
     # ----- generation ---------------------------------------------------------------------------
     def generate(

@@ -332,6 +332,39 @@ def test_the_servers_chat_template_renders_chats_that_name_none(engine):
     assert own == tokenizer("<user>", add_special_tokens=False).input_ids
 
 
+def test_auto_tool_choice_needs_a_template_that_renders_the_tools(engine):
+    """A tool-blind template is a 400 for an "auto" tool choice, a tool-aware one goes on to the request's other
+    checks (here a max_tokens past the context); the check compares rendered texts, so the prompt is the only
+    text tokenized."""
+    import asyncio
+
+    from jaxserve.entrypoints.chat_output import ChatParserOptions
+    from jaxserve.entrypoints.openai_protocol import ChatCompletionRequest
+    from jaxserve.entrypoints.serving_chat import OpenAIServingChat
+    from jaxserve.entrypoints.serving_engine import ServingError
+
+    auto = ChatParserOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    serving = OpenAIServingChat(engine, MODEL_NAME, parser_options=auto)
+    tokenized, encode = [], serving.encode
+    serving.encode = lambda text, add_special_tokens: tokenized.append(text) or encode(text, add_special_tokens)
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+
+    def refusal(template: str) -> str:
+        request = ChatCompletionRequest(model=MODEL_NAME, messages=CHAT, tools=tools, chat_template=template,
+                                        max_tokens=1000)
+        with pytest.raises(ServingError) as refused:
+            asyncio.run(serving.create_chat_completion(request))
+        return refused.value.message
+
+    assert refusal("{{ messages[0]['content'] }}") == (
+        "the chat template does not render tools, so the model cannot call them: \"auto\" tool choice needs a "
+        "tool-aware template (the request's or the server's chat_template)")
+    assert tokenized == ["Say something."]
+    tool_aware = "{% for tool in tools or [] %}{{ tool.function.name }}: {% endfor %}{{ messages[0]['content'] }}"
+    assert refusal(tool_aware).startswith("This model's maximum context length is 512 tokens.")
+    assert tokenized == ["Say something.", "get_time: Say something."]
+
+
 def test_generate_answers_prompt_plus_output(http, expected):
     response = http.post("/generate", json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True})
     assert response.status_code == 200
