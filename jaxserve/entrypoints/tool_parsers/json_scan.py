@@ -141,46 +141,66 @@ def scan_call_object(
     if text[pos] != "{":
         return Status.BAD, pos, call
     pos = skip_json_whitespace(text, pos + 1)
-    has_arguments = False
     while pos < len(text) and text[pos] != "}":
-        if text[pos] != '"':
-            return Status.BAD, pos, call
-        status, key_end = scan_scalar(text, pos, final)
+        status, pos = _scan_call_member(text, pos, final, argument_keys, call)
         if status is Status.DONE:
-            status, value_start = _scan_colon(text, key_end, final)
+            status, pos = _scan_member_separator(text, pos)
         if status is not Status.DONE:
             return status, pos, call
-        key, pos = json.loads(text[pos:key_end]), value_start
-        if key == "name":
-            status, pos = _scan_name(text, pos, final, call)
-        elif key in argument_keys:
-            if has_arguments or text[pos] != "{":
-                return Status.BAD, pos, call
-            has_arguments = True
-            status, end = scan_value(text, pos, final)
-            call.arguments = text[pos:end]
-            pos = end
-        else:
-            status, pos = scan_value(text, pos, final)
-        if status is not Status.DONE:
-            return status, pos, call
-        pos = skip_json_whitespace(text, pos)
-        if pos < len(text) and text[pos] == ",":
-            pos = skip_json_whitespace(text, pos + 1)
-            if pos < len(text) and text[pos] != '"':  # a key must follow a comma
-                return Status.BAD, pos, call
-        elif pos < len(text) and text[pos] != "}":
-            return Status.BAD, pos, call
     if pos == len(text):
         return _out_of_text(final), len(text), call
     if call.name is None:
         return Status.BAD, pos, call
-    if not has_arguments:
+    if not call.arguments:  # no arguments member (one that was read is an object's text, never empty)
         call.arguments = "{}"
     return Status.DONE, pos + 1, call
 
 
+def _scan_call_member(
+    text: str, pos: int, final: bool, argument_keys: tuple[str, ...], call: ScannedCall
+) -> tuple[Status, int]:
+    """One `"key": value` member of a call object, from its key on: the name and the arguments go into `call`,
+    other members are skipped. DONE's position is right after the value."""
+    if text[pos] != '"':
+        return Status.BAD, pos
+    status, key_end = scan_scalar(text, pos, final)
+    if status is Status.DONE:
+        status, value_start = _scan_colon(text, key_end, final)
+    if status is not Status.DONE:
+        return status, pos
+    key = json.loads(text[pos:key_end])
+    if key == "name":
+        return _scan_name(text, value_start, final, call)
+    if key in argument_keys:
+        return _scan_arguments(text, value_start, final, call)
+    return scan_value(text, value_start, final)
+
+
+def _scan_member_separator(text: str, pos: int) -> tuple[Status, int]:
+    """What follows a member's value: a comma and the next member's key, or the object's `}`. DONE's position
+    is that key or `}` (or the text's end, which the caller judges)."""
+    pos = skip_json_whitespace(text, pos)
+    if pos < len(text) and text[pos] == ",":
+        pos = skip_json_whitespace(text, pos + 1)
+        if pos < len(text) and text[pos] != '"':  # a key must follow a comma
+            return Status.BAD, pos
+    elif pos < len(text) and text[pos] != "}":
+        return Status.BAD, pos
+    return Status.DONE, pos
+
+
+def _scan_arguments(text: str, pos: int, final: bool, call: ScannedCall) -> tuple[Status, int]:
+    """The arguments object, its text so far into `call.arguments`; BAD when it is not an object or the call
+    has arguments already."""
+    if call.arguments or text[pos] != "{":
+        return Status.BAD, pos
+    status, end = scan_value(text, pos, final)
+    call.arguments = text[pos:end]
+    return status, end
+
+
 def _scan_name(text: str, pos: int, final: bool, call: ScannedCall) -> tuple[Status, int]:
+    """The name member's string, into `call.name` once complete; BAD when empty or the call has a name already."""
     if call.name is not None or text[pos] != '"':
         return Status.BAD, pos
     status, end = scan_scalar(text, pos, final)
