@@ -2,9 +2,10 @@
 
 Non-streaming answers one `ChatCompletionResponse`; streaming answers server-sent events: a first chunk
 per choice with the assistant role, content deltas, the finish reason, an optional usage chunk, then
-`data: [DONE]`. Tools: the request's tools are checked (`tool_choice.py`) and rendered by the chat template;
-a tool_choice that forces calls constrains the output with structured outputs; each choice's text is read by
-a `ChoiceOutputParser` (`chat_output.py`: reasoning, tool calls, content), whole or streamed.
+`data: [DONE]`. Tools: the request's tools are checked (`tool_choice.py`) and rendered by the chat template
+(for "auto", a template that leaves them out is refused: the model would never see them); a tool_choice that
+forces calls constrains the output with structured outputs; each choice's text is read by a
+`ChoiceOutputParser` (`chat_output.py`: reasoning, tool calls, content), whole or streamed.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Reads JSON as a model writes it, for the JSON tool call formats (hermes, llama3_json, mistral): how far a
-JSON value reaches in a text that may still be growing, and what a call object `{"name": ..., "arguments":
-{...}}` shows so far: its name once complete, the raw text of its arguments as far as written.
+"""Reads JSON as a model writes it, for the `scan` of the JSON tool call formats (hermes, llama3_json, mistral,
+and tool_choice "required", read as mistral's list): how far a JSON value reaches in a text that may still be
+growing, and what a call object `{"name": ..., "arguments": {...}}` shows so far: its name once complete, the
+raw text of its arguments as far as written.
 
 Every scan answers a status and a position: DONE (the value ends at the position), MORE (the text ends inside
 the value: more output is needed) or BAD (the text is not valid JSON at the position). With `final=True` the
