@@ -355,6 +355,12 @@ class ModelRunner:
                 self.executables[shape] = executable
         return self.executables[shape]
 
+    def resident_bytes(self) -> int:
+        """Bytes per device of the weights and the KV pool: on the device while a sampler executable runs,
+        though not among its arguments."""
+        shard_bytes = lambda x: int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+        return sum(shard_bytes(x) for x in jax.tree.leaves((self.params, self.kv_pool)))
+
     def compile_sampler(self, shape: SampleShape) -> jax.stages.Compiled:
         """Compiles (once) the sampler executable of steps of ``shape``. Thread-safe for different shapes."""
         if shape not in self.sampler_executables:
