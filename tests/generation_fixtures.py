@@ -59,14 +59,6 @@ class HFReference:
         return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-def warm_up_both_scheduling_modes(engine) -> None:
-    """Builds what switching async scheduling on builds (the resample executables) and keeps the engine's mode: a
-    module whose tests switch it on counts the compiles after this as compiles while serving."""
-    mode = engine.async_scheduling
-    engine.async_scheduling = True
-    engine.async_scheduling = mode
-
-
 def tokens_prompt(token_ids: list[int]) -> dict:
     return {"prompt_token_ids": list(token_ids)}
 

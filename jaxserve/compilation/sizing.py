@@ -8,7 +8,8 @@ counted. `memory_budget` gives the device's usable bytes and a provisional pool 
 the weights and the sampler state. A step needs more while it runs: temporaries (activations, attention
 scratch), outputs that are not donated buffers (logits, prompt logprobs) and its code; for a 16 x
 2048-token prefill of Llama-3-8B at tensor parallel 4 that is about 2 GB per chip, more than v5e had
-left. `blocks_over_budget` compiles the largest step of each kind (prefill, decode, mixed) and reads their
+left. `blocks_over_budget` compiles the largest step of each kind (prefill, decode, mixed) and the sampler
+of the most rows (it runs after a step, beside the weights and the pool, on the step's logits) and reads their
 `memory_analysis()`; the grid then gives back as many blocks as the largest of them overshoots the budget
 by. That is vLLM's profiling run, measured on the compiled executables instead of on a forward pass. The
 probe compiles against a small pool (a step that does not fit cannot even be compiled for TPU: "HLO
@@ -31,8 +32,8 @@ from jaxserve.core.buckets import BucketGrid, load_bucket_spec
 from jaxserve.distributed.sharding import per_device_bytes
 from jaxserve.logger import init_logger
 from jaxserve.math_utils import cdiv
-from jaxserve.runner.input_batch import StepShape, step_shape
-from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.input_batch import SampleShape, StepShape, step_shape
+from jaxserve.runner.model_runner import ModelRunner, sample_shapes
 from jaxserve.runner.sampler_state import slot_state_bytes
 
 logger = init_logger(__name__)
@@ -205,13 +206,28 @@ def largest_of_each_kind(shapes: list[StepShape]) -> list[StepShape]:
     return [shape for shape in shapes if shape in largest.values()]
 
 
+def largest_samplers(shapes: list[StepShape]) -> list[SampleShape]:
+    """The sampler of the most logits rows of each kind: a plain step's (its batch size) and a verifying step's
+    (its sample positions)."""
+    largest: dict[bool, SampleShape] = {}
+    for shape in sample_shapes(shapes):
+        verifying = bool(shape.num_sample_positions)
+        rows = lambda s: (s.num_sample_positions or s.batch_size, s.batch_size)
+        if verifying not in largest or rows(shape) > rows(largest[verifying]):
+            largest[verifying] = shape
+    return list(largest.values())
+
+
 def blocks_over_budget(runner: ModelRunner, shapes: list[StepShape], budget: MemoryBudget, bytes_per_block: int,
                        pool_blocks: int) -> tuple[int, int]:
-    """(blocks a pool of ``pool_blocks`` must give back so that the largest of ``shapes``' steps fits in ``budget``,
-    the bytes that step needs with that pool). ``runner`` is abstract with a small pool of its own: a step that
-    does not fit is no executable at all (the TPU compiler refuses it), so the steps are compiled against the
-    small pool and the difference is added, ``bytes_per_block`` (one block's bytes per device) a block."""
-    measured = max(running_bytes(runner.compile(shape)) for shape in largest_of_each_kind(shapes))
+    """(blocks a pool of ``pool_blocks`` must give back so that the largest of ``shapes``' steps and samplers fits
+    in ``budget``, the bytes it needs with that pool). ``runner`` is abstract with a small pool of its own: a step
+    that does not fit is no executable at all (the TPU compiler refuses it), so the steps are compiled against the
+    small pool and the difference is added, ``bytes_per_block`` (one block's bytes per device) a block. A sampler
+    runs beside the weights and the pool, which are not its arguments: they are added to its own bytes."""
+    steps = max(running_bytes(runner.compile(shape)) for shape in largest_of_each_kind(shapes))
+    samplers = max(running_bytes(runner.compile_sampler(shape)) for shape in largest_samplers(shapes))
+    measured = max(steps, samplers + runner.resident_bytes())
     need = measured + (pool_blocks - runner.num_blocks) * bytes_per_block
     over = need - budget.usable_bytes
     return (max(0, cdiv(over, bytes_per_block)), need)

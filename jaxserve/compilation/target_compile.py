@@ -4,7 +4,7 @@ Place in the data flow: `jaxserve precompile --target NAME` (and `scripts/check_
 engine exactly as a server on the target would (`engine_bucket_grid` with the target chips' HBM instead of
 this host's memory, so the KV pool leaves room for the largest steps' temporaries, measured by compiling
 them for the target (`sizing.py`); abstract weights, the Pallas backend with the target's kernel variant,
-tensor parallel over the topology's chips) and then, per program (every bucket's step, the resample
+tensor parallel over the topology's chips) and then, per program (every bucket's step, the sampler
 programs, the allocation programs and the fork programs):
 
 - TPU: compiles it deviceless with the real TPU compiler and Mosaic, reads its `memory_analysis()` and
@@ -39,7 +39,7 @@ from jaxserve.logger import init_logger
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.quantization.weights import apply_quantization
 from jaxserve.runner.input_batch import step_shape
-from jaxserve.runner.model_runner import ModelRunner, executable_name, resample_batch_sizes, resample_name
+from jaxserve.runner.model_runner import ModelRunner, executable_name, sample_shapes, sampler_name
 from jaxserve.weights import load_config, resolve_model_path
 
 MB = 1e6
@@ -190,10 +190,10 @@ def compile_for_target(
 
 
 def _compile_all(runner: ModelRunner, shapes) -> list[ProgramResult]:
-    """Every step of ``shapes``, the resample program of each of their batch sizes, then the allocations and forks."""
+    """Every step of ``shapes``, the sampler program of each of their sample shapes, then the allocations and forks."""
     programs = [(executable_name(shape), lambda shape=shape: runner.compile(shape)) for shape in shapes]
-    programs += [(resample_name(size), lambda size=size: runner.compile_resample(size))
-                 for size in resample_batch_sizes(shapes)]
+    programs += [(sampler_name(shape), lambda shape=shape: runner.compile_sampler(shape))
+                 for shape in sample_shapes(shapes)]
     results = []
     for i, (name, compile_program) in enumerate(programs):
         results.append(_compile_program(name, compile_program))

@@ -27,7 +27,7 @@ from jaxserve.compilation.executable_store import ExecutableStore
 from jaxserve.core.buckets import Bucket, MixedBucket, PrefillBucket
 from jaxserve.logger import init_logger
 from jaxserve.runner.input_batch import StepShape, step_shape
-from jaxserve.runner.model_runner import ModelRunner, executable_name, resample_batch_sizes
+from jaxserve.runner.model_runner import ModelRunner, executable_name, sample_shapes
 
 logger = init_logger("jaxserve.compilation.warm_up")
 
@@ -128,11 +128,9 @@ def compile_buckets(
     progress: bool = False,
     cache_dir: Path | None = None,
     cache_check: CacheCheck | None = None,
-    resample: bool = True,
 ) -> WarmUpReport:
     """Builds the executable of every bucket (each distinct step shape once) and reports where each came from;
-    with them (``resample``) the resample executable of each batch size (structured outputs under async
-    scheduling)."""
+    with them the sampler executable of each of the steps' sample shapes (their batch sizes)."""
     if num_threads < 1:
         raise ValueError(f"num_threads must be a positive integer, got {num_threads}")
     shapes = list(dict.fromkeys(step_shape(b, runner.block_size) for b in buckets))
@@ -143,8 +141,8 @@ def compile_buckets(
         tqdm(total=len(shapes), desc="Compiling buckets", unit="bucket", disable=not progress) as bar,
     ):
         futures = {pool.submit(_compile_one, runner, shape): shape for shape in shapes}
-        for batch_size in resample_batch_sizes(shapes) if resample else ():
-            futures[pool.submit(runner.compile_resample, batch_size)] = None
+        for shape in sample_shapes(shapes):
+            futures[pool.submit(runner.compile_sampler, shape)] = None
         for future in as_completed(futures):
             result = future.result()
             if futures[future] is not None:

@@ -70,7 +70,7 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.quantization.weights import apply_quantization
 from jaxserve.runner.input_batch import StepInputs, initial_token_counts, prepare_step_inputs, step_shape
-from jaxserve.runner.model_runner import ModelRunner, StepOutput, resample_batch_sizes
+from jaxserve.runner.model_runner import ModelRunner, StepOutput
 from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
 from jaxserve.runner.sampler_state import SlotTable
 from jaxserve.runner.spec_verify import VerifyInputs
@@ -187,31 +187,17 @@ class LLMEngine:
             check = use_compile_cache(self.runner, cache_dir, manifest)
         self.runner.compile_helpers()
         report = compile_buckets(self.runner, self.grid.buckets, num_threads=num_threads, cache_dir=cache_dir,
-                                 cache_check=check, resample=self.async_scheduling)
+                                 cache_check=check)
         if manifest is not None and not check.ok:
             record_manifest(cache_dir, manifest)  # every bucket of this configuration is in the cache now
         logger.info("warm-up: %s", report.summary())
         if isinstance(self.proposer, DraftModelProposer):
             draft_report = compile_buckets(self.proposer.runner, self.proposer.buckets, num_threads=num_threads,
-                                           cache_dir=cache_dir, resample=False)  # the draft samples in its steps
+                                           cache_dir=cache_dir)
             logger.info("warm-up of the draft model: %s", draft_report.summary())
         self.warm_up_report = report
         self._measure_step_costs()
         return report
-
-    @property
-    def async_scheduling(self) -> bool:
-        """Whether steps are planned before the last one's tokens are read (`resolve_async_scheduling`)."""
-        return self._async_scheduling
-
-    @async_scheduling.setter
-    def async_scheduling(self, enabled: bool) -> None:
-        """Only async scheduling samples a step after it was dispatched (`_resample`), so only with it does the
-        warm-up build the resample executables: switched on after the warm-up, it builds them first."""
-        self._async_scheduling = enabled
-        if enabled and self.warm_up_report is not None:
-            for batch_size in resample_batch_sizes(step_shape(b, self.block_size) for b in self.grid.buckets):
-                self.runner.compile_resample(batch_size)
 
     def _measure_step_costs(self) -> None:
         """With a latency target, times the mixed buckets and gives the scheduler the budget they allow."""

@@ -5,7 +5,7 @@ Place in the data flow: the server (`api_server.start_engine`, or the engine cor
 usual, every host alike (with `--distributed-init` the engine joins `jax.distributed` first and its mesh spans
 all hosts), then calls `serving_role`. Alone it serves as ever. On host 0, `lead` wraps the engine's runners
 (the target's, a draft model's) in `ReplicatedRunner`s: each device call (`execute`, `resample`,
-`copy_blocks`, `write_slot`, and the compiles the async switch makes) is sent to the followers
+`copy_blocks`, `write_slot`, and the fork programs' compile) is sent to the followers
 (`step_messages.py`, `host_links.py`) before host 0 makes it. On any other host, `follow` makes the same calls
 in the same order until host 0 stops, and then the process exits: followers serve no HTTP, and their
 schedulers never run (a scheduler's choices depend on timings, which differ between hosts).
@@ -27,7 +27,7 @@ from jaxserve.speculative.draft_model import DraftModelProposer
 
 logger = init_logger("jaxserve.engine.serving_hosts")
 
-REPLAYED = frozenset({"execute", "resample", "copy_blocks", "write_slot", "compile_resample", "compile_helpers"})
+REPLAYED = frozenset({"execute", "resample", "copy_blocks", "write_slot", "compile_helpers"})
 
 
 def serving_role() -> str:

@@ -1,7 +1,7 @@
 """The runner calls host 0 sends to the other hosts of a multi-host server, as msgpack bytes.
 
 Place in the data flow: `serving_hosts.ReplicatedRunner` (host 0) encodes each device call its engine makes
-(`execute`, `resample`, `copy_blocks`, `write_slot`, the compile calls) with its arguments, the step's padded
+(`execute`, `resample`, `copy_blocks`, `write_slot`, the fork programs' compile) with its arguments, the step's padded
 host arrays; `serving_hosts.follow` (every other host) decodes it and makes the same call on its own runner, so
 the same SPMD program runs on every host with the same inputs.
 

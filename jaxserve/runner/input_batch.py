@@ -37,6 +37,21 @@ class StepShape:
     def input_shape(self) -> tuple[int, int]:
         return (1, self.num_query_tokens) if self.ragged else (self.batch_size, self.num_query_tokens)
 
+    @property
+    def sample_shape(self) -> SampleShape:
+        return SampleShape(self.batch_size, self.num_sample_positions, self.num_speculative_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleShape:
+    """The static shape of a sampler executable, which samples the logits of every step of this shape whatever
+    its tokens and context: S rows, and in a speculative engine's mixed step P sample positions of rows with at
+    most K drafts (`spec_verify.VerifyInputs`)."""
+
+    batch_size: int
+    num_sample_positions: int = 0
+    num_speculative_tokens: int = 0
+
 
 def step_shape(bucket, block_size: int) -> StepShape:
     """Prefill buckets have `chunk_len` query tokens per sequence, decode buckets one; a mixed bucket has

@@ -2,16 +2,19 @@
 
 The engine hands it a bucket and the step's inputs, already padded to it (`input_batch.py`: rows of equal
 length, or for a mixed step the rows' tokens back to back); it dispatches the executable of the bucket's
-`StepShape`, which runs the model over the paged KV pool and the per-sequence sampler state (both donated,
-so updated in place) and samples one token per sequence (`sampler.py`), with logprobs and prompt logprobs
-when a row asks.
+`StepShape`, which runs the model over the paged KV pool and counts the step's tokens in the per-sequence
+sampler state (both donated, so updated in place), giving the logits where the step samples and prompt
+logprobs when a row asks; then the sampler executable of the step's `SampleShape` (its batch size) samples one
+token per sequence from those logits (`sampler.py`; a speculative step verifies its drafts, `spec_verify.py`),
+with logprobs when a row asks. One sampler executable serves every step of its batch size, whatever the step's
+tokens and context, so the sampler is compiled once per batch size, not into every step.
 Dispatch is asynchronous: a step may take some of its input tokens from the previous step's sampled
 tokens while they are still on the device (`feed_rows`/`feed_cols`), so the host can schedule and
 prepare step N+1 before it has read step N's tokens.
 A step with a constrained row (structured outputs) whose grammar waits for the previous step's token is
-dispatched taking only each row's argmax; once the host has read that token and filled the masks, the
-small `resample` executable of its batch size samples the step's rows from its raw logits (same keys,
-penalties and logprobs as in the step), so the step was never held back (`LLMEngine._resample`).
+dispatched taking only each row's argmax; once the host has read that token and filled the masks, the same
+sampler executable samples the step's rows again from its raw logits (`resample`: same keys, penalties and
+logprobs), so the step was never held back (`LLMEngine._resample`).
 Two small executables serve forks (n > 1, beam search) and new sequences: `copy_blocks` (copy-on-write
 of KV blocks and sampler slots) and `write_slot` (a slot's reset and its request's logit_bias /
 min_tokens rows). Everything is compiled ahead of time from `ShapeDtypeStruct`s
@@ -50,7 +53,7 @@ from jaxserve.distributed.sharding import (
 )
 from jaxserve.models import get_model_class
 from jaxserve.models.common import unstack_layers, untie_lm_head
-from jaxserve.runner.input_batch import StepInputs, StepShape, step_shape
+from jaxserve.runner.input_batch import SampleShape, StepInputs, StepShape, step_shape
 from jaxserve.runner.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
 from jaxserve.runner.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sample
 from jaxserve.runner.sampler_state import SlotState, copy_slots, update_token_counts, write_slot
@@ -75,14 +78,17 @@ def executable_name(shape: StepShape) -> str:
     return name
 
 
-def resample_name(batch_size: int) -> str:
-    """The name of the executable that samples a step of ``batch_size`` rows after it was dispatched."""
-    return f"resample-s{batch_size}"
+def sampler_name(shape: SampleShape) -> str:
+    """The sampler executable's name in an `ExecutableSource`."""
+    name = f"sample-s{shape.batch_size}"
+    if shape.num_sample_positions:
+        name += f"-v{shape.num_sample_positions}x{shape.num_speculative_tokens}"
+    return name
 
 
-def resample_batch_sizes(shapes) -> list[int]:
-    """The batch sizes of step ``shapes``, each once: one resample executable serves the steps of a batch size."""
-    return list(dict.fromkeys(shape.batch_size for shape in shapes))
+def sample_shapes(step_shapes) -> list[SampleShape]:
+    """The sample shapes of ``step_shapes``, each once: one sampler executable serves the steps of a shape."""
+    return list(dict.fromkeys(shape.sample_shape for shape in step_shapes))
 
 
 def feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols, row_starts):
@@ -99,7 +105,7 @@ class StepOutput:
     """Device arrays of one step; only `tokens` is always needed on the host."""
 
     tokens: jax.Array  # i32[max_rows], rows past the bucket's batch are 0 (fed to the next step)
-    logits: jax.Array  # f32[S, V], the raw logits sampled from (tests and debugging; not read by the engine)
+    logits: jax.Array  # f32[S, V], the raw logits sampled from (read by `resample`, tests and debugging)
     logprobs: TokenLogprobs  # [S(, K)]: the sampled token's raw logprob and rank, and the top K
     prompt_logprobs: TokenLogprobs | None  # input-shaped [S, Q(, K)] or [1, T(, K)]: each position's next token
     # a verifying step (`spec_verify.py`): each row's accepted drafts, i32[S]; its logits and logprobs are then
@@ -185,7 +191,7 @@ class ModelRunner:
         self.num_logprobs = max(num_logprobs, 1)  # K of the step's top-K logprobs (a static shape)
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
-        self.resample_executables: dict[int, jax.stages.Compiled] = {}  # by batch size
+        self.sampler_executables: dict[SampleShape, jax.stages.Compiled] = {}
         self.executable_store: ExecutableSource | None = None  # set by warm-up when there is a compile cache
         self.num_compiles = 0
         self.compile_seconds = 0.0
@@ -257,32 +263,26 @@ class ModelRunner:
         """Every program the engine runs, by name: (jitted function, abstract arguments) of the steps of
         ``shapes``, the allocations and the forks (to lower them for a platform this host does not have)."""
         steps = {executable_name(shape): (self._step_jit(), self._abstract_inputs(shape)) for shape in shapes}
-        resamples = {resample_name(s): self._resample_program(s) for s in resample_batch_sizes(shapes)}
-        return {**steps, **resamples, **self._allocation_programs(), **self._helper_programs()}
+        samplers = {sampler_name(shape): self._sampler_program(shape) for shape in sample_shapes(shapes)}
+        return {**steps, **samplers, **self._allocation_programs(), **self._helper_programs()}
 
     def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
               feed_cols, verify=None):
+        """The model over the step's tokens: (the raw logits where it samples, f32[S, V] or at a verifying step's
+        P sample positions f32[P, V], and the prompt logprobs), the pool with the tokens' K/V and the slots with
+        the tokens counted. The sampler executable of the step's `SampleShape` samples from those logits."""
         row_starts = row_offsets(meta, input_ids.shape)
         input_ids = feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols, row_starts)
         hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
         layout = token_layout(meta, input_ids.shape)
         slot_state = update_token_counts(slot_state, input_ids, layout, sampling.prompt_len, sampling.slot)
-        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-        logits_of = lambda h: self.model.apply(params, h, method=self.model.logits)
-        num_accepted = None
-        if verify is None:
-            logits = logits_of(flat_hidden[row_starts + sample_index])
-            sampled = sample(logits, sampling, slot_state, self.num_logprobs)
-        else:  # a speculative engine's mixed step: its rows' drafts are verified (spec_verify.py)
-            logits = logits_of(flat_hidden[verify.flat_index])
-            sampled = verify_drafts(logits, sampling, slot_state, verify, self.num_logprobs)
-            slot_state = uncount_rejected(slot_state, sampling, verify, sampled.num_accepted)
-            num_accepted = sampled.num_accepted
+        sampled_at = row_starts + sample_index if verify is None else verify.flat_index
+        hidden_at = hidden.reshape(-1, hidden.shape[-1])[sampled_at]
+        logits = self.model.apply(params, hidden_at, method=self.model.logits)
         prompt = None
         if input_ids.shape[1] > 1:
             prompt = self._prompt_logprobs(params, hidden, input_ids, layout, meta, sampling)
-        output = StepOutput(self._padded(sampled.tokens), logits, sampled.logprobs, prompt, num_accepted)
-        return output, kv_pool, slot_state
+        return (logits, prompt), kv_pool, slot_state
 
     def _padded(self, tokens: jax.Array) -> jax.Array:
         """A step's S tokens padded with zeros to max_rows (the shape every step's tokens are fed from)."""
@@ -298,19 +298,30 @@ class ModelRunner:
             lambda: TokenLogprobs.zeros(input_ids.shape, self.num_logprobs),
         )
 
-    def _resample(self, slot_state, logits, sampling):
-        """A step's tokens (i32[max_rows]) and logprobs sampled from its raw logits f32[S, V] under ``sampling``
-        (the step's own, with the grammar masks filled after it was dispatched)."""
+    def _sample(self, slot_state, logits, sampling):
+        """A step's tokens (i32[max_rows]) and logprobs sampled from its raw logits f32[S, V] under ``sampling``."""
         sampled = sample(logits, sampling, slot_state, self.num_logprobs)
         return self._padded(sampled.tokens), sampled.logprobs
 
-    def _resample_program(self, batch_size: int) -> tuple:
-        """(jitted, abstract arguments) of the resample executable for steps of ``batch_size`` rows."""
+    def _verify(self, slot_state, logits, sampling, verify):
+        """A speculative engine's mixed step: its rows' drafts verified from its logits f32[P, V] at the sample
+        positions (spec_verify.py); (tokens, logprobs, accepted drafts per row) and the slots without the
+        rejected drafts' counts."""
+        verified = verify_drafts(logits, sampling, slot_state, verify, self.num_logprobs)
+        slot_state = uncount_rejected(slot_state, sampling, verify, verified.num_accepted)
+        return (self._padded(verified.tokens), verified.logprobs, verified.num_accepted), slot_state
+
+    def _sampler_program(self, shape: SampleShape) -> tuple:
+        """(jitted, abstract arguments) of the sampler executable of steps of ``shape``."""
         rep = replicated(self.mesh)
         vocab = self.config.vocab_size
-        args = (_abstract(self.slot_state), jax.ShapeDtypeStruct((batch_size, vocab), jnp.float32, sharding=rep),
-                SamplingTensors.abstract(batch_size, vocab, rep))
-        return jax.jit(self._resample, out_shardings=rep), args
+        num_logits = shape.num_sample_positions or shape.batch_size
+        args = (_abstract(self.slot_state), jax.ShapeDtypeStruct((num_logits, vocab), jnp.float32, sharding=rep),
+                SamplingTensors.abstract(shape.batch_size, vocab, rep))
+        if not shape.num_sample_positions:
+            return jax.jit(self._sample, out_shardings=rep), args
+        verify = VerifyInputs.abstract(shape.num_sample_positions, shape.batch_size, shape.num_speculative_tokens, rep)
+        return jax.jit(self._verify, donate_argnums=(0,), out_shardings=(rep, rep)), (*args, verify)
 
     @staticmethod
     def _copy_blocks(kv_pool, slot_state, block_src, block_dst, slot_src, slot_dst):
@@ -344,13 +355,25 @@ class ModelRunner:
                 self.executables[shape] = executable
         return self.executables[shape]
 
-    def compile_resample(self, batch_size: int) -> jax.stages.Compiled:
-        """Compiles (once) the resample executable of steps of ``batch_size`` rows. Thread-safe for different sizes."""
-        if batch_size not in self.resample_executables:
-            executable = self._compile(*self._resample_program(batch_size), resample_name(batch_size))
+    def resident_bytes(self) -> int:
+        """Bytes per device of the weights and the KV pool: on the device while a sampler executable runs,
+        though not among its arguments."""
+        shard_bytes = lambda x: int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+        return sum(shard_bytes(x) for x in jax.tree.leaves((self.params, self.kv_pool)))
+
+    def compile_sampler(self, shape: SampleShape) -> jax.stages.Compiled:
+        """Compiles (once) the sampler executable of steps of ``shape``. Thread-safe for different shapes."""
+        if shape not in self.sampler_executables:
+            executable = self._compile(*self._sampler_program(shape), sampler_name(shape))
             with self._compile_lock:
-                self.resample_executables[batch_size] = executable
-        return self.resample_executables[batch_size]
+                self.sampler_executables[shape] = executable
+        return self.sampler_executables[shape]
+
+    def _sampler(self, shape: SampleShape) -> jax.stages.Compiled:
+        executable = self.sampler_executables.get(shape)
+        if executable is None:
+            raise RuntimeError(f"no compiled sampler executable for {shape}; warm it up first")
+        return executable
 
     def _step_jit(self):
         rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
@@ -396,7 +419,7 @@ class ModelRunner:
         }
 
     def execute(self, bucket, inputs: StepInputs, prev_tokens: jax.Array | None = None) -> StepOutput:
-        """Dispatches one step without waiting for it; returns its StepOutput as device arrays.
+        """Dispatches one step and its sampler without waiting for them; returns its StepOutput as device arrays.
 
         `prev_tokens` is an earlier step's `tokens`, read where `inputs.feed_cols >= 0`."""
         shape = step_shape(bucket, self.block_size)
@@ -412,21 +435,24 @@ class ModelRunner:
         no_feed = np.full(shape.batch_size, -1, np.int32)
         feed_rows = no_feed if inputs.feed_rows is None else inputs.feed_rows
         feed_cols = no_feed if inputs.feed_cols is None else inputs.feed_cols
-        output, self.kv_pool, self.slot_state = executable(
+        sampler = self._sampler(shape.sample_shape)
+        (logits, prompt_logprobs), self.kv_pool, self.slot_state = executable(
             self.params, self.kv_pool, self.slot_state, inputs.input_ids, meta, inputs.sample_index,
             inputs.sampling, self.no_tokens if prev_tokens is None else prev_tokens, feed_rows, feed_cols,
             inputs.verify,
         )
-        return output
+        if inputs.verify is None:
+            tokens, logprobs = sampler(self.slot_state, logits, inputs.sampling)
+            return StepOutput(tokens, logits, logprobs, prompt_logprobs)
+        (tokens, logprobs, num_accepted), self.slot_state = sampler(self.slot_state, logits, inputs.sampling,
+                                                                    inputs.verify)
+        return StepOutput(tokens, logits, logprobs, prompt_logprobs, num_accepted)
 
     def resample(self, output: StepOutput, sampling: SamplingTensors) -> StepOutput:
-        """A dispatched step's output with its rows sampled under ``sampling`` (its S rows) from its logits;
-        dispatched without waiting, after the step and before the next one."""
-        batch_size = len(sampling.ints)
-        executable = self.resample_executables.get(batch_size)
-        if executable is None:
-            raise RuntimeError(f"no compiled resample executable for {batch_size} rows; warm it up first")
-        tokens, logprobs = executable(self.slot_state, output.logits, sampling)
+        """A dispatched step's output with its rows sampled again under ``sampling`` (its S rows) from its
+        logits; dispatched without waiting, after the step and before the next one."""
+        sampler = self._sampler(SampleShape(len(sampling.ints)))
+        tokens, logprobs = sampler(self.slot_state, output.logits, sampling)
         return output.replace(tokens=tokens, logprobs=logprobs)
 
     def copy_blocks(self, block_copies: list[tuple[int, int]], slot_copies: list[tuple[int, int]]) -> None:

@@ -16,10 +16,11 @@ from jaxserve.compilation.sizing import (
     MemoryBudget,
     blocks_over_budget,
     kv_bytes_per_block,
+    largest_samplers,
     memory_budget,
     num_blocks_from_budget,
 )
-from jaxserve.runner.input_batch import StepShape
+from jaxserve.runner.input_batch import SampleShape, StepShape
 
 
 @pytest.fixture
@@ -48,27 +49,48 @@ class _Compiled:
 
 
 class _Runner:
-    """Steps whose temporaries are given per shape; records what was compiled."""
+    """Steps and samplers whose temporaries are given per shape, beside ``resident`` bytes of weights and pool;
+    records what was compiled."""
 
-    def __init__(self, temps: dict[StepShape, int], num_blocks: int):
-        self.temps, self.compiled, self.num_blocks = temps, [], num_blocks
+    def __init__(self, temps: dict[StepShape | SampleShape, int], num_blocks: int, resident: int):
+        self.temps, self.compiled, self.num_blocks, self.resident = temps, [], num_blocks, resident
 
     def compile(self, shape: StepShape) -> _Compiled:
         self.compiled.append(shape)
         return _Compiled(self.temps[shape])
 
+    compile_sampler = compile
+
+    def resident_bytes(self) -> int:
+        return self.resident
+
 
 def test_the_pool_gives_back_the_blocks_its_largest_step_overshoots_by():
     prefill, small_prefill, decode = StepShape(4, 64, 8), StepShape(1, 64, 8), StepShape(8, 1, 8)
-    runner = _Runner({prefill: 400, small_prefill: 10_000, decode: 100}, num_blocks=2)
+    temps = {prefill: 400, small_prefill: 10_000, decode: 100, SampleShape(8): 0, SampleShape(1): 10_000}
+    runner = _Runner(temps, num_blocks=2, resident=300)
     # only the largest of each kind is compiled; with the probe's 2 blocks it needs 1000 + 30 - 20 + 400 + 5 = 1415
-    # bytes, with a pool of 10 blocks of 100 bytes 800 more
+    # bytes, with a pool of 10 blocks of 100 bytes 800 more; the sampler of 8 rows 1015 + the resident 300 = 1315
     shapes = [small_prefill, prefill, decode]
     assert blocks_over_budget(runner, shapes, MemoryBudget(2000), 100, pool_blocks=10) == (3, 2215)
-    assert runner.compiled == [prefill, decode]
+    assert runner.compiled == [prefill, decode, SampleShape(8)]
     assert blocks_over_budget(runner, shapes, MemoryBudget(2115), 100, pool_blocks=10) == (1, 2215)
     assert blocks_over_budget(runner, shapes, MemoryBudget(2215), 100, pool_blocks=10) == (0, 2215)
     assert blocks_over_budget(runner, shapes, MemoryBudget(1200), 100, pool_blocks=2) == (3, 1415)
+
+
+def test_a_sampler_beside_the_weights_and_pool_can_be_what_overshoots():
+    decode = StepShape(8, 1, 8)
+    runner = _Runner({decode: 100, SampleShape(8): 0}, num_blocks=2, resident=600)
+    # the step: 1115 bytes; the sampler: 1015 + 600 resident = 1615, and 800 more with 10 blocks
+    assert blocks_over_budget(runner, [decode], MemoryBudget(2000), 100, pool_blocks=10) == (5, 2415)
+
+
+def test_largest_samplers_are_the_most_rows_of_plain_and_verifying_steps():
+    shapes = [StepShape(16, 1, 8), StepShape(4, 16, 8, ragged=True, num_sample_positions=12, num_speculative_tokens=2),
+              StepShape(64, 1, 8), StepShape(8, 32, 8, ragged=True, num_sample_positions=24, num_speculative_tokens=2),
+              StepShape(1, 64, 8)]
+    assert largest_samplers(shapes) == [SampleShape(64), SampleShape(8, 24, 2)]
 
 
 def test_kv_bytes_per_block():

@@ -41,7 +41,7 @@ def _model_config(family: str, directory: Path):
 
 def _files_run_while_lowering(model_config, backend: str, dtype: str, quantization: str | None = None) -> set[str]:
     """Repository files (relative paths) whose functions run while the runner is built and every program of
-    ``SHAPES`` (steps, resample, allocations, forks) is traced and lowered."""
+    ``SHAPES`` (steps, samplers, allocations, forks) is traced and lowered."""
     files: set[str] = set()
 
     def profile(frame, event, arg):

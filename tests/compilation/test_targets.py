@@ -69,7 +69,7 @@ def test_embedded_model_compiles_for_v5e_and_every_program_fits(embedded_v5e):
     assert report.tensor_parallel_size == 1  # SmolLM2's 3 kv heads do not split over 2 or 4 chips
     names = [p.name for p in report.programs]
     assert names[:3] == ["step-s1-q128-p8", "step-s8-q1-p8", "step-s8-t128-p8"]
-    assert names[3:5] == ["resample-s1", "resample-s8"]  # one per batch size of the steps
+    assert names[3:5] == ["sample-s1", "sample-s8"]  # one per batch size of the steps
     assert {"copy_blocks", "write_slot"} <= set(names)
     assert report.failures() == []
     pool_bytes = 2 * report.grid.num_blocks * 64 * 3 * 64 * 30 * 2  # K and V, bfloat16
@@ -121,10 +121,10 @@ def test_gpu_grid_lowers_for_cuda(small_grid):
     report = compile_for_target(config, "cuda", max_buckets=3)
     assert report.target.lower_only
     assert report.failures() == []
-    # three steps, the resamples of their batch sizes, five allocations, two forks
+    # three steps, the samplers of their batch sizes, five allocations, two forks
     sizes = {p.name.split("-")[1] for p in report.programs if p.name.startswith("step-")}
-    assert sorted(p.name for p in report.programs if p.name.startswith("resample-")) == sorted(
-        f"resample-{s}" for s in sizes)
+    assert sorted(p.name for p in report.programs if p.name.startswith("sample-")) == sorted(
+        f"sample-{s}" for s in sizes)
     assert len(report.programs) == 3 + len(sizes) + 7
     table = report.format_table()
     assert "lowered for cuda" in table and table.endswith("every program lowered")

@@ -155,14 +155,14 @@ def test_serving_uses_the_warm_up_shardings_and_compiles_nothing(llms):
         params_in, pool_in = executable.input_shardings[0][:2]
         assert pool_in == (runner.kv_pool[0].sharding, runner.kv_pool[1].sharding)
         assert jax.tree.leaves(params_in) == jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.params))
-        assert executable.output_shardings[1][0].spec == P(None, "tp")  # (StepOutput, pool, sampler state)
+        assert executable.output_shardings[1][0].spec == P(None, "tp")  # ((logits, prompt logprobs), pool, slots)
 
 
 def test_compiled_steps_only_all_reduce_the_row_parallel_outputs_and_update_the_pool_in_place(llms):
     """Megatron's communication and nothing more: the scanned layer body all-reduces the o_proj and
     down_proj outputs ([S, Q, hidden], or [1, T, hidden] in a mixed step); no all-gather (the pool and weights
     never move), and the donated pool's and (replicated) sampler state's per-device bytes are aliased to the
-    output."""
+    output. The sampler executables communicate nothing: every device samples the same replicated logits."""
     runner = llms[4].llm_engine.runner
     donated_bytes_per_device = sum(pool.addressable_shards[0].data.nbytes for pool in runner.kv_pool)
     donated_bytes_per_device += sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.slot_state))
@@ -172,6 +172,10 @@ def test_compiled_steps_only_all_reduce_the_row_parallel_outputs_and_update_the_
         activation = f"f32[{','.join(map(str, shape.input_shape))},64]"
         assert [(t.split("{")[0], op) for t, op in collectives] == [(activation, "all-reduce")] * 2, shape
         assert executable.memory_analysis().alias_size_in_bytes == donated_bytes_per_device
+    assert runner.sampler_executables
+    for shape, executable in runner.sampler_executables.items():
+        assert not re.findall(r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(",
+                              executable.as_text()), shape
 
 
 def test_pallas_backend_under_tensor_parallelism_matches_transformers(tmp_path, buckets):

@@ -20,7 +20,6 @@ from tests.generation_fixtures import (
     NUM_KV_BLOCKS,
     HFReference,
     tokens_prompt,
-    warm_up_both_scheduling_modes,
 )
 from tests.hf_tiny import make_tiny_model
 
@@ -46,7 +45,6 @@ def setup(tmp_path_factory):
     (path / "buckets.toml").write_text(BUCKETS)
     llm = LLM(str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, buckets=str(path / "buckets.toml"),
               num_kv_blocks=NUM_KV_BLOCKS)
-    warm_up_both_scheduling_modes(llm.llm_engine)  # test_beams_share_kv_blocks switches it on
     return llm, HFReference(model_dir), num_backend_compiles()
 
 

@@ -11,7 +11,7 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind
-from tests.generation_fixtures import EOS, LETTERS, HFReference, build_llm, tokens_prompt, warm_up_both_scheduling_modes
+from tests.generation_fixtures import EOS, LETTERS, HFReference, build_llm, tokens_prompt
 
 PROMPT = list(range(5, 21))  # 16 tokens
 
@@ -19,7 +19,6 @@ PROMPT = list(range(5, 21))  # 16 tokens
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     model_dir, llm = build_llm(tmp_path_factory.mktemp("gen"))
-    warm_up_both_scheduling_modes(llm.llm_engine)  # test_async_scheduling_changes_nothing switches it on
     return llm, HFReference(model_dir), num_backend_compiles()
 
 

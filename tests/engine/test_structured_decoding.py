@@ -11,6 +11,7 @@ import re
 import pytest
 
 from jaxserve import LLM, SamplingParams, StructuredOutputsParams
+from jaxserve.runner.input_batch import SampleShape
 from tests.generation_fixtures import BUCKETS, llm_on_buckets, tokens_prompt
 from tests.hf_tiny import make_tiny_model
 
@@ -83,21 +84,22 @@ def test_steps_sampled_after_their_masks_equal_steps_masked_in_place(llms):
     assert [o.token_ids for o in plain] == [o.token_ids for o in alone]
 
 
-def test_only_async_scheduling_builds_the_resample_executables(llms, monkeypatch):
-    """Only a step planned ahead is sampled after its dispatch: a synchronous engine's warm-up skips the resample
-    executables (2-3 s each to compile on XLA:CPU), and async scheduling switched on later builds them (from the
-    compile cache here) before a step can need them."""
+def test_one_sampler_executable_per_batch_size_samples_every_step_and_resamples_late_masks(llms, monkeypatch):
+    """Steps give their logits and the sampler executable of their batch size samples them (compiled once per
+    batch size, not into every step): each engine holds exactly one per batch size of its steps, and a
+    synchronous engine switched to async scheduling resamples its late-masked steps with them, compiling nothing."""
     asynchronous, synchronous = llms
-    assert sorted(asynchronous.llm_engine.runner.resample_executables) == [1, 4, 8]  # the steps' batch sizes
+    for runner in (asynchronous.llm_engine.runner, synchronous.llm_engine.runner):
+        assert {shape.batch_size for shape in runner.executables} == {1, 4, 8}
+        assert set(runner.sampler_executables) == {SampleShape(1), SampleShape(4), SampleShape(8)}
     engine = synchronous.llm_engine
-    assert engine.runner.resample_executables == {}
+    num_compiles = engine.runner.num_compiles
     monkeypatch.setattr(engine, "async_scheduling", True)
-    assert sorted(engine.runner.resample_executables) == [1, 4, 8]
     late_sampled = engine.stats.num_late_sampled_steps
     requests = _requests()
     assert [o.token_ids for o in _run(synchronous, requests)] == [o.token_ids for o in _run(asynchronous, requests)]
     assert engine.stats.num_late_sampled_steps > late_sampled
-    assert engine.stats.num_compiles_after_warm_up == 0
+    assert engine.stats.num_compiles_after_warm_up == 0 and engine.runner.num_compiles == num_compiles
 
 
 def test_an_abort_while_a_resample_is_pending_loses_nothing_else(llms):
