@@ -298,6 +298,13 @@ TOOL_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 FORCED_HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n</tool_call>'
+# the same call in the other parsers' formats (vLLM's): Llama 3's JSON, Mistral's [TOOL_CALLS] list, a Python list
+FORCED_CALLS = {
+    "llama3_json": r'\{"name": "get_weather", "parameters": \{"city": "Paris"\}\}',
+    "mistral": r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\]',
+    "pythonic": r'\[get_weather\(city="Paris"\)\]',
+}
+CALL_IDS = {"mistral": "[A-Za-z0-9]{9}"}  # Mistral's templates take 9 alphanumerics (as vLLM's parser makes them)
 
 
 def _calls(choice) -> list[tuple[str, dict]]:
@@ -306,7 +313,7 @@ def _calls(choice) -> list[tuple[str, dict]]:
 
 def _streamed_calls(stream) -> tuple[list[tuple[str, dict]], str | None]:
     """A streamed answer's tool calls reassembled from their deltas (name first, then argument fragments), and
-    its finish reason."""
+    its finish reason (each call's id comes with its name)."""
     calls, finish = {}, None
     for chunk in stream:
         for choice in chunk.choices:
@@ -314,10 +321,38 @@ def _streamed_calls(stream) -> tuple[list[tuple[str, dict]], str | None]:
             for delta in choice.delta.tool_calls or []:
                 entry = calls.setdefault(delta.index, {"name": None, "arguments": ""})
                 if delta.function.name:
-                    assert entry["name"] is None and delta.id.startswith("call_")
+                    assert entry["name"] is None and delta.id
                     entry["name"] = delta.function.name
                 entry["arguments"] += delta.function.arguments or ""
     return [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("parser", sorted(FORCED_CALLS))
+def test_auto_tool_choice_reads_the_call_in_each_parsers_format(llm, parser):
+    """tool_choice "auto" on a server started with --tool-call-parser llama3_json, mistral or pythonic (hermes:
+    the next test): the model's call in that parser's format (forced by a regex) answers as an OpenAI tool call,
+    whole and streamed."""
+    import openai
+
+    from jaxserve.entrypoints.api_server import build_app
+    from jaxserve.entrypoints.chat_output import ChatParserOptions
+    from tests.server import ServerThread
+
+    engine = AsyncLLMEngine(llm.llm_engine)
+    options = ChatParserOptions(enable_auto_tool_choice=True, tool_call_parser=parser)
+    app = build_app(engine, served_model_name="smol", chat_template=TOOL_TEMPLATE, chat_parsers=options)
+    forced = {"structured_outputs": {"regex": FORCED_CALLS[parser]}}
+    with ServerThread(app, engine) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        ask = lambda **kwargs: client.chat.completions.create(  # noqa: E731
+            model="smol", messages=WEATHER_QUESTION, tools=TOOLS, temperature=0.0, max_tokens=60, extra_body=forced,
+            **kwargs)
+        whole = ask().choices[0]
+        assert (_calls(whole), whole.finish_reason, whole.message.content) == (
+            [("get_weather", {"city": "Paris"})], "tool_calls", None)
+        ids = CALL_IDS.get(parser, r"call_[0-9a-f]{24}")
+        assert re.fullmatch(ids, whole.message.tool_calls[0].id), whole.message.tool_calls[0].id
+        assert _streamed_calls(ask(stream=True)) == (_calls(whole), "tool_calls")
 
 
 def test_the_openai_client_calls_tools(llm):
