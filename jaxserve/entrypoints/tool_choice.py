@@ -39,10 +39,12 @@ def check_tool_schemas(tools: list[ChatCompletionToolsParam]) -> None:
 
 
 def forced_calls_constraint(request: ChatCompletionRequest) -> dict[str, Any]:
-    """The structured outputs (`StructuredOutputsParams` fields) of a request whose tool_choice forces calls."""
+    """The structured outputs (`StructuredOutputsParams` fields) of a request whose tool_choice forces calls: compact
+    JSON (`disable_any_whitespace`: no free runs of blanks), since with JSON's free whitespace a small model can
+    spend its whole max_tokens on blanks inside the call and never close it."""
     tools = request.tools or []
     if isinstance(request.tool_choice, NamedToolChoice):
-        return {"json": arguments_schema(named_tool(request))}
+        return {"json": arguments_schema(named_tool(request)), "disable_any_whitespace": True}
     one_call = {
         "anyOf": [
             {
@@ -58,7 +60,7 @@ def forced_calls_constraint(request: ChatCompletionRequest) -> dict[str, Any]:
     calls = {"type": "array", "items": one_call, "minItems": 1}
     if request.parallel_tool_calls is False:
         calls["maxItems"] = 1
-    return {"json": calls}
+    return {"json": calls, "disable_any_whitespace": True}
 
 
 def named_tool(request: ChatCompletionRequest) -> ChatCompletionToolsParam:

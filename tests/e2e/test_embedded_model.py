@@ -378,10 +378,11 @@ def test_the_openai_client_calls_tools(llm):
         ask = lambda seed=0, **kwargs: client.chat.completions.create(  # noqa: E731
             model="smol", messages=kwargs.pop("messages", WEATHER_QUESTION), tools=TOOLS, temperature=1.0, seed=seed,
             max_tokens=kwargs.pop("max_tokens", 200), **kwargs)
-        with ThreadPoolExecutor(20) as pool:  # 20 requests at once: one batch
-            named_answers = list(pool.map(lambda seed: ask(seed, tool_choice=named).choices[0], range(20)))
-            required = list(pool.map(lambda seed: ask(seed, tool_choice="required", parallel_tool_calls=False)
-                                     .choices[0], range(20)))
+        with ThreadPoolExecutor(20) as pool:  # 20 requests at once: one batch; 64 tokens are enough for compact JSON
+            named_answers = list(pool.map(lambda seed: ask(seed, tool_choice=named, max_tokens=64).choices[0],
+                                          range(20)))
+            required = list(pool.map(lambda seed: ask(seed, tool_choice="required", parallel_tool_calls=False,
+                                                      max_tokens=64).choices[0], range(20)))
         for choice in named_answers:
             ((name, arguments),) = _calls(choice)
             assert (name, choice.finish_reason, choice.message.content) == ("get_weather", "tool_calls", None)
@@ -390,6 +391,11 @@ def test_the_openai_client_calls_tools(llm):
             ((name, arguments),) = _calls(choice)
             assert choice.finish_reason == "tool_calls"
             jsonschema.validate(arguments, SCHEMAS[name])
+        # greedy: compact JSON, where free whitespace let this model fill its whole budget with blanks in the call
+        greedy = client.chat.completions.create(model="smol", messages=WEATHER_QUESTION, tools=TOOLS, max_tokens=64,
+                                                temperature=0.0, tool_choice="required", parallel_tool_calls=False)
+        assert greedy.choices[0].finish_reason == "tool_calls", greedy.choices[0].message.content
+        assert _calls(greedy.choices[0]) == [("get_weather", {"city": "Paris", "unit": "c"})]
         assert _streamed_calls(ask(3, tool_choice=named, stream=True)) == (_calls(named_answers[3]), "tool_calls")
         assert _streamed_calls(ask(5, tool_choice="required", parallel_tool_calls=False, stream=True)) == (
             _calls(required[5]), "tool_calls")

@@ -67,13 +67,14 @@ def test_required_constrains_to_a_list_of_calls_of_the_tools_shapes():
             jsonschema.validate(bad, schema)
     single = forced_calls_constraint(_request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
     assert single["json"]["maxItems"] == 1
+    assert constraint["disable_any_whitespace"] is single["disable_any_whitespace"] is True  # compact JSON
 
 
 def test_a_named_choice_constrains_to_its_arguments():
     named = _request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert forced_calls_constraint(named) == {"json": WEATHER}
+    assert forced_calls_constraint(named) == {"json": WEATHER, "disable_any_whitespace": True}
     untyped = _request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
-    assert forced_calls_constraint(untyped) == {"json": {"type": "object"}}
+    assert forced_calls_constraint(untyped) == {"json": {"type": "object"}, "disable_any_whitespace": True}
 
 
 def _streamed(parser: ChoiceOutputParser, text: str, width: int) -> dict:
