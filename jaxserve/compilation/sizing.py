@@ -209,10 +209,10 @@ def largest_of_each_kind(shapes: list[StepShape]) -> list[StepShape]:
 def largest_samplers(shapes: list[StepShape]) -> list[SampleShape]:
     """The sampler of the most logits rows of each kind: a plain step's (its batch size) and a verifying step's
     (its sample positions)."""
+    rows = lambda s: (s.num_sample_positions or s.batch_size, s.batch_size)
     largest: dict[bool, SampleShape] = {}
     for shape in sample_shapes(shapes):
         verifying = bool(shape.num_sample_positions)
-        rows = lambda s: (s.num_sample_positions or s.batch_size, s.batch_size)
         if verifying not in largest or rows(shape) > rows(largest[verifying]):
             largest[verifying] = shape
     return list(largest.values())
