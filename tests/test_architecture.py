@@ -46,15 +46,22 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for package in PACKAGES for p in sorted((REPO_ROOT / package).rglob("*.py"))}
 
 
+def _import_statements(path: Path):
+    """(module, names) of every absolute import in ``path``: `import a.b` gives ("a.b", []), `from a import b, c`
+    gives ("a", ["b", "c"])."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module, [alias.name for alias in node.names]
+
+
 def _imports(name: str) -> set[str]:
     """The package's modules that ``name`` imports (`from package import module` imports the module)."""
     found = set()
-    for node in ast.walk(ast.parse(MODULES[name].read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & MODULES.keys()
-            found |= submodules or {node.module}
+    for module, names in _import_statements(MODULES[name]):
+        submodules = {f"{module}.{alias}" for alias in names} & MODULES.keys()
+        found |= submodules or {module}
     return {module for module in found if module in MODULES and module != name}
 
 
@@ -204,3 +211,47 @@ def test_every_path_the_readme_layout_names_exists():
             missing += [f"{paths[0]}{name}" for name in re.findall(r"`([\w]+\.(?:py|toml))`", text)
                         if not (folder / name).exists()]
     assert missing == []
+
+
+def _runner_modules_of(group: str) -> set[str]:
+    return {dep for module, deps in GRAPH.items() if _group(module) == group
+            for dep in deps if _group(dep) == "jaxserve.runner"}
+
+
+def test_the_request_loop_reaches_the_device_through_the_step_runner_alone():
+    """engine/ imports two runner modules, the step interface and the sampling row its groups fill in, and names
+    no sampler column: the step runner packs them (`runner/step_runner.py`)."""
+    assert _runner_modules_of("jaxserve.engine") == {"jaxserve.runner.step_runner", "jaxserve.runner.sampler"}
+    column_names = re.compile(r"\b(INT_COLUMNS|FLOAT_COLUMNS)\b")
+    naming = [name for name, path in MODULES.items() if _group(name) == "jaxserve.engine"
+              and column_names.search(path.read_text())]
+    assert naming == []
+
+
+def test_the_runner_import_check_finds_a_planted_import(monkeypatch):
+    llm_engine = "jaxserve.engine.llm_engine"
+    monkeypatch.setitem(GRAPH, llm_engine, GRAPH[llm_engine] | {"jaxserve.runner.model_runner"})
+    assert "jaxserve.runner.model_runner" in _runner_modules_of("jaxserve.engine")
+
+
+def _code_lines(module: str) -> int:
+    return len(MODULES[module].read_text().splitlines())
+
+
+def test_the_request_loop_stays_small():
+    """The engine's loop is read first: llm_engine.py at most 450 lines importing at most 20 of the package's
+    modules; engine/ at most 13 modules; no configuration module over 400 lines."""
+    assert _code_lines("jaxserve.engine.llm_engine") <= 450
+    assert len({dep for dep in GRAPH["jaxserve.engine.llm_engine"] if dep.startswith("jaxserve.")}) <= 20
+    engine_modules = [name for name, path in MODULES.items() if _group(name) == "jaxserve.engine"
+                      and path.name != "__init__.py"]
+    assert len(engine_modules) <= 13, engine_modules
+    oversized = [name for name in MODULES if _group(name) == "jaxserve.config" and _code_lines(name) > 400]
+    assert oversized == []
+
+
+def test_no_script_imports_the_tests():
+    """Scripts stand on the package (`jaxserve.testing` holds what scripts and tests share)."""
+    importing = [path.name for path in sorted((REPO_ROOT / "scripts").rglob("*.py"))
+                 if any(module.split(".")[0] == "tests" for module, _ in _import_statements(path))]
+    assert importing == []

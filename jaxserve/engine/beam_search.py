@@ -19,9 +19,10 @@ import dataclasses
 
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.engine.logprobs import logprob_dict
-from jaxserve.engine.request_group import EngineContext, RequestGroup, SampledToken
+from jaxserve.engine.request_group import EngineContext, RequestGroup
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.sampler import FLAG_LOGPROBS, SamplingRow
+from jaxserve.runner.step_runner import SampledToken
 from jaxserve.sampling_params import BeamSearchParams
 
 
@@ -65,7 +66,7 @@ class BeamSearchGroup(RequestGroup):
         self.final: list[Hypothesis] | None = None
         self.aborted = False
 
-    def sampling_row(self, seq: Sequence, start: int, num_tokens: int, slot: int | None) -> SamplingRow:
+    def sampling_row(self, seq: Sequence, start: int, num_tokens: int) -> SamplingRow:
         floats = (self.params.temperature, 1.0, 0.0, 0.0, 0.0, 1.0)
         return SamplingRow(floats, seed=self._seed + seq.seq_id, step=seq.num_output_tokens,
                            prompt_len=self.num_prompt_tokens, flags=FLAG_LOGPROBS)

@@ -1,24 +1,25 @@
 """LLMEngine: add_request / step / abort, the loop that LLM.generate and AsyncLLMEngine both drive.
 
-Each `step()` asks the Scheduler for a Schedule, applies pending copy-on-write copies and new sampler slots on
-the device, builds the step's inputs padded to the chosen bucket (`runner/input_batch.py`) and dispatches the
-ModelRunner's precompiled executable; `Schedule.advance` then counts the rows as computed. With
-`async_scheduling` (the default on TPU and GPU, not on CPU: `resolve_async_scheduling`) it does not wait for
-that step: every sampling row gets a placeholder token at once, so the scheduler can plan the next step, and
-the next step reads the real tokens on the device. While the device runs step N, the host reads step N-1's
-tokens (and logprobs) and hands each to its request's group (`request_group.py`, `beam_search.py`), which
+The engine is built by `engine_builder.py` (model, bucket grid, scheduler, step runner, warm-up). Each `step()`
+asks the Scheduler for a Schedule and hands it, with each row's request group, to the step runner
+(`runner/step_runner.py`), which owns everything device-side: sampler slots, copy-on-write copies, the step's
+padded inputs and its dispatch; `Schedule.advance` then counts the rows as computed. With `async_scheduling` (the
+default on TPU and GPU, not on CPU: `resolve_async_scheduling`) it does not wait for that step: every sampling
+row gets a placeholder token at once, so the scheduler can plan the next step, and the next step reads the real
+tokens on the device. While the device runs step N, the host collects step N-1's results (tokens, logprobs) and
+hands each to its request's group (`request_group.py`, `beam_search.py`), which
 detokenizes, applies stop conditions and forks; the engine applies the forks and frees and returns a
 RequestOutput for every request that advanced. A sequence that stops on a token the host had not yet seen was
 already scheduled once more: that extra row's token is dropped. Beam search needs every step's logprobs before
 it can pick the next beams, so while a beam search request runs, each step is read before the next is planned.
 Structured outputs do not hold the batch back either. A constrained row's mask needs the token before it: when
 step N+1 has a row whose grammar waits for step N's token, N+1 is dispatched at once taking only its argmax,
-and once N's tokens are read (while N+1 runs) those rows' masks are filled and `ModelRunner.resample` samples
+and once N's tokens are read (while N+1 runs) those rows' masks are filled and `StepRunner.resample` samples
 all of N+1's rows from its logits, on the device, before step N+2 reads its tokens.
 With speculative decoding (`speculative_config`) the proposer drafts tokens for each decoding sequence from its
 tokens so far (`jaxserve/speculative/`), the scheduler adds them to the sequence's row, the mixed step verifies
 them on the device (`runner/spec_verify.py`), and `_take_verified` hands each row's accepted drafts and its last
-token to the group, counting the drafts' K/V as computed. Drafts need the last step's tokens and a verifying
+token (`StepResult.samples`) to the group, counting the drafts' K/V as computed. Drafts need the last step's tokens and a verifying
 step's accepted count sets its rows' next positions, so such steps are read before the next is planned; with
 async scheduling, steps run ahead only while more sequences run than get drafts (`disable_by_batch_size`)."""
 
@@ -27,124 +28,57 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from pathlib import Path
 
-import jax
-import numpy as np
-
-from jaxserve.compilation.compile_cache import (
-    CACHE_DIR_ENV,
-    CacheManifest,
-    CompileCounts,
-    record_manifest,
-    resolve_cache_dir,
-    thread_compile_counts,
-    use_persistent_cache,
-)
-from jaxserve.compilation.sizing import engine_bucket_grid
-from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
-from jaxserve.config import EngineConfig, KVEventsConfig
-from jaxserve.core.block_manager import BlockManager
+from jaxserve.compilation.compile_cache import CompileCounts, thread_compile_counts
+from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport
+from jaxserve.config import EngineConfig
 from jaxserve.core.schedule import Schedule
-from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence
-from jaxserve.core.step_budget import StepBudget
-from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
-from jaxserve.distributed.sharding import engine_mesh
 from jaxserve.engine.beam_search import BeamSearchGroup
-from jaxserve.engine.kv_events import KVEventPublisher, binds, wire_event
+from jaxserve.engine.engine_builder import build_engine_parts, resolve_async_scheduling, warm_up_engine
+from jaxserve.engine.kv_events import wire_event
 from jaxserve.engine.logprobs import TokenTexts
 from jaxserve.engine.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
-from jaxserve.engine.request_group import (
-    EngineContext,
-    GroupUpdate,
-    RequestGroup,
-    SampledToken,
-    SamplingGroup,
-)
+from jaxserve.engine.request_group import EngineContext, GroupUpdate, RequestGroup, SamplingGroup
 from jaxserve.engine.step_trace import StepTrace
 from jaxserve.logger import init_logger
 from jaxserve.metrics.stat_logger import StatLogger
 from jaxserve.metrics.stats import EngineStats, SchedulerStats, StatsSnapshot
 from jaxserve.outputs import RequestOutput
-from jaxserve.precision import resolve_engine_dtype
-from jaxserve.quantization.weights import apply_quantization
-from jaxserve.runner.input_batch import StepInputs, initial_token_counts, prepare_step_inputs, step_shape
-from jaxserve.runner.model_runner import ModelRunner, StepOutput
-from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, INT_COLUMNS, SamplingTensors
-from jaxserve.runner.sampler_state import SlotTable
-from jaxserve.runner.spec_verify import VerifyInputs
-from jaxserve.runner.step_costs import measure_mixed_costs
+from jaxserve.runner.step_runner import LaunchedStep, StepResult
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
-from jaxserve.speculative.draft_model import DraftModelProposer, build_draft_proposer, load_draft_model
-from jaxserve.speculative.ngram import NgramProposer
-from jaxserve.speculative.proposer import Proposer
-from jaxserve.speculative.suffix import SuffixProposer
-from jaxserve.weights import LoadedModel, load_model
+from jaxserve.weights import LoadedModel
 
 logger = init_logger("jaxserve.engine.llm_engine")
-
-_FLAGS = INT_COLUMNS.index("flags")
 
 
 @dataclasses.dataclass
 class InFlightStep:
-    """A dispatched step whose results the host has not read yet."""
+    """A dispatched step whose results the host has not read yet: the runner's record and whose rows they are."""
 
-    output: StepOutput  # on the device
-    flags: np.ndarray  # i32[S], the rows' sampling flags (which rows want logprobs)
+    launched: LaunchedStep  # on the device
     samples: list[tuple[RequestGroup, Sequence, int, int]]  # (group, seq, row, output index; -1: a beam)
-    # (group, (index, column) of the row's first token in the step's prompt logprobs, first position, tokens)
-    prompt_rows: list[tuple[RequestGroup, tuple[int, int], int, int]]
-    rows_by_seq: dict[int, int]  # seq_id -> row, for feeding the tokens into the next step
-    sampling: SamplingTensors | None = None  # the step's sampling inputs (host arrays)
-    # samples of constrained rows whose mask waited for the previous step's token: the step only took its
-    # argmax, and samples for real once the masks are known (see LLMEngine._resample)
-    masks_pending: list[tuple[RequestGroup, Sequence, int, int]] = dataclasses.field(default_factory=list)
+    prompt_rows: list[tuple[RequestGroup, int, int, int]]  # (group, row, first position, tokens): prompt logprobs
     trace: dict | None = None  # the step's record in the step trace (JAXSERVE_STEP_TRACE), closed in _complete
-    verify: VerifyInputs | None = None  # a verifying step's sample positions and drafts (host arrays)
+
+    @property
+    def masks_pending(self) -> list[tuple[RequestGroup, Sequence, int, int]]:
+        """The samples of constrained rows whose mask waited for the previous step's token: the step only took
+        their argmax, and samples for real once the masks are known (see LLMEngine._resample)."""
+        return [sample for sample in self.samples if sample[2] in self.launched.late_mask_rows]
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, warm_up: bool = True):
-        self.config = config
-        if distributed_init_requested(config.distributed_init):
-            initialize_distributed(config.coordinator_address, config.num_processes, config.process_id)
-        # The persistent compile cache's directory (absolute; None: disabled), set before anything compiles
-        # so that every executable is cached.
-        self.compile_cache_dir: Path | None = use_persistent_cache(resolve_cache_dir(config.compile_cache_dir))
-        if self.compile_cache_dir is None:
-            logger.info("persistent compile cache: disabled (compile_cache_dir='' or %s='')", CACHE_DIR_ENV)
-        else:
-            logger.info("persistent compile cache: %s", self.compile_cache_dir)
-        self.mesh = engine_mesh(config.tensor_parallel_size, config.data_parallel_rank)
-        self.config = config = resolve_engine_dtype(config, self.mesh.devices.flat[0])
-        loaded = loaded or load_model(config.model, config.dtype, mesh=self.mesh, quantization=config.quantization)
-        model_config, params = apply_quantization(loaded.config, loaded.params, config.quantization)
-        loaded = dataclasses.replace(loaded, config=model_config, params=params)
-        self.model_config = loaded.config
-        self.model_path = loaded.path
-        self.tokenizer = loaded.tokenizer
-        spec = config.speculative_config
-        draft = None
-        if spec is not None and spec.method == "draft_model":
-            draft = load_draft_model(spec.model, loaded.config, config.dtype, self.mesh)
-        self.grid = engine_bucket_grid(config, loaded.config, loaded.params, jax.default_backend(), self.mesh,
-                                       draft=None if draft is None else (draft.config, draft.params))
-        self.block_size, num_blocks = self.grid.block_size, self.grid.num_blocks
-        self.block_manager = BlockManager(num_blocks, self.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching)
-        self.kv_event_publisher = self._kv_event_publisher(config.kv_events_config)
-        self.max_model_len = self.grid.max_model_len
-        self.scheduler = Scheduler(
-            self.block_manager, self.grid,
-            max_num_seqs=self.grid.max_num_seqs, max_num_batched_tokens=self.grid.max_num_batched_tokens,
-            **({} if config.waiting_served_ratio is None else {"waiting_served_ratio": config.waiting_served_ratio}),
-        )
-        logger.info("%s", _scheduling_summary(self.scheduler))
-        self.runner = ModelRunner.for_engine(loaded.config, loaded.params, config, self.grid, self.mesh)
+        self.parts = parts = build_engine_parts(config, loaded)
+        self.config = config = parts.config
+        self.compile_cache_dir, self.mesh = parts.compile_cache_dir, parts.mesh
+        self.model_config, self.model_path, self.tokenizer = parts.model.config, parts.model.path, parts.model.tokenizer
+        self.grid, self.block_manager, self.scheduler = parts.grid, parts.block_manager, parts.scheduler
+        self.step_runner, self.proposer = parts.runner, parts.proposer
+        self.kv_event_publisher = parts.kv_event_publisher
+        self.block_size, self.max_model_len = self.grid.block_size, self.grid.max_model_len
         self._in_flight: InFlightStep | None = None
-        self.proposer = make_proposer(config, self.grid, draft, self.mesh)
         self.warm_up_report: WarmUpReport | None = None
         self.leading_host = None  # multi-host serving, host 0: the followers its runner calls reach (serving_hosts)
         self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.mesh.devices.flat[0].platform,
@@ -155,59 +89,31 @@ class LLMEngine:
         self.stat_logger = None if config.disable_log_stats else StatLogger(self.make_stats())
         self.step_trace = StepTrace.from_env()
         self._rng = random.Random(config.seed)
-        self.eos_token_ids = set(loaded.config.eos_token_id)
+        self.eos_token_ids = set(self.model_config.eos_token_id)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.slots = SlotTable(self.grid.max_num_seqs)
-        self._slot_copies: list[tuple[int, int]] = []  # (parent slot, child slot) of forks not yet copied
+        vocab_size = self.model_config.vocab_size
         self.context = EngineContext(
             tokenizer=self.tokenizer, texts=TokenTexts(self.tokenizer), eos_token_ids=frozenset(self.eos_token_ids),
-            max_model_len=self.max_model_len, vocab_size=loaded.config.vocab_size,
+            max_model_len=self.max_model_len, vocab_size=vocab_size,
         )
         self.limits = EngineLimits(
-            vocab_size=loaded.config.vocab_size, max_logprobs=config.max_logprobs,
-            max_num_seqs=self.grid.max_num_seqs, num_kv_blocks=num_blocks, block_size=self.block_size,
+            vocab_size=vocab_size, max_logprobs=config.max_logprobs, max_num_seqs=self.grid.max_num_seqs,
+            num_kv_blocks=self.grid.num_blocks, block_size=self.block_size,
         )
         if warm_up:
             self.warm_up()
 
-    # ----- construction -------------------------------------------------------------------------
+    @property
+    def runner(self):
+        """The `ModelRunner` whose executables run the steps (the step runner's device programs)."""
+        return self.step_runner.model
+
     def warm_up(self, num_threads: int = DEFAULT_COMPILE_THREADS) -> WarmUpReport:
         """Compiles (or loads from the compile cache) every feasible bucket and the fork executables;
         after this nothing compiles."""
-        logger.info("%s", self.grid.format_table())
-        check = manifest = None
-        cache_dir = use_persistent_cache(self.compile_cache_dir)  # again: another engine may have moved it
-        if cache_dir is not None:
-            manifest = CacheManifest.current(
-                self.model_config, self.config.dtype, self.grid, self.runner.backend.name, self.mesh.size,
-                max_logprobs=self.config.max_logprobs, kv_cache_dtype=self.config.kv_cache_dtype,
-                model=str(self.model_path), written_by="engine warm-up",
-            )
-            check = use_compile_cache(self.runner, cache_dir, manifest)
-        self.runner.compile_helpers()
-        report = compile_buckets(self.runner, self.grid.buckets, num_threads=num_threads, cache_dir=cache_dir,
-                                 cache_check=check)
-        if manifest is not None and not check.ok:
-            record_manifest(cache_dir, manifest)  # every bucket of this configuration is in the cache now
-        logger.info("warm-up: %s", report.summary())
-        if isinstance(self.proposer, DraftModelProposer):
-            draft_report = compile_buckets(self.proposer.runner, self.proposer.buckets, num_threads=num_threads,
-                                           cache_dir=cache_dir)
-            logger.info("warm-up of the draft model: %s", draft_report.summary())
-        self.warm_up_report = report
-        self._measure_step_costs()
-        return report
-
-    def _measure_step_costs(self) -> None:
-        """With a latency target, times the mixed buckets and gives the scheduler the budget they allow."""
-        if self.config.max_itl_ms is None or not self.grid.has_mixed:
-            return
-        costs = measure_mixed_costs(self.runner, self.grid.mixed_buckets)
-        logger.info("%s", costs.format_table())
-        budget = StepBudget(self.grid, self.scheduler.max_num_batched_tokens, self.config.max_itl_ms, costs)
-        self.scheduler.step_budget = budget
-        logger.info("step budget: %s", budget.describe())
+        self.warm_up_report = warm_up_engine(self.parts, num_threads)
+        return self.warm_up_report
 
     # ----- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
@@ -279,19 +185,6 @@ class LLMEngine:
         per_position = list(self.stats.spec_accepted_per_position)
         return StatsSnapshot(scheduler, dataclasses.replace(self.stats, spec_accepted_per_position=per_position))
 
-    def _kv_event_publisher(self, events: KVEventsConfig | None) -> KVEventPublisher | None:
-        """The publisher of the prefix cache's events (`kv_events_config`), the block manager recording them."""
-        if events is None or not events.publishes or jax.process_index() != 0:
-            return None  # multi-host: host 0 schedules, so only its block manager has events
-        if self.block_manager.prefix_cache is None:
-            logger.warning("kv_events_config: prefix caching is off, so no KV cache events will be published")
-        self.block_manager.cache_events = []
-        rank = self.config.data_parallel_rank
-        publisher = KVEventPublisher(events.for_rank(rank), data_parallel_rank=rank)
-        how = "published at" if binds(events.endpoint) else "sent to a subscriber that binds"
-        logger.info("KV cache events: %s %s (topic %r)", how, publisher.endpoint(), events.topic)
-        return publisher
-
     # ----- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and dispatches one step, then returns the outputs of the step before it (or of
@@ -340,15 +233,15 @@ class LLMEngine:
             events = self.block_manager.take_cache_events()
             self.kv_event_publisher.publish([wire_event(event, self.block_size) for event in events])
 
-    def _plans_ahead(self, launched: InFlightStep) -> bool:
-        """Whether the next step is planned before ``launched`` is read: with async scheduling, unless drafts need
+    def _plans_ahead(self, step: InFlightStep) -> bool:
+        """Whether the next step is planned before ``step`` is read: with async scheduling, unless drafts need
         its tokens (speculative decoding: it verifies drafts, whose accepted number sets the next rows' positions,
         or few enough sequences run that the next step may draft from their last tokens)."""
         if not self.async_scheduling:
             return False
         if self.proposer is None:
             return True
-        return launched.verify is None and len(self.scheduler.running) > self.grid.speculative[1]
+        return not step.launched.verifies and len(self.scheduler.running) > self.grid.speculative[1]
 
     def _check_no_compile(self, before: CompileCounts, schedule: Schedule) -> None:
         """Counts executables built during a step (a bug: warm-up covers every bucket); strict mode raises."""
@@ -378,54 +271,33 @@ class LLMEngine:
         """Dispatches the step and advances host state as if its tokens were known (placeholders)."""
         started = time.time() if self.step_trace is not None else 0.0
         rows = schedule.rows
-        self._sync_device_state(rows)
         compiles_before = thread_compile_counts()
         if schedule.num_draft_tokens:
             self.proposer.fill_drafts(rows)  # a draft model's tokens, now that the rows' blocks are allocated
-        inputs = self._step_inputs(schedule, rows)
-        sampling = inputs.sampling
-        masks_wait = {i for i, (seq, start, num_tokens) in enumerate(rows)
-                      if start + num_tokens == seq.num_tokens and self.requests[seq.request_id].mask_waits(seq)}
-        if masks_wait:  # sampled in _resample, once the masks are known
-            inputs = dataclasses.replace(inputs, sampling=sampling.argmax_only())
-        prev = self._in_flight.output.tokens if self._in_flight is not None else None
-        output = self.runner.execute(schedule.bucket, inputs, prev)
+        requests = [self.requests[seq.request_id] for seq, _, _ in rows]
+        launched = self.step_runner.launch(schedule, requests, self.block_manager.take_pending_copies())
         self._check_no_compile(compiles_before, schedule)
-        step = InFlightStep(output, sampling.ints[:, _FLAGS], [], [], {}, sampling, verify=inputs.verify)
-        self._advance(schedule, rows, inputs, step, masks_wait)
+        step = InFlightStep(launched, [], [])
+        self._advance(schedule, step)
         self._count_step(schedule)
         if self.step_trace is not None:
             step.trace = self.step_trace.launched(schedule, started, self.scheduler.num_waiting_requests,
                                                   self.scheduler.num_running_requests)
         return step
 
-    def _step_inputs(self, schedule: Schedule, rows: list[tuple[Sequence, int, int]]) -> StepInputs:
-        """The step's padded device inputs, with each row's sampling values from its request group."""
-        sampling_rows = [self.requests[seq.request_id].sampling_row(seq, start, num_tokens, self.slots.get(seq.seq_id))
-                         for seq, start, num_tokens in rows]
-        previous_rows = self._in_flight.rows_by_seq if self._in_flight is not None else {}
-        return prepare_step_inputs(rows, step_shape(schedule.bucket, self.block_size), sampling_rows, previous_rows,
-                                   self.slots.no_slot, self.model_config.vocab_size)
-
-    def _advance(self, schedule: Schedule, rows: list[tuple[Sequence, int, int]], inputs: StepInputs,
-                 step: InFlightStep, masks_wait: set[int]) -> None:
+    def _advance(self, schedule: Schedule, step: InFlightStep) -> None:
         """The dispatched step's rows count as computed; each row that samples announces its token to its group
         (a placeholder) and is recorded in ``step`` for `_complete`."""
         sampling_rows = set(schedule.advance())
         launched: dict[str, RequestGroup] = {}
-        for row, (seq, start, num_tokens) in enumerate(rows):
+        for row, (seq, start, num_tokens) in enumerate(schedule.rows):
             self.block_manager.cache_blocks(seq)  # later steps that hit them run after this one on the device
             group = self.requests[seq.request_id]
-            if step.flags[row] & FLAG_PROMPT_LOGPROBS:
-                first = (0, int(inputs.query_starts[row])) if inputs.query_starts is not None else (row, 0)
-                step.prompt_rows.append((group, first, start, num_tokens))
+            if step.launched.wants_prompt_logprobs(row):
+                step.prompt_rows.append((group, row, start, num_tokens))
             if row not in sampling_rows:
                 continue  # a prefill chunk that did not reach the end of the prompt samples nothing
-            index = group.on_launch(seq)
-            step.samples.append((group, seq, row, index))
-            if row in masks_wait:
-                step.masks_pending.append((group, seq, row, index))
-            step.rows_by_seq[seq.seq_id] = row
+            step.samples.append((group, seq, row, group.on_launch(seq)))
             launched[group.request_id] = group
         for group in launched.values():
             self._apply(group.take_update())  # forks of n > 1, sequences at their length limit
@@ -433,34 +305,15 @@ class LLMEngine:
     def _resample(self, step: InFlightStep) -> None:
         """The step just dispatched only took its argmax: some of its constrained rows' grammars waited for the
         previous step's tokens, which were read since. Those rows' masks are filled now, and every row of the
-        step is sampled from its logits (`ModelRunner.resample`), once: the sampling costs what it would have."""
-        ints, allowed = step.sampling.ints.copy(), step.sampling.allowed.copy()
+        step is sampled from its logits (`StepRunner.resample`), once: the sampling costs what it would have."""
+        masks = {}
         for group, seq, row, index in step.masks_pending:
             mask = group.grammar_mask(seq, index) if self.requests.get(group.request_id) is group else None
-            if mask is None:
-                continue  # stopped (or aborted) on the previous token: this row's token is dropped
-            allowed[row] = mask
-            ints[row, _FLAGS] |= FLAG_GRAMMAR
-            self.stats.num_late_masks += 1
-        step.output = self.runner.resample(step.output, SamplingTensors(step.sampling.floats, ints, allowed))
+            if mask is not None:  # else stopped (or aborted) on the previous token: this row's token is dropped
+                masks[row] = mask
+        self.stats.num_late_masks += len(masks)
+        self.step_runner.resample(step.launched, masks)
         self.stats.num_late_sampled_steps += 1
-
-    def _sync_device_state(self, rows: list[tuple[Sequence, int, int]]) -> None:
-        """Before the step: copy-on-write copies (KV blocks, forked sampler slots), then new slots' reset."""
-        writes = []
-        for seq, start, _ in rows:
-            group = self.requests[seq.request_id]
-            if not group.needs_slot() or self.slots.get(seq.seq_id) is not None:
-                continue
-            # the whole prompt's mask; a slot taken past the prompt (prefix cache hit) the counts up to start
-            counts = initial_token_counts(seq, start, self.model_config.vocab_size)
-            writes.append((self.slots.assign(seq.seq_id), (*group.slot_rows(), *counts)))
-        block_copies, slot_copies = self.block_manager.take_pending_copies(), self._slot_copies
-        self._slot_copies = []
-        if block_copies or slot_copies:
-            self.runner.copy_blocks(block_copies, slot_copies)
-        for slot, rows_of_slot in writes:
-            self.runner.write_slot(slot, *rows_of_slot)
 
     def _count_step(self, schedule: Schedule) -> None:
         self.stats.num_steps += 1
@@ -476,23 +329,20 @@ class LLMEngine:
 
     def _complete(self, step: InFlightStep) -> list[RequestOutput]:
         """Reads a dispatched step's results (waits for the device) and hands them to their groups."""
-        tokens = np.asarray(step.output.tokens)
+        result = self.step_runner.collect(step.launched)
         if step.trace is not None:
             self.step_trace.completed(step.trace)
-        logprobs = _host(step.output.logprobs) if np.any(step.flags & FLAG_LOGPROBS) else None
-        prompt_logprobs = _host(step.output.prompt_logprobs) if step.prompt_rows else None
-        for group, (index, column), start, num_tokens in step.prompt_rows:
+        for group, row, start, num_tokens in step.prompt_rows:
             if self.requests.get(group.request_id) is group:
-                group.add_prompt_logprobs(start, num_tokens, [x[index, column:] for x in prompt_logprobs])
+                group.add_prompt_logprobs(start, num_tokens, result.prompt_logprobs_of(row))
         touched: dict[str, RequestGroup] = {}
-        num_accepted = None if step.output.num_accepted is None else np.asarray(step.output.num_accepted)
         for group, seq, row, index in step.samples:
             if self.requests.get(group.request_id) is not group:
                 continue  # aborted: this row's token is dropped
-            if num_accepted is None:
-                taken = int(group.on_sample(seq, index, _sampled(tokens, logprobs, row)))
+            if result.verifies:
+                taken = self._take_verified(result, group, seq, row, index)
             else:
-                taken = self._take_verified(step, group, seq, row, index, int(num_accepted[row]), tokens, logprobs)
+                taken = int(group.on_sample(seq, index, result.samples(row)[0]))
             if taken:
                 self.stats.num_generation_tokens += taken
                 touched[group.request_id] = group
@@ -501,16 +351,13 @@ class LLMEngine:
             self._apply(group.take_update())
         return self._report(touched.values())
 
-    def _take_verified(self, step: InFlightStep, group: RequestGroup, seq: Sequence, row: int, index: int,
-                       num_accepted: int, tokens: np.ndarray, logprobs) -> int:
+    def _take_verified(self, result: StepResult, group: RequestGroup, seq: Sequence, row: int, index: int) -> int:
         """A verifying step's row: its accepted drafts and its last token go to its group, in order, until one
         stops the sequence; the accepted drafts' K/V count as computed. Returns the tokens taken."""
-        num_drafts = len(seq.spec_token_ids)
+        samples = result.samples(row)
+        num_drafts, num_accepted = len(seq.spec_token_ids), len(samples) - 1
         seq.spec_token_ids = []
         seq.num_computed_tokens += num_accepted
-        positions = step.verify.row_positions[row, : num_accepted + 1]
-        kept = [*step.verify.draft[positions[:-1]].tolist(), int(tokens[row])]  # the accepted drafts, then its token
-        samples = [_sampled_at(token, logprobs, position) for token, position in zip(kept, positions, strict=True)]
         self.stats.count_drafts(num_drafts, num_accepted)
         return group.on_sample_tokens(seq, index, samples)
 
@@ -529,9 +376,7 @@ class LLMEngine:
         for parent, child in update.forks:
             self.block_manager.fork(parent, child)
             self.scheduler.add_forked(child)
-            parent_slot = self.slots.get(parent.seq_id)
-            if parent_slot is not None:
-                self._slot_copies.append((parent_slot, self.slots.assign(child.seq_id)))
+            self.step_runner.fork(parent, child)
         for seq in update.finished:
             self.scheduler.finish(seq)
             self._release(seq, finished=True)
@@ -539,7 +384,7 @@ class LLMEngine:
     def _release(self, seq: Sequence, *, finished: bool = False) -> None:
         """A sequence that finished, was aborted or preempted gives back its sampler slot and its proposer state
         (a finished one's output may stay with the proposer: suffix decoding's responses)."""
-        self.slots.release(seq.seq_id)
+        self.step_runner.release(seq)
         if self.proposer is None:
             return
         if finished:
@@ -562,50 +407,6 @@ class LLMEngine:
         self._num_sync_groups -= group.needs_host_sync
 
 
-def resolve_async_scheduling(requested: bool | None, platform: str, *, speculative: bool = False) -> bool:
-    """Whether steps are planned ahead: as requested, else (None) on where a device runs the steps beside the
-    host (TPU, GPU) and off on CPU, as vLLM's CPU backend. On CPU the host's planning takes the cores the step
-    runs on, so planning ahead saves nothing, and a request arriving during step N would wait for step N+1,
-    already planned without it (docs/benchmarks/serving-load.md measures both). With speculative decoding only
-    steps past ``disable_by_batch_size`` are planned ahead: drafts come from the last step's tokens
-    (`LLMEngine._plans_ahead`)."""
-    resolved = platform != "cpu" if requested is None else requested
-    logger.info("async scheduling: %s%s%s", "on" if resolved else "off", " (auto)" if requested is None else "",
-                " while no sequence drafts (speculative decoding)" if resolved and speculative else "")
-    return resolved
-
-
-def make_proposer(config: EngineConfig, grid, draft: LoadedModel | None, mesh) -> Proposer | None:
-    """The engine's draft proposer (None: no speculative decoding); the grid must have mixed buckets to verify in.
-    ``draft``: the draft model of method "draft_model"."""
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    if not grid.has_mixed:
-        raise ValueError(f"speculative decoding verifies drafts in mixed steps: {grid.spec.source} has no [mixed] "
-                         "buckets")
-    logger.info("speculative decoding: %s%s, up to %d drafts per row, while at most %d sequences decode", spec.method,
-                f" ({spec.model})" if spec.model else "", spec.num_speculative_tokens, spec.disable_by_batch_size)
-    if spec.method == "draft_model":
-        return build_draft_proposer(draft, config, grid, mesh)
-    if spec.method == "suffix":
-        return SuffixProposer(spec.num_speculative_tokens, spec.suffix_decoding_max_tree_depth,
-                              spec.suffix_decoding_max_cached_requests, spec.suffix_decoding_max_spec_factor,
-                              spec.suffix_decoding_min_token_prob)
-    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-
-
-def _scheduling_summary(scheduler: Scheduler) -> str:
-    """The start-up line that says how steps are formed and their token budget."""
-    grid = scheduler.bucket_grid
-    if not grid.has_mixed:
-        return (f"scheduling: prefill-or-decode steps (no [mixed] buckets in {grid.spec.source}), "
-                f"max_num_batched_tokens={scheduler.max_num_batched_tokens}")
-    return (f"scheduling: mixed steps (decode rows first, then prefill chunks) of up to "
-            f"{scheduler.step_budget.untargeted_tokens} tokens and {grid.max_mixed_batch_size} rows; prefill-only "
-            f"steps up to max_num_batched_tokens={scheduler.max_num_batched_tokens}")
-
-
 def _read_tokens(token_ids: list[int]) -> list[int]:
     """``token_ids`` without the placeholders at its end: a sequence that reaches its length limit finishes when
     its last step is dispatched, before that step's token is read."""
@@ -613,21 +414,3 @@ def _read_tokens(token_ids: list[int]) -> list[int]:
     while end and token_ids[end - 1] == PLACEHOLDER_TOKEN:
         end -= 1
     return token_ids[:end]
-
-
-def _host(logprobs) -> tuple[np.ndarray, ...]:
-    """(token logprob, rank, top ids, top logprobs) as numpy arrays."""
-    return tuple(np.asarray(x) for x in (logprobs.token_logprob, logprobs.token_rank, logprobs.top_ids,
-                                         logprobs.top_logprobs))
-
-
-def _sampled(tokens: np.ndarray, logprobs: tuple[np.ndarray, ...] | None, i: int) -> SampledToken:
-    return _sampled_at(int(tokens[i]), logprobs, i)
-
-
-def _sampled_at(token: int, logprobs: tuple[np.ndarray, ...] | None, i: int) -> SampledToken:
-    """``token`` with the logprobs at index ``i`` (a row, or a verifying step's sample position)."""
-    if logprobs is None:
-        return SampledToken(token)
-    token_logprob, rank, top_ids, top_logprobs = logprobs
-    return SampledToken(token, float(token_logprob[i]), int(rank[i]), top_ids[i], top_logprobs[i])

@@ -34,6 +34,7 @@ from jaxserve.engine.structured_outputs import GrammarCompiler, GrammarMatcher
 from jaxserve.logger import init_logger
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGIT_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SamplingRow
+from jaxserve.runner.step_runner import SampledToken
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger("jaxserve.engine.request_group")
@@ -43,17 +44,6 @@ FINISH_REASONS = {
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
 }
-
-
-@dataclasses.dataclass
-class SampledToken:
-    """One row's result on the host; the logprob fields are None when no row of the step asked."""
-
-    token_id: int
-    logprob: float | None = None
-    rank: int | None = None
-    top_ids: np.ndarray | None = None  # i32[K]
-    top_logprobs: np.ndarray | None = None  # f32[K]
 
 
 @dataclasses.dataclass
@@ -120,7 +110,7 @@ class RequestGroup(abc.ABC):
 
     # ----- per-row inputs -----------------------------------------------------------------------
     @abc.abstractmethod
-    def sampling_row(self, seq: Sequence, start: int, num_tokens: int, slot: int | None) -> SamplingRow: ...
+    def sampling_row(self, seq: Sequence, start: int, num_tokens: int) -> SamplingRow: ...
 
     def needs_slot(self) -> bool:
         """Whether its sequences need a sampler slot (penalties, logit_bias, min_tokens)."""
@@ -243,7 +233,7 @@ class SamplingGroup(RequestGroup):
         self.seqs.append(seq)
 
     # ----- per-row inputs -----------------------------------------------------------------------
-    def sampling_row(self, seq: Sequence, start: int, num_tokens: int, slot: int | None) -> SamplingRow:
+    def sampling_row(self, seq: Sequence, start: int, num_tokens: int) -> SamplingRow:
         end = start + num_tokens
         state = self.states[seq.seq_id]
         flags = self._static_flags
@@ -255,7 +245,7 @@ class SamplingGroup(RequestGroup):
             allowed = state.grammar.allowed_tokens()
         return SamplingRow(
             self._floats, top_k=max(self.params.top_k, 0), seed=state.seed,
-            step=seq.num_output_tokens, min_tokens=self.params.min_tokens, slot=slot,
+            step=seq.num_output_tokens, min_tokens=self.params.min_tokens,
             prompt_len=self.num_prompt_tokens, flags=flags,
             prompt_next_token=seq.all_token_ids[end] if end < seq.num_tokens else 0, allowed=allowed,
         )

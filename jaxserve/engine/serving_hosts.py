@@ -115,7 +115,7 @@ def lead(engine, kv_client=None, on_lost: Callable[[str], None] | None = None) -
     leader_host = jax_distributed.global_state.coordinator_address.rsplit(":", 1)[0]  # process 0 coordinates
     host = LeadingHost(kv_client or _kv_client(), leader_host, jax.process_count(), on_lost)
     host.links.join()
-    engine.runner = ReplicatedRunner("target", engine.runner, host)
+    engine.step_runner.model = ReplicatedRunner("target", engine.step_runner.model, host)
     if isinstance(engine.proposer, DraftModelProposer):
         engine.proposer.runner = ReplicatedRunner("draft", engine.proposer.runner, host)
     engine.leading_host = host

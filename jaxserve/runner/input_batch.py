@@ -1,6 +1,6 @@
 """A step's inputs: the static shape of each bucket's executable and the padded host arrays of one step.
 
-Place in the data flow: the engine takes a `Schedule`'s rows (sequence, first position, number of tokens)
+Place in the data flow: the step runner (`step_runner.py`) takes a `Schedule`'s rows (sequence, first position, number of tokens)
 and each row's `SamplingRow` and calls `prepare_step_inputs`, which lays the rows' tokens out as the
 bucket's executable takes them (rows of equal length, or for a mixed step back to back: `StepShape.ragged`),
 with their block tables, positions and the sampling arrays, padded to the bucket's shape. The `ModelRunner`

@@ -1,6 +1,6 @@
 """The only owner of device state: parameters, the KV pool and one compiled executable per bucket.
 
-The engine hands it a bucket and the step's inputs, already padded to it (`input_batch.py`: rows of equal
+The step runner (`step_runner.py`) hands it a bucket and the step's inputs, already padded to it (`input_batch.py`: rows of equal
 length, or for a mixed step the rows' tokens back to back); it dispatches the executable of the bucket's
 `StepShape`, which runs the model over the paged KV pool and counts the step's tokens in the per-sequence
 sampler state (both donated, so updated in place), giving the logits where the step samples and prompt
@@ -14,7 +14,7 @@ prepare step N+1 before it has read step N's tokens.
 A step with a constrained row (structured outputs) whose grammar waits for the previous step's token is
 dispatched taking only each row's argmax; once the host has read that token and filled the masks, the same
 sampler executable samples the step's rows again from its raw logits (`resample`: same keys, penalties and
-logprobs), so the step was never held back (`LLMEngine._resample`).
+logprobs), so the step was never held back (`StepRunner.resample`).
 Two small executables serve forks (n > 1, beam search) and new sequences: `copy_blocks` (copy-on-write
 of KV blocks and sampler slots) and `write_slot` (a slot's reset and its request's logit_bias /
 min_tokens rows). Everything is compiled ahead of time from `ShapeDtypeStruct`s

@@ -107,6 +107,15 @@ class SamplingTensors:
         ints[:, INT_COLUMNS.index("flags")] &= FLAG_PROMPT_LOGPROBS
         return SamplingTensors(floats, ints, _every_token_allowed(*self.allowed.shape))
 
+    def with_grammar_masks(self, masks: dict[int, np.ndarray]) -> SamplingTensors:
+        """These (host) rows with each row of ``masks`` constrained by its grammar's allowed-token bitmask: for a
+        step whose masks waited for the previous step's tokens (`ModelRunner.resample`)."""
+        ints, allowed = self.ints.copy(), self.allowed.copy()
+        for row, mask in masks.items():
+            allowed[row] = mask
+            ints[row, INT_COLUMNS.index("flags")] |= FLAG_GRAMMAR
+        return SamplingTensors(self.floats, ints, allowed)
+
     @classmethod
     def abstract(cls, batch_size: int, vocab_size: int, sharding=None) -> SamplingTensors:
         sds = lambda columns, dtype: jax.ShapeDtypeStruct((batch_size, columns), dtype, sharding=sharding)
@@ -131,6 +140,7 @@ class SamplingTensors:
     slot = property(lambda self: self._i("slot"))
     prompt_len = property(lambda self: self._i("prompt_len"))
     prompt_next_token = property(lambda self: self._i("prompt_next_token"))
+    flags = property(lambda self: self._i("flags"))
 
     @property
     def seed(self) -> jax.Array:

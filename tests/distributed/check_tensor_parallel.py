@@ -66,7 +66,7 @@ def _prefill_logits(llm, prompt: list[int]) -> np.ndarray:
     tables = np.zeros((s, p), np.int32)
     tables[0, : len(scratch.block_table)] = scratch.block_table
     engine.block_manager.free(scratch)
-    sampling = SamplingTensors.from_rows([SamplingRow(PAD_FLOATS)], s, engine.slots.no_slot,
+    sampling = SamplingTensors.from_rows([SamplingRow(PAD_FLOATS)], s, engine.step_runner.slots.no_slot,
                                          engine.model_config.vocab_size)
     inputs = StepInputs(ids, tables, np.zeros(s, np.int32), np.asarray([len(prompt)] * s, np.int32),
                         np.asarray([len(prompt) - 1] * s, np.int32), sampling)

@@ -107,7 +107,7 @@ def test_preemption_recomputes_counts_and_keeps_seeded_outputs(llm):
     assert engine.stats.num_preemptions > before
     assert [o.outputs[0].token_ids for o in batched] == alone
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert engine.slots.num_free == engine.slots.num_slots
+    assert engine.step_runner.slots.num_free == engine.step_runner.slots.num_slots
 
 
 def test_async_scheduling_changes_nothing(llm, monkeypatch):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.llm_engine import make_proposer
+from jaxserve.engine.engine_builder import make_proposer
 from jaxserve.entrypoints.cli import chat_prompt_ids
 from tests.paths import load_script
 

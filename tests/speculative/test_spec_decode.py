@@ -14,7 +14,7 @@ from scipy.stats import chi2_contingency
 
 from jaxserve import SamplingParams, StructuredOutputsParams
 from jaxserve.config import SpeculativeConfig
-from jaxserve.engine.llm_engine import make_proposer
+from jaxserve.engine.engine_builder import make_proposer
 from jaxserve.metrics.prometheus import ServingMetrics
 from jaxserve.metrics.stat_logger import StatLogger
 from jaxserve.sampling_params import BeamSearchParams
