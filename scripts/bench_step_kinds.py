@@ -16,9 +16,9 @@ import sys
 import numpy as np
 
 from jaxserve import LLM
+from jaxserve.compilation.step_costs import median_step_seconds, probe_inputs
 from jaxserve.runner.input_batch import StepInputs, step_shape
 from jaxserve.runner.sampler import SamplingTensors
-from jaxserve.compilation.step_costs import median_step_seconds, probe_inputs
 
 
 def timed(runner, bucket, inputs) -> float:

@@ -1,11 +1,10 @@
 """Serialized bucket executables, kept next to JAX's persistent cache: a warm start neither traces nor lowers.
 
-Place in the data flow: `LLMEngine.warm_up()` and the precompile command hand the `ModelRunner` an
-`ExecutableStore` for their compile cache directory, and the runner builds every program through its
-`load_or_compile`: the stored executable if there is one, else lowered, compiled and stored. JAX's
-persistent cache alone cannot skip lowering: its key is a hash of the lowered program, so every warm start
-still traced the Flax model and emitted MLIR for every bucket (about 0.5 s each on 2 CPU cores, most of a
-warm start).
+Place in the data flow: the engine's warm-up (`engine/engine_builder.py`) and the precompile command hand the
+`ModelRunner` an `ExecutableStore` for their compile cache directory, and the runner builds every program through its
+`load_or_compile`: the stored executable if there is one, else lowered, compiled and stored. JAX's persistent cache
+alone cannot skip lowering: its key is a hash of the lowered program, so every warm start still traced the Flax model
+and emitted MLIR for every bucket (about 0.5 s each on 2 CPU cores, most of a warm start).
 
 An executable is stored with `jax.experimental.serialize_executable` under a directory named by a key of
 everything that decides the compiled program without being an input shape: the cache manifest (model

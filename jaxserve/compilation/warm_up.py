@@ -1,12 +1,12 @@
 """Warm-up: build every bucket's executable, from the compile cache directory where it has them, and report.
 
-Place in the data flow: `LLMEngine.warm_up()` and the precompile command both call `compile_buckets`
-with the `ModelRunner` (a real one, or an abstract one that holds no device memory) and the grid's
-buckets. Each bucket's executable is loaded from the runner's `ExecutableStore` (serialized executables
-in the compile cache directory) or lowered from `ShapeDtypeStruct`s and compiled; the per-thread compile
-counters of `jaxserve.compilation.compile_cache` tell whether a compiled one came from JAX's persistent cache or was
-compiled fresh. Both kinds of load count as "cache hit". The `WarmUpReport` is what start-up logs and
-what the precompile command prints as its table.
+Place in the data flow: the engine's warm-up (`engine/engine_builder.py`) and the precompile command both call
+`compile_buckets` with the `ModelRunner` (a real one, or an abstract one that holds no device memory) and the grid's
+buckets. Each bucket's executable is loaded from the runner's `ExecutableStore` (serialized executables in the compile
+cache directory) or lowered from `ShapeDtypeStruct`s and compiled; the per-thread compile counters of
+`jaxserve.compilation.compile_cache` tell whether a compiled one came from JAX's persistent cache or was compiled
+fresh. Both kinds of load count as "cache hit". The `WarmUpReport` is what start-up logs and what the precompile
+command prints as its table.
 
 Buckets may compile in several threads (`num_threads`): tracing and lowering hold the GIL, XLA's
 compilation releases it. Whether that helps depends on the host (see docs/benchmarks/startup.md).

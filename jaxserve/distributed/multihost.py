@@ -1,11 +1,11 @@
 """Multi-host start-up: joins this process to the others with `jax.distributed.initialize`, so that
 `jax.devices()` lists every host's chips and one engine's mesh spans them (a TPU pod slice).
 
-Place in the data flow: `LLMEngine.__init__` calls `initialize_distributed` first, before anything
-touches a JAX backend, when `EngineConfig.distributed_init` is set (`--distributed-init`) or the
-environment has `JAXSERVE_DISTRIBUTED_INIT=1`. Every host then runs the same program with the same
-requests (JAX's multi-controller model): each host's engine schedules identically and feeds the same
-padded batches, and the compiled step runs once across all chips.
+Place in the data flow: the engine builder (`engine/engine_builder.py`) calls `initialize_distributed` first, before
+anything touches a JAX backend, when `EngineConfig.distributed_init` is set (`--distributed-init`) or the environment
+has `JAXSERVE_DISTRIBUTED_INIT=1`. Every host then runs the same program with the same requests (JAX's
+multi-controller model): each host's engine schedules identically and feeds the same padded batches, and the compiled
+step runs once across all chips.
 
 Settings, each from the engine config or else from the environment:
 

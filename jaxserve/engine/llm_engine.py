@@ -19,9 +19,10 @@ all of N+1's rows from its logits, on the device, before step N+2 reads its toke
 With speculative decoding (`speculative_config`) the proposer drafts tokens for each decoding sequence from its
 tokens so far (`jaxserve/speculative/`), the scheduler adds them to the sequence's row, the mixed step verifies
 them on the device (`runner/spec_verify.py`), and `_take_verified` hands each row's accepted drafts and its last
-token (`StepResult.samples`) to the group, counting the drafts' K/V as computed. Drafts need the last step's tokens and a verifying
-step's accepted count sets its rows' next positions, so such steps are read before the next is planned; with
-async scheduling, steps run ahead only while more sequences run than get drafts (`disable_by_batch_size`)."""
+token (`StepResult.samples`) to the group, counting the drafts' K/V as computed. Drafts need the last step's tokens
+and a verifying step's accepted count sets its rows' next positions, so such steps are read before the next is
+planned; with async scheduling, steps run ahead only while more sequences run than get drafts
+(`disable_by_batch_size`)."""
 
 from __future__ import annotations
 

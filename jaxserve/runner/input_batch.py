@@ -1,12 +1,11 @@
 """A step's inputs: the static shape of each bucket's executable and the padded host arrays of one step.
 
-Place in the data flow: the step runner (`step_runner.py`) takes a `Schedule`'s rows (sequence, first position, number of tokens)
-and each row's `SamplingRow` and calls `prepare_step_inputs`, which lays the rows' tokens out as the
-bucket's executable takes them (rows of equal length, or for a mixed step back to back: `StepShape.ragged`),
-with their block tables, positions and the sampling arrays, padded to the bucket's shape. The `ModelRunner`
-dispatches the executable of `step_shape(bucket)` on them. A row whose last token is still on the device
-(async scheduling: a placeholder) is fed from the previous step's output, at `feed_rows`/`feed_cols`.
-"""
+Place in the data flow: the step runner (`step_runner.py`) takes a `Schedule`'s rows (sequence, first position, number
+of tokens) and each row's `SamplingRow` and calls `prepare_step_inputs`, which lays the rows' tokens out as the
+bucket's executable takes them (rows of equal length, or for a mixed step back to back: `StepShape.ragged`), with
+their block tables, positions and the sampling arrays, padded to the bucket's shape. The `ModelRunner` dispatches the
+executable of `step_shape(bucket)` on them. A row whose last token is still on the device (async scheduling: a
+placeholder) is fed from the previous step's output, at `feed_rows`/`feed_cols`."""
 
 from __future__ import annotations
 

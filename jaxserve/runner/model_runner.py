@@ -1,9 +1,9 @@
 """The only owner of device state: parameters, the KV pool and one compiled executable per bucket.
 
-The step runner (`step_runner.py`) hands it a bucket and the step's inputs, already padded to it (`input_batch.py`: rows of equal
-length, or for a mixed step the rows' tokens back to back); it dispatches the executable of the bucket's
-`StepShape`, which runs the model over the paged KV pool and counts the step's tokens in the per-sequence
-sampler state (both donated, so updated in place), giving the logits where the step samples and prompt
+The step runner (`step_runner.py`) hands it a bucket and the step's inputs, already padded to it
+(`input_batch.py`: rows of equal length, or for a mixed step the rows' tokens back to back); it dispatches the
+executable of the bucket's `StepShape`, which runs the model over the paged KV pool and counts the step's tokens in
+the per-sequence sampler state (both donated, so updated in place), giving the logits where the step samples and prompt
 logprobs when a row asks; then the sampler executable of the step's `SampleShape` (its batch size) samples one
 token per sequence from those logits (`sampler.py`; a speculative step verifies its drafts, `spec_verify.py`),
 with logprobs when a row asks. One sampler executable serves every step of its batch size, whatever the step's
