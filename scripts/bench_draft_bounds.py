@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' byte-level tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxserve, not an installed one
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.speculative.proposer import Proposer
-from tests.hf_tiny import byte_level_tokenizer  # noqa: E402
+from jaxserve.testing.tiny_models import byte_level_tokenizer  # noqa: E402
 
 
 class ReplayProposer(Proposer):
@@ -94,7 +94,7 @@ def _add(row: dict, name: str, seconds: float, steps: int, tokens: int) -> None:
 
 def random_smollm2(path: str, **overrides) -> str:
     """A random Llama of SmolLM2-135M's shape (``overrides``: other LlamaConfig values) saved as a Hugging Face
-    directory, with the tests' byte-level tokenizer (`tests/hf_tiny.py`)."""
+    directory, with the tests' byte-level tokenizer (`jaxserve.testing.tiny_models`)."""
     import torch
     import transformers
 

@@ -22,13 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' byte-level tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxserve, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_draft_bounds import prompts_of, timed_generate  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.testing.tiny_models import byte_level_tokenizer  # noqa: E402
 from jaxserve.weights import resolve_model_path  # noqa: E402
-from tests.hf_tiny import byte_level_tokenizer  # noqa: E402
 
 ENGINES = ("off", "self", "random")
 

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the tests' free_port
-from tests.paths import free_port  # noqa: E402
+sys.path.insert(0, str(ROOT))  # this checkout's jaxserve, not an installed one
+from jaxserve.testing.ports import free_port  # noqa: E402
 
 WORKLOAD = ROOT.parent / "shared" / "workloads" / "mixed_lengths.jsonl"
 MAX_MODEL_LEN = 1024

@@ -37,11 +37,11 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the tests' free_port
+sys.path.insert(0, str(ROOT))  # this checkout's jaxserve, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prefix_caching import DEFAULT_WORKLOAD, load_workload, shared_prefix_prompt  # noqa: E402
 
-from tests.paths import free_port  # noqa: E402
+from jaxserve.testing.ports import free_port  # noqa: E402
 
 VOCAB_SIZE = 49152  # the embedded SmolLM2's
 POLICIES = ("round_robin", "cache_aware", "kv_aware")

@@ -3,7 +3,7 @@ Gemma 3's: `check_model_parity.py --bf16-agreement`): transformers' float32 gree
 then the engine in bfloat16 fed prompt + continuation (`prompt_logprobs`), and the share of continuation
 positions where the engine's rank-1 token is the one transformers chose.
 
-    python scripts/check_family_bf16.py                   # every tiny family of tests/hf_tiny.py
+    python scripts/check_family_bf16.py                   # every tiny family of jaxserve.testing.tiny_models
     python scripts/check_family_bf16.py --families qwen3-gqa,gemma3-local-rope --new-tokens 64
 
 Random tiny models have flatter logits than trained ones (near ties are common), so these shares are a floor
@@ -18,9 +18,11 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # the tiny configs live with the tests
+sys.path.insert(0, str(REPO_ROOT))  # this checkout's jaxserve, not an installed one
 
-from tests.hf_tiny import FAMILY_TOKENS, TINY_FAMILIES, hf_greedy, make_tiny_model, small_bucket_file  # noqa: E402
+from jaxserve.testing.hf_reference import hf_greedy  # noqa: E402
+from jaxserve.testing.small_buckets import small_bucket_file  # noqa: E402
+from jaxserve.testing.tiny_models import FAMILY_TOKENS, TINY_FAMILIES, make_tiny_model  # noqa: E402
 
 
 def teacher_forced_agreement(model_dir: Path, buckets: str, prompt: list[int], continuation: list[int]) -> float:

@@ -16,9 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxserve, not an installed one
 
-from tests.hf_tiny import TINY_64, hf_greedy, make_tiny_model, small_bucket_file  # noqa: E402
+from jaxserve.testing.hf_reference import hf_greedy  # noqa: E402
+from jaxserve.testing.small_buckets import small_bucket_file  # noqa: E402
+from jaxserve.testing.tiny_models import TINY_64, make_tiny_model  # noqa: E402
 
 PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(100, 300))]  # across pages; short; prefilled in chunks
 MAX_TOKENS = 12

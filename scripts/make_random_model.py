@@ -1,9 +1,9 @@
 """A Hugging Face model directory of a real model's shape with seeded random weights, for benchmarks on a
 machine without the real checkpoint (the GPU box has no model hub).
 
-Writes config.json, safetensors in the chosen dtype and the tests' byte-level tokenizer (prompts are given as
-token ids; the model's vocabulary stays the real one). The weights come from transformers' own initialisation
-(normal, std `initializer_range`), made on the GPU when there is one.
+Writes config.json, safetensors in the chosen dtype and the tests' byte-level tokenizer (`jaxserve.testing`;
+prompts are given as token ids; the model's vocabulary stays the real one). The weights come from transformers'
+own initialisation (normal, std `initializer_range`), made on the GPU when there is one.
 
     python scripts/make_random_model.py llama-3.2-1b /tmp/llama-1b            # bfloat16
     python scripts/make_random_model.py smollm2-135m /tmp/smol --dtype float32
@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.hf_tiny's tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxserve, not an installed one
 
 # Shapes of the real configs (Hugging Face's config.json values that set the compute and memory)
 PRESETS = {
@@ -36,7 +36,7 @@ def make_random_model(preset: str, out: Path, dtype: str = "bfloat16", seed: int
     import torch
     import transformers
 
-    from tests.hf_tiny import byte_level_tokenizer
+    from jaxserve.testing.tiny_models import byte_level_tokenizer
 
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(**PRESETS[preset])

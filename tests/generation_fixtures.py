@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve import LLM
-from tests.hf_tiny import make_tiny_model
+from jaxserve.testing.tiny_models import make_tiny_model
 
 # Small grid: 2 decode + 2 prefill executables, 8-token blocks so forks and copy-on-write are frequent.
 BUCKETS = """block_size = 8

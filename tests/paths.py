@@ -1,11 +1,10 @@
 """Where the tests find the repository's own files, and the shared workloads laid beside the checkout; the
-scripts loaded as modules (they are not a package); a free local port for a server in another process. Standard
-library only: the benchmark scripts import it too."""
+scripts loaded as modules (they are not a package); checks run on several virtual CPU devices in a subprocess.
+(What the scripts share with the tests lives in `jaxserve.testing`.)"""
 
 import importlib.util
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +12,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "scripts"
 SHARED_WORKLOADS = REPO_ROOT.parent / "shared" / "workloads"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a server in another process)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_script(name: str):

@@ -35,6 +35,7 @@ LAYERS = (
     {"jaxserve.engine"},
     {"jaxserve.llm", "jaxserve"},  # the public API: the offline LLM and the package root's lazy exports
     {"jaxserve.entrypoints"},
+    {"jaxserve.testing"},  # what tests and scripts share: may import any of the package, imported by none of it
 )
 
 

@@ -38,6 +38,8 @@ def test_wheel_ships_bucket_specs_and_installed_package_loads_them(tmp_path):
     assert (REPO_ROOT / "buckets").resolve() == (REPO_ROOT / "jaxserve" / "_buckets").resolve()  # the repo-root link
     wheel = _build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as zf:
+        # the helpers tests and scripts share ship too (`jaxserve*`); they need the test extra, and nothing imports them
+        assert "jaxserve/testing/tiny_models.py" in zf.namelist()
         packaged = sorted(n.rsplit("/", 1)[1] for n in zf.namelist() if n.startswith("jaxserve/_buckets/"))
         assert packaged == SHIPPED
         for name in SHIPPED:

@@ -44,8 +44,8 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.args import engine_config_from_args
 from jaxserve.entrypoints.cli import build_parser
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.testing.tiny_models import make_tiny_model
 from jaxserve.weights import load_config, load_model
-from tests.hf_tiny import make_tiny_model
 from tests.paths import REPO_ROOT, SCRIPTS
 
 SMALL_SPEC = """

@@ -16,8 +16,8 @@ from jaxserve.compilation.precompile import abstract_params
 from jaxserve.quantization.weights import apply_quantization
 from jaxserve.runner.input_batch import StepShape
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.testing.tiny_models import tiny_hf_config
 from jaxserve.weights import load_config
-from tests.hf_tiny import tiny_hf_config
 from tests.paths import REPO_ROOT
 
 # Files whose functions run while a step is lowered but do not decide the program.

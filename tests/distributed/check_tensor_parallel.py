@@ -18,7 +18,9 @@ from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.core.sequence import Sequence
 from jaxserve.runner.input_batch import StepInputs, step_shape
 from jaxserve.runner.sampler import PAD_FLOATS, SamplingRow, SamplingTensors
-from tests.hf_tiny import hf_greedy, make_tiny_model, small_bucket_file
+from jaxserve.testing.hf_reference import hf_greedy
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import make_tiny_model
 
 assert jax.device_count() == 8, f"run with XLA_FLAGS=--xla_force_host_platform_device_count=8 ({os.environ})"
 
@@ -196,9 +198,9 @@ def test_gguf_blocks_and_an_int8_kv_cache_under_tensor_parallelism_match_transfo
     import torch
     import transformers
 
-    from tests.hf_tiny import greedy_continuation
-    from tests.quantization.test_int8_kv_cache import Int8RoundingCache
-    from tests.tiny_gguf import make_tiny_gguf
+    from jaxserve.testing.hf_reference import greedy_continuation
+    from jaxserve.testing.rounding_caches import Int8RoundingCache
+    from jaxserve.testing.tiny_gguf import make_tiny_gguf
 
     kinds = gguf.GGMLQuantizationType
     hf_dir = make_tiny_model(tmp_path / "hf", "llama", seed=5, num_attention_heads=8, num_key_value_heads=4)

@@ -17,7 +17,8 @@ from jaxserve.distributed.multihost import distributed_init_requested, distribut
 from jaxserve.distributed.sharding import engine_mesh, param_spec
 from jaxserve.entrypoints.args import engine_config_from_args
 from jaxserve.entrypoints.cli import build_parser
-from tests.paths import REPO_ROOT, free_port
+from jaxserve.testing.ports import free_port
+from tests.paths import REPO_ROOT
 
 
 def test_settings_come_from_arguments_then_environment(monkeypatch):

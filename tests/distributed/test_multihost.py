@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.testing.ports import free_port
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.distributed.multihost_worker import MAX_TOKENS, PROMPTS
-from tests.hf_tiny import make_tiny_model, small_bucket_file
-from tests.paths import REPO_ROOT, free_port
+from tests.paths import REPO_ROOT
 from tests.weights.test_orbax import convert_checkpoint
 
 

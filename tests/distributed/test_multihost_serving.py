@@ -19,9 +19,11 @@ import openai
 import pytest
 
 from jaxserve.distributed.host_links import HEARTBEAT_S, LOST_EXIT_GRACE_S
+from jaxserve.testing.ports import free_port
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.distributed.four_device_reference import MAX_TOKENS
-from tests.hf_tiny import make_tiny_model, small_bucket_file
-from tests.paths import REPO_ROOT, free_port
+from tests.paths import REPO_ROOT
 
 PROMPTS = ["The quick brown fox", "Hello, world", "a"]
 HOST_TIMEOUT_S = 5

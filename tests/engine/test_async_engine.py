@@ -8,7 +8,8 @@ import pytest
 
 from jaxserve import AsyncLLMEngine, SamplingParams
 from jaxserve.config import EngineConfig
-from tests.hf_tiny import make_tiny_model, small_bucket_file
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.engine.beam_search import BeamSearchGroup
 from jaxserve.sampling_params import BeamSearchParams
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.generation_fixtures import (
     BUCKETS,
     EOS,
@@ -21,7 +22,6 @@ from tests.generation_fixtures import (
     HFReference,
     tokens_prompt,
 )
-from tests.hf_tiny import make_tiny_model
 
 PROMPT = [9, 40, 41, 77, 78, 100, 120, 130, 3, 4, 5]
 

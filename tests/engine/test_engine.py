@@ -12,7 +12,8 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine_builder import resolve_async_scheduling
-from tests.hf_tiny import VOCAB, make_tiny_model, small_bucket_file
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import VOCAB, make_tiny_model
 from tests.paths import SHARED_WORKLOADS
 
 WORKLOAD = SHARED_WORKLOADS / "mixed_lengths.jsonl"

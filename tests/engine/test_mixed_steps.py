@@ -13,8 +13,8 @@ import pytest
 from jaxserve import LLM, AsyncLLMEngine, SamplingParams
 from jaxserve.engine.step_trace import TRACE_ENV, StepTrace
 from jaxserve.sampling_params import BeamSearchParams
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.generation_fixtures import BUCKETS, NUM_KV_BLOCKS, llm_on_buckets, tokens_prompt
-from tests.hf_tiny import make_tiny_model
 from tests.paths import load_script
 
 trace_steps = load_script("trace_steps")

@@ -9,8 +9,8 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.sampling_params import BeamSearchParams
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.generation_fixtures import BUCKETS, NUM_KV_BLOCKS, llm_on_buckets, tokens_prompt
-from tests.hf_tiny import make_tiny_model
 
 MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [16, 32]\n"
 BS = 8  # BUCKETS' block size

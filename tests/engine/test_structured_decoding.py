@@ -12,8 +12,8 @@ import pytest
 
 from jaxserve import LLM, SamplingParams, StructuredOutputsParams
 from jaxserve.runner.input_batch import SampleShape
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.generation_fixtures import BUCKETS, llm_on_buckets, tokens_prompt
-from tests.hf_tiny import make_tiny_model
 
 MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [16, 32]\n"  # decode rows ride along every prefill chunk
 EMAIL = r"[a-j]{3,6}@(ab|cd)\.com"

@@ -50,8 +50,8 @@ def test_a_matcher_allows_the_grammars_next_tokens_then_ends():
     """On the tiny byte-level tokenizer: choice ["ab", "ac"] allows 'a', then 'b' or 'c', then only EOS (id 2); a
     rejected token leaves the matcher finished, with its reason."""
     from jaxserve.engine.structured_outputs import GrammarCompiler
+    from jaxserve.testing.tiny_models import byte_level_tokenizer
     from tests.generation_fixtures import LETTERS
-    from tests.hf_tiny import byte_level_tokenizer
 
     compiler = GrammarCompiler(byte_level_tokenizer(), 320, frozenset({2}))
     a, b, c = (LETTERS[ch] for ch in "abc")

@@ -19,7 +19,8 @@ import pytest
 import zmq
 
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
-from tests.hf_tiny import hf_logits, make_tiny_model
+from jaxserve.testing.hf_reference import hf_logits
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.server import MODEL_NAME, ServerThread, tiny_async_engine
 
 API_KEY = "test-key"

@@ -19,7 +19,8 @@ from jaxserve.config import EngineConfig, KVEventsConfig
 from jaxserve.distributed.sharding import engine_mesh
 from jaxserve.engine.data_parallel import DataParallelEngine
 from jaxserve.entrypoints.api_server import build_app, start_engine
-from tests.hf_tiny import make_tiny_model, small_bucket_file
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.server import MODEL_NAME, ServerThread
 
 PROMPTS = [list(range(3, 40)), [1, 17, 200, 3, 99, 45, 45, 8], [250, 11, 64, 7, 31], list(range(60, 90))]

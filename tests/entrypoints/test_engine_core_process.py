@@ -23,7 +23,7 @@ import pytest
 
 from jaxserve.engine.core_client import AsyncMPEngine
 from jaxserve.sampling_params import SamplingParams
-from tests.hf_tiny import make_tiny_model
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.paths import REPO_ROOT
 from tests.server import MODEL_NAME, serve, tiny_engine_config
 

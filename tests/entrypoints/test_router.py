@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-from tests.paths import REPO_ROOT, SHARED_WORKLOADS, free_port
+from jaxserve.testing.ports import free_port
+from tests.paths import REPO_ROOT, SHARED_WORKLOADS
 
 REQUESTS = 64
 CLIENT_THREADS = 8

@@ -18,7 +18,8 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.entrypoints import api_server, cli, launcher
 from jaxserve.entrypoints.args import ENGINE_CORE_PROCESS, ENGINE_FLAGS, SERVER_MAX_ITL_MS, engine_config_from_args
-from tests.hf_tiny import make_tiny_model, small_bucket_file
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.paths import REPO_ROOT
 
 

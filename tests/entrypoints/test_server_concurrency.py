@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.hf_tiny import make_tiny_model
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.server import MODEL_NAME, SERVER_BUCKETS, serve
 
 NUM_CLIENTS = 100

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from jaxserve.models.common import attention_scale
+from jaxserve.testing.hf_reference import hf_logits
+from jaxserve.testing.tiny_models import FAMILY_TOKENS as TOKENS
+from jaxserve.testing.tiny_models import TINY_FAMILIES as FAMILIES
+from jaxserve.testing.tiny_models import longrope_overrides, make_tiny_model
 from jaxserve.weights import load_model
 from tests.forward import PagedForward
-from tests.hf_tiny import FAMILY_TOKENS as TOKENS
-from tests.hf_tiny import TINY_FAMILIES as FAMILIES
-from tests.hf_tiny import hf_logits, longrope_overrides, make_tiny_model
 
 # family, head_dim, rotary_dim, sliding layers, qk_norm, attention scale, softcaps, experts (E, k, normalised)
 EXPECTED_CONFIG = {

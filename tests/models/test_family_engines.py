@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.hf_tiny import hf_greedy, longrope_overrides, make_tiny_model
+from jaxserve.testing.hf_reference import hf_greedy
+from jaxserve.testing.tiny_models import longrope_overrides, make_tiny_model
 
 BUCKETS = """block_size = {block_size}
 [decode]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxserve.testing.hf_reference import hf_logits
+from jaxserve.testing.tiny_models import make_tiny_model
 from jaxserve.weights import load_model
 from tests.forward import PagedForward
-from tests.hf_tiny import hf_logits, make_tiny_model
 
 TOKENS = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64, 7, 31]
 

@@ -12,9 +12,11 @@ from flax.traverse_util import flatten_dict
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
+from jaxserve.testing.hf_reference import hf_greedy, hf_logits
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import make_tiny_model
 from jaxserve.weights import load_model
 from tests.forward import PagedForward
-from tests.hf_tiny import hf_greedy, hf_logits, make_tiny_model, small_bucket_file
 
 TOKENS = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64, 7, 31]
 

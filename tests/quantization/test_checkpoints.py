@@ -17,9 +17,10 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import parse_quantization
 from jaxserve.quantization.weights import quantize_params
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import make_tiny_model
 from jaxserve.weights import load_model
 from jaxserve.weights.compressed_tensors import checkpoint_scheme, quantization_config, write_compressed_tensors
-from tests.hf_tiny import make_tiny_model, small_bucket_file
 
 STORED_TYPES = {"int8": np.int8, "int8_w8a8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
 

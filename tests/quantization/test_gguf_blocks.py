@@ -25,17 +25,16 @@ from jaxserve.distributed.sharding import check_tensor_parallel, param_spec
 from jaxserve.models.common import matmul
 from jaxserve.quantization.matmul import grouped_matmul
 from jaxserve.quantization.weights import dequantize_groups, quantize_groups
+from jaxserve.testing.hf_reference import greedy_continuation
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_gguf import QUANTIZED_LAYER_TYPES, make_tiny_gguf
+from jaxserve.testing.tiny_models import make_tiny_model
 from jaxserve.weights import load_model
 from jaxserve.weights.gguf_blocks import grouped_codes
 from jaxserve.weights.gguf_file import dequantize_tensor
 from tests.forward import PagedForward
-from tests.hf_tiny import greedy_continuation, make_tiny_model, small_bucket_file
-from tests.tiny_gguf import make_tiny_gguf
 
 Q = gguf.GGMLQuantizationType
-# the kept types gguf's own quantizer writes (it has none for the K-quants: those are tested on random blocks)
-LAYER_TYPES = {"attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_1,
-               "ffn_up": Q.Q4_0, "ffn_down": Q.Q8_0}
 # where a K-quant super-block keeps its f16 scales (bytes), set to sane values in random blocks
 K_QUANT_HALVES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99], [250, 3, 41]]
@@ -106,7 +105,7 @@ def test_quantize_groups_spans_each_group_with_256_levels():
 def gguf_path(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gguf_blocks")
     hf_dir = make_tiny_model(directory / "hf", "llama", seed=5)
-    return make_tiny_gguf(directory / "tiny.gguf", hf_dir, LAYER_TYPES)
+    return make_tiny_gguf(directory / "tiny.gguf", hf_dir, QUANTIZED_LAYER_TYPES)
 
 
 def test_the_loader_keeps_int8_codes_equal_to_the_float_load(gguf_path):

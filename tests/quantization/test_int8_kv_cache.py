@@ -20,8 +20,10 @@ from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.compilation.sizing import kv_bytes_per_block
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.sampler_state import SlotState
-from tests.hf_tiny import TINY_64, greedy_continuation, make_tiny_model, small_bucket_file
-from tests.quantization.test_kv_cache import RoundingCache
+from jaxserve.testing.hf_reference import greedy_continuation
+from jaxserve.testing.rounding_caches import Int8RoundingCache
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import TINY_64, make_tiny_model
 
 PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99, 3, 250, 41, 17, 8, 66, 90, 12, 200], [250, 3, 41]]
 MAX_TOKENS = 8
@@ -30,18 +32,6 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5, **TINY_64)
-
-
-def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """K/V [B, H, T, D] as the int8 pool returns them: each (token, head) row rounded to 255 levels of its max."""
-    scale = x.abs().amax(dim=-1, keepdim=True) / 127
-    return torch.round(x / torch.where(scale == 0, 1.0, scale)).clamp(-127, 127) * scale
-
-
-class Int8RoundingCache(RoundingCache):
-    """The int8 pool: every new key and value row quantized to its own max."""
-
-    rounded = staticmethod(_int8_rounded)
 
 
 @pytest.fixture(scope="module")

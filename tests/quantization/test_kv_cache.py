@@ -18,11 +18,14 @@ import torch
 import transformers
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.attention.kv_cache import FP8_KV_MAX, kv_storage_dtype, kv_value_dtype, pool_values, to_pool_dtype
+from jaxserve.attention.kv_cache import kv_storage_dtype, kv_value_dtype, pool_values, to_pool_dtype
 from jaxserve.config import EngineConfig
+from jaxserve.testing.hf_reference import greedy_continuation
+from jaxserve.testing.rounding_caches import KV_SCALES, Fp8RoundingCache, ScaledFp8RoundingCache
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import TINY_64, make_tiny_model
 from jaxserve.weights import load_model
 from jaxserve.weights.compressed_tensors import write_kv_cache_scales
-from tests.hf_tiny import TINY_64, greedy_continuation, make_tiny_model, small_bucket_file
 
 PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99, 3, 250, 41, 17, 8, 66, 90, 12, 200], [250, 3, 41]]
 MAX_TOKENS = 8
@@ -31,26 +34,6 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5, **TINY_64)
-
-
-def _fp8_rounded(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(torch.float8_e4m3fn).to(x.dtype)
-
-
-class RoundingCache(transformers.DynamicCache):
-    """transformers' cache holding K/V as a quantized pool returns them: every new key and value passed through
-    `rounded` (a subclass's) as it is stored."""
-
-    rounded = staticmethod(lambda x: x)
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return super().update(self.rounded(key_states), self.rounded(value_states), layer_idx, *args, **kwargs)
-
-
-class Fp8RoundingCache(RoundingCache):
-    """The float8 pool: K/V saturated and rounded to e4m3."""
-
-    rounded = staticmethod(_fp8_rounded)
 
 
 @pytest.fixture(scope="module")
@@ -78,21 +61,6 @@ def test_the_float8_cache_is_not_the_float32_one(model_dir, expected):
     tell a float8 pool from a float32 one)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     assert [greedy_continuation(model, p, MAX_TOKENS) for p in PROMPTS] != expected
-
-
-# a checkpoint's calibrated K/V scales per layer, small enough that K / k_scale often saturates at +-448
-KV_SCALES = [(0.004, 0.006), (0.003, 0.005)]
-
-
-class ScaledFp8RoundingCache(transformers.DynamicCache):
-    """transformers' cache holding K/V as a float8 pool with a checkpoint's scales does: K / k_scale rounded (and
-    saturated), times k_scale as read; V alike."""
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k_scale, v_scale = KV_SCALES[layer_idx]
-        key_states, value_states = (_fp8_rounded(x / scale) * scale
-                                    for x, scale in ((key_states, k_scale), (value_states, v_scale)))
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def test_a_checkpoint_s_kv_scales_store_k_and_v_divided_by_them(model_dir, tmp_path, expected):

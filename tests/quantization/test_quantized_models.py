@@ -12,17 +12,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import QUANTIZATION_CHOICES, QuantScheme, parse_quantization
-from jaxserve.quantization.weights import QUANTIZED_LINEARS, dequantize_kernel, quantize_kernel, quantize_params
+from jaxserve.quantization.weights import dequantize_kernel, quantize_kernel, quantize_params
+from jaxserve.testing.hf_reference import greedy_continuation
+from jaxserve.testing.quantized_references import MAX_TOKENS, PROMPTS, hf_quantized
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import make_tiny_model
 from jaxserve.weights import load_model
 from tests.forward import PagedForward
-from tests.hf_tiny import greedy_continuation, make_tiny_model, small_bucket_file
 
-PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99], [250, 3, 41]]
-MAX_TOKENS = 8
 # every scheme that quantizes float weights (not "gguf", which serves a GGUF file's blocks: test_gguf_blocks.py) as
 # it runs here, and float8 activations as a float8 matrix unit runs them (forced on this CPU)
 ONLINE_SCHEMES = tuple(name for name in QUANTIZATION_CHOICES if name != "gguf")
@@ -40,30 +40,6 @@ def loaded(model_dir):
     return load_model(str(model_dir), "float32")
 
 
-def _fake_quantized_rows(x: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """x with each row rounded to the scheme's activation type and back (vLLM's per-token rule: scale = max |row|
-    / 127 for int8, / 448 for float8 e4m3)."""
-    largest = 127.0 if scheme.weight_dtype == "int8" else 448.0
-    absmax = x.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(absmax > 0, absmax / largest, torch.ones_like(absmax))
-    if scheme.weight_dtype == "int8":
-        return torch.round(x / scale) * scale
-    return (x / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
-
-
-def _hf_quantized(model_dir, scheme: QuantScheme):
-    """transformers' model computing what `scheme` computes: weights dequantized, inputs rounded per token."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in QUANTIZED_LINEARS:
-            continue
-        values, scale = quantize_kernel(module.weight.detach().numpy().T, scheme)  # ours: [in, out]
-        module.weight.data = torch.from_numpy(np.ascontiguousarray(dequantize_kernel(values, scale).T))
-        if scheme.quantize_activations:
-            module.register_forward_pre_hook(lambda _, args: (_fake_quantized_rows(args[0], scheme),))
-    return model
-
-
 @pytest.mark.parametrize("scheme", SCHEMES.values(), ids=SCHEMES.keys())
 def test_logits_equal_transformers_with_the_same_quantization(model_dir, loaded, scheme):
     config = dataclasses.replace(loaded.config, quantization=scheme)
@@ -71,7 +47,7 @@ def test_logits_equal_transformers_with_the_same_quantization(model_dir, loaded,
     tokens = PROMPTS[0]
     ours = forward.run(tokens, block_table=[3, 0, 2, 1], chunks=[5, 4, 1, 1])
     with torch.no_grad():
-        theirs = _hf_quantized(model_dir, scheme)(torch.tensor([tokens])).logits[0].numpy()
+        theirs = hf_quantized(model_dir, scheme)(torch.tensor([tokens])).logits[0].numpy()
     np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=0)
     assert (ours.argmax(-1) == theirs.argmax(-1)).all()
 
@@ -82,7 +58,7 @@ def test_engine_greedy_tokens_equal_transformers_generate(model_dir, tmp_path, n
     llm = LLM(str(model_dir), dtype="float32", max_model_len=128, buckets=buckets, quantization=name)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    model = _hf_quantized(model_dir, SCHEMES[name])
+    model = hf_quantized(model_dir, SCHEMES[name])
     assert [o.outputs[0].token_ids for o in outputs] == [greedy_continuation(model, p, MAX_TOKENS) for p in PROMPTS]
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.hf_tiny import TINY_64, make_tiny_model, small_bucket_file
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_models import TINY_64, make_tiny_model
 
 
 @pytest.fixture(scope="module")

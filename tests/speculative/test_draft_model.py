@@ -10,8 +10,8 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from jaxserve import SamplingParams
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.generation_fixtures import BUCKETS, llm_on_buckets, record_planned_ahead, tokens_prompt
-from tests.hf_tiny import make_tiny_model
 
 MIXED = "[mixed]\nbatch_sizes = [8]\ntoken_counts = [16, 32]\n"  # few executables: three engines and two drafts
 K = 3

@@ -19,8 +19,8 @@ from jaxserve.metrics.prometheus import ServingMetrics
 from jaxserve.metrics.stat_logger import StatLogger
 from jaxserve.sampling_params import BeamSearchParams
 from jaxserve.speculative.proposer import Proposer
+from jaxserve.testing.tiny_models import make_tiny_model
 from tests.generation_fixtures import BUCKETS, llm_on_buckets, record_planned_ahead, tokens_prompt
-from tests.hf_tiny import make_tiny_model
 
 MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [16, 32]\n"
 K = 3

@@ -13,12 +13,14 @@ import pytest
 from flax.traverse_util import flatten_dict
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.testing.hf_reference import hf_logits
+from jaxserve.testing.small_buckets import small_bucket_file
+from jaxserve.testing.tiny_gguf import make_tiny_gguf
+from jaxserve.testing.tiny_models import make_tiny_model
 from jaxserve.weights import load_config, load_model
 from jaxserve.weights.orbax_dir import MARKER_FILE
 from tests.forward import PagedForward
-from tests.hf_tiny import hf_logits, make_tiny_model, small_bucket_file
 from tests.paths import load_script
-from tests.tiny_gguf import make_tiny_gguf
 
 TOKENS = [1, 17, 200, 3, 99, 45, 45, 8, 120, 250, 11, 64, 7, 31]
 

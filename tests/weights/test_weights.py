@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 
+from jaxserve.testing.hf_reference import hf_logits
+from jaxserve.testing.tiny_gguf import make_tiny_gguf
+from jaxserve.testing.tiny_models import longrope_overrides, make_tiny_model
 from jaxserve.weights import EMBEDDED_INSTALL, embedded_model_path, load_model, resolve_model_path
 from jaxserve.weights.gguf_file import dequantize_tensor, hf_name, unpermute_qk
 from tests.forward import PagedForward
-from tests.hf_tiny import hf_logits, longrope_overrides, make_tiny_model
-from tests.tiny_gguf import make_tiny_gguf
 
 
 def test_missing_path_is_a_clear_error(tmp_path):

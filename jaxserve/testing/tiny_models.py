@@ -1,10 +1,10 @@
-"""Tiny random Hugging Face models of each supported family, saved as model directories for tests."""
+"""Tiny random Hugging Face models of each supported family, saved as model directories (safetensors, config.json
+and a byte-level tokenizer) for the tests and the GPU check scripts; the families' tiny configs and a prompt that
+crosses their windows. transformers and torch (the `test` extra) are imported when called."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import numpy as np
 
 VOCAB = 320  # 3 special tokens + 256 byte tokens + unused ids
 
@@ -148,60 +148,3 @@ def byte_level_tokenizer():
         chat_template="{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}",
     )
-
-
-def hf_logits(path: Path, token_ids: list[int]) -> np.ndarray:
-    """transformers' float32 logits [T, V] for one sequence."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].numpy()
-
-
-SMALL_BUCKETS = """
-block_size = 16
-[decode]
-batch_sizes = {decode_batch_sizes}
-[prefill]
-batch_sizes = [1]
-lengths = [{chunk}]
-[context]
-lengths = [{context}]
-"""
-
-
-def small_bucket_file(directory: Path, decode_batch_sizes: tuple[int, ...] = (1, 4), mixed: bool = False, *,
-                      chunk: int = 32, context: int = 128) -> str:
-    """A small bucket grid (by default 3 executables: decode batch 1 and 4, prefill chunks of 32, context
-    128): engine tests warm up in seconds. ``mixed``: plus one mixed bucket (4 rows, ``chunk`` tokens)."""
-    path = Path(directory) / "small_buckets.toml"
-    text = SMALL_BUCKETS.format(decode_batch_sizes=list(decode_batch_sizes), chunk=chunk, context=context)
-    path.write_text(text + (f"[mixed]\nbatch_sizes = [4]\ntoken_counts = [{chunk}]\n" if mixed else ""))
-    return str(path)
-
-
-def hf_greedy(path: Path, token_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation (new tokens only) of one prompt, float32."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return greedy_continuation(model, token_ids, max_new_tokens)
-
-
-def greedy_continuation(model, token_ids: list[int], max_new_tokens: int, cache=None) -> list[int]:
-    """The greedy continuation (exactly ``max_new_tokens`` new tokens) of one prompt by a loaded transformers
-    model; ``cache``: the KV cache it generates with (a `transformers.DynamicCache` that rounds K/V, say)."""
-    import inspect
-
-    import torch
-
-    # transformers names the argument `cache` since 5.2x, `past_key_values` before (the GPU image's 5.17)
-    cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    extra = {} if cache is None else {cache_argument: cache}
-    with torch.no_grad():
-        out = model.generate(torch.tensor([token_ids]), max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **extra)
-    return out[0, len(token_ids):].tolist()

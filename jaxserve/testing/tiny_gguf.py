@@ -1,5 +1,7 @@
 """Tiny GGUF files written from tiny Hugging Face directories the way llama.cpp's converter writes them, for the
-GGUF loader's tests: its tensor names, its stacked experts, its fused Phi-3 tensors and its metadata keys."""
+GGUF loader's tests (its tensor names, its stacked experts, its fused Phi-3 tensors and its metadata keys) and the
+GPU check scripts, and the block types a tiny model's layers are stored in for the quantized-GGUF checks. gguf,
+safetensors and transformers' tokenizers only: the package's own dependencies."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from tests.hf_tiny import VOCAB, byte_level_tokenizer
+from jaxserve.testing.tiny_models import VOCAB, byte_level_tokenizer
 
 LAYER_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -39,6 +41,12 @@ EXPERT_STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_p
 # config.json model_type -> llama.cpp's architecture name (Mixtral is a Llama with experts there)
 ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
                  "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+
+_Q = gguf.GGMLQuantizationType
+# the kept types gguf's own quantizer writes (it has none for the K-quants), per layer tensor: a tiny model's layers
+# stored in five of them (make_tiny_gguf's ``tensor_types``)
+QUANTIZED_LAYER_TYPES = {"attn_q": _Q.Q8_0, "attn_k": _Q.Q4_0, "attn_v": _Q.Q4_1, "attn_output": _Q.Q5_0,
+                         "ffn_gate": _Q.Q5_1, "ffn_up": _Q.Q4_0, "ffn_down": _Q.Q8_0}
 
 
 def make_tiny_gguf(path: Path, hf_dir: Path, tensor_types: dict | None = None) -> Path:
