@@ -24,7 +24,8 @@ PACKAGES = ("jaxserve", "kernels_pallas", "kernels_cpu")
 # Lowest first. A module may import from its own group and from groups of lower layers, nothing above and
 # no other group of its own layer. A group is a folder of jaxserve/ or a top-level module.
 LAYERS = (
-    {"jaxserve.logger", "jaxserve.math_utils", "jaxserve.user_cache", "jaxserve.config", "jaxserve.outputs"},
+    {"jaxserve.logger", "jaxserve.math_utils", "jaxserve.user_cache", "jaxserve.config", "jaxserve.outputs",
+     "jaxserve.wire"},
     {"jaxserve.sampling_params", "jaxserve.precision"},
     {"jaxserve.core", "jaxserve.metrics", "jaxserve.distributed", "kernels_pallas", "kernels_cpu"},
     {"jaxserve.attention", "jaxserve.quantization"},
