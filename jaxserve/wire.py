@@ -1,7 +1,7 @@
 """What the two message formats share: a registered dataclass travels as its field values and is rebuilt from them.
 
-Place in the data flow: `engine/core_messages.py` (between the API process and the engine core process) and
-`engine/step_messages.py` (host 0's runner calls, sent to the other hosts) each keep their own registry of the
+Place in the data flow: `engine_core/core_messages.py` (between the API process and the engine core process) and
+`replication/step_messages.py` (host 0's runner calls, sent to the other hosts) each keep their own registry of the
 classes a message may name; both turn an object into its values and back with these two functions.
 """
 

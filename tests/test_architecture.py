@@ -33,7 +33,9 @@ LAYERS = (
     {"jaxserve.runner"},
     {"jaxserve.speculative"},  # draft proposers: host side, or a draft model on its own runner
     {"jaxserve.compilation"},
+    {"jaxserve.replication"},  # multi-host serving: host 0's runner calls replayed on the other hosts
     {"jaxserve.engine"},
+    {"jaxserve.engine_core"},  # the engine in a process of its own, its messages, data parallel cores
     {"jaxserve.llm", "jaxserve"},  # the public API: the offline LLM and the package root's lazy exports
     {"jaxserve.entrypoints"},
 )

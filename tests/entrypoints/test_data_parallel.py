@@ -17,7 +17,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, KVEventsConfig
 from jaxserve.distributed.sharding import engine_mesh
-from jaxserve.engine.data_parallel import DataParallelEngine
+from jaxserve.engine_core.data_parallel import DataParallelEngine
 from jaxserve.entrypoints.api_server import build_app, start_engine
 from tests.hf_tiny import make_tiny_model, small_bucket_file
 from tests.server import MODEL_NAME, ServerThread
