@@ -114,14 +114,27 @@ def test_every_group_has_a_layer():
     assert groups == set().union(*LAYERS)
 
 
-def test_imports_point_down_the_layers():
-    upward = [
+def _upward() -> list[str]:
+    """Every import of a group of the same layer or above, as "module imports dep"."""
+    return [
         f"{module} imports {dep}"
         for module, deps in sorted(GRAPH.items())
         for dep in sorted(deps)
         if _group(dep) != _group(module) and _layer(_group(dep)) >= _layer(_group(module))
     ]
-    assert upward == []
+
+
+def test_imports_point_down_the_layers():
+    assert _upward() == []
+
+
+@pytest.mark.parametrize("dep", ["jaxserve.engine_core.core_process", "jaxserve.engine.llm_engine"])
+def test_the_layer_check_finds_an_upward_import(monkeypatch, dep):
+    """Multi-host serving sits below the engine and its core process, which import it: an import back is reported."""
+    assert "jaxserve.replication.serving_hosts" in GRAPH["jaxserve.engine_core.core_process"]  # the real, downward one
+    monkeypatch.setitem(GRAPH, "jaxserve.replication.serving_hosts",
+                        GRAPH["jaxserve.replication.serving_hosts"] | {dep})
+    assert _upward() == [f"jaxserve.replication.serving_hosts imports {dep}"]
 
 
 def test_core_imports_without_jax():
