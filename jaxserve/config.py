@@ -713,7 +713,7 @@ class EngineConfig:
     waiting_served_ratio: float | None = None
     async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on TPU/GPU, off on CPU
     tensor_parallel_size: int = 1
-    data_parallel_size: int = 1  # engine replicas behind one server (engine/data_parallel.py)
+    data_parallel_size: int = 1  # engine replicas behind one server (engine_core/data_parallel.py)
     data_parallel_rank: int = 0  # this engine's replica: its devices and its KV events' port offset
     distributed_init: bool = False
     coordinator_address: str | None = None

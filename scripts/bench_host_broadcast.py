@@ -1,5 +1,5 @@
 """The per-step cost of multi-host serving's broadcast: host 0 sends each device call of its engine to the other
-hosts over ZeroMQ before making it (`jaxserve/engine/serving_hosts.py`). Measured: the bytes of each call,
+hosts over ZeroMQ before making it (`jaxserve/replication/serving_hosts.py`). Measured: the bytes of each call,
 host 0's time to encode and send them, and how long after the send a follower holds the decoded call, against
 the step time of the same run.
 
@@ -61,8 +61,8 @@ def run_host(model: str, args, out: Path) -> None:
 
     from jaxserve.config import EngineConfig
     from jaxserve.distributed import host_links
-    from jaxserve.engine import serving_hosts
     from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.replication import serving_hosts
     from jaxserve.sampling_params import SamplingParams
 
     config = EngineConfig(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=args.max_num_seqs,
@@ -126,7 +126,7 @@ def codec_microseconds(batch_size: int, repeats: int = 1000) -> dict:
     import numpy as np
 
     from jaxserve.core.buckets import DecodeBucket
-    from jaxserve.engine.step_messages import OutputHandles, decode, encode
+    from jaxserve.replication.step_messages import OutputHandles, decode, encode
     from jaxserve.runner.input_batch import StepInputs
     from jaxserve.runner.sampler import SamplingTensors
 

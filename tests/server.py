@@ -10,8 +10,8 @@ import uvicorn
 
 from jaxserve import AsyncLLMEngine
 from jaxserve.config import EngineConfig
-from jaxserve.engine.core_client import AsyncMPEngine, ServerEngine
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine_core.core_client import AsyncMPEngine, ServerEngine
 from jaxserve.entrypoints.api_server import build_app
 from jaxserve.entrypoints.launcher import ENGINE_DEAD_GRACE_S, ApiServer
 

@@ -24,7 +24,8 @@ PACKAGES = ("jaxserve", "kernels_pallas", "kernels_cpu")
 # Lowest first. A module may import from its own group and from groups of lower layers, nothing above and
 # no other group of its own layer. A group is a folder of jaxserve/ or a top-level module.
 LAYERS = (
-    {"jaxserve.logger", "jaxserve.math_utils", "jaxserve.user_cache", "jaxserve.config", "jaxserve.outputs"},
+    {"jaxserve.logger", "jaxserve.math_utils", "jaxserve.user_cache", "jaxserve.config", "jaxserve.outputs",
+     "jaxserve.wire"},
     {"jaxserve.sampling_params", "jaxserve.precision"},
     {"jaxserve.core", "jaxserve.metrics", "jaxserve.distributed", "kernels_pallas", "kernels_cpu"},
     {"jaxserve.attention", "jaxserve.quantization"},
@@ -32,7 +33,9 @@ LAYERS = (
     {"jaxserve.runner"},
     {"jaxserve.speculative"},  # draft proposers: host side, or a draft model on its own runner
     {"jaxserve.compilation"},
+    {"jaxserve.replication"},  # multi-host serving: host 0's runner calls replayed on the other hosts
     {"jaxserve.engine"},
+    {"jaxserve.engine_core"},  # the engine in a process of its own, its messages, data parallel cores
     {"jaxserve.llm", "jaxserve"},  # the public API: the offline LLM and the package root's lazy exports
     {"jaxserve.entrypoints"},
     {"jaxserve.testing"},  # what tests and scripts share: may import any of the package, imported by none of it
@@ -119,14 +122,27 @@ def test_every_group_has_a_layer():
     assert groups == set().union(*LAYERS)
 
 
-def test_imports_point_down_the_layers():
-    upward = [
+def _upward() -> list[str]:
+    """Every import of a group of the same layer or above, as "module imports dep"."""
+    return [
         f"{module} imports {dep}"
         for module, deps in sorted(GRAPH.items())
         for dep in sorted(deps)
         if _group(dep) != _group(module) and _layer(_group(dep)) >= _layer(_group(module))
     ]
-    assert upward == []
+
+
+def test_imports_point_down_the_layers():
+    assert _upward() == []
+
+
+@pytest.mark.parametrize("dep", ["jaxserve.engine_core.core_process", "jaxserve.engine.llm_engine"])
+def test_the_layer_check_finds_an_upward_import(monkeypatch, dep):
+    """Multi-host serving sits below the engine and its core process, which import it: an import back is reported."""
+    assert "jaxserve.replication.serving_hosts" in GRAPH["jaxserve.engine_core.core_process"]  # the real, downward one
+    monkeypatch.setitem(GRAPH, "jaxserve.replication.serving_hosts",
+                        GRAPH["jaxserve.replication.serving_hosts"] | {dep})
+    assert _upward() == [f"jaxserve.replication.serving_hosts imports {dep}"]
 
 
 def test_core_imports_without_jax():

@@ -1,9 +1,9 @@
 """The links between the hosts of a multi-host server: host 0 (the leader) publishes its runner calls, every
 host beats, and a host that goes silent ends every process loudly, never a hang.
 
-Place in the data flow: `engine/serving_hosts.py` opens a `LeaderLinks` on host 0 and a `FollowerLinks` on every other
-host once their engines are warm. Host 0 publishes its addresses in `jax.distributed`'s key-value store (the
-coordinator every host already joined), so the followers need no configuration of their own.
+Place in the data flow: `replication/serving_hosts.py` opens a `LeaderLinks` on host 0 and a `FollowerLinks` on
+every other host once their engines are warm. Host 0 publishes its addresses in `jax.distributed`'s key-value store
+(the coordinator every host already joined), so the followers need no configuration of their own.
 
 ZeroMQ over TCP, host 0 binding:
     commands  PUB  -> each follower's SUB    [kind, payload]: "hello" until they join, runner calls, "stop"

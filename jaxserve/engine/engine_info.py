@@ -2,7 +2,7 @@
 
 Place in the data flow: the HTTP handlers (`entrypoints/serving_engine.py`) tokenize prompts and check
 requests against the engine's limits before anything reaches the engine; `AsyncLLMEngine` builds this from
-its in-process `LLMEngine`, the engine core process sends it to `core_client.py` once it is warm.
+its in-process `LLMEngine`, the engine core process sends it to `engine_core/core_client.py` once it is warm.
 """
 
 from __future__ import annotations

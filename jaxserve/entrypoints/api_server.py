@@ -35,10 +35,9 @@ import jaxserve
 from jaxserve.distributed.multihost import distributed_init_requested
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.engine.chat_template import load_chat_template
-from jaxserve.engine.core_client import AsyncMPEngine, ServerEngine
-from jaxserve.engine.data_parallel import DataParallelEngine
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.serving_hosts import FollowingHost, follow, lead, serving_role
+from jaxserve.engine_core.core_client import AsyncMPEngine, ServerEngine
+from jaxserve.engine_core.data_parallel import DataParallelEngine
 from jaxserve.entrypoints.args import (
     add_engine_args,
     add_server_args,
@@ -63,6 +62,7 @@ from jaxserve.entrypoints.serving_generate import GenerateServing
 from jaxserve.entrypoints.serving_tokenization import OpenAIServingTokenization
 from jaxserve.logger import init_logger
 from jaxserve.metrics.prometheus import ServingMetrics
+from jaxserve.replication.serving_hosts import FollowingHost, follow, lead, serving_role
 
 logger = init_logger("jaxserve.api_server")
 
@@ -332,7 +332,7 @@ def run_server(args: argparse.Namespace) -> int:
 def start_engine(config, core_process: bool) -> ServerEngine | DataParallelEngine | FollowingHost:
     """Loads the model and warms up every bucket, in a core process of its own or in this one; with
     data_parallel_size > 1, in that many core processes. Multi-host, host 0 gets the engine that leads the others
-    (`engine/serving_hosts.py`), any other host a `FollowingHost`."""
+    (`replication/serving_hosts.py`), any other host a `FollowingHost`."""
     if config.data_parallel_size > 1:
         if distributed_init_requested(config.distributed_init):
             raise ValueError("--data-parallel-size with --distributed-init: a multi-host server runs one engine "

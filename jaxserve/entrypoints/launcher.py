@@ -15,7 +15,7 @@ import time
 
 import uvicorn
 
-from jaxserve.engine.core_client import ServerEngine
+from jaxserve.engine_core.core_client import ServerEngine
 from jaxserve.logger import init_logger
 
 logger = init_logger("jaxserve.launcher")

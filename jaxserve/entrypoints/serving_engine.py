@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
-from jaxserve.engine.core_client import ServerEngine
+from jaxserve.engine_core.core_client import ServerEngine
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 

@@ -17,7 +17,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, KVEventsConfig
 from jaxserve.distributed.sharding import engine_mesh
-from jaxserve.engine.data_parallel import DataParallelEngine
+from jaxserve.engine_core.data_parallel import DataParallelEngine
 from jaxserve.entrypoints.api_server import build_app, start_engine
 from jaxserve.testing.small_buckets import small_bucket_file
 from jaxserve.testing.tiny_models import make_tiny_model

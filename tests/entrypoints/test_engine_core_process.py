@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from jaxserve.engine.core_client import AsyncMPEngine
+from jaxserve.engine_core.core_client import AsyncMPEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.testing.tiny_models import make_tiny_model
 from tests.paths import REPO_ROOT
@@ -174,7 +174,7 @@ def test_a_dead_core_fails_open_streams_and_health_then_the_server_stops(model_d
 
 ORPHAN_SCRIPT = textwrap.dedent("""
     import asyncio, sys
-    from jaxserve.engine.core_client import AsyncMPEngine
+    from jaxserve.engine_core.core_client import AsyncMPEngine
     from jaxserve.sampling_params import SamplingParams
     from tests.server import tiny_engine_config
     engine = AsyncMPEngine.launch(tiny_engine_config(sys.argv[1]))

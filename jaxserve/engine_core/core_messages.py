@@ -24,6 +24,7 @@ import numpy as np
 from jaxserve.metrics.stats import EngineStats, SchedulerStats, StatsSnapshot
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from jaxserve.wire import dataclass_values, rebuild_dataclass
 
 ADD, ABORT, SHUTDOWN, OUTPUTS, DEAD = "add", "abort", "shutdown", "outputs", "dead"
 CALL, CALL_RESULT = "call", "call_result"
@@ -50,8 +51,7 @@ def _pack_object(obj):
     if isinstance(obj, enum.Enum) and _ENUMS.get(cls.__name__) is cls:
         return msgpack.ExtType(_ENUM, encode([cls.__name__, obj.value]))
     if dataclasses.is_dataclass(obj) and _CLASSES.get(cls.__name__) is cls:
-        values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-        return msgpack.ExtType(_DATACLASS, encode([cls.__name__, values]))
+        return msgpack.ExtType(_DATACLASS, encode([cls.__name__, dataclass_values(obj)]))
     if isinstance(obj, tuple):
         return list(obj)
     if isinstance(obj, np.generic):
@@ -68,12 +68,3 @@ def _unpack_object(code: int, data: bytes):
     if code != _DATACLASS or name not in _CLASSES:
         raise ValueError(f"unknown object in an engine core message: {name!r}")
     return rebuild_dataclass(_CLASSES[name], values)
-
-
-def rebuild_dataclass(cls, values: list):
-    """A ``cls`` with these field values, in field order; the sender's object was valid, so no __post_init__ checks
-    run again (frozen classes too)."""
-    obj = object.__new__(cls)
-    for field, value in zip(dataclasses.fields(cls), values, strict=True):
-        object.__setattr__(obj, field.name, value)
-    return obj

@@ -21,11 +21,11 @@ import jax
 from jax._src import distributed as jax_distributed
 
 from jaxserve.distributed.host_links import FollowerLinks, LeaderLinks, host_name
-from jaxserve.engine import step_messages
 from jaxserve.logger import init_logger
+from jaxserve.replication import step_messages
 from jaxserve.speculative.draft_model import DraftModelProposer
 
-logger = init_logger("jaxserve.engine.serving_hosts")
+logger = init_logger("jaxserve.replication.serving_hosts")
 
 REPLAYED = frozenset({"execute", "resample", "copy_blocks", "write_slot", "compile_helpers"})
 

@@ -8,8 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from jaxserve.engine import core_messages as msg
-from jaxserve.engine.output_accumulator import CumulativeOutputs
+from jaxserve.engine_core import core_messages as msg
+from jaxserve.engine_core.output_accumulator import CumulativeOutputs
 from jaxserve.metrics.stats import EngineStats, SchedulerStats, StatsSnapshot
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams

@@ -23,15 +23,15 @@ import zmq
 
 from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.config import EngineConfig
-from jaxserve.engine import core_messages as msg
 from jaxserve.engine.engine_info import EngineInfo
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.serving_hosts import follow, lead, serving_role
+from jaxserve.engine_core import core_messages as msg
 from jaxserve.logger import init_logger
 from jaxserve.outputs import RequestOutput
+from jaxserve.replication.serving_hosts import follow, lead, serving_role
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
-logger = init_logger("jaxserve.engine.core_process")
+logger = init_logger("jaxserve.engine_core.core_process")
 
 IDLE_POLL_MS = 1000  # while idle, how often the core checks that the API process is still there
 

@@ -22,11 +22,11 @@ import msgpack
 import numpy as np
 
 from jaxserve.core.buckets import DecodeBucket, MixedBucket, PrefillBucket
-from jaxserve.engine.core_messages import rebuild_dataclass
 from jaxserve.runner.input_batch import StepInputs
 from jaxserve.runner.model_runner import StepOutput
 from jaxserve.runner.sampler import SamplingTensors
 from jaxserve.runner.spec_verify import VerifyInputs
+from jaxserve.wire import dataclass_values, rebuild_dataclass
 
 _ARRAY, _SPARSE_ARRAY, _DATACLASS, _OUTPUT, _OUTPUT_TOKENS = 1, 2, 3, 4, 5
 _CLASSES = {cls.__name__: cls for cls in (
@@ -80,7 +80,7 @@ def encode(message, handles: OutputHandles) -> bytes:
             return _pack_array(np.asarray(obj))
         cls = type(obj)
         if dataclasses.is_dataclass(obj) and _CLASSES.get(cls.__name__) is cls:
-            values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+            values = dataclass_values(obj)
             return msgpack.ExtType(_DATACLASS, msgpack.packb([cls.__name__, values], default=pack, strict_types=True))
         raise TypeError(f"cannot send a {cls.__name__} to the other hosts")
 

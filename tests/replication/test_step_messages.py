@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from jaxserve.core.buckets import DecodeBucket, MixedBucket
-from jaxserve.engine import step_messages
-from jaxserve.engine.step_messages import OutputHandles, decode, encode
+from jaxserve.replication import step_messages
+from jaxserve.replication.step_messages import OutputHandles, decode, encode
 from jaxserve.runner.input_batch import StepInputs
 from jaxserve.runner.model_runner import StepOutput
 from jaxserve.runner.sampler import SamplingTensors

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import OutputObserver
-from jaxserve.engine.core_client import AsyncMPEngine
+from jaxserve.engine_core.core_client import AsyncMPEngine
 from jaxserve.metrics.stats import StatsSnapshot, combined
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams

@@ -28,18 +28,18 @@ import zmq
 import zmq.asyncio
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine import core_messages as msg
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, OutputObserver, settle
-from jaxserve.engine.core_process import run_engine_core
 from jaxserve.engine.engine_info import EngineInfo
-from jaxserve.engine.output_accumulator import CumulativeOutputs, with_prompt
-from jaxserve.engine.serving_hosts import FollowingHost
+from jaxserve.engine_core import core_messages as msg
+from jaxserve.engine_core.core_process import run_engine_core
+from jaxserve.engine_core.output_accumulator import CumulativeOutputs, with_prompt
 from jaxserve.logger import init_logger
 from jaxserve.metrics.stats import StatsSnapshot
 from jaxserve.outputs import RequestOutput
+from jaxserve.replication.serving_hosts import FollowingHost
 from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-logger = init_logger("jaxserve.engine.core_client")
+logger = init_logger("jaxserve.engine_core.core_client")
 
 START_POLL_S = 1.0  # how often start-up checks that the core is still alive
 SHUTDOWN_GRACE_S = 10.0  # how long a core may take to stop when told to, before it is terminated
