@@ -36,7 +36,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence
 from jaxserve.engine.beam_search import BeamSearchGroup
-from jaxserve.engine.engine_builder import build_engine_parts, resolve_async_scheduling, warm_up_engine
+from jaxserve.engine.engine_builder import EngineParts, build_engine_parts, resolve_async_scheduling, warm_up_engine
 from jaxserve.engine.kv_events import wire_event
 from jaxserve.engine.logprobs import TokenTexts
 from jaxserve.engine.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
@@ -71,39 +71,47 @@ class InFlightStep:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *, warm_up: bool = True):
-        self.parts = parts = build_engine_parts(config, loaded)
-        self.config = config = parts.config
-        self.compile_cache_dir, self.mesh = parts.compile_cache_dir, parts.mesh
+        self.parts = build_engine_parts(config, loaded)
+        self._take_parts(self.parts)
+        self.async_scheduling = resolve_async_scheduling(self.config.async_scheduling,
+                                                         self.mesh.devices.flat[0].platform,
+                                                         speculative=self.proposer is not None)
+        self._in_flight: InFlightStep | None = None
+        self.warm_up_report: WarmUpReport | None = None
+        self.leading_host = None  # multi-host serving, host 0: its followers (`replication/serving_hosts.py`)
+        self._num_sync_groups = 0  # requests that need each step's results before the next is planned
+        self.requests: dict[str, RequestGroup] = {}
+        self.stats = EngineStats()
+        self.stat_logger = None if self.config.disable_log_stats else StatLogger(self.make_stats())
+        self.step_trace = StepTrace.from_env()
+        self._rng = random.Random(self.config.seed)
+        self.context, self.limits = self._request_context()
+        if warm_up:
+            self.warm_up()
+
+    def _take_parts(self, parts: EngineParts) -> None:
+        self.config, self.compile_cache_dir, self.mesh = parts.config, parts.compile_cache_dir, parts.mesh
         self.model_config, self.model_path, self.tokenizer = parts.model.config, parts.model.path, parts.model.tokenizer
         self.grid, self.block_manager, self.scheduler = parts.grid, parts.block_manager, parts.scheduler
         self.step_runner, self.proposer = parts.runner, parts.proposer
         self.kv_event_publisher = parts.kv_event_publisher
         self.block_size, self.max_model_len = self.grid.block_size, self.grid.max_model_len
-        self._in_flight: InFlightStep | None = None
-        self.warm_up_report: WarmUpReport | None = None
-        self.leading_host = None  # multi-host serving, host 0: the followers its runner calls reach (serving_hosts)
-        self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.mesh.devices.flat[0].platform,
-                                                         speculative=self.proposer is not None)
-        self._num_sync_groups = 0  # requests that need each step's results before the next is planned
-        self.requests: dict[str, RequestGroup] = {}
-        self.stats = EngineStats()
-        self.stat_logger = None if config.disable_log_stats else StatLogger(self.make_stats())
-        self.step_trace = StepTrace.from_env()
-        self._rng = random.Random(config.seed)
+
+    def _request_context(self) -> tuple[EngineContext, EngineLimits]:
+        """What request groups read of the engine, and the limits requests are checked against."""
         self.eos_token_ids = set(self.model_config.eos_token_id)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         vocab_size = self.model_config.vocab_size
-        self.context = EngineContext(
+        context = EngineContext(
             tokenizer=self.tokenizer, texts=TokenTexts(self.tokenizer), eos_token_ids=frozenset(self.eos_token_ids),
             max_model_len=self.max_model_len, vocab_size=vocab_size,
         )
-        self.limits = EngineLimits(
-            vocab_size=vocab_size, max_logprobs=config.max_logprobs, max_num_seqs=self.grid.max_num_seqs,
+        limits = EngineLimits(
+            vocab_size=vocab_size, max_logprobs=self.config.max_logprobs, max_num_seqs=self.grid.max_num_seqs,
             num_kv_blocks=self.grid.num_blocks, block_size=self.block_size,
         )
-        if warm_up:
-            self.warm_up()
+        return context, limits
 
     @property
     def runner(self):
