@@ -71,8 +71,23 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3; "int8": scaled int8 (kv_cache.py)
 
     def __post_init__(self) -> None:
+        """Each check in the order of the options' roles; the first bad value raises a ValueError naming it."""
+        self._check_dtype()
+        self._check_parallelism()
+        self._check_grid_sizes()
+        self._check_limits()
+        self._check_compile_cache_dir()
+        self._check_switches()
+        self._parse_nested_configs()
+        self._check_storage_formats()
+        self._check_async_scheduling()
+
+    def _check_dtype(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPE_CHOICES)}")
+
+    def _check_parallelism(self) -> None:
+        """The tensor- and data-parallel sizes (positive integers, not bools) and this replica's rank among them."""
         for name in ("tensor_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -80,29 +95,49 @@ class EngineConfig:
         if not isinstance(self.data_parallel_rank, int) or not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.data_parallel_size}) "
                              f"(data_parallel_size), got {self.data_parallel_rank!r}")
+
+    def _check_grid_sizes(self) -> None:
+        """The grid and pool sizes: None (derived) or a positive integer."""
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    def _check_limits(self) -> None:
+        """The per-request logprobs limit, the latency target and the memory share."""
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if self.max_itl_ms is not None and (isinstance(self.max_itl_ms, bool) or not self.max_itl_ms > 0):
             raise ValueError(f"max_itl_ms must be a positive number of milliseconds, got {self.max_itl_ms!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.compile_cache_dir is not None:  # "" is allowed: no persistent cache
-            if not isinstance(self.compile_cache_dir, str | os.PathLike):
-                raise ValueError(f"compile_cache_dir must be a directory path, got {self.compile_cache_dir!r}")
-            object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
+
+    def _check_compile_cache_dir(self) -> None:
+        """None (the default directory), "" (no persistent cache) or a path, kept as a string."""
+        if self.compile_cache_dir is None:
+            return
+        if not isinstance(self.compile_cache_dir, str | os.PathLike):
+            raise ValueError(f"compile_cache_dir must be a directory path, got {self.compile_cache_dir!r}")
+        object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
+
+    def _check_switches(self) -> None:
         for name in ("strict_no_compile", "enable_prefix_caching", "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _parse_nested_configs(self) -> None:
+        """`speculative_config` and `kv_events_config` as their configs (from a dict or a JSON object), or None."""
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+
+    def _check_storage_formats(self) -> None:
+        """The quantization scheme of the weights and the KV cache's dtype."""
         parse_quantization(self.quantization)  # a ValueError naming the schemes
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: "
                              f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
+
+    def _check_async_scheduling(self) -> None:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
 
