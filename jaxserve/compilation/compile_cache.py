@@ -43,7 +43,7 @@ from typing import Any
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
-from jaxserve.config import ModelConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid, BucketSpec
 from jaxserve.user_cache import cache_root
 

@@ -43,7 +43,8 @@ from jaxserve.compilation.compile_cache import (
 )
 from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
-from jaxserve.config import EngineConfig, KVEventsConfig
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.kv_events_config import KVEventsConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.scheduler import Scheduler

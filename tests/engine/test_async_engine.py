@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from jaxserve import AsyncLLMEngine, SamplingParams
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from tests.hf_tiny import make_tiny_model, small_bucket_file
 
 

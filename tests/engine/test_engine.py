@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.compilation.compile_cache import num_backend_compiles
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.llm_engine import resolve_async_scheduling
 from tests.hf_tiny import VOCAB, make_tiny_model, small_bucket_file
 from tests.paths import SHARED_WORKLOADS

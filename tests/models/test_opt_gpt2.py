@@ -11,7 +11,7 @@ import pytest
 from flax.traverse_util import flatten_dict
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ModelConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.weights import load_model
 from tests.forward import PagedForward
 from tests.hf_tiny import hf_greedy, hf_logits, make_tiny_model, small_bucket_file

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import parse_quantization
+from jaxserve.config.quantization_config import parse_quantization
 from jaxserve.quantization.weights import quantize_params
 from jaxserve.weights import load_model
 from jaxserve.weights.compressed_tensors import checkpoint_scheme, quantization_config, write_compressed_tensors

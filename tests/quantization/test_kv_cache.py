@@ -19,7 +19,7 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention.kv_cache import FP8_KV_MAX, kv_storage_dtype, kv_value_dtype, pool_values, to_pool_dtype
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.weights import load_model
 from jaxserve.weights.compressed_tensors import write_kv_cache_scales
 from tests.hf_tiny import TINY_64, greedy_continuation, make_tiny_model, small_bucket_file

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import QUANTIZATION_CHOICES, QuantScheme, parse_quantization
+from jaxserve.config.quantization_config import QUANTIZATION_CHOICES, QuantScheme, parse_quantization
 from jaxserve.quantization.weights import QUANTIZED_LINEARS, dequantize_kernel, quantize_kernel, quantize_params
 from jaxserve.weights import load_model
 from tests.forward import PagedForward
