@@ -27,7 +27,7 @@ _EXPORTS = {
     "BeamSearchSequence": "jaxserve.outputs",
     "LLMEngine": "jaxserve.engine.llm_engine",
     "AsyncLLMEngine": "jaxserve.engine.async_engine",
-    "EngineConfig": "jaxserve.config",
+    "EngineConfig": "jaxserve.config.engine_config",
 }
 
 __all__ = list(_EXPORTS)

@@ -15,7 +15,7 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.chat_template import is_batch_of_conversations, render_chat
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput

@@ -59,7 +59,7 @@ def workload(num: int) -> list[tuple[list[int], int]]:
 def run_host(model: str, args, out: Path) -> None:
     import jax
 
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
     from jaxserve.distributed import host_links
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.replication import serving_hosts

@@ -51,7 +51,7 @@ def child_start(args: argparse.Namespace) -> dict:
 def child_precompile(args: argparse.Namespace) -> dict:
     """A cold precompile with ``args.threads`` threads in this (fresh) process."""
     from jaxserve.compilation.precompile import precompile
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
 
     cpu_before = time.process_time()
     result = precompile(

@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxserve.compilation.targets import resolve_target  # noqa: E402
-from jaxserve.config import GGUF_GROUP_SIZE, parse_quantization  # noqa: E402
+from jaxserve.config.quantization_config import GGUF_GROUP_SIZE, parse_quantization  # noqa: E402
 from jaxserve.models.common import matmul  # noqa: E402
 from jaxserve.quantization.matmul import grouped_matmul, quantized_matmul  # noqa: E402
 

@@ -28,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from jaxserve.compilation.target_compile import compile_for_target  # noqa: E402
-from jaxserve.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, EngineConfig  # noqa: E402
+from jaxserve.config.engine_config import EngineConfig  # noqa: E402
+from jaxserve.config.quantization_config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES  # noqa: E402
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxserve, not an installed one
 
-from jaxserve.config import QUANTIZATION_CHOICES  # noqa: E402
+from jaxserve.config.quantization_config import QUANTIZATION_CHOICES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+from jaxserve.config.quantization_config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 from jaxserve.entrypoints.cli import chat_prompt_ids
 
 CHATS = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "chat_questions.jsonl"

@@ -9,7 +9,7 @@ from pathlib import Path
 import uvicorn
 
 from jaxserve import AsyncLLMEngine
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_core.core_client import AsyncMPEngine, ServerEngine
 from jaxserve.entrypoints.api_server import build_app

@@ -272,3 +272,10 @@ def test_no_script_imports_the_tests():
     importing = [path.name for path in sorted((REPO_ROOT / "scripts").rglob("*.py"))
                  if any(module.split(".")[0] == "tests" for module, _ in _import_statements(path))]
     assert importing == []
+
+
+def test_the_package_imports_configuration_from_its_topic_modules():
+    """`jaxserve.config` re-exports its topics for users; the package itself names the module that holds each."""
+    through_the_root = [name for name, deps in sorted(GRAPH.items())
+                        if "jaxserve.config" in deps and _group(name) != "jaxserve.config"]
+    assert through_the_root == []

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.precision import bf16_matrix_unit, cpu_flags, resolve_dtype, resolve_engine_dtype
 
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"

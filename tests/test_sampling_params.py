@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 

@@ -43,7 +43,7 @@ from typing import Any
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
-from jaxserve.config import ModelConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid, BucketSpec
 from jaxserve.user_cache import cache_root
 
@@ -60,7 +60,7 @@ CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # JAX records it when
 STEP_CODE = (
     "jaxserve/runner", "jaxserve/models", "jaxserve/attention", "jaxserve/quantization",
     "jaxserve/distributed/sharding.py",
-    "jaxserve/math_utils.py", "jaxserve/config.py", "kernels_pallas", "kernels_cpu",
+    "jaxserve/math_utils.py", "jaxserve/config", "kernels_pallas", "kernels_cpu",
 )
 _ROOT = Path(__file__).resolve().parents[2]  # the directory that holds jaxserve/ and the kernel packages
 

@@ -29,7 +29,8 @@ from jaxserve.compilation.compile_cache import (
 )
 from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport, compile_buckets, use_compile_cache
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
 from jaxserve.distributed.sharding import engine_mesh

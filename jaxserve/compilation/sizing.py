@@ -27,7 +27,8 @@ import jax
 from jax.sharding import Mesh
 
 from jaxserve.attention.kv_cache import kv_scale_bytes, kv_value_dtype
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid, load_bucket_spec
 from jaxserve.distributed.sharding import per_device_bytes
 from jaxserve.logger import init_logger

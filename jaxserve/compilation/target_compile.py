@@ -32,7 +32,7 @@ from jaxserve.compilation.executable_store import ExecutableStore
 from jaxserve.compilation.precompile import abstract_params
 from jaxserve.compilation.sizing import engine_bucket_grid, largest_of_each_kind
 from jaxserve.compilation.targets import CompileTarget, auto_tensor_parallel_size, resolve_target
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.distributed.sharding import TP_AXIS, check_tensor_parallel
 from jaxserve.logger import init_logger

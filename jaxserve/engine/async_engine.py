@@ -17,7 +17,7 @@ from http import HTTPStatus
 from typing import Protocol
 
 from jaxserve.compilation.compile_cache import num_backend_compiles
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.engine_info import EngineInfo
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.logger import init_logger

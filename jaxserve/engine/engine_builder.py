@@ -26,7 +26,8 @@ from jaxserve.compilation.compile_cache import (
 from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.step_costs import measure_mixed_costs
 from jaxserve.compilation.warm_up import WarmUpReport, compile_buckets, use_compile_cache
-from jaxserve.config import EngineConfig, KVEventsConfig
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.kv_events_config import KVEventsConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.core.scheduler import Scheduler

@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from jaxserve.config import KVEventsConfig
+from jaxserve.config.kv_events_config import KVEventsConfig
 from jaxserve.core.prefix_cache import AllBlocksCleared, BlocksRemoved, BlocksStored
 from jaxserve.logger import init_logger
 

@@ -32,7 +32,7 @@ import time
 
 from jaxserve.compilation.compile_cache import CompileCounts, thread_compile_counts
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence
 from jaxserve.engine.beam_search import BeamSearchGroup

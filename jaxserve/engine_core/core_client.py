@@ -27,7 +27,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, OutputObserver, settle
 from jaxserve.engine.engine_info import EngineInfo
 from jaxserve.engine_core import core_messages as msg

@@ -22,7 +22,7 @@ import jax
 import zmq
 
 from jaxserve.compilation.compile_cache import num_backend_compiles
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.engine_info import EngineInfo
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_core import core_messages as msg

@@ -18,7 +18,7 @@ import dataclasses
 import os
 from collections.abc import AsyncIterator
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.async_engine import OutputObserver
 from jaxserve.engine_core.core_client import AsyncMPEngine
 from jaxserve.metrics.stats import StatsSnapshot, combined

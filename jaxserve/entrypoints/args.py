@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxserve.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, EngineConfig
+from jaxserve.config.engine_config import DTYPE_CHOICES, EngineConfig
+from jaxserve.config.quantization_config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 from jaxserve.entrypoints.chat_output import ChatParserOptions
 from jaxserve.entrypoints.reasoning_parsers import REASONING_PARSERS
 from jaxserve.entrypoints.tool_parsers import TOOL_PARSERS

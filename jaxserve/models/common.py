@@ -31,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.attention.backends import AttentionBackend
 from jaxserve.attention.kv_cache import write_kv
 from jaxserve.attention.metadata import AttentionMetadata
-from jaxserve.config import GEMMA_FAMILIES, KV_SCALE_NAMES, ModelConfig, QuantScheme
+from jaxserve.config.model_config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.config.quantization_config import KV_SCALE_NAMES, QuantScheme
 from jaxserve.distributed.sharding import TP_AXIS
 from jaxserve.models.norms import RMSNorm
 from jaxserve.models.rotary import apply_rotary

@@ -6,7 +6,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxserve.config import QuantScheme
+from jaxserve.config.quantization_config import QuantScheme
 from jaxserve.models.common import ACTIVATIONS, dense
 
 

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import QuantScheme
+from jaxserve.config.quantization_config import QuantScheme
 from jaxserve.distributed.sharding import TP_AXIS, check_divisible
 from jaxserve.models.common import ACTIVATIONS, matmul
 

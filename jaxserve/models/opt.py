@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from jaxserve.attention.backends import AttentionBackend
 from jaxserve.attention.metadata import AttentionMetadata, token_layout
-from jaxserve.config import ModelConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.models.common import ACTIVATIONS, Attention, dense, embedding, layer_stack
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import RopeConfig
+from jaxserve.config.rope_config import RopeConfig
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

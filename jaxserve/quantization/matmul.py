@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 
-from jaxserve.config import FP8_E4M3_MAX, INT8_MAX, QuantScheme
+from jaxserve.config.quantization_config import FP8_E4M3_MAX, INT8_MAX, QuantScheme
 from jaxserve.quantization.weights import dequantize_groups
 
 

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxserve.config import ModelConfig, QuantScheme, parse_quantization
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.config.quantization_config import QuantScheme, parse_quantization
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MOE_BLOCK_KEY = "experts"  # a module holding this key is a MoE block: only its experts are quantized

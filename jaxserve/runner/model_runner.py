@@ -41,7 +41,8 @@ from flax import struct
 from jaxserve.attention.backends import get_attention_backend
 from jaxserve.attention.kv_cache import INT8_KV_DTYPE, ScaledPages, kv_storage_dtype, kv_value_dtype, pool_page_shape
 from jaxserve.attention.metadata import AttentionMetadata, row_offsets, token_layout
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.distributed.sharding import (
     check_tensor_parallel,

@@ -21,7 +21,8 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.core.schedule import Schedule
 from jaxserve.core.sequence import Sequence

@@ -1,1 +1,2 @@
-"""Speculative decoding: proposers of draft tokens (host side); configured by `jaxserve.config.SpeculativeConfig`."""
+"""Speculative decoding: proposers of draft tokens (host side); configured by
+`jaxserve.config.speculative_config.SpeculativeConfig`."""

@@ -29,7 +29,8 @@ import time
 
 import numpy as np
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence
 from jaxserve.runner.input_batch import prepare_step_inputs, step_shape

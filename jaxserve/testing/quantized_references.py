@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.config import QuantScheme
+from jaxserve.config.quantization_config import QuantScheme
 from jaxserve.quantization.weights import QUANTIZED_LINEARS, dequantize_kernel, quantize_kernel
 
 PROMPTS = [[5, 77, 140, 9, 33, 201, 18, 64, 7, 120, 99], [250, 3, 41]]

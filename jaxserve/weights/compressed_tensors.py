@@ -27,7 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxserve.config import KV_SCALE_NAMES, QuantScheme, parse_quantization
+from jaxserve.config.quantization_config import KV_SCALE_NAMES, QuantScheme, parse_quantization
 from jaxserve.quantization.weights import (
     GROUP_SCALE,
     QUANTIZED_LINEARS,

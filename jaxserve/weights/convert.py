@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxserve.config import GEMMA_FAMILIES, KV_SCALE_NAMES, ModelConfig
+from jaxserve.config.model_config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.config.quantization_config import KV_SCALE_NAMES
 from jaxserve.quantization.weights import GROUP_OFFSET
 
 TensorGetter = Callable[[str], np.ndarray]

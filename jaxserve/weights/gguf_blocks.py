@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.config import GGUF_GROUP_SIZE
+from jaxserve.config.quantization_config import GGUF_GROUP_SIZE
 from jaxserve.quantization.weights import QuantizedTensor, quantize_groups
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import ModelConfig, parse_quantization
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.config.quantization_config import parse_quantization
 from jaxserve.quantization.weights import QuantizedTensor, grouped_experts_refusal
 from jaxserve.weights.convert import params_from_hf
 from jaxserve.weights.gguf_blocks import grouped_codes

@@ -24,7 +24,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.config import ModelConfig, QuantScheme, RopeConfig
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.config.quantization_config import QuantScheme
+from jaxserve.config.rope_config import RopeConfig
 
 MARKER_FILE = "jaxserve_checkpoint.json"
 PARAMS_DIR = "params"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.weights.compressed_tensors import CheckpointTensors, checkpoint_scheme, has_kv_cache_scales
 from jaxserve.weights.convert import hf_name_alternatives, hf_param_names, params_from_hf
 

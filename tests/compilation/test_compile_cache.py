@@ -38,7 +38,7 @@ from jaxserve.compilation.compile_cache import (
 from jaxserve.compilation.executable_store import STORE_DIR_NAME, ExecutableStore, store_key
 from jaxserve.compilation.precompile import abstract_params, precompile
 from jaxserve.compilation.sizing import DEFAULT_CPU_KV_BLOCKS, engine_bucket_grid
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.distributed.sharding import make_mesh
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.args import engine_config_from_args

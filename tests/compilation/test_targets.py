@@ -19,7 +19,7 @@ from jaxserve.compilation.executable_store import STORE_DIR_NAME
 from jaxserve.compilation.sizing import largest_of_each_kind
 from jaxserve.compilation.target_compile import compile_for_target, target_dtype
 from jaxserve.compilation.targets import auto_tensor_parallel_size, resolve_target
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.entrypoints.cli import main
 from jaxserve.runner.input_batch import StepShape
 from tests.paths import load_script

@@ -12,7 +12,7 @@ import time
 import jax
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.distributed.multihost import distributed_init_requested, distributed_settings, join_timeout_s
 from jaxserve.distributed.sharding import engine_mesh, param_spec
 from jaxserve.entrypoints.args import engine_config_from_args

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from jaxserve import AsyncLLMEngine, SamplingParams
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.testing.small_buckets import small_bucket_file
 from jaxserve.testing.tiny_models import make_tiny_model
 

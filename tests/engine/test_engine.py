@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.compilation.compile_cache import num_backend_compiles
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.engine_builder import resolve_async_scheduling
 from jaxserve.testing.small_buckets import small_bucket_file
 from jaxserve.testing.tiny_models import VOCAB, make_tiny_model

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import zmq
 
-from jaxserve.config import KVEventsConfig
+from jaxserve.config.kv_events_config import KVEventsConfig
 from jaxserve.engine.kv_events import (
     END_OF_REPLAY,
     KVEventPublisher,

@@ -217,7 +217,7 @@ def test_a_latency_target_measures_every_mixed_shape_and_changes_no_token(model_
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, True])
 def test_max_itl_ms_must_be_a_positive_number(bad):
-    from jaxserve.config import EngineConfig
+    from jaxserve.config.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match="max_itl_ms must be a positive number of milliseconds"):
         EngineConfig(max_itl_ms=bad)

@@ -15,7 +15,8 @@ import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig, KVEventsConfig
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.kv_events_config import KVEventsConfig
 from jaxserve.distributed.sharding import engine_mesh
 from jaxserve.engine_core.data_parallel import DataParallelEngine
 from jaxserve.entrypoints.api_server import build_app, start_engine

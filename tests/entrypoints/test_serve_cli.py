@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.entrypoints import api_server, cli, launcher
 from jaxserve.entrypoints.args import ENGINE_CORE_PROCESS, ENGINE_FLAGS, SERVER_MAX_ITL_MS, engine_config_from_args
 from jaxserve.testing.small_buckets import small_bucket_file

@@ -133,7 +133,7 @@ def test_longrope_matches_transformers(long_context, tmp_path):
 
 
 def test_longrope_factors_must_cover_the_rotary_dimension(tmp_path):
-    from jaxserve.config import ModelConfig
+    from jaxserve.config.model_config import ModelConfig
 
     hf = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 32, "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 1, "num_attention_heads": 4, "partial_rotary_factor": 0.5,

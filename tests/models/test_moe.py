@@ -23,7 +23,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from jaxserve.config import ModelConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.distributed.sharding import check_tensor_parallel, param_spec
 from jaxserve.models.moe import SparseMoeBlock, route
 from tests.paths import REPO_ROOT, assert_checks_pass_on_cpu_devices

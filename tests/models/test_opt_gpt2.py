@@ -11,7 +11,7 @@ import pytest
 from flax.traverse_util import flatten_dict
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ModelConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.testing.hf_reference import hf_greedy, hf_logits
 from jaxserve.testing.small_buckets import small_bucket_file
 from jaxserve.testing.tiny_models import make_tiny_model

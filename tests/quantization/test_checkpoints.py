@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import parse_quantization
+from jaxserve.config.quantization_config import parse_quantization
 from jaxserve.quantization.weights import quantize_params
 from jaxserve.testing.small_buckets import small_bucket_file
 from jaxserve.testing.tiny_models import make_tiny_model

@@ -20,7 +20,7 @@ import transformers
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import parse_quantization
+from jaxserve.config.quantization_config import parse_quantization
 from jaxserve.distributed.sharding import check_tensor_parallel, param_spec
 from jaxserve.models.common import matmul
 from jaxserve.quantization.matmul import grouped_matmul

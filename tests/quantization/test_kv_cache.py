@@ -19,7 +19,7 @@ import transformers
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention.kv_cache import kv_storage_dtype, kv_value_dtype, pool_values, to_pool_dtype
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.testing.hf_reference import greedy_continuation
 from jaxserve.testing.rounding_caches import KV_SCALES, Fp8RoundingCache, ScaledFp8RoundingCache
 from jaxserve.testing.small_buckets import small_bucket_file

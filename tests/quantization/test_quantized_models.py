@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import QUANTIZATION_CHOICES, QuantScheme, parse_quantization
+from jaxserve.config.quantization_config import QUANTIZATION_CHOICES, QuantScheme, parse_quantization
 from jaxserve.quantization.weights import dequantize_kernel, quantize_kernel, quantize_params
 from jaxserve.testing.hf_reference import greedy_continuation
 from jaxserve.testing.quantized_references import MAX_TOKENS, PROMPTS, hf_quantized

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from scipy.stats import chi2_contingency
 
 from jaxserve import SamplingParams, StructuredOutputsParams
-from jaxserve.config import SpeculativeConfig
+from jaxserve.config.speculative_config import SpeculativeConfig
 from jaxserve.engine.engine_builder import make_proposer
 from jaxserve.metrics.prometheus import ServingMetrics
 from jaxserve.metrics.stat_logger import StatLogger

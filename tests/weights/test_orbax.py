@@ -87,7 +87,7 @@ def test_llm_serves_the_checkpoint_with_the_same_greedy_tokens(llama_dirs, tmp_p
 
 
 def test_a_quantized_checkpoint_keeps_its_stored_values_in_any_serving_dtype(llama_dirs, tmp_path):
-    from jaxserve.config import parse_quantization
+    from jaxserve.config.quantization_config import parse_quantization
     from jaxserve.quantization.weights import quantize_params
 
     hf_dir, _ = llama_dirs
