@@ -3,7 +3,7 @@ every row's cached K/V) over the device's measured copy bandwidth.
 
 Builds the engine on `--model` with `--buckets`, fills each chosen decode bucket's rows with `--cached` tokens
 on pages of their own (no two rows share a page, so every K/V byte is read from memory) and times the step
-through `ModelRunner.execute` (`compilation/step_costs.py`: median of 30 after one untimed, the host's dispatch
+through `ModelRunner.execute` (`runner/step_costs.py`: median of 30 after one untimed, the host's dispatch
 included, the sampler included). Bandwidth: a jitted elementwise copy of 1 GiB (bytes read + written), in the
 same run, and the data sheet's HBM figure where the device is known. Prints, per bucket: step ms, weight and
 K/V GB read, roofline ms at the measured and at the data-sheet bandwidth, and step / roofline for each.
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
 
     from jaxserve import LLM
     from jaxserve.compilation.sizing import kv_bytes_per_block
-    from jaxserve.compilation.step_costs import median_step_seconds
+    from jaxserve.runner.step_costs import median_step_seconds
 
     llm = LLM(args.model, dtype=args.dtype, buckets=args.buckets, max_model_len=args.max_model_len,
               num_kv_blocks=args.num_kv_blocks)

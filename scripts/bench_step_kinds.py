@@ -2,7 +2,7 @@
 
 Builds the engine twice on ``MODEL`` with ``BUCKETS`` (bfloat16; without, then with n-gram speculation, K = 4) and
 times each decode bucket (every row at 300 cached tokens) and each mixed bucket (the warm-up probe's rows,
-`compilation/step_costs.py`) through `ModelRunner.execute`, 30 runs after one untimed: the median milliseconds, the
+`runner/step_costs.py`) through `ModelRunner.execute`, 30 runs after one untimed: the median milliseconds, the
 host's dispatch included, no engine loop. It separates what a step kind costs on the device from the engine's
 host work (scripts/bench_draft_bounds.py measures both together).
 
@@ -16,13 +16,13 @@ import sys
 import numpy as np
 
 from jaxserve import LLM
-from jaxserve.compilation.step_costs import median_step_seconds, probe_inputs
 from jaxserve.runner.input_batch import StepInputs, step_shape
 from jaxserve.runner.sampler import SamplingTensors
+from jaxserve.runner.step_costs import median_step_seconds, probe_inputs
 
 
 def timed(runner, bucket, inputs) -> float:
-    """Median milliseconds of one step (`compilation/step_costs.py`'s timing, 30 runs)."""
+    """Median milliseconds of one step (`runner/step_costs.py`'s timing, 30 runs)."""
     return 1e3 * median_step_seconds(runner, bucket, inputs, runs=30)
 
 

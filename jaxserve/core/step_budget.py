@@ -3,7 +3,7 @@
 While sequences decode, every step holds their rows, so a step's duration is their inter-token latency. The
 scheduler (`scheduler.py`) asks ``StepBudget.mixed_tokens(num_decode_rows)`` before it adds prefill chunks
 to a step with decode rows. With a target (``max_itl_ms``, `jaxserve serve --max-itl-ms`) and costs measured
-on the bucket executables at warm-up (`StepCosts`, `compilation/step_costs.py`), the ceiling is the largest mixed
+on the bucket executables at warm-up (`StepCosts`, `runner/step_costs.py`), the ceiling is the largest mixed
 bucket whose step stays within the target, and under it the step follows the queue: the prompts waiting to be
 prefilled in one step, or in two where the measured costs say two smaller steps cost less than one padded
 one (at least the untargeted budget either way). So a light queue runs steps sized to it (a lone prompt stalls

@@ -6,7 +6,7 @@ loads and quantizes the model (and a draft model), sizes the bucket grid and the
 (`compilation/sizing.py`), and builds the block manager, the scheduler, the step runner (`runner/step_runner.py`),
 the draft proposer and the KV event publisher. `warm_up_engine` then compiles, or loads from the compile cache,
 every bucket's executable (`compilation/warm_up.py`) and, with a latency target, gives the scheduler the step
-budget that the measured step costs allow (`compilation/step_costs.py`). After it nothing compiles.
+budget that the step runner's measured step costs allow (`runner/step_costs.py`). After it nothing compiles.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from jaxserve.compilation.compile_cache import (
     use_persistent_cache,
 )
 from jaxserve.compilation.sizing import engine_bucket_grid
-from jaxserve.compilation.step_costs import measure_mixed_costs
 from jaxserve.compilation.warm_up import WarmUpReport, compile_buckets, use_compile_cache
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.kv_events_config import KVEventsConfig
@@ -128,7 +127,7 @@ def _measure_step_costs(parts: EngineParts) -> None:
     """With a latency target, times the mixed buckets and gives the scheduler the budget they allow."""
     if parts.config.max_itl_ms is None or not parts.grid.has_mixed:
         return
-    costs = measure_mixed_costs(parts.runner.model, parts.grid.mixed_buckets)
+    costs = parts.runner.measure_mixed_costs(parts.grid.mixed_buckets)
     logger.info("%s", costs.format_table())
     budget = StepBudget(parts.grid, parts.scheduler.max_num_batched_tokens, parts.config.max_itl_ms, costs)
     parts.scheduler.step_budget = budget

@@ -85,6 +85,9 @@ class LLMEngine:
         self.stat_logger = None if self.config.disable_log_stats else StatLogger(self.make_stats())
         self.step_trace = StepTrace.from_env()
         self._rng = random.Random(self.config.seed)
+        self.eos_token_ids = set(self.model_config.eos_token_id)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.context, self.limits = self._request_context()
         if warm_up:
             self.warm_up()
@@ -99,9 +102,6 @@ class LLMEngine:
 
     def _request_context(self) -> tuple[EngineContext, EngineLimits]:
         """What request groups read of the engine, and the limits requests are checked against."""
-        self.eos_token_ids = set(self.model_config.eos_token_id)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
         vocab_size = self.model_config.vocab_size
         context = EngineContext(
             tokenizer=self.tokenizer, texts=TokenTexts(self.tokenizer), eos_token_ids=frozenset(self.eos_token_ids),
@@ -284,22 +284,22 @@ class LLMEngine:
         if schedule.num_draft_tokens:
             self.proposer.fill_drafts(rows)  # a draft model's tokens, now that the rows' blocks are allocated
         requests = [self.requests[seq.request_id] for seq, _, _ in rows]
-        launched = self.step_runner.launch(schedule, requests, self.block_manager.take_pending_copies())
+        launched = self.step_runner.launch(schedule.bucket, rows, requests, self.block_manager.take_pending_copies())
         self._check_no_compile(compiles_before, schedule)
         step = InFlightStep(launched, [], [])
-        self._advance(schedule, step)
+        self._advance(schedule, rows, step)
         self._count_step(schedule)
         if self.step_trace is not None:
             step.trace = self.step_trace.launched(schedule, started, self.scheduler.num_waiting_requests,
                                                   self.scheduler.num_running_requests)
         return step
 
-    def _advance(self, schedule: Schedule, step: InFlightStep) -> None:
-        """The dispatched step's rows count as computed; each row that samples announces its token to its group
-        (a placeholder) and is recorded in ``step`` for `_complete`."""
+    def _advance(self, schedule: Schedule, rows: list[tuple[Sequence, int, int]], step: InFlightStep) -> None:
+        """The dispatched step's rows (``schedule``'s, as planned) count as computed; each row that samples
+        announces its token to its group (a placeholder) and is recorded in ``step`` for `_complete`."""
         sampling_rows = set(schedule.advance())
         launched: dict[str, RequestGroup] = {}
-        for row, (seq, start, num_tokens) in enumerate(schedule.rows):
+        for row, (seq, start, num_tokens) in enumerate(rows):
             self.block_manager.cache_blocks(seq)  # later steps that hit them run after this one on the device
             group = self.requests[seq.request_id]
             if step.launched.wants_prompt_logprobs(row):

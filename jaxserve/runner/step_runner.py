@@ -1,16 +1,16 @@
 """The runner's step interface: what the request loop hands the device side each step, and what it gets back.
 
 Place in the data flow, in the shape of vLLM V1's `execute_model` -> sample -> `update_from_output`: the engine
-(`engine/llm_engine.py`) takes a `Schedule` from the scheduler and calls `StepRunner.launch` with each row's
-request (a `RowRequest`: its sampling values, sampler slot rows and grammar state). The step runner owns everything
-between that and the device: the sampler slots of the running sequences (`SlotTable`; assigned, copied on forks,
-freed), the copy-on-write copies before the step, the step's padded inputs (`input_batch.py`) and the sampler's
-packing, the feeding of the previous step's tokens into rows whose last token is still on the device (async
-scheduling), and the `ModelRunner` call. It returns a `LaunchedStep` at once, without waiting for the device.
-A constrained row whose grammar waits for the previous step's token is dispatched taking its argmax; once the host
-knows its mask, `resample` samples the step's rows again from its logits, on the device. `collect` waits for a
-step and gives a `StepResult` on the host: each row's tokens (a verifying step's accepted drafts, then its token)
-with their logprobs, and the prompt logprobs of the rows that asked.
+(`engine/llm_engine.py`) takes a `Schedule` from the scheduler and calls `StepRunner.launch` with its bucket, its
+rows and each row's request (a `RowRequest`: its sampling values, sampler slot rows and grammar state). The step
+runner owns everything between that and the device: the sampler slots of the running sequences (`SlotTable`;
+assigned, copied on forks, freed), the copy-on-write copies before the step, the step's padded inputs
+(`input_batch.py`) and the sampler's packing, the feeding of the previous step's tokens into rows whose last token is
+still on the device (async scheduling), and the `ModelRunner` call. It returns a `LaunchedStep` at once, without
+waiting for the device. A constrained row whose grammar waits for the previous step's token is dispatched taking its
+argmax; once the host knows its mask, `resample` samples the step's rows again from its logits, on the device.
+`collect` waits for a step and gives a `StepResult` on the host: each row's tokens (a verifying step's accepted
+drafts, then its token) with their logprobs, and the prompt logprobs of the rows that asked.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ import numpy as np
 
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.model_config import ModelConfig
-from jaxserve.core.buckets import BucketGrid
-from jaxserve.core.schedule import Schedule
+from jaxserve.core.buckets import BucketGrid, MixedBucket
 from jaxserve.core.sequence import Sequence
-from jaxserve.runner.input_batch import StepInputs, initial_token_counts, prepare_step_inputs, step_shape
+from jaxserve.core.step_budget import StepCosts
+from jaxserve.runner.input_batch import Row, StepInputs, initial_token_counts, prepare_step_inputs, step_shape
 from jaxserve.runner.model_runner import ModelRunner, StepOutput
 from jaxserve.runner.sampler import FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SamplingRow, SamplingTensors
 from jaxserve.runner.sampler_state import SlotTable
+from jaxserve.runner.spec_verify import VerifyInputs
+from jaxserve.runner.step_costs import measure_mixed_costs
 
 
 @dataclasses.dataclass
@@ -66,7 +68,7 @@ class LaunchedStep:
     output: StepOutput
     sampling: SamplingTensors  # the rows' sampling inputs as the step would have sampled them (host arrays)
     query_starts: np.ndarray | None  # ragged steps: each row's first token in the step's flat input
-    verify: object | None  # a verifying step's `VerifyInputs` (host arrays): its sample positions and drafts
+    verify: VerifyInputs | None  # a verifying step's sample positions and drafts (host arrays)
     late_mask_rows: frozenset[int]  # rows that took their argmax: their masks waited for the previous step
 
     @property
@@ -134,6 +136,10 @@ class StepRunner:
                    mesh: jax.sharding.Mesh) -> StepRunner:
         return cls(ModelRunner.for_engine(model_config, params, config, grid, mesh), grid, model_config.vocab_size)
 
+    def measure_mixed_costs(self, buckets: list[MixedBucket]) -> StepCosts:
+        """Each mixed bucket's median step time on synthetic rows (`step_costs.py`), for the step budget."""
+        return measure_mixed_costs(self.model, buckets)
+
     # ----- sequences ----------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` copies ``parent``'s sampler slot (if it has one) before the next step."""
@@ -146,19 +152,18 @@ class StepRunner:
         self.slots.release(seq.seq_id)
 
     # ----- one step -----------------------------------------------------------------------------
-    def launch(self, schedule: Schedule, requests: list[RowRequest],
+    def launch(self, bucket, rows: list[Row], requests: list[RowRequest],
                block_copies: list[tuple[int, int]]) -> LaunchedStep:
-        """Dispatches ``schedule``'s step (``requests[i]``: row i's request) after the KV blocks' copy-on-write
-        ``block_copies`` (src, dst); returns at once."""
-        rows = schedule.rows
+        """Dispatches a `Schedule`'s step, its ``bucket`` and ``rows`` (``requests[i]``: row i's request), after
+        the KV blocks' copy-on-write ``block_copies`` (src, dst); returns at once."""
         self._sync_device_state(rows, requests, block_copies)
-        inputs = self._inputs(schedule, rows, requests)
+        inputs = self._inputs(bucket, rows, requests)
         late = frozenset(i for i, ((seq, start, num_tokens), request) in enumerate(zip(rows, requests, strict=True))
                          if start + num_tokens == seq.num_tokens and request.mask_waits(seq))
         sampling = inputs.sampling
         if late:  # sampled in `resample`, once the masks are known
             inputs = dataclasses.replace(inputs, sampling=sampling.argmax_only())
-        output = self.model.execute(schedule.bucket, inputs, self._fed_tokens)
+        output = self.model.execute(bucket, inputs, self._fed_tokens)
         self._fed_tokens = output.tokens
         self._fed_rows = {seq.seq_id: row for row, (seq, _, _) in enumerate(rows)}
         return LaunchedStep(output, sampling, inputs.query_starts, inputs.verify, late)
@@ -180,15 +185,16 @@ class StepRunner:
         num_accepted = None if output.num_accepted is None else np.asarray(output.num_accepted)
         return StepResult(step, tokens, logprobs, prompt, num_accepted)
 
-    def _inputs(self, schedule: Schedule, rows, requests: list[RowRequest]) -> StepInputs:
+    def _inputs(self, bucket, rows: list[Row], requests: list[RowRequest]) -> StepInputs:
         """The step's padded inputs, each row's sampling values with its sampler slot."""
         sampling_rows = [dataclasses.replace(request.sampling_row(seq, start, num_tokens),
                                              slot=self.slots.get(seq.seq_id))
                          for (seq, start, num_tokens), request in zip(rows, requests, strict=True)]
-        return prepare_step_inputs(rows, step_shape(schedule.bucket, self.block_size), sampling_rows, self._fed_rows,
+        return prepare_step_inputs(rows, step_shape(bucket, self.block_size), sampling_rows, self._fed_rows,
                                    self.slots.no_slot, self.vocab_size)
 
-    def _sync_device_state(self, rows, requests: list[RowRequest], block_copies: list[tuple[int, int]]) -> None:
+    def _sync_device_state(self, rows: list[Row], requests: list[RowRequest],
+                           block_copies: list[tuple[int, int]]) -> None:
         """Before the step: copy-on-write copies (KV blocks, forked sampler slots), then new slots' reset."""
         writes = []
         for (seq, start, _), request in zip(rows, requests, strict=True):

@@ -86,6 +86,11 @@ def _decode(*seqs: Sequence) -> Schedule:
     return Schedule(decode_seqs=list(seqs), bucket=DecodeBucket(2, 8))
 
 
+def _launch(runner: StepRunner, schedule: Schedule, requests: list[Request], block_copies) -> LaunchedStep:
+    """What the engine does: the schedule's bucket and rows, as planned, with each row's request."""
+    return runner.launch(schedule.bucket, schedule.rows, requests, block_copies)
+
+
 def _sampled(schedule: Schedule) -> None:
     """What the engine does after a launch: the rows count as computed and each sampling row gets a placeholder."""
     for row in schedule.advance():
@@ -95,14 +100,14 @@ def _sampled(schedule: Schedule) -> None:
 def test_a_sequence_with_penalties_gets_a_slot_written_once_and_freed_on_release():
     runner, model = _runner()
     seq = Sequence("a", [3, 4, 5])
-    step = runner.launch(_prefill(seq), [Request(bias=2.0)], [])
+    step = _launch(runner, _prefill(seq), [Request(bias=2.0)], [])
     (_, slot, bias, prompt_mask), = model.named("write_slot")
     assert slot == runner.slots.get(seq.seq_id) == 0 and bias[0] == 2.0
     np.testing.assert_array_equal(np.flatnonzero(prompt_mask), [3, 4, 5])
     assert step.sampling.ints[0, SLOT] == 0
     seq.num_computed_tokens = 3
     seq.output_token_ids.append(7)
-    runner.launch(_decode(seq), [Request(bias=2.0)], [])
+    _launch(runner, _decode(seq), [Request(bias=2.0)], [])
     assert len(model.named("write_slot")) == 1  # the slot is kept, not written again
     runner.release(seq)
     assert runner.slots.get(seq.seq_id) is None and runner.slots.num_free == 3
@@ -111,15 +116,15 @@ def test_a_sequence_with_penalties_gets_a_slot_written_once_and_freed_on_release
 def test_a_fork_copies_its_parents_slot_with_the_blocks_before_the_next_step():
     runner, model = _runner()
     parent, child, plain = Sequence("a", [3, 4]), Sequence("a", [3, 4]), Sequence("b", [6])
-    runner.launch(_prefill(parent), [Request(bias=1.0)], [])
+    _launch(runner, _prefill(parent), [Request(bias=1.0)], [])
     runner.fork(parent, child)
     runner.fork(plain, Sequence("b", [6]))  # no slot to copy
     child_slot = runner.slots.get(child.seq_id)
     assert child_slot == 1 and runner.slots.num_free == 1
-    runner.launch(_prefill(child), [Request(bias=1.0)], [(5, 6)])
+    _launch(runner, _prefill(child), [Request(bias=1.0)], [(5, 6)])
     assert model.named("copy_blocks") == [("copy_blocks", [(5, 6)], [(0, 1)])]
     assert len(model.named("write_slot")) == 1  # the child's slot is its parent's copy
-    runner.launch(_prefill(Sequence("c", [1])), [Request()], [])
+    _launch(runner, _prefill(Sequence("c", [1])), [Request()], [])
     assert len(model.named("copy_blocks")) == 1  # copies are made once
 
 
@@ -129,10 +134,10 @@ def test_a_placeholder_row_is_fed_from_the_row_its_sequence_had_in_the_step_befo
     for seq in (a, b):
         seq.num_computed_tokens, seq.block_table = seq.num_tokens - 1, [1]
     first = _decode(a, b)  # a has more tokens computed: row 0, b row 1
-    runner.launch(first, [Request(), Request()], [])
+    _launch(runner, first, [Request(), Request()], [])
     assert model.named("execute")[0][2] is None  # nothing launched before: nothing to feed
     _sampled(first)
-    runner.launch(_decode(b), [Request()], [])
+    _launch(runner, _decode(b), [Request()], [])
     (_, inputs, prev_tokens) = model.named("execute")[1]
     np.testing.assert_array_equal(prev_tokens, [100, 101])
     assert (inputs.input_ids[0, 0], inputs.feed_rows[0], inputs.feed_cols[0]) == (PLACEHOLDER_TOKEN, 1, 0)
@@ -143,9 +148,9 @@ def test_a_row_whose_mask_waits_takes_its_argmax_until_resample_gives_its_mask()
     seq = Sequence("a", [3, 4])
     seq.num_computed_tokens, seq.block_table = 1, [1]
     first = _decode(seq)
-    runner.launch(first, [Request(waits=True, flags=FLAG_LOGPROBS)], [])
+    _launch(runner, first, [Request(waits=True, flags=FLAG_LOGPROBS)], [])
     _sampled(first)
-    step = runner.launch(_decode(seq), [Request(waits=True, flags=FLAG_LOGPROBS)], [])
+    step = _launch(runner, _decode(seq), [Request(waits=True, flags=FLAG_LOGPROBS)], [])
     assert step.late_mask_rows == frozenset({0})
     (_, inputs, _) = model.named("execute")[1]
     assert inputs.sampling.ints[0, FLAGS] == 0  # argmax only: no logprobs, no grammar
@@ -157,7 +162,7 @@ def test_a_row_whose_mask_waits_takes_its_argmax_until_resample_gives_its_mask()
     assert sampling.ints[0, FLAGS] == FLAG_LOGPROBS | FLAG_GRAMMAR
     np.testing.assert_array_equal(sampling.allowed[0], mask)
     assert step.output.tokens[0] == 150
-    runner.launch(_decode(seq), [Request()], [])
+    _launch(runner, _decode(seq), [Request()], [])
     np.testing.assert_array_equal(model.named("execute")[2][2][:1], [150])  # the next step reads the resample
 
 
@@ -177,7 +182,7 @@ def test_a_verifying_steps_row_gives_its_accepted_drafts_then_its_token():
 def test_a_plain_step_reads_logprobs_only_when_a_row_asked():
     runner, _ = _runner()
     seq = Sequence("a", [3, 4])
-    quiet = runner.collect(runner.launch(_prefill(seq), [Request()], []))
+    quiet = runner.collect(_launch(runner, _prefill(seq), [Request()], []))
     assert quiet.logprobs is None and quiet.samples(0) == [SampledToken(100)]
-    loud = runner.collect(runner.launch(_prefill(Sequence("b", [5])), [Request(flags=FLAG_LOGPROBS)], []))
+    loud = runner.collect(_launch(runner, _prefill(Sequence("b", [5])), [Request(flags=FLAG_LOGPROBS)], []))
     assert (loud.samples(0)[0].logprob, loud.samples(0)[0].rank, loud.prompt_logprobs) == (0.0, 1, None)
