@@ -17,6 +17,7 @@ jaxserve's KV usage.
         --hf-device cuda --hf-batch-sizes 64          # on a GPU machine: both engines on the GPU
     python scripts/bench_throughput.py --baseline "" --quantization int8,int8_w8a8   # quantized against not
     python scripts/bench_throughput.py --baseline vllm --quantization int8_w8a8 --vllm-quantization int8_w8a8
+    python scripts/bench_throughput.py --baseline "" --num-requests 128 --async-scheduling on,off,on,off
 
 `--baseline` is a comma-separated list of transformers (static batches of each `--hf-batch-sizes`, in each
 `--hf-dtype`) and vllm (one run per `--vllm-dtype`); default transformers, empty for jaxserve alone. vLLM
@@ -60,14 +61,16 @@ def add_requests(engine, requests: list[tuple[list[int], int]]) -> None:
         engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
 
 
-def bench_jaxserve(args, requests, quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
+def bench_jaxserve(args, requests, quantization: str | None = None, kv_cache_dtype: str = "auto",
+                   async_scheduling: bool | None = None) -> dict:
     import jax
 
     from jaxserve import LLM
 
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, buckets=args.buckets,
-              num_kv_blocks=args.num_kv_blocks, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+              num_kv_blocks=args.num_kv_blocks, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+              async_scheduling=async_scheduling)
     startup = time.perf_counter() - start
     engine = llm.llm_engine
     peak_usage = 0.0
@@ -83,8 +86,9 @@ def bench_jaxserve(args, requests, quantization: str | None = None, kv_cache_dty
     elapsed = time.perf_counter() - start
     check_token_counts("jaxserve", [counts.get(i, 0) for i in range(len(requests))], requests)
     kv_label = "" if kv_cache_dtype == "auto" else f"{kv_cache_dtype} KV"
+    async_label = {None: "", True: "async scheduling on", False: "async scheduling off"}[async_scheduling]
     return {
-        "engine": " ".join(filter(None, ["jaxserve", quantization, kv_label])),
+        "engine": " ".join(filter(None, ["jaxserve", quantization, kv_label, async_label])),
         "seconds": elapsed,
         "startup_s": startup, "output_tokens": sum(counts.values()),
         "padding_per_real_token": engine.stats.padding_per_real_token, "peak_kv_usage": peak_usage,
@@ -92,6 +96,15 @@ def bench_jaxserve(args, requests, quantization: str | None = None, kv_cache_dty
         "weight_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(engine.runner.params)),
         "kv_blocks": engine.grid.num_blocks,
     }
+
+
+def async_scheduling_runs(text: str) -> list[bool]:
+    """`--async-scheduling`'s comma-separated on/off values, in order (repeats allowed: on,off,on,off alternates)."""
+    values = [value.strip() for value in text.split(",") if value.strip()]
+    unknown = sorted(set(values) - {"on", "off"})
+    if unknown:
+        raise ValueError(f"--async-scheduling takes on and off, comma-separated; got {unknown}")
+    return [value == "on" for value in values]
 
 
 def bench_transformers(args, requests, batch_size: int, dtype: str) -> dict:
@@ -211,6 +224,9 @@ def main() -> None:
                         "against the unquantized one")
     parser.add_argument("--kv-cache-dtypes", default="",
                         help="comma-separated KV cache dtypes (fp8): one more jaxserve run for each (float weights)")
+    parser.add_argument("--async-scheduling", default="",
+                        help="comma-separated on/off (repeats allowed, e.g. on,off,on,off): one more jaxserve run "
+                        "for each, with async scheduling on or off (the first run takes the platform's default)")
     parser.add_argument("--baseline", default="transformers",
                         help="comma-separated: transformers, vllm (default transformers; empty for none)")
     parser.add_argument("--hf-batch-sizes", default="8,16,32", help="transformers': comma-separated; empty to skip")
@@ -231,6 +247,10 @@ def main() -> None:
         parser.error(f"unknown --baseline {sorted(chosen - {'transformers', 'vllm'})}")
     if "vllm" in chosen and args.model is not None:
         parser.error("--baseline vllm runs the embedded model only: leave out --model")
+    try:
+        async_runs = async_scheduling_runs(args.async_scheduling)
+    except ValueError as error:
+        parser.error(str(error))
 
     from jaxserve.weights import load_config, resolve_model_path
 
@@ -239,6 +259,7 @@ def main() -> None:
     runs = [(bench_jaxserve, args, requests)]
     runs += [(bench_jaxserve, args, requests, scheme) for scheme in filter(None, args.quantization.split(","))]
     runs += [(bench_jaxserve, args, requests, None, kv) for kv in filter(None, args.kv_cache_dtypes.split(","))]
+    runs += [(bench_jaxserve, args, requests, None, "auto", on) for on in async_runs]
     if "transformers" in chosen:
         sizes = [int(size) for size in filter(None, args.hf_batch_sizes.split(","))]
         dtypes = filter(None, args.hf_dtype.split(","))

@@ -153,3 +153,11 @@ def test_a_jaxserve_variant_runs_with_its_flags_and_is_compared_with_vllm():
     lines = bench_serving.comparison_table(rows).splitlines()
     assert lines[-2].startswith("| jaxserve / vllm | | 2.00x") and lines[-1].startswith(
         "| jaxserve[--max-itl-ms 400] / vllm | | 3.00x")
+
+
+def test_throughput_async_scheduling_runs_in_order():
+    """`--async-scheduling on,off,on,off`: one more jaxserve run each, alternating as given; other values refused."""
+    assert bench_throughput.async_scheduling_runs("on,off,on,off") == [True, False, True, False]
+    assert bench_throughput.async_scheduling_runs("") == []
+    with pytest.raises(ValueError, match=r"takes on and off, comma-separated; got \['true'\]"):
+        bench_throughput.async_scheduling_runs("on,true")
