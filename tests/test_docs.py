@@ -111,3 +111,12 @@ def test_every_headline_result_names_a_committed_scripts_command():
     without = [cells[0] for cells in rows if not CODE_SPAN.search(cells[3])]
     assert len(rows) > 20
     assert not without, f"results whose command cell names no committed script's command: {without}"
+
+
+def test_the_readme_layout_names_every_script():
+    """The README's layout row for scripts/ names every script there is (and nothing that is not)."""
+    row = next(line for line in (REPO_ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| `scripts/` |"))
+    named = set(re.findall(r"`([a-z0-9_]+\.(?:py|sh|toml))`", row))
+    present = {path.name for path in (REPO_ROOT / "scripts").iterdir() if path.suffix in (".py", ".sh", ".toml")}
+    assert named == present, f"not in the row: {sorted(present - named)}; not in scripts/: {sorted(named - present)}"
