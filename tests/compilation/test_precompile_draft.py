@@ -13,6 +13,7 @@ import sys
 import jax
 import pytest
 
+from jaxserve.compilation import sizing
 from jaxserve.compilation.precompile import abstract_draft
 from jaxserve.compilation.sizing import engine_bucket_grid
 from jaxserve.compilation.target_compile import target_engine
@@ -130,6 +131,19 @@ def _engine_grid(config, engine_loaded, platform, mesh, memory):
     loaded, draft = engine_loaded
     return engine_bucket_grid(config, loaded.config, loaded.params, platform, mesh, memory,
                               draft=(draft.config, draft.params))
+
+
+def test_the_steps_are_fitted_beside_the_draft_models_weights_and_pool(draft_config, engine_loaded, monkeypatch):
+    """Off CPU the pool gives back what the largest steps need; while they run the draft's weights and its pool are on
+    the device too, not among their arguments: `blocks_over_budget` gets them beside (its part that scales with the
+    pool is in the bytes per block)."""
+    loaded, draft = engine_loaded
+    seen = []
+    monkeypatch.setattr(sizing, "blocks_over_budget", lambda *args, beside_bytes: seen.append(beside_bytes) or (0, 0))
+    _engine_grid(draft_config, engine_loaded, "gpu", make_mesh(1), 64 << 20)
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(draft.params))
+    probe_pool = 4 * 2 * 16 * 64 * 4  # the probe's 4 blocks (one 64-token sequence) of K and V: 1 layer, 1 head of 64
+    assert seen == [weights + probe_pool]
 
 
 def test_a_deviceless_tpu_target_sizes_the_pool_with_the_draft_as_the_engine(draft_config, engine_loaded):
