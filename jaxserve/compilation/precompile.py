@@ -4,8 +4,11 @@ Place in the data flow: run once per (model, dtype, bucket file, engine limits, 
 by `jaxserve precompile` or `scripts/precompile.py` (the same code). It derives the bucket grid exactly
 as `LLMEngine` does (`engine_bucket_grid`), lowers every bucket from `ShapeDtypeStruct`s (parameter
 shapes come from `jax.eval_shape` of the model's init: no weights are read and no device memory is
-used), compiles them into the cache directory and records a manifest there. An engine started with
-the same `compile_cache_dir` then loads every executable instead of compiling it.
+used), compiles them into the cache directory and records a manifest there. With a draft model
+(`speculative_config` of method "draft_model") the grid is sized with the draft's weights and pool, as the engine
+sizes it, and the draft's programs (its buckets, samplers and allocations, `speculative/draft_model.py`) are
+compiled too. An engine started with the same `compile_cache_dir` then loads every executable instead of
+compiling it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from jaxserve.models import get_model_class
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.quantization.weights import apply_quantization
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.speculative.draft_model import check_draft_vocabulary, draft_buckets, draft_runner
 from jaxserve.weights import load_config, resolve_model_path
 
 logger = init_logger("jaxserve.compilation.precompile")
@@ -63,6 +67,17 @@ def abstract_params(model_config: ModelConfig, dtype: str) -> dict:
     return _plain_dicts(jax.eval_shape(init, raw_key, i32(1, 1), (pool, pool), meta))
 
 
+def abstract_draft(config: EngineConfig, target_config: ModelConfig) -> tuple[ModelConfig, dict] | None:
+    """The draft model of ``config`` (`speculative_config` of method "draft_model") as its config and abstract
+    params in the engine's dtype, checked as the engine loads it (`load_draft_model`); None without one."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    draft_config = load_config(resolve_model_path(spec.model))
+    check_draft_vocabulary(spec.model, draft_config, target_config)
+    return draft_config, abstract_params(draft_config, config.dtype)
+
+
 def _plain_dicts(tree: Any) -> Any:
     """Nested plain dicts, as the loaders build them (the pytree structure is part of the program)."""
     if hasattr(tree, "items"):
@@ -78,10 +93,13 @@ class PrecompileResult:
     check_before: CacheCheck  # what the directory held for this configuration before
     manifest: CacheManifest
     num_cache_entries: int
+    draft_report: WarmUpReport | None = None  # the draft model's buckets (speculative_config's "draft_model")
 
     def describe(self) -> str:
+        draft = [] if self.draft_report is None else [f"draft model: {self.draft_report.summary()}"]
         return "\n".join([
             self.report.format_table(),
+            *draft,
             f"before: {self.check_before.describe()}",
             f"manifest recorded in {self.cache_dir} ({self.num_cache_entries} executables in the directory); "
             f"start the engine with compile_cache_dir={str(self.cache_dir)!r} "
@@ -110,7 +128,8 @@ def precompile(
     model_config = load_config(model_path)
     model_config, params = apply_quantization(model_config, abstract_params(model_config, config.dtype),
                                               config.quantization)
-    grid = engine_bucket_grid(config, model_config, params, jax.default_backend(), mesh)
+    draft = abstract_draft(config, model_config)
+    grid = engine_bucket_grid(config, model_config, params, jax.default_backend(), mesh, draft=draft)
     runner = ModelRunner.for_engine(model_config, params, config, grid, mesh, abstract=True)
     manifest = CacheManifest.current(
         model_config, config.dtype, grid, runner.backend.name, mesh.size, max_logprobs=config.max_logprobs,
@@ -122,5 +141,17 @@ def precompile(
         runner, grid.buckets, num_threads=num_threads, progress=progress, cache_dir=path, cache_check=check
     )
     runner.compile_allocations()  # the engine's only other programs: then its start compiles nothing
+    draft_report = None if draft is None else _compile_draft(draft, config, grid, mesh, path, num_threads, progress)
     record_manifest(path, manifest)
-    return PrecompileResult(path, grid, report, check, manifest, num_cache_entries(path))
+    return PrecompileResult(path, grid, report, check, manifest, num_cache_entries(path), draft_report)
+
+
+def _compile_draft(draft: tuple[ModelConfig, dict], config: EngineConfig, grid: BucketGrid, mesh, path: Path,
+                   num_threads: int, progress: bool) -> WarmUpReport:
+    """The draft model's programs, as the engine's warm-up builds them (through JAX's persistent cache): its buckets'
+    steps and samplers and its allocations (pool, `no_tokens`, sampler state)."""
+    runner, draft_grid = draft_runner(*draft, config, grid, mesh, abstract=True)
+    report = compile_buckets(runner, draft_buckets(draft_grid), num_threads=num_threads, progress=progress,
+                             cache_dir=path)
+    runner.compile_allocations(forks=False)
+    return report

@@ -76,7 +76,7 @@ def engine_bucket_grid(
                                         memory_budget_bytes=pool_budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS)
     grid = _grid(spec, config, block_size, max_model_len, num_blocks)
     if budget is not None and fit_to_steps:
-        over = _blocks_over_budget(grid, config, model_config, params, mesh, budget, block_bytes)
+        over = _blocks_over_budget(grid, config, model_config, params, mesh, budget, block_bytes, draft)
         if over:
             grid = _grid(spec, config, block_size, max_model_len, num_blocks - over)
     grid.check_max_model_len(max_model_len)
@@ -106,13 +106,19 @@ def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_b
 
 
 def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: ModelConfig, params, mesh: Mesh,
-                        budget: MemoryBudget, block_bytes: int) -> int:
+                        budget: MemoryBudget, block_bytes: int, draft: tuple[ModelConfig, Any] | None) -> int:
     """Blocks ``grid``'s pool gives back so that its largest steps fit in ``budget`` (`blocks_over_budget`): they are
-    compiled against a pool of one sequence's pages."""
+    compiled against a pool of one sequence's pages. A draft model's weights and its pool's probe-sized part are on
+    the device beside them (``block_bytes`` counts both pools' blocks)."""
     shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in grid.buckets))
     probe = ModelRunner.for_engine(model_config, params, config, grid, mesh, abstract=True,
                                    num_blocks=min(grid.num_blocks, max(s.pages_per_seq for s in shapes)))
-    over, need = blocks_over_budget(probe, shapes, budget, block_bytes, grid.num_blocks)
+    beside = 0
+    if draft is not None:
+        draft_config, draft_params = draft
+        beside = per_device_bytes(draft_params, mesh) + probe.num_blocks * _block_bytes(
+            draft_config, grid.block_size, config.dtype, mesh)
+    over, need = blocks_over_budget(probe, shapes, budget, block_bytes, grid.num_blocks, beside_bytes=beside)
     logger.info("KV pool: %d blocks fill the memory budget (%.0f MB per device); with them the largest step needs "
                 "%.0f MB: %d blocks given back", grid.num_blocks, budget.usable_bytes / 1e6, need / 1e6, over)
     return over
@@ -220,15 +226,16 @@ def largest_samplers(shapes: list[StepShape]) -> list[SampleShape]:
 
 
 def blocks_over_budget(runner: ModelRunner, shapes: list[StepShape], budget: MemoryBudget, bytes_per_block: int,
-                       pool_blocks: int) -> tuple[int, int]:
+                       pool_blocks: int, *, beside_bytes: int = 0) -> tuple[int, int]:
     """(blocks a pool of ``pool_blocks`` must give back so that the largest of ``shapes``' steps and samplers fits
     in ``budget``, the bytes it needs with that pool). ``runner`` is abstract with a small pool of its own: a step
     that does not fit is no executable at all (the TPU compiler refuses it), so the steps are compiled against the
     small pool and the difference is added, ``bytes_per_block`` (one block's bytes per device) a block. A sampler
-    runs beside the weights and the pool, which are not its arguments: they are added to its own bytes."""
+    runs beside the weights and the pool, which are not its arguments: they are added to its own bytes; so are
+    ``beside_bytes`` to every program's (a draft model's weights and pool, resident while the target's steps run)."""
     steps = max(running_bytes(runner.compile(shape)) for shape in largest_of_each_kind(shapes))
     samplers = max(running_bytes(runner.compile_sampler(shape)) for shape in largest_samplers(shapes))
-    measured = max(steps, samplers + runner.resident_bytes())
+    measured = max(steps, samplers + runner.resident_bytes()) + beside_bytes
     need = measured + (pool_blocks - runner.num_blocks) * bytes_per_block
     over = need - budget.usable_bytes
     return (max(0, cdiv(over, bytes_per_block)), need)

@@ -1,9 +1,10 @@
 """Precompile for hardware this host does not have: every bucket compiled for a TPU topology, or lowered for CUDA.
 
 Place in the data flow: `jaxserve precompile --target NAME` (and `scripts/check_targets.py`). It builds the
-engine exactly as a server on the target would (`engine_bucket_grid` with the target chips' HBM instead of
-this host's memory, so the KV pool leaves room for the largest steps' temporaries, measured by compiling
-them for the target (`sizing.py`); abstract weights, the Pallas backend with the target's kernel variant,
+engine exactly as a server on the target would (`target_engine`: `engine_bucket_grid` with the target chips' HBM
+instead of this host's memory, so the KV pool leaves room for the largest steps' temporaries, measured by compiling
+them for the target (`sizing.py`), and a draft model's weights and pool counted as the engine counts them; abstract
+weights, the Pallas backend with the target's kernel variant,
 tensor parallel over the topology's chips) and then, per program (every bucket's step, the sampler
 programs, the allocation programs and the fork programs):
 
@@ -29,10 +30,11 @@ from jax.sharding import Mesh
 
 from jaxserve.compilation.compile_cache import CacheManifest, record_manifest, resolve_cache_dir
 from jaxserve.compilation.executable_store import ExecutableStore
-from jaxserve.compilation.precompile import abstract_params
+from jaxserve.compilation.precompile import abstract_draft, abstract_params
 from jaxserve.compilation.sizing import engine_bucket_grid, largest_of_each_kind
 from jaxserve.compilation.targets import CompileTarget, auto_tensor_parallel_size, resolve_target
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.distributed.sharding import TP_AXIS, check_tensor_parallel
 from jaxserve.logger import init_logger
@@ -139,6 +141,42 @@ def target_dtype(config: EngineConfig, target: CompileTarget) -> EngineConfig:
     return resolve_engine_dtype(config, target.devices[0])
 
 
+@dataclasses.dataclass(frozen=True)
+class TargetEngine:
+    """What an engine on the target runs on, built on this host: abstract weights, the target's mesh, the grid."""
+
+    config: EngineConfig  # the Pallas backend, dtype and tensor parallel size resolved for the target
+    target: CompileTarget
+    mesh: Mesh
+    model_path: Path
+    model_config: ModelConfig
+    params: dict  # ShapeDtypeStructs, quantized as configured
+    draft: tuple[ModelConfig, dict] | None  # a draft model's config and abstract params (`abstract_draft`)
+    grid: BucketGrid
+
+
+def target_engine(config: EngineConfig, target_name: str, tensor_parallel_size: int | None = None) -> TargetEngine:
+    """The engine of ``config`` on ``target_name``, its grid sized as `build_engine_parts` sizes it there: the target
+    chips' HBM for the device's memory, a draft model's weights and pool counted (``tensor_parallel_size`` None: as
+    many of the target's devices as the model's heads divide evenly)."""
+    config = dataclasses.replace(config, attention_backend="pallas")
+    model_path = resolve_model_path(config.model)
+    model_config = load_config(model_path)
+    target = resolve_target(target_name, tensor_parallel_size or 1)
+    if tensor_parallel_size is None:
+        heads = (model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size)
+        tensor_parallel_size = 1 if target.lower_only else auto_tensor_parallel_size(len(target.devices), *heads)
+    check_tensor_parallel(model_config, tensor_parallel_size)
+    mesh = target_mesh(target, tensor_parallel_size)
+    config = dataclasses.replace(target_dtype(config, target), tensor_parallel_size=tensor_parallel_size)
+    model_config, params = apply_quantization(model_config, abstract_params(model_config, config.dtype),
+                                              config.quantization)
+    draft = abstract_draft(config, model_config)
+    grid = engine_bucket_grid(config, model_config, params, target.platform, mesh, target.hbm_bytes_per_device,
+                              fit_to_steps=not target.lower_only, draft=draft)
+    return TargetEngine(config, target, mesh, model_path, model_config, params, draft, grid)
+
+
 def compile_for_target(
     config: EngineConfig,
     target_name: str,
@@ -154,31 +192,19 @@ def compile_for_target(
     ``max_buckets``: only the first buckets of the grid (tests); ``largest_only``: only the largest step of
     each kind (prefill, decode, mixed), the quick worst-case check. Executables go to ``cache_dir`` (resolved
     like ``EngineConfig.compile_cache_dir``; disabled: none are stored) for TPU targets."""
-    config = dataclasses.replace(config, attention_backend="pallas")
-    model_path = resolve_model_path(config.model)
-    model_config = load_config(model_path)
-    host_devices = tensor_parallel_size or 1
-    target = resolve_target(target_name, host_devices)
-    if tensor_parallel_size is None:
-        heads = (model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size)
-        tensor_parallel_size = 1 if target.lower_only else auto_tensor_parallel_size(len(target.devices), *heads)
-    check_tensor_parallel(model_config, tensor_parallel_size)
-    mesh = target_mesh(target, tensor_parallel_size)
-    config = dataclasses.replace(target_dtype(config, target), tensor_parallel_size=tensor_parallel_size)
-    model_config, params = apply_quantization(model_config, abstract_params(model_config, config.dtype),
-                                              config.quantization)
-    grid = engine_bucket_grid(config, model_config, params, target.platform, mesh, target.hbm_bytes_per_device,
-                              fit_to_steps=not target.lower_only)
-    runner = ModelRunner.for_engine(model_config, params, config, grid, mesh, abstract=True, platform=target.platform)
+    built = target_engine(config, target_name, tensor_parallel_size)
+    config, target, mesh, grid = built.config, built.target, built.mesh, built.grid
+    runner = ModelRunner.for_engine(built.model_config, built.params, config, grid, mesh, abstract=True,
+                                    platform=target.platform)
     shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in grid.buckets))[:max_buckets]
     if largest_only:
         shapes = largest_of_each_kind(shapes)
     if target.lower_only:
-        return TargetReport(target, grid, tensor_parallel_size, _lower_all(runner, shapes))
+        return TargetReport(target, grid, mesh.size, _lower_all(runner, shapes))
     path = resolve_cache_dir(config.compile_cache_dir if cache_dir is None else cache_dir)
     manifest = CacheManifest.current(
-        model_config, config.dtype, grid, runner.backend.name, mesh.size, max_logprobs=config.max_logprobs,
-        kv_cache_dtype=config.kv_cache_dtype, device=target.devices[0], model=str(model_path),
+        built.model_config, config.dtype, grid, runner.backend.name, mesh.size, max_logprobs=config.max_logprobs,
+        kv_cache_dtype=config.kv_cache_dtype, device=target.devices[0], model=str(built.model_path),
         written_by=f"precompile --target {target.name}",
     )
     if path is not None:
@@ -186,7 +212,7 @@ def compile_for_target(
     programs = _compile_all(runner, shapes)
     if path is not None and not any(p.error for p in programs):
         record_manifest(path, manifest)
-    return TargetReport(target, grid, tensor_parallel_size, programs, path)
+    return TargetReport(target, grid, mesh.size, programs, path)
 
 
 def _compile_all(runner: ModelRunner, shapes) -> list[ProgramResult]:

@@ -24,7 +24,8 @@ Policy
     (``Sequence.spec_token_ids``, set by the engine's proposer) join its row, so the step is a mixed step even
     without chunks. Drafts are cut to the step's token budget and to the KV blocks free now (a draft never
     preempts), and dropped for every row when more sequences decode than the grid makes room for
-    (``disable_by_batch_size``). The prefill chunks get the budget the rows and their drafts leave.
+    (``disable_by_batch_size``). The prefill chunks get the budget the rows and their drafts leave; the step
+    budget counts a row and its drafts as one row of their tokens (its cost column is the rows').
   * Prefill or decode (grids without mixed buckets): a prefill step runs when some running sequence is
     mid-prefill (it keeps priority until its prompt is in the cache), or when waiting sequences may be
     admitted: no sequence is decoding, or ``num_waiting >= waiting_served_ratio * num_decoding`` (TGI),
@@ -222,8 +223,9 @@ class Scheduler:
     def _schedule_mixed_prefill(self, sched: Schedule, partial: list[Sequence]) -> None:
         """Prefill chunks after this step's decode rows, within the mixed step's token budget and rows."""
         pending = self._pending_prefill_tokens(partial) if self.step_budget.follows_target else None
-        num_decode_tokens = sched.num_batched_tokens  # decode rows and their drafts
-        budget = self.step_budget.mixed_tokens(num_decode_tokens, pending) - num_decode_tokens
+        # drafts are tokens of their decode rows, not rows: the step budget reads the rows' cost column
+        budget = self.step_budget.mixed_tokens(len(sched.decode_seqs), pending, sched.num_draft_tokens)
+        budget -= sched.num_batched_tokens  # the decode rows and their drafts
         for seq in partial:
             if budget < 1 or not self._mixed_row_free(sched):
                 return

@@ -2,7 +2,9 @@
 
 While sequences decode, every step holds their rows, so a step's duration is their inter-token latency. The
 scheduler (`scheduler.py`) asks ``StepBudget.mixed_tokens(num_decode_rows)`` before it adds prefill chunks
-to a step with decode rows. With a target (``max_itl_ms``, `jaxserve serve --max-itl-ms`) and costs measured
+to a step with decode rows; with speculative decoding it passes the rows' draft tokens too: a row verifying k
+drafts is one row of k + 1 tokens, so the step's cost is read in its rows' column and its drafts take tokens.
+With a target (``max_itl_ms``, `jaxserve serve --max-itl-ms`) and costs measured
 on the bucket executables at warm-up (`StepCosts`, `runner/step_costs.py`), the ceiling is the largest mixed
 bucket whose step stays within the target, and under it the step follows the queue: the prompts waiting to be
 prefilled in one step, or in two where the measured costs say two smaller steps cost less than one padded
@@ -59,43 +61,47 @@ class StepBudget:
     def follows_target(self) -> bool:
         return self.max_itl_ms is not None and self.costs is not None
 
-    def mixed_tokens(self, num_decode_rows: int, pending_tokens: int | None = None) -> int:
-        """Query tokens of a mixed step with ``num_decode_rows`` decode rows while ``pending_tokens`` prompt tokens
-        wait to be prefilled (None: as many as it takes to fill the step).
+    def mixed_tokens(self, num_decode_rows: int, pending_tokens: int | None = None, num_draft_tokens: int = 0) -> int:
+        """Query tokens of a mixed step with ``num_decode_rows`` decode rows verifying ``num_draft_tokens`` drafts
+        between them while ``pending_tokens`` prompt tokens wait to be prefilled (None: as many as it takes to fill
+        the step). The decode rows and their drafts are among the tokens returned.
 
-        The ceiling is the largest mixed bucket within the target that leaves room for a chunk (the smallest such
-        bucket when none is within it: prefill never stops). Under it the step follows the queue: the pending
-        prompts in one step, or in ``QUEUE_STEPS`` where that costs less (`_queue_tokens`), and at least the
-        untargeted budget (a short prompt goes through in one step). Without a target: the bucket file's
-        ``[mixed] token_budget`` (else ``max_tokens``)."""
+        The ceiling is the largest mixed bucket within the target that leaves room for a chunk after the decode
+        tokens (the smallest such bucket when none is within it: prefill never stops), its cost read for the
+        decode rows and a chunk's row (drafts are tokens of their rows, not rows). Under it the step follows the
+        queue: the pending prompts in one step, or in ``QUEUE_STEPS`` where that costs less (`_queue_tokens`), and
+        at least the untargeted budget (a short prompt goes through in one step). Without a target: the bucket
+        file's ``[mixed] token_budget`` (else ``max_tokens``)."""
         if not self.follows_target:
             return self.untargeted_tokens
+        decode_tokens = num_decode_rows + num_draft_tokens
         rows = self._batch_size(num_decode_rows + 1)
-        sizes = [t for t in self.grid.spec.mixed_token_counts if num_decode_rows < t <= self.max_tokens]
+        sizes = [t for t in self.grid.spec.mixed_token_counts if decode_tokens < t <= self.max_tokens]
         if rows is None or not sizes:
             return self.max_tokens
         within = [t for t in sizes if (t, rows) in self.costs.seconds and self._ms(t, rows) <= self.max_itl_ms]
         ceiling = max(within) if within else min(sizes)
         if pending_tokens is None:
             return ceiling
-        return self._queue_tokens(num_decode_rows, pending_tokens, within or [ceiling], rows)
+        return self._queue_tokens(decode_tokens, pending_tokens, within or [ceiling], rows)
 
-    def _queue_tokens(self, num_decode_rows: int, pending_tokens: int, sizes: list[int], rows: int) -> int:
-        """Under the ceiling (the largest of ``sizes``): the pending prompts in one step when that step costs no
-        more than taking them in ``QUEUE_STEPS`` (its first step, then one for the rest), else the first step of
-        that split; never below the untargeted budget. One step is the prompt's TTFT and one stall for the
-        decoders, against two: at light load the count of stalls is what sets the P99 inter-token latency."""
+    def _queue_tokens(self, decode_tokens: int, pending_tokens: int, sizes: list[int], rows: int) -> int:
+        """Under the ceiling (the largest of ``sizes``), after the ``decode_tokens`` of the decode rows: the pending
+        prompts in one step when that step costs no more than taking them in ``QUEUE_STEPS`` (its first step, then
+        one for the rest), else the first step of that split; never below the untargeted budget. One step is the
+        prompt's TTFT and one stall for the decoders, against two: at light load the count of stalls is what sets
+        the P99 inter-token latency."""
         ceiling = max(sizes)
 
         def bucket(num_tokens: int) -> int:
             return min((t for t in sizes if t >= max(num_tokens, self.untargeted_tokens)), default=ceiling)
 
-        split = bucket(num_decode_rows + cdiv(pending_tokens, QUEUE_STEPS))
-        whole = bucket(num_decode_rows + pending_tokens)
-        rest = pending_tokens - (split - num_decode_rows)
-        if whole == split or whole < num_decode_rows + pending_tokens or rest <= 0:
+        split = bucket(decode_tokens + cdiv(pending_tokens, QUEUE_STEPS))
+        whole = bucket(decode_tokens + pending_tokens)
+        rest = pending_tokens - (split - decode_tokens)
+        if whole == split or whole < decode_tokens + pending_tokens or rest <= 0:
             return split
-        rest_bucket = min((t for t in sizes if t >= num_decode_rows + rest), default=ceiling)
+        rest_bucket = min((t for t in sizes if t >= decode_tokens + rest), default=ceiling)
         split_ms = self._ms(split, rows) + self._ms(rest_bucket, rows)
         return whole if self._ms(whole, rows) <= split_ms else split
 

@@ -243,11 +243,13 @@ class ModelRunner:
         rep = replicated(self.mesh)
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), abstract)
 
-    def compile_allocations(self) -> dict[str, jax.stages.Compiled]:
-        """Compiles the programs that allocate the pool, `no_tokens` and the sampler state, and the fork
+    def compile_allocations(self, *, forks: bool = True) -> dict[str, jax.stages.Compiled]:
+        """Compiles the programs that allocate the pool, `no_tokens` and the sampler state, and (``forks``) the fork
         executables (so precompile caches them too: then an engine's start compiles nothing); returns them
-        by name."""
+        by name. A draft model's runner never forks: precompile builds its allocations only."""
         compiled = {name: jitted.lower().compile() for name, (jitted, _) in self._allocation_programs().items()}
+        if not forks:
+            return compiled
         self.compile_helpers()
         return {**compiled, "copy_blocks": self._copy_executable, "write_slot": self._write_slot_executable}
 

@@ -97,7 +97,7 @@ class DraftModelProposer(Proposer):
     @property
     def buckets(self) -> list:
         """The buckets the draft runs (and warm-up compiles)."""
-        return [*self.grid.decode_buckets, *self.grid.mixed_buckets]
+        return draft_buckets(self.grid)
 
     def propose(self, token_ids, max_drafts: int | None = None) -> list[int]:
         k = self.num_speculative_tokens if max_drafts is None else min(self.num_speculative_tokens, max_drafts)
@@ -197,22 +197,40 @@ def _common_prefix(a, b) -> int:
 def load_draft_model(path: str, target_config: ModelConfig, dtype: str, mesh) -> LoadedModel:
     """The draft model at ``path`` in the engine's dtype; ValueError unless its vocabulary is the target's."""
     draft = load_model(path, dtype, mesh=mesh)
-    if draft.config.vocab_size != target_config.vocab_size:
-        raise ValueError(f"speculative_config: the draft model {path} has a vocabulary of {draft.config.vocab_size} "
-                         f"tokens, the target's has {target_config.vocab_size}: a draft model must share the target's "
-                         "vocabulary")
+    check_draft_vocabulary(path, draft.config, target_config)
     return draft
 
 
+def check_draft_vocabulary(path: str, draft_config: ModelConfig, target_config: ModelConfig) -> None:
+    """ValueError unless the draft model at ``path`` has the target's vocabulary (the engine and precompile ask)."""
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(f"speculative_config: the draft model {path} has a vocabulary of {draft_config.vocab_size} "
+                         f"tokens, the target's has {target_config.vocab_size}: a draft model must share the target's "
+                         "vocabulary")
+
+
 def build_draft_proposer(draft: LoadedModel, config: EngineConfig, target_grid: BucketGrid, mesh) -> DraftModelProposer:
-    """The proposer of an engine with ``config`` on ``target_grid``: the draft on its own runner and grid, its pool of
-    the target's blocks. Its steps sample greedily for at most disable_by_batch_size rows: one sampler slot (none is
-    used) and one top logprob (none is read)."""
-    spec = config.speculative_config
-    grid = draft_bucket_grid(target_grid, spec.disable_by_batch_size)
+    """The proposer of an engine with ``config`` on ``target_grid``: the draft on its own runner and grid
+    (`draft_runner`)."""
+    runner, grid = draft_runner(draft.config, draft.params, config, target_grid, mesh)
+    return DraftModelProposer(runner, grid, config.speculative_config.num_speculative_tokens)
+
+
+def draft_runner(draft_config: ModelConfig, params, config: EngineConfig, target_grid: BucketGrid, mesh, *,
+                 abstract: bool = False) -> tuple[ModelRunner, BucketGrid]:
+    """The draft model's runner and grid in an engine with ``config`` on ``target_grid``, its pool of the target's
+    blocks. Its steps sample greedily for at most disable_by_batch_size rows: one sampler slot (none is used) and one
+    top logprob (none is read). The engine and precompile (``abstract``: ``params`` are ``ShapeDtypeStruct``s) both
+    build it here, so that they build the same executables."""
+    grid = draft_bucket_grid(target_grid, config.speculative_config.disable_by_batch_size)
     runner = ModelRunner(
-        draft.config.for_max_model_len(grid.max_model_len), draft.params, dtype=config.dtype,
+        draft_config.for_max_model_len(grid.max_model_len), params, dtype=config.dtype,
         block_size=grid.block_size, num_blocks=grid.num_blocks, max_rows=grid.max_batch_size,
-        attention_backend=config.attention_backend, mesh=mesh, num_sampler_slots=1, num_logprobs=1,
+        attention_backend=config.attention_backend, mesh=mesh, num_sampler_slots=1, num_logprobs=1, abstract=abstract,
     )
-    return DraftModelProposer(runner, grid, spec.num_speculative_tokens)
+    return runner, grid
+
+
+def draft_buckets(grid: BucketGrid) -> list:
+    """The buckets a draft model on ``grid`` runs (and warm-up and precompile compile): decode and mixed."""
+    return [*grid.decode_buckets, *grid.mixed_buckets]

@@ -79,6 +79,14 @@ def test_the_pool_gives_back_the_blocks_its_largest_step_overshoots_by():
     assert blocks_over_budget(runner, shapes, MemoryBudget(1200), 100, pool_blocks=2) == (3, 1415)
 
 
+def test_a_draft_models_weights_and_pool_beside_the_steps_are_counted():
+    prefill, decode = StepShape(4, 64, 8), StepShape(8, 1, 8)
+    runner = _Runner({prefill: 400, decode: 100, SampleShape(8): 0, SampleShape(1): 0}, num_blocks=2, resident=300)
+    # the largest step's 1415 bytes with the probe's 2 blocks, 800 more with 10 blocks, and 250 bytes beside
+    assert blocks_over_budget(runner, [prefill, decode], MemoryBudget(2000), 100, pool_blocks=10,
+                              beside_bytes=250) == (5, 2465)
+
+
 def test_a_sampler_beside_the_weights_and_pool_can_be_what_overshoots():
     decode = StepShape(8, 1, 8)
     runner = _Runner({decode: 100, SampleShape(8): 0}, num_blocks=2, resident=600)

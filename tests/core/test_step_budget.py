@@ -4,7 +4,9 @@ import random
 
 import pytest
 
+from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid, MixedBucket
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import SequenceStatus
 from jaxserve.core.step_budget import StepBudget, StepCosts
 from tests.core.test_scheduler import SPEC, advance, make_scheduler, make_seq, start_mixed_decoders
@@ -121,3 +123,45 @@ def test_the_engine_summary_names_the_budget():
     budget = StepBudget(grid(), 64, 50.0, COSTS)
     assert budget.describe() == "mixed steps within 50 ms: 32 tokens from 0 decode rows, 32 tokens from 4 decode rows"
     assert MixedBucket(32, 4, 16).num_tokens == 32
+
+
+# -- speculative decoding: a row with drafts is one row of its tokens ---------------------------------------------
+
+
+@pytest.mark.parametrize(("target_ms", "decode_rows", "drafts", "tokens"), [
+    (43.9, 2, 2, 32),  # 3 rows with the chunk's: the 4-row column, where 32 tokens take 42 ms (44 in the 8-row one)
+    (43.9, 4, 0, 16),  # 5 rows: the 8-row column, as without drafts
+    (42, 2, 6, 32),  # 8 decode tokens on 3 rows: still the target's 32, not every bucket (64: 74 ms)
+    (42, 4, 12, 32),  # 16 decode tokens: room for a chunk only past 16
+    (20, 2, 6, 16),  # nothing past 8 tokens within 20 ms: the smallest bucket with room for a chunk
+])
+def test_drafts_take_tokens_of_their_rows_not_rows(target_ms, decode_rows, drafts, tokens):
+    assert StepBudget(grid(), 64, target_ms, COSTS).mixed_tokens(decode_rows, None, drafts) == tokens
+
+
+def speculative_scheduler(target_ms: float) -> Scheduler:
+    """A scheduler on a speculative grid (3 drafts at most per row) whose budget follows ``target_ms``."""
+    spec_grid = BucketGrid(BUDGET_SPEC, block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
+                           num_blocks=256, speculative=(3, 8))
+    sched = Scheduler(BlockManager(256, 4), spec_grid, max_num_seqs=8, max_num_batched_tokens=64)
+    sched.step_budget = StepBudget(spec_grid, 64, target_ms, COSTS)
+    return sched
+
+
+@pytest.mark.parametrize(("target_ms", "drafts_per_row", "chunk", "bucket_tokens"), [
+    (43.9, 1, 28, 32),  # 4 decode tokens on 2 rows: the 4-row column allows 32 tokens (the 8-row one only 16)
+    (42, 3, 24, 32),  # 8 decode tokens on 2 rows: the target's 32 tokens, as without drafts (not 64: 74 ms)
+])
+def test_a_speculative_step_with_a_target_budgets_its_rows_and_drafts(target_ms, drafts_per_row, chunk,
+                                                                       bucket_tokens):
+    sched = speculative_scheduler(target_ms)
+    decoders = start_mixed_decoders(sched, 2)
+    for seq in decoders:
+        seq.spec_token_ids = [7] * drafts_per_row
+    prompt = make_seq("p", 40, 10.0)
+    sched.add(prompt)
+    s = sched.schedule()
+    assert s.decode_seqs == decoders and s.num_draft_tokens == 2 * drafts_per_row
+    assert [(c.seq, c.start, c.num_tokens) for c in s.prefill_chunks] == [(prompt, 0, chunk)]
+    assert (s.bucket.num_tokens, s.bucket.batch_size, s.num_padded_tokens) == (bucket_tokens, 4, 0)
+    assert 1e3 * COSTS.of(s.bucket.num_tokens, s.bucket.batch_size) <= target_ms
