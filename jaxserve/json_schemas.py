@@ -2,8 +2,8 @@
 
 Place in the data flow: `StructuredOutputsParams` (`sampling_params.py`) compiles a JSON schema strict
 (`strict_schema`) unless the request or `structured_outputs_config` says otherwise, and the chat server's forced
-tool calls (`entrypoints/tool_choice.py`) put each tool's schema under one "required" schema (`nest_schema`,
-`lift_definitions`). Both return new dicts; a user's schema is never changed in place.
+tool calls (`entrypoints/tool_choice.py`) put each tool's schema under one "required" schema (`nest_schema`: its
+`$defs` lifted to the root). Both return new dicts; a user's schema is never changed in place.
 
 Strict is what vLLM's default backend (xgrammar's strict mode) does: an object schema that names its properties
 allows no others unless its `additionalProperties` says so. Written as vLLM's guidance backend writes it
@@ -24,6 +24,7 @@ SCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions"
 SCHEMA_LIST_KEYWORDS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 APPLICATORS = ("allOf", "anyOf", "oneOf")
 DEFINITIONS = ("$defs", "definitions")
+DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas: never rewritten
 
 
 def strict_schema(schema: Any) -> Any:
@@ -61,8 +62,8 @@ def _names_properties(schema: dict) -> bool:
 
 
 def _map_subschemas(schema: dict, rewrite) -> dict:
-    """A copy of ``schema`` with ``rewrite(subschema, keyword)`` applied to each of its direct subschemas (values such
-    as `enum`, `const`, `default` or `examples` are data, never rewritten)."""
+    """A copy of ``schema`` with ``rewrite(subschema, keyword)`` applied to each of its direct subschemas (the values
+    of `DATA_KEYWORDS` are data, never rewritten)."""
     out = dict(schema)
     for keyword, value in schema.items():
         if keyword in SCHEMA_MAP_KEYWORDS and isinstance(value, dict):
@@ -107,7 +108,7 @@ def _rewrite_refs(value: Any, renames: dict[str, str], pointer: str) -> Any:
         return [_rewrite_refs(v, renames, pointer) for v in value]
     if not isinstance(value, dict):
         return value
-    out = {k: _rewrite_refs(v, renames, pointer) for k, v in value.items()}
+    out = {k: v if k in DATA_KEYWORDS else _rewrite_refs(v, renames, pointer) for k, v in value.items()}
     ref = value.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
         out["$ref"] = _moved_ref(ref, renames, pointer)

@@ -76,7 +76,8 @@ def test_required_lifts_each_tools_defs_and_renames_clashing_ones():
     took gets this tool's name as a prefix, and a reference to the tool's own root follows it."""
     temperature = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"],
                    "$defs": {"Unit": {"enum": ["c", "f"]}}}
-    money = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}, "then": {"$ref": "#"}},
+    money = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}, "then": {"$ref": "#"},
+                                              "note": {"const": {"$ref": "#"}}},
              "required": ["unit"], "$defs": {"Unit": {"enum": ["usd", "eur"]}}}
     tools = [{"type": "function", "function": {"name": "convert", "parameters": temperature}},
              {"type": "function", "function": {"name": "pay", "parameters": money}}]
@@ -88,7 +89,8 @@ def test_required_lifts_each_tools_defs_and_renames_clashing_ones():
     convert, pay = (call["properties"]["arguments"] for call in schema["items"]["anyOf"])
     assert convert == {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"]}
     assert pay["properties"] == {"unit": {"$ref": "#/$defs/pay_Unit"},
-                                 "then": {"$ref": "#/items/anyOf/1/properties/arguments"}}
+                                 "then": {"$ref": "#/items/anyOf/1/properties/arguments"},
+                                 "note": {"const": {"$ref": "#"}}}  # a value, not a reference
     jsonschema.validate([{"name": "convert", "arguments": {"unit": "c"}},
                          {"name": "pay", "arguments": {"unit": "eur", "then": {"unit": "usd"}}}], schema)
     for bad in ([{"name": "convert", "arguments": {"unit": "eur"}}], [{"name": "pay", "arguments": {"unit": "c"}}],
