@@ -17,6 +17,7 @@ import json
 import math
 from enum import IntEnum
 
+from jaxserve.json_schemas import strict_schema
 from jaxserve.logger import init_logger
 
 logger = init_logger("jaxserve.sampling_params")
@@ -47,6 +48,12 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False  # JSON: no whitespace but single spaces after ':' and ','
+    # JSON schemas: True: no properties beyond those named unless additionalProperties says so (vLLM's default
+    # backend); False: JSON Schema's reading; None: the engine's structured_outputs_config (default True)
+    disable_additional_properties: bool | None = None
+    # the constraint waits until the output holds this text (a reasoning parser's end marker, e.g. "</think>"): the
+    # tokens up to and including the one that completes it are free; None: it applies from the first token
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         given = self._given_kinds()
@@ -58,6 +65,11 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list | tuple) or not self.choice
                                         or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError(f"structured outputs choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.disable_additional_properties not in (None, True, False):
+            raise ValueError("structured outputs disable_additional_properties must be true or false, got "
+                             f"{self.disable_additional_properties!r}")
+        if self.reasoning_end is not None and (not isinstance(self.reasoning_end, str) or not self.reasoning_end):
+            raise ValueError(f"structured outputs reasoning_end must be a non-empty string, got {self.reasoning_end!r}")
         error = validate_grammar(self.grammar_text())
         if error:
             raise ValueError(f"invalid structured outputs {given[0]}: {error}")
@@ -69,8 +81,10 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return self._given_kinds()[0]
 
-    def grammar_text(self) -> str:
-        """The llguidance grammar of the constraint (a cached function of its text)."""
+    def grammar_text(self, strict_by_default: bool = True) -> str:
+        """The llguidance grammar of the constraint (a cached function of its text). A JSON schema is strict
+        (`jaxserve.json_schemas.strict_schema`) when `disable_additional_properties` says so, or, where it is
+        None, when ``strict_by_default`` (the engine's `structured_outputs_config`) does."""
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":
@@ -79,11 +93,12 @@ class StructuredOutputsParams:
             value = json.dumps(list(value))
         elif kind == "json_object":
             value = '{"type": "object"}'
-        return _grammar(kind, value, self.disable_any_whitespace)
+        strict = strict_by_default if self.disable_additional_properties is None else self.disable_additional_properties
+        return _grammar(kind, value, self.disable_any_whitespace, strict and kind == "json")
 
 
 @functools.lru_cache(maxsize=256)
-def _grammar(kind: str, text: str, compact_json: bool = False) -> str:
+def _grammar(kind: str, text: str, compact_json: bool = False, strict: bool = False) -> str:
     from llguidance import LLMatcher, grammar_from
 
     if kind in ("json", "json_object"):
@@ -93,6 +108,8 @@ def _grammar(kind: str, text: str, compact_json: bool = False) -> str:
             raise ValueError(f"invalid structured outputs json: the schema is not JSON ({err})") from None
         if not isinstance(schema, dict):
             raise ValueError(f"invalid structured outputs json: a schema is a JSON object, got {text!r}")
+        if strict:
+            schema = strict_schema(schema)
         options = {"whitespace_flexible": False} if compact_json else None
         return LLMatcher.grammar_from_json_schema(schema, overrides=options)
     if kind == "regex":  # \d, \w, \s as ASCII classes (OpenAI's and JSON Schema's regexes), not Rust's Unicode

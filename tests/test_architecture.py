@@ -25,7 +25,7 @@ PACKAGES = ("jaxserve", "kernels_pallas", "kernels_cpu")
 # no other group of its own layer. A group is a folder of jaxserve/ or a top-level module.
 LAYERS = (
     {"jaxserve.logger", "jaxserve.math_utils", "jaxserve.user_cache", "jaxserve.config", "jaxserve.outputs",
-     "jaxserve.wire"},
+     "jaxserve.wire", "jaxserve.json_schemas"},
     {"jaxserve.sampling_params", "jaxserve.precision"},
     {"jaxserve.core", "jaxserve.metrics", "jaxserve.distributed", "kernels_pallas", "kernels_cpu"},
     {"jaxserve.attention", "jaxserve.quantization"},

@@ -10,6 +10,7 @@ Where each topic lives (modules of this repository import from these, the packag
 - `engine_config.py`: `EngineConfig`, every option `LLM(...)` and `jaxserve serve` take; the `dtype` choices.
 - `speculative_config.py`: `SpeculativeConfig`, vLLM's `speculative_config`.
 - `kv_events_config.py`: `KVEventsConfig`, vLLM's `kv_events_config`.
+- `structured_outputs_config.py`: `StructuredOutputsConfig`, vLLM's `structured_outputs_config`.
 - `dict_options.py`: the dict-valued options read from a dict or a JSON object.
 
 No module here imports JAX at import time (`jaxserve.core` imports them without JAX).
@@ -57,6 +58,7 @@ from jaxserve.config.speculative_config import (
     UNSUPPORTED_METHODS,
     SpeculativeConfig,
 )
+from jaxserve.config.structured_outputs_config import StructuredOutputsConfig
 
 __all__ = [
     # engine_config
@@ -75,4 +77,6 @@ __all__ = [
     "SUFFIX_DEFAULTS", "METHOD_KEYS", "KNOWN_KEYS",
     # kv_events_config
     "KVEventsConfig",
+    # structured_outputs_config
+    "StructuredOutputsConfig",
 ]

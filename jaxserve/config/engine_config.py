@@ -2,9 +2,9 @@
 
 Place in the data flow: the command line (`jaxserve.entrypoints.args`) and `LLM(...)` build an `EngineConfig`;
 every option is checked here, where it is given, and the nested options are parsed into their configs
-(`speculative_config.py`, `kv_events_config.py`, the schemes of `quantization_config.py`). The engine then
-derives what is left as None (the grid, the KV pool: `jaxserve.compilation.sizing`) and resolves `dtype="auto"`
-(`jaxserve.precision`).
+(`speculative_config.py`, `kv_events_config.py`, `structured_outputs_config.py`, the schemes of
+`quantization_config.py`). The engine then derives what is left as None (the grid, the KV pool:
+`jaxserve.compilation.sizing`) and resolves `dtype="auto"` (`jaxserve.precision`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 from jaxserve.config.kv_events_config import KVEventsConfig
 from jaxserve.config.quantization_config import KV_CACHE_DTYPE_CHOICES, parse_quantization
 from jaxserve.config.speculative_config import SpeculativeConfig
+from jaxserve.config.structured_outputs_config import StructuredOutputsConfig
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")  # what weights and the KV pool are stored in
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # "auto": bfloat16 where a bf16 matrix unit exists (precision.py)
@@ -66,6 +67,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     # KV cache events for KV-aware routers (vLLM's dict, or its JSON: `KVEventsConfig`); None: none published
     kv_events_config: KVEventsConfig | dict | str | None = None
+    # how structured outputs are enforced (vLLM's dict, or its JSON: `StructuredOutputsConfig`); None: its defaults
+    structured_outputs_config: StructuredOutputsConfig | dict | str | None = None
     # weights quantized at load: "int8", "int8_w8a8" or "fp8"; "gguf": a GGUF file's blocks kept (jaxserve.quantization)
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8 e4m3; "int8": scaled int8 (kv_cache.py)
@@ -126,9 +129,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def _parse_nested_configs(self) -> None:
-        """`speculative_config` and `kv_events_config` as their configs (from a dict or a JSON object), or None."""
+        """`speculative_config` and `kv_events_config` as their configs (from a dict or a JSON object), or None;
+        `structured_outputs_config` as its config (None: the defaults)."""
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        object.__setattr__(self, "structured_outputs_config",
+                           StructuredOutputsConfig.parse(self.structured_outputs_config))
 
     def _check_storage_formats(self) -> None:
         """The quantization scheme of the weights and the KV cache's dtype."""

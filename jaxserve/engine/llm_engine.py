@@ -106,6 +106,7 @@ class LLMEngine:
         context = EngineContext(
             tokenizer=self.tokenizer, texts=TokenTexts(self.tokenizer), eos_token_ids=frozenset(self.eos_token_ids),
             max_model_len=self.max_model_len, vocab_size=vocab_size,
+            structured_outputs_config=self.config.structured_outputs_config,
         )
         limits = EngineLimits(
             vocab_size=vocab_size, max_logprobs=self.config.max_logprobs, max_num_seqs=self.grid.max_num_seqs,

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from jaxserve.config.structured_outputs_config import StructuredOutputsConfig
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.logprobs import TokenTexts, logprob_dict
@@ -63,11 +64,13 @@ class EngineContext:
     eos_token_ids: frozenset[int]
     max_model_len: int
     vocab_size: int
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
         """Matchers for structured outputs, over the tokenizer (built on the first constrained request)."""
-        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                               config=self.structured_outputs_config)
 
 
 class RequestGroup(abc.ABC):
@@ -241,8 +244,9 @@ class SamplingGroup(RequestGroup):
             flags |= FLAG_PROMPT_LOGPROBS
         allowed = None
         if end == seq.num_tokens and state.grammar is not None and not self.mask_waits(seq):
-            flags |= FLAG_GRAMMAR  # the row samples: its grammar's next tokens
-            allowed = state.grammar.allowed_tokens()
+            allowed = state.grammar.allowed_tokens()  # the row samples: its grammar's next tokens (None: any)
+        if allowed is not None:
+            flags |= FLAG_GRAMMAR
         return SamplingRow(
             self._floats, top_k=max(self.params.top_k, 0), seed=state.seed,
             step=seq.num_output_tokens, min_tokens=self.params.min_tokens,
@@ -257,7 +261,8 @@ class SamplingGroup(RequestGroup):
 
     def grammar_mask(self, seq: Sequence, index: int) -> np.ndarray | None:
         """The packed allowed-token bitmask of ``seq``'s output token ``index``, once its grammar has seen every
-        token before it; None without a grammar, or when that token will be dropped (the sequence stopped)."""
+        token before it; None without a grammar, while the grammar waits for its marker (any token), or when that
+        token will be dropped (the sequence stopped)."""
         state = self.states[seq.seq_id]
         if state.grammar is None or index >= seq.num_output_tokens or state.num_accepted_tokens != index:
             return None

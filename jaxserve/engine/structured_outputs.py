@@ -10,6 +10,14 @@ packed int32 bitmask (``SamplingRow.allowed``: bit ``v % 32`` of word ``v // 32`
 the compiled step masks the logits (``sampler.apply_grammar``); the sampled token is then fed to the
 matcher. EOS is allowed only where the grammar accepts, and the sequence finishes when the matcher stops.
 
+The engine's `structured_outputs_config` (`config/structured_outputs_config.py`) says how a JSON schema compiles
+(strict by default, as vLLM's default backend) and whether a constraint with a `reasoning_end` marker waits for it:
+vLLM's rule, the grammar applies once the reasoning has ended. Until the text of the sequence's output holds the
+marker (decoded from the tokens by llguidance's tokenizer, so a marker split over several tokens counts too),
+`allowed_tokens` is None (the row samples freely) and the grammar sees no token; it sees every token after the
+one that completes the marker. The chat server sets the marker under `--reasoning-parser` unless the prompt
+ended the reasoning already (`entrypoints/reasoning_parsers.py`).
+
 llguidance was chosen over xgrammar by measurement (``scripts/bench_grammar_engines.py``): it has no
 dependencies, while xgrammar needs torch and triton at run time.
 """
@@ -21,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.config.structured_outputs_config import StructuredOutputsConfig
 from jaxserve.runner.sampler import bitmask_words
 from jaxserve.sampling_params import StructuredOutputsParams
 
@@ -32,7 +41,8 @@ class GrammarCompiler:
     lazily built lexer states, so only a grammar's first request pays for building them (measured on the
     embedded vocabulary: first mask 1.2 ms, later ones 6 us mean for a JSON schema)."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], max_grammars: int = 256):
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], max_grammars: int = 256,
+                 config: StructuredOutputsConfig | None = None):
         import llguidance.hf
 
         self.num_words = bitmask_words(vocab_size)
@@ -40,9 +50,12 @@ class GrammarCompiler:
                                                       eos_token=sorted(eos_token_ids))
         self._templates: OrderedDict[str, Any] = OrderedDict()
         self.max_grammars = max_grammars
+        self.config = config or StructuredOutputsConfig()
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
-        grammar = params.grammar_text()
+        """A matcher of ``params``'s grammar at its start, waiting for its `reasoning_end` marker unless the
+        config's `enable_in_reasoning`."""
+        grammar = params.grammar_text(strict_by_default=self.config.disable_additional_properties)
         template = self._templates.get(grammar)
         if template is None:
             from llguidance import LLMatcher
@@ -54,25 +67,57 @@ class GrammarCompiler:
             if len(self._templates) > self.max_grammars:
                 self._templates.popitem(last=False)
         self._templates.move_to_end(grammar)
-        return GrammarMatcher(template.deep_copy(), self.num_words)
+        reasoning_end = None if self.config.enable_in_reasoning else params.reasoning_end
+        wait = None if reasoning_end is None else MarkerWait(self.tokenizer, reasoning_end)
+        return GrammarMatcher(template.deep_copy(), self.num_words, wait)
+
+
+class MarkerWait:
+    """Whether a sequence's output text holds a marker yet, fed one token at a time (bytes, so a marker split
+    over tokens, or a token split inside a character, is found)."""
+
+    def __init__(self, tokenizer: Any, marker: str):
+        self._tokenizer = tokenizer
+        self._marker = marker.encode()
+        self._tail = b""  # the last len(marker) - 1 bytes seen: a marker may end in the next token
+        self.done = False
+
+    def feed(self, token_id: int) -> None:
+        text = self._tail + self._tokenizer.decode_bytes([token_id])
+        self.done = self._marker in text
+        self._tail = text[-(len(self._marker) - 1):] if len(self._marker) > 1 else b""
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar: the allowed next tokens, and the tokens it has taken."""
+    """One sequence's position in its grammar: the allowed next tokens, and the tokens it has taken; with a
+    `MarkerWait`, the grammar starts after the token that completes the marker."""
 
-    def __init__(self, matcher: Any, num_words: int):
+    def __init__(self, matcher: Any, num_words: int, wait: MarkerWait | None = None):
         self._matcher = matcher
         self._bitmask = np.zeros((1, num_words), np.int32)
+        self._wait = wait
 
-    def allowed_tokens(self) -> np.ndarray:
-        """i32[ceil(V / 32)]: the packed bitmask of the tokens the grammar allows next (EOS where it accepts)."""
+    @property
+    def waiting(self) -> bool:
+        """The grammar waits for its marker: the next token is free."""
+        return self._wait is not None and not self._wait.done
+
+    def allowed_tokens(self) -> np.ndarray | None:
+        """i32[ceil(V / 32)]: the packed bitmask of the tokens the grammar allows next (EOS where it accepts);
+        None while it waits (any token)."""
         from llguidance.numpy import fill_next_token_bitmask
 
+        if self.waiting:
+            return None
         fill_next_token_bitmask(self._matcher, self._bitmask, 0)
         return self._bitmask[0].copy()
 
     def consume(self, token_id: int) -> bool:
-        """Advances past a sampled token; False if the grammar rejects it (the matcher then stays finished)."""
+        """Advances past a sampled token; False if the grammar rejects it (the matcher then stays finished). While
+        the grammar waits, the token only goes to the wait."""
+        if self.waiting:
+            self._wait.feed(token_id)
+            return True
         return self._matcher.consume_token(token_id)
 
     @property
@@ -82,4 +127,4 @@ class GrammarMatcher:
     @property
     def is_finished(self) -> bool:
         """No token may follow: the grammar is complete (or took EOS), or it rejected a token."""
-        return self._matcher.is_stopped()
+        return not self.waiting and self._matcher.is_stopped()

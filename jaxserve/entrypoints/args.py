@@ -71,6 +71,11 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "kv_events_config": (str, "publish the prefix cache's stored and evicted blocks for KV-aware routers, vLLM's "
                          "JSON: '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' (ZeroMQ, "
                          "vLLM's event format; vllm-router --policy kv_aware reads it)"),
+    "structured_outputs_config": (str, "how structured outputs are enforced, vLLM's JSON: "
+                                  "'{\"disable_additional_properties\": false}' lets JSON schemas' objects hold "
+                                  "properties they do not name (default true: strict, as vLLM's default backend); "
+                                  "'{\"enable_in_reasoning\": true}' constrains the reasoning too (default: under "
+                                  "--reasoning-parser a constraint applies once the reasoning has ended)"),
     "quantization": (str, "quantize the weights at load: int8 (int8 weights, W8A16), int8_w8a8 (int8 weights and "
                      "activations), fp8 (float8 e4m3 weights; float8 activations too on GPUs of compute capability "
                      "8.9+); per output channel, activations per token"),

@@ -12,6 +12,11 @@ tool call parser, if one is on.
   Qwen3 thinking models whose template opens `<think>` in the prompt (the 2507 "Thinking" ones) need
   `deepseek_r1`.
 
+Structured outputs wait for the reasoning (vLLM's rule): under a reasoning parser, a request's constraint (a
+forced tool call, `response_format`, `guided_*`) applies once the output holds `end_marker`, unless the prompt
+ended the reasoning already (`ended_in_prompt`: its last `<think>` or `</think>` is `</think>`, as Qwen3's
+template writes `<think>\n\n</think>` with `enable_thinking` false). vLLM reads the same on token ids.
+
 A `<think>` counts only at the start of the output (whitespace before it is dropped with it); elsewhere it is
 ordinary text. Whitespace after `<think>` and around `</think>` is kept as the model wrote it. Empty parts are
 None in `extract`. While streaming, text that may still
@@ -37,6 +42,7 @@ class ReasoningParser:
     # the chat template opens <think> in the prompt (DeepSeek-R1): an output without it is reasoning up to
     # </think>; otherwise such an output is all content (Qwen3 with thinking switched off)
     opened_by_template: ClassVar[bool] = False
+    end_marker: ClassVar[str] = THINK_END  # the text that ends the reasoning: structured outputs start after it
 
     def __init__(self) -> None:
         self._sent_reasoning = 0
@@ -51,6 +57,12 @@ class ReasoningParser:
         if not final and may_become_marker(text, pos, THINK_START):
             return "", ""
         return _split_at_think_end(text, 0, final) if self.opened_by_template else ("", text)
+
+    @classmethod
+    def ended_in_prompt(cls, prompt_text: str) -> bool:
+        """Whether the prompt ends the reasoning: `</think>` comes after its last `<think>` (vLLM's
+        `is_reasoning_end` on the prompt's tokens)."""
+        return prompt_text.rfind(THINK_END) > prompt_text.rfind(THINK_START)
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning_content, content) of a finished output; an empty part is None."""

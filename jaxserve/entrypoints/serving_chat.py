@@ -4,12 +4,14 @@ Non-streaming answers one `ChatCompletionResponse`; streaming answers server-sen
 per choice with the assistant role, content deltas, the finish reason, an optional usage chunk, then
 `data: [DONE]`. Tools: the request's tools are checked (`tool_choice.py`) and rendered by the chat template
 (for "auto", a template that leaves them out is refused: the model would never see them); a tool_choice that
-forces calls constrains the output with structured outputs; each choice's text is read by a
+forces calls constrains the output with structured outputs (under `--reasoning-parser`, once the reasoning has
+ended); each choice's text is read by a
 `ChoiceOutputParser` (`chat_output.py`: reasoning, tool calls, content), whole or streamed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -29,6 +31,7 @@ from jaxserve.entrypoints.openai_protocol import (
     UsageInfo,
     random_id,
 )
+from jaxserve.entrypoints.reasoning_parsers import get_reasoning_parser
 from jaxserve.entrypoints.serving_engine import (
     EnginePrompt,
     OpenAIServing,
@@ -62,7 +65,7 @@ class OpenAIServingChat(OpenAIServing):
         self._check_template_renders_tools(request, prompt.text)
         parsers = [ChoiceOutputParser.for_request(request, self.parser_options) for _ in range(request.n)]
         request = self._with_tool_constraints(request, parsers[0])
-        params = self.sampling_params(request, prompt)
+        params = self._after_reasoning(self.sampling_params(request, prompt), prompt)
         request_id, created = random_id("chatcmpl"), int(time.time())
         stream = self.generate([prompt], [params], request_id)
         if request.stream:
@@ -104,6 +107,19 @@ class OpenAIServingChat(OpenAIServing):
         if parser.keeps_special_tokens:
             update["skip_special_tokens"] = False
         return request.model_copy(update=update) if update else request
+
+    def _after_reasoning(self, params: RequestParams, prompt: EnginePrompt) -> RequestParams:
+        """Under a reasoning parser, the request's constraint waits for the parser's end marker (vLLM's rule), unless
+        the prompt ended the reasoning already; the engine's `structured_outputs_config.enable_in_reasoning` may
+        still apply it from the first token."""
+        name = self.parser_options.reasoning_parser
+        constraint = getattr(params, "structured_outputs", None)  # none on BeamSearchParams
+        if name is None or constraint is None:
+            return params
+        parser = get_reasoning_parser(name)
+        if not parser.ended_in_prompt(prompt.text or ""):
+            params.structured_outputs = dataclasses.replace(constraint, reasoning_end=parser.end_marker)
+        return params
 
     def _response(
         self, request: ChatCompletionRequest, prompt: EnginePrompt, final: RequestOutput, request_id: str,

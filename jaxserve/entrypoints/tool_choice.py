@@ -5,7 +5,8 @@ conversation (each function's `parameters` must be a JSON schema the grammar eng
 - "required" or a named function: the output is constrained with structured outputs (`forced_calls_constraint`),
   so on any model it is valid calls whose arguments validate against their function's schema. "required" is a
   JSON list of `{"name": ..., "arguments": {...}}` objects, each of one tool's shape (one call only when
-  `parallel_tool_calls` is false), as vLLM constrains it; a named function is its arguments object alone. The
+  `parallel_tool_calls` is false), as vLLM constrains it, with each tool's `$defs` lifted to the list's root
+  (`jaxserve/json_schemas.py`); a named function is its arguments object alone. The
   generated JSON becomes OpenAI `tool_calls` through a parser like the "auto" ones (`forced_calls_parser`), so
   whole and streamed answers are read the same way.
 - "auto": the model's own output is parsed by the server's `--tool-call-parser` (`tool_parsers/`).
@@ -20,6 +21,7 @@ from typing import Any
 from jaxserve.entrypoints.openai_protocol import ChatCompletionRequest, ChatCompletionToolsParam, NamedToolChoice
 from jaxserve.entrypoints.tool_parsers.base import ScannedCall, ScannedOutput, ToolParser, new_call_id
 from jaxserve.entrypoints.tool_parsers.mistral import TOOL_CALLS, MistralToolParser
+from jaxserve.json_schemas import nest_schema
 from jaxserve.sampling_params import StructuredOutputsParams
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # the arguments of a function that gives no parameters schema
@@ -45,22 +47,29 @@ def forced_calls_constraint(request: ChatCompletionRequest) -> dict[str, Any]:
     tools = request.tools or []
     if isinstance(request.tool_choice, NamedToolChoice):
         return {"json": arguments_schema(named_tool(request)), "disable_any_whitespace": True}
-    one_call = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                               "arguments": arguments_schema(tool)},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for tool in tools
-        ]
-    }
+    definitions: dict[str, Any] = {}
+    one_call = {"anyOf": [_call_schema(tool, index, definitions) for index, tool in enumerate(tools)]}
     calls = {"type": "array", "items": one_call, "minItems": 1}
     if request.parallel_tool_calls is False:
         calls["maxItems"] = 1
+    if definitions:
+        calls["$defs"] = definitions
     return {"json": calls, "disable_any_whitespace": True}
+
+
+def _call_schema(tool: ChatCompletionToolsParam, index: int, definitions: dict[str, Any]) -> dict[str, Any]:
+    """One call of ``tool`` (the ``index``-th): its name and its arguments, whose `$defs` move to the combined
+    schema's root ``definitions`` (as vLLM lifts them; a name another tool took is prefixed with this tool's name,
+    where vLLM refuses the request) and whose `$ref`s follow them."""
+    name = tool.function.name
+    arguments = nest_schema(arguments_schema(tool), f"/items/anyOf/{index}/properties/arguments", definitions,
+                            prefix=f"{name}_")
+    return {
+        "type": "object",
+        "properties": {"name": {"type": "string", "enum": [name]}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def named_tool(request: ChatCompletionRequest) -> ChatCompletionToolsParam:

@@ -2,7 +2,8 @@
 with a constrained row whose grammar waits for the token still in flight is sampled once its masks are known
 (`LLMEngine._resample`), and that gives exactly the tokens and logprobs of an engine that reads every step
 before planning the next and masks rows in the step. Unconstrained rows of the same batches keep their
-tokens; nothing compiles after warm-up (strict_no_compile)."""
+tokens; nothing compiles after warm-up (strict_no_compile). A constraint with a `reasoning_end` marker leaves
+the tokens up to the marker free and constrains those after it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from jaxserve import LLM, SamplingParams, StructuredOutputsParams
 from jaxserve.runner.input_batch import SampleShape
 from jaxserve.testing.tiny_models import make_tiny_model
-from tests.generation_fixtures import BUCKETS, llm_on_buckets, tokens_prompt
+from tests.generation_fixtures import BUCKETS, LETTERS, llm_on_buckets, tokens_prompt
 
 MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [16, 32]\n"  # decode rows ride along every prefill chunk
 EMAIL = r"[a-j]{3,6}@(ab|cd)\.com"
@@ -121,3 +122,27 @@ def test_an_abort_while_a_resample_is_pending_loses_nothing_else(llms):
     expected = _run(llms[1], [r for i, r in enumerate(requests) if i not in (0, 4)])
     assert [finished[k].token_ids for k in sorted(finished, key=int)] == [o.token_ids for o in expected]
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_a_constraint_waits_for_the_output_to_hold_its_reasoning_end(llms):
+    """Greedy over the letters a-j (a logit bias keeps the free text readable): with a marker taken from the free
+    output, the output is the free output up to the marker's end, then the one choice; with a marker the output
+    never holds, it is the free output, whole. The same with async scheduling (each waiting row's step sampled
+    once its previous token is read, without a mask) and without, in one batch with an unconstrained row."""
+    letters = {token: 100.0 for token in LETTERS.values()}
+    greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "logit_bias": letters}
+    (free,) = _run(llms[1], [(PROMPTS[0], SamplingParams(**greedy))])
+    marker = free.text[4:7]
+    end = free.text.index(marker) + len(marker)
+
+    def waiting(marker: str) -> SamplingParams:
+        return SamplingParams(**greedy, structured_outputs=StructuredOutputsParams(choice=["beta"],
+                                                                                   reasoning_end=marker))
+
+    requests = [(PROMPTS[0], waiting(marker)), (PROMPTS[0], waiting("zzz")), (PROMPTS[2], SamplingParams(**greedy))]
+    for llm in llms:
+        after_marker, never, plain = _run(llm, requests)
+        assert (after_marker.text, after_marker.finish_reason) == (free.text[:end] + "beta", "stop")
+        assert after_marker.token_ids[:end] == free.token_ids[:end]
+        assert (never.text, never.token_ids, never.finish_reason) == (free.text, free.token_ids, "length")
+        assert plain.text == _run(llm, requests[2:])[0].text

@@ -1,7 +1,8 @@
 """Structured outputs without a model: what a constraint may be and the errors it gives, through
-SamplingParams and the HTTP API's fields (response_format, structured_outputs, guided_*). The constraints on
-the embedded model (every output valid, other rows untouched, the openai client) are in
-tests/e2e/test_embedded_model.py."""
+SamplingParams and the HTTP API's fields (response_format, structured_outputs, guided_*); JSON schemas strict
+unless told otherwise (`structured_outputs_config`, a request's `disable_additional_properties`); a constraint
+that waits for its `reasoning_end` marker. The constraints on the embedded model (every output valid, other rows
+untouched, the openai client) are in tests/e2e/test_embedded_model.py."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ({"grammar": "start: foo"}, 'invalid structured outputs grammar: at 1(8): unknown name: "foo"'),
     ({"choice": []}, "structured outputs choice must be a non-empty list of strings, got []"),
     ({"choice": ["a", 3]}, "structured outputs choice must be a non-empty list of strings, got ['a', 3]"),
+    ({"regex": "a", "reasoning_end": ""}, "structured outputs reasoning_end must be a non-empty string, got ''"),
+    ({"regex": "a", "disable_additional_properties": "yes"},
+     "structured outputs disable_additional_properties must be true or false, got 'yes'"),
 ])
 def test_a_bad_constraint_is_a_value_error_naming_it(kwargs, message):
     with pytest.raises(ValueError) as err:
@@ -117,3 +121,117 @@ def test_several_constraints_or_beam_search_with_one_are_refused():
         request.to_beam_search_params(16)
     with pytest.raises(ValueError, match="invalid structured outputs regex"):
         CompletionRequest(prompt="x", guided_regex="((").to_sampling_params(16)
+
+
+# ----- strict JSON schemas, and constraints that wait for the reasoning --------------------------------------
+
+ONE_FIELD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _compiler(**config):
+    from jaxserve.config.structured_outputs_config import StructuredOutputsConfig
+    from jaxserve.engine.structured_outputs import GrammarCompiler
+    from jaxserve.testing.tiny_models import byte_level_tokenizer
+
+    return GrammarCompiler(byte_level_tokenizer(), 320, frozenset({2}), config=StructuredOutputsConfig(**config))
+
+
+def _feed(compiler, params: StructuredOutputsParams, text: str) -> tuple[str, list[bool]]:
+    """How far ``text`` gets under ``params`` (the text before the first token the mask forbids, or all of it and
+    "finished" / "open"), and for each token taken whether a mask constrained it."""
+    from jaxserve.testing.tiny_models import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    matcher, masked = compiler.matcher(params), []
+    for i, token in enumerate(tokenizer(text, add_special_tokens=False).input_ids):
+        allowed = matcher.allowed_tokens()
+        if allowed is not None and not allowed.view(np.uint32)[token // 32] >> (token % 32) & 1:
+            return f"masked after {text[:i]!r}", masked
+        masked.append(allowed is not None)
+        assert matcher.consume(token)
+    return "finished" if matcher.is_finished else "open", masked
+
+
+def test_json_schemas_allow_no_unnamed_property_unless_told_otherwise():
+    """vLLM's default backend is strict; `disable_additional_properties` false (the engine's config or the
+    request's, the request's first) allows properties the schema does not name; additionalProperties decides."""
+    strict, lenient = _compiler(), _compiler(disable_additional_properties=False)
+    extra = '{"a":1,"b":2}'
+    assert _feed(strict, StructuredOutputsParams(json=ONE_FIELD), extra)[0] == "masked after '{\"a\":1'"
+    assert _feed(strict, StructuredOutputsParams(json=ONE_FIELD), '{"a":1}')[0] == "finished"
+    assert _feed(lenient, StructuredOutputsParams(json=ONE_FIELD), extra)[0] == "finished"
+    lenient_request = StructuredOutputsParams(json=ONE_FIELD, disable_additional_properties=False)
+    assert _feed(strict, lenient_request, extra)[0] == "finished"
+    strict_request = StructuredOutputsParams(json=ONE_FIELD, disable_additional_properties=True)
+    assert _feed(lenient, strict_request, extra)[0] == "masked after '{\"a\":1'"
+    open_schema = {**ONE_FIELD, "additionalProperties": {"type": "integer"}}
+    assert _feed(strict, StructuredOutputsParams(json=open_schema), extra)[0] == "finished"
+
+
+def test_strict_composed_schemas_stay_satisfiable():
+    """llguidance intersects the schemas an object meets: closing each allOf member (vLLM's guidance rewrite) would
+    refuse every object; here the parent names the members' properties and closes."""
+    b = {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}
+    compiler = _compiler()
+    both = StructuredOutputsParams(json={"allOf": [ONE_FIELD, b]})
+    assert _feed(compiler, both, '{"a":1,"b":2}')[0] == "finished"
+    assert _feed(compiler, both, '{"a":1,"b":2,"c":3}')[0] == "masked after '{\"a\":1,\"b\":2'"
+    tagged = StructuredOutputsParams(json={"type": "object", "properties": {"kind": {"type": "string"}},
+                                           "required": ["kind"], "anyOf": [ONE_FIELD, b]})
+    assert _feed(compiler, tagged, '{"b":2,"kind":"x"}')[0] == "finished"  # llguidance's order: the member's first
+    assert _feed(compiler, tagged, '{"b":2,"kind":"x","c":1}')[0] == "masked after '{\"b\":2,\"kind\":\"x\",\"'"
+
+
+def test_strict_schema_closes_objects_and_leaves_data_and_references_alone():
+    from jaxserve.json_schemas import strict_schema
+
+    schema = {
+        "type": "object",
+        "properties": {"properties": {"type": "object", "properties": {"x": {"const": {"properties": {}}}}},
+                       "items": {"type": "array", "items": {"properties": {"y": {}}}}},
+        "$defs": {"Point": {"properties": {"x": {}}}},
+    }
+    assert strict_schema(schema) == {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"x": {"const": {"properties": {}}}},
+                           "additionalProperties": False},
+            "items": {"type": "array", "items": {"properties": {"y": {}}, "additionalProperties": False}},
+        },
+        "$defs": {"Point": {"properties": {"x": {}}, "additionalProperties": False}},
+        "additionalProperties": False,
+    }
+    assert "additionalProperties" not in schema  # a copy
+    by_reference = {"properties": {"a": {}}, "allOf": [{"$ref": "#/$defs/Point"}]}
+    assert strict_schema(by_reference) == {"properties": {"a": {}}, "allOf": [{"$ref": "#/$defs/Point"}]}
+    assert strict_schema({"type": "object"}) == {"type": "object"}  # names nothing: any object
+
+
+def test_a_constraint_waits_for_its_reasoning_end_marker():
+    """Free tokens (no mask) up to and including the one that completes the marker, which may span tokens; the
+    grammar from the next token; `enable_in_reasoning` applies it from the first."""
+    waiting = StructuredOutputsParams(choice=["yes"], reasoning_end="</think>")
+    compiler = _compiler()
+    assert _feed(compiler, waiting, "</thi</think>yes") == ("finished", [False] * 13 + [True] * 3)
+    assert _feed(compiler, waiting, "hmm </think>no")[0] == "masked after 'hmm </think>'"
+    assert _feed(compiler, waiting, "no end, any text")[0] == "open"
+    in_reasoning = _compiler(enable_in_reasoning=True)
+    assert _feed(in_reasoning, waiting, "hmm")[0] == "masked after ''"
+    assert _feed(in_reasoning, waiting, "yes") == ("finished", [True] * 3)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ({"enable_in_reasoning": 1}, "structured_outputs_config: enable_in_reasoning must be true or false, got 1"),
+    ({"backend": "xgrammar"}, "structured_outputs_config: unknown key(s) 'backend'; known: "
+                              "disable_additional_properties, enable_in_reasoning"),
+    ("{nope", "structured_outputs_config: not a JSON object"),
+])
+def test_a_bad_structured_outputs_config_is_named(value, message):
+    from jaxserve.config.engine_config import EngineConfig
+
+    with pytest.raises(ValueError) as err:
+        EngineConfig(structured_outputs_config=value)
+    assert str(err.value).startswith(message)
+    lenient = EngineConfig(structured_outputs_config='{"disable_additional_properties": false}')
+    config = lenient.structured_outputs_config
+    assert (config.disable_additional_properties, config.enable_in_reasoning) == (False, False)

@@ -17,7 +17,8 @@ from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, Sampli
 
 def test_requests_travel_whole():
     params = SamplingParams(n=2, temperature=0.7, top_p=0.9, seed=11, stop=["\n", "END"], logit_bias={7: -2.5},
-                            structured_outputs=StructuredOutputsParams(json={"type": "object"}),
+                            structured_outputs=StructuredOutputsParams(
+                                json={"type": "object"}, reasoning_end="</think>", disable_additional_properties=False),
                             output_kind=RequestOutputKind.DELTA, logprobs=3)
     beams = BeamSearchParams(beam_width=3, max_tokens=5)
     message = [msg.ADD, "r-1", {"prompt": "hi", "prompt_token_ids": [1, 2]}, params]

@@ -604,3 +604,45 @@ def test_flush_cache_drops_every_cached_block_and_tells_the_router(http, engine,
     assert _complete(http, list(range(150, 190))) == 200
     assert engine.make_stats().scheduler.prefix_cache_hits == hits
     assert http.post("/reset_prefix_cache").json() == {"num_blocks_dropped": 2}
+
+
+def test_under_a_reasoning_parser_constraints_wait_for_the_reasoning_to_end(engine):
+    """The chat server gives a request's constraint (a forced call, response_format) the parser's end marker, which
+    the engine waits for, unless the prompt ended the reasoning already (Qwen3 with enable_thinking false)."""
+    import asyncio
+
+    from jaxserve.entrypoints.chat_output import ChatParserOptions
+    from jaxserve.entrypoints.openai_protocol import ChatCompletionRequest
+    from jaxserve.entrypoints.serving_chat import OpenAIServingChat
+
+    class Sent(Exception):
+        pass
+
+    def sent_constraint(reasoning_parser: str | None, **fields):
+        serving = OpenAIServingChat(engine, MODEL_NAME, parser_options=ChatParserOptions(
+            reasoning_parser=reasoning_parser))
+        sent = []
+
+        def generate(prompts, params, request_id):
+            sent.extend(params)
+            raise Sent
+
+        serving.generate = generate
+        with pytest.raises(Sent):
+            asyncio.run(serving.create_chat_completion(ChatCompletionRequest(model=MODEL_NAME, messages=CHAT,
+                                                                             max_tokens=4, **fields)))
+        constraint = sent[0].structured_outputs
+        return constraint and (constraint.kind, constraint.reasoning_end)
+
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    named = {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    json_object = {"response_format": {"type": "json_object"}}
+    thinking_off = "{{ messages[0]['content'] }}<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    for parser in ("deepseek_r1", "qwen3"):
+        assert sent_constraint(parser, **named) == ("json", "</think>")
+        assert sent_constraint(parser, tools=tools, tool_choice="required") == ("json", "</think>")
+        assert sent_constraint(parser, **json_object) == ("json_object", "</think>")
+        assert sent_constraint(parser, guided_regex="a+") == ("regex", "</think>")
+        assert sent_constraint(parser, **json_object, chat_template=thinking_off) == ("json_object", None)
+        assert sent_constraint(parser) is None
+    assert sent_constraint(None, **named) == ("json", None)

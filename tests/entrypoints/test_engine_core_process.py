@@ -109,6 +109,20 @@ def test_streams_match_the_in_process_engine(servers, route, body):
     assert ours == _streamed(servers["in-process"], route, body)
 
 
+def test_a_constraint_waiting_for_its_marker_waits_in_the_core_too(servers):
+    """`structured_outputs.reasoning_end` travels to the core with the request: greedy over the letters a-j (a
+    logit bias), a marker from the free text leaves the output free up to it and then the choice, as in process."""
+    letters = {str(67 + i): 100 for i in range(10)}  # the byte-level tokenizer's a-j
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logit_bias": letters}
+    free = _answer(servers["in-process"], "/v1/completions", body)["choices"][0]["text"]
+    marker = free[4:7]
+    end = free.index(marker) + len(marker)
+    waiting = {**body, "structured_outputs": {"choice": ["beta"], "reasoning_end": marker}}
+    for server in servers.values():
+        choice = _answer(server, "/v1/completions", waiting)["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (free[:end] + "beta", "stop")
+
+
 def test_metrics_come_from_the_core(servers):
     text = httpx.get(servers["core-process"].base_url + "/metrics").text
     assert "jaxserve:compiles_after_warmup_total 0.0" in text

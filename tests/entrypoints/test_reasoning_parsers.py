@@ -108,3 +108,17 @@ def test_registry_names_vllm_parsers():
         assert get_reasoning_parser(name) is parser and parser.name == name
     with pytest.raises(ValueError, match="unknown reasoning parser 'r1'; choose one of deepseek_r1, qwen3"):
         get_reasoning_parser("r1")
+
+
+@pytest.mark.parametrize("parser_name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize(("prompt", "ended"), [
+    ("<|im_start|>assistant\n", False),  # Qwen3 thinking: the model opens <think> itself
+    ("<｜Assistant｜><think>\n", False),  # DeepSeek-R1: the template opens it
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", True),  # Qwen3 with enable_thinking false
+    ("<think>a</think>b<|im_start|>user\nmore<|im_start|>assistant\n<think>\n", False),  # an earlier turn's </think>
+])
+def test_the_prompt_may_end_the_reasoning_so_constraints_apply_at_once(parser_name, prompt, ended):
+    """vLLM's `is_reasoning_end` on the prompt: the last of <think> and </think> decides; the end marker is what
+    structured outputs wait for otherwise."""
+    parser = get_reasoning_parser(parser_name)
+    assert (parser.ended_in_prompt(prompt), parser.end_marker) == (ended, "</think>")

@@ -70,6 +70,36 @@ def test_required_constrains_to_a_list_of_calls_of_the_tools_shapes():
     assert constraint["disable_any_whitespace"] is single["disable_any_whitespace"] is True  # compact JSON
 
 
+def test_required_lifts_each_tools_defs_and_renames_clashing_ones():
+    """Pydantic's schemas keep their models in `$defs`: nested under "required"'s anyOf, their `$ref`s would point
+    at a root without them (a 400 "Pointer '/$defs/Unit' does not exist"). Lifted to the root, a name another tool
+    took gets this tool's name as a prefix, and a reference to the tool's own root follows it."""
+    temperature = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"],
+                   "$defs": {"Unit": {"enum": ["c", "f"]}}}
+    money = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}, "then": {"$ref": "#"},
+                                              "note": {"const": {"$ref": "#"}}},
+             "required": ["unit"], "$defs": {"Unit": {"enum": ["usd", "eur"]}}}
+    tools = [{"type": "function", "function": {"name": "convert", "parameters": temperature}},
+             {"type": "function", "function": {"name": "pay", "parameters": money}}]
+    request = _request(tools=tools, tool_choice="required")
+    constraint = forced_calls_constraint(request)
+    StructuredOutputsParams(**constraint)  # the grammar engine takes it
+    schema = constraint["json"]
+    assert schema["$defs"] == {"Unit": {"enum": ["c", "f"]}, "pay_Unit": {"enum": ["usd", "eur"]}}
+    convert, pay = (call["properties"]["arguments"] for call in schema["items"]["anyOf"])
+    assert convert == {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"]}
+    assert pay["properties"] == {"unit": {"$ref": "#/$defs/pay_Unit"},
+                                 "then": {"$ref": "#/items/anyOf/1/properties/arguments"},
+                                 "note": {"const": {"$ref": "#"}}}  # a value, not a reference
+    jsonschema.validate([{"name": "convert", "arguments": {"unit": "c"}},
+                         {"name": "pay", "arguments": {"unit": "eur", "then": {"unit": "usd"}}}], schema)
+    for bad in ([{"name": "convert", "arguments": {"unit": "eur"}}], [{"name": "pay", "arguments": {"unit": "c"}}],
+                [{"name": "pay", "arguments": {"unit": "usd", "then": {"unit": "f"}}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert request.tools[1].function.parameters == money  # the request's schemas are left as given
+
+
 def test_a_named_choice_constrains_to_its_arguments():
     named = _request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert forced_calls_constraint(named) == {"json": WEATHER, "disable_any_whitespace": True}
