@@ -13,7 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from jaxserve.logger import init_logger
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+
+logger = init_logger("jaxserve.entrypoints.openai_protocol")
 
 
 def random_id(prefix: str) -> str:
@@ -21,7 +24,19 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # as vLLM: unknown request fields are ignored
+    model_config = ConfigDict(extra="ignore")  # as vLLM: unknown request fields are ignored, with a warning
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_fields(cls, data, handler):
+        """vLLM's warning naming the fields a request sent that no field (or alias) of the model takes."""
+        result = handler(data)
+        if isinstance(data, dict) and cls.model_config.get("extra") == "ignore":
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            ignored = sorted(str(key) for key in data if key not in known)
+            if ignored:
+                logger.warning("The following fields were present in the request but ignored: %s", ignored)
+        return result
 
 
 # ----- errors ---------------------------------------------------------------------------------------
