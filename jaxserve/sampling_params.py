@@ -143,6 +143,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    allowed_token_ids: list[int] | None = None  # sample only these tokens
+    bad_words: list[str] | None = None  # never complete one of these words' token sequences
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -158,6 +161,10 @@ class SamplingParams:
         if self.prompt_logprobs is True:
             self.prompt_logprobs = 1
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if isinstance(self.structured_outputs, dict):  # JSON bodies (the server's /generate)
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -207,6 +214,20 @@ class SamplingParams:
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}.")
+        self._validate_token_filters()
+
+    def _validate_token_filters(self) -> None:
+        """truncate_prompt_tokens, allowed_token_ids and bad_words (vLLM's messages; their vocabulary checks are
+        the engine's, `engine/request_checks.py`)."""
+        k = self.truncate_prompt_tokens
+        _check(k is None or (_is_int(k) and (k >= 1 or k == -1)),
+               f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}")
+        allowed = self.allowed_token_ids
+        _check(allowed is None or len(allowed) > 0, "allowed_token_ids is not None and empty!")
+        _check(allowed is None or all(_is_int(t) for t in allowed),
+               f"allowed_token_ids must contain only integers, got {allowed}.")
+        _check(self.bad_words is None or all(isinstance(w, str) for w in self.bad_words),
+               f"bad_words must be strings, got {self.bad_words}.")
 
     def _validate_lengths(self) -> None:
         max_tokens, min_tokens = self.max_tokens, self.min_tokens

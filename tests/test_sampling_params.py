@@ -72,6 +72,11 @@ def test_normalizations():
         ({"logit_bias": {1: math.nan}}, "logit_bias values must be finite numbers, got nan."),
         ({"temperature": 0.0, "n": 2}, "n must be 1 when using greedy sampling, got 2."),
         ({"temperature": 0.0, "best_of": 2}, "best_of must be 1 when using greedy sampling, got 2."),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be an integer >= 1 or -1, got -2"),
+        ({"allowed_token_ids": []}, "allowed_token_ids is not None and empty!"),
+        ({"allowed_token_ids": ["a"]}, "allowed_token_ids must contain only integers, got ['a']."),
+        ({"bad_words": ["x", 3]}, "bad_words must be strings, got ['x', 3]."),
     ],
 )
 def test_sampling_params_validation_errors(kwargs, message):

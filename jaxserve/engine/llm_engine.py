@@ -39,7 +39,12 @@ from jaxserve.engine.beam_search import BeamSearchGroup
 from jaxserve.engine.engine_builder import EngineParts, build_engine_parts, resolve_async_scheduling, warm_up_engine
 from jaxserve.engine.kv_events import wire_event
 from jaxserve.engine.logprobs import TokenTexts
-from jaxserve.engine.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
+from jaxserve.engine.request_checks import (
+    EngineLimits,
+    check_beam_search_request,
+    check_sampling_request,
+    truncated_prompt,
+)
 from jaxserve.engine.request_group import EngineContext, GroupUpdate, RequestGroup, SamplingGroup
 from jaxserve.engine.step_trace import StepTrace
 from jaxserve.logger import init_logger
@@ -151,6 +156,7 @@ class LLMEngine:
             group = BeamSearchGroup(request_id, text, token_ids, params, seed, self.context)
         elif isinstance(params, SamplingParams):
             check_sampling_request(params, self.limits)
+            token_ids = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
             self.grid.check_request(len(token_ids), params.max_tokens or self.max_model_len - len(token_ids))
             seed = params.seed if params.seed is not None else seed
             group = SamplingGroup(request_id, text, token_ids, params, seed, self.context)
