@@ -156,7 +156,9 @@ class LLMEngine:
             group = BeamSearchGroup(request_id, text, token_ids, params, seed, self.context)
         elif isinstance(params, SamplingParams):
             check_sampling_request(params, self.limits)
-            token_ids = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+            kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+            if len(kept) < len(token_ids):  # the prompt is what the model sees
+                text, token_ids = self.tokenizer.decode(kept), kept
             self.grid.check_request(len(token_ids), params.max_tokens or self.max_model_len - len(token_ids))
             seed = params.seed if params.seed is not None else seed
             group = SamplingGroup(request_id, text, token_ids, params, seed, self.context)

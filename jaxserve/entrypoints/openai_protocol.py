@@ -119,6 +119,9 @@ class SamplingFields(OpenAIBaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -170,6 +173,9 @@ class SamplingFields(OpenAIBaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": self.logit_bias,  # SamplingParams makes the keys ints and clamps
             "structured_outputs": self._structured_outputs(),
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
         }
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
+from jaxserve.engine.request_checks import truncated_prompt
 from jaxserve.engine_core.core_client import ServerEngine
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
@@ -91,6 +92,7 @@ class OpenAIServing:
     def sampling_params(self, request: Any, prompt: EnginePrompt) -> RequestParams:
         """The request's SamplingParams (BeamSearchParams with use_beam_search) for one prompt, checked
         against the engine's limits here, so that a bad request is a 400 before any stream starts."""
+        self.truncate_prompt(prompt, getattr(request, "truncate_prompt_tokens", None))
         default_max_tokens = max(self.max_model_len - len(prompt.token_ids), 1)
         try:
             if request.use_beam_search:
@@ -110,6 +112,16 @@ class OpenAIServing:
             raise ServingError(str(err)) from err
 
     # ----- prompts ------------------------------------------------------------------------------
+    def truncate_prompt(self, prompt: EnginePrompt, truncate_prompt_tokens: int | None) -> None:
+        """vLLM's truncate_prompt_tokens: the prompt keeps its last k tokens (its text becomes theirs), before any
+        length check; a k above max_model_len is a 400 with vLLM's message."""
+        try:
+            kept = truncated_prompt(prompt.token_ids, truncate_prompt_tokens, self.max_model_len)
+        except ValueError as err:
+            raise ServingError(str(err), param="truncate_prompt_tokens") from err
+        if len(kept) < len(prompt.token_ids):
+            prompt.text, prompt.token_ids = self.tokenizer.decode(kept), kept
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
