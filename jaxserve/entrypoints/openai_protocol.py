@@ -332,6 +332,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = True
     logprobs: bool | None = False
     top_logprobs: int | None = 0
+    prompt_logprobs: int | None = None  # vLLM's extra: answered in the response's prompt_logprobs
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
@@ -347,6 +348,8 @@ class ChatCompletionRequest(SamplingFields):
                 raise ValueError("`top_logprobs` must be a positive value.")
             if self.top_logprobs > 0 and not self.logprobs:
                 raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        if self.prompt_logprobs and self.stream:
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         if not self.messages:
             raise ValueError("messages must contain at least one message")
         if self.continue_final_message and self.add_generation_prompt:
@@ -380,7 +383,7 @@ class ChatCompletionRequest(SamplingFields):
         max_tokens = self.requested_max_tokens()
         max_tokens = default_max_tokens if max_tokens is None else max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs, None))
+        return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs, self.prompt_logprobs))
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -455,6 +458,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's extra
 
 
 class DeltaMessage(OpenAIBaseModel):

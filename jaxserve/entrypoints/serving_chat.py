@@ -35,6 +35,7 @@ from jaxserve.entrypoints.serving_engine import (
     RequestParams,
     ServingError,
     clamp_logprob,
+    prompt_logprobs_of,
     stream_error,
     streamable_text,
 )
@@ -125,6 +126,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id, created=created, model=self.served_model_name,
             choices=sorted(choices, key=lambda c: c.index),
             usage=UsageInfo.of(num_prompt, num_generated),
+            prompt_logprobs=prompt_logprobs_of(final) if request.prompt_logprobs is not None else None,
         )
 
     async def _stream(

@@ -18,6 +18,7 @@ from typing import Any
 
 from jaxserve.engine.request_checks import truncated_prompt
 from jaxserve.engine_core.core_client import ServerEngine
+from jaxserve.entrypoints.openai_protocol import PromptLogprob
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -203,6 +204,18 @@ class OpenAIServing:
 
 def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
+
+
+def prompt_logprobs_of(result: RequestOutput) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` extra (a completion choice's, a chat response's): per prompt position, the
+    {token id: Logprob} of its token and the top ones (None at position 0)."""
+    steps = result.prompt_logprobs
+    if steps is None:
+        return None
+    return [None if step is None else {
+        token_id: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+        for token_id, lp in step.items()
+    } for step in steps]
 
 
 def streamable_text(output: CompletionOutput, params: RequestParams) -> str:

@@ -295,6 +295,20 @@ def test_chat_logprobs_match_transformers(client, expected, model_dir):
         assert entry.bytes == list(entry.token.encode("utf-8"))
 
 
+def test_chat_prompt_logprobs_are_the_responses_as_vllm_puts_them(http, expected):
+    """In the response beside the choices (vLLM's place), the same as a completion of the rendered prompt's."""
+    chat = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 2,
+                                                   "temperature": 0, "prompt_logprobs": 2}).json()
+    completion = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": expected["chat_ids"],
+                                                     "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}).json()
+    prompt_logprobs = chat["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(expected["chat_ids"]) and prompt_logprobs[0] is None
+    assert prompt_logprobs == completion["choices"][0]["prompt_logprobs"]
+    assert all(2 <= len(step) <= 3 for step in prompt_logprobs[1:])
+    assert "prompt_logprobs" not in chat["choices"][0]
+    plain = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 1}).json()
+    assert plain["prompt_logprobs"] is None
+
 # ----- other endpoints --------------------------------------------------------------------------------
 
 
@@ -516,6 +530,8 @@ BAD_CHATS = [
     ({"messages": []}, "messages must contain at least one message"),
     ({"messages": CHAT, "top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true."),
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+    ({"messages": CHAT, "prompt_logprobs": 1, "stream": True},
+     "`prompt_logprobs` are not available when `stream=True`."),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "Only text content parts are supported, got 'image_url'."),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "A text content part needs a `text` string."),
