@@ -54,8 +54,8 @@ class BeamSearchGroup(RequestGroup):
     needs_host_sync = True  # the next beams depend on this step's logprobs
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams,
-                 seed: int, ctx: EngineContext):
-        super().__init__(request_id, prompt, prompt_token_ids, ctx)
+                 seed: int, ctx: EngineContext, priority: int = 0):
+        super().__init__(request_id, prompt, prompt_token_ids, ctx, priority)
         self.params = params
         self.num_candidates = 2 * params.beam_width
         self._seed = seed

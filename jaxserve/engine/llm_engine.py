@@ -42,6 +42,7 @@ from jaxserve.engine.logprobs import TokenTexts
 from jaxserve.engine.request_checks import (
     EngineLimits,
     check_beam_search_request,
+    check_priority,
     check_sampling_request,
     truncated_prompt,
 )
@@ -115,6 +116,7 @@ class LLMEngine:
         limits = EngineLimits(
             vocab_size=vocab_size, max_logprobs=self.config.max_logprobs, max_num_seqs=self.grid.max_num_seqs,
             num_kv_blocks=self.grid.num_blocks, block_size=self.block_size,
+            scheduling_policy=self.config.scheduling_policy,
         )
         return context, limits
 
@@ -139,11 +141,14 @@ class LLMEngine:
             return prompt, list(self.tokenizer(prompt).input_ids)
         raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None = None) -> None:
-        """Queues a request; BeamSearchParams make it a beam search (one final output, beams best first)."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None = None,
+                    priority: int = 0) -> None:
+        """Queues a request; BeamSearchParams make it a beam search (one final output, beams best first).
+        ``priority``: under the priority scheduling policy, lower values are scheduled first (vLLM's)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        check_priority(priority, self.limits)
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt must contain at least one token")
@@ -153,7 +158,7 @@ class LLMEngine:
                 raise ValueError("beam search is not supported with speculative decoding (speculative_config)")
             check_beam_search_request(params, len(token_ids), self.limits)
             self.grid.check_request(len(token_ids), params.max_tokens)
-            group = BeamSearchGroup(request_id, text, token_ids, params, seed, self.context)
+            group = BeamSearchGroup(request_id, text, token_ids, params, seed, self.context, priority)
         elif isinstance(params, SamplingParams):
             check_sampling_request(params, self.limits)
             kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
@@ -161,7 +166,7 @@ class LLMEngine:
                 text, token_ids = self.tokenizer.decode(kept), kept
             self.grid.check_request(len(token_ids), params.max_tokens or self.max_model_len - len(token_ids))
             seed = params.seed if params.seed is not None else seed
-            group = SamplingGroup(request_id, text, token_ids, params, seed, self.context)
+            group = SamplingGroup(request_id, text, token_ids, params, seed, self.context, priority)
         else:
             raise TypeError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
         self.requests[request_id] = group

@@ -19,6 +19,15 @@ class EngineLimits:
     max_num_seqs: int
     num_kv_blocks: int
     block_size: int
+    scheduling_policy: str = "fcfs"
+
+
+def check_priority(priority, limits: EngineLimits) -> None:
+    """A request's priority: an integer, and 0 unless the engine schedules by priority (vLLM's message)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and limits.scheduling_policy != "priority":
+        raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
 
 
 def check_sampling_request(params: SamplingParams, limits: EngineLimits) -> None:

@@ -74,8 +74,10 @@ class EngineContext:
 class RequestGroup(abc.ABC):
     needs_host_sync = False  # True: each step's results must be read before the next step is planned
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], ctx: EngineContext):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], ctx: EngineContext,
+                 priority: int = 0):
         self.request_id = request_id
+        self.priority = priority  # the scheduler's priority policy: lower first (every sequence of the request)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.ctx = ctx
@@ -105,6 +107,7 @@ class RequestGroup(abc.ABC):
 
     def _new_sequence(self, num_pending_forks: int = 0) -> Sequence:
         seq = Sequence(self.request_id, self.prompt_token_ids, arrival_time=self.arrival_time)
+        seq.priority = self.priority
         seq.num_pending_forks = num_pending_forks
         self._root = self._root or seq
         return seq
@@ -200,8 +203,8 @@ class SampleState:
 
 class SamplingGroup(RequestGroup):
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 seed: int, ctx: EngineContext):
-        super().__init__(request_id, prompt, prompt_token_ids, ctx)
+                 seed: int, ctx: EngineContext, priority: int = 0):
+        super().__init__(request_id, prompt, prompt_token_ids, ctx, priority)
         self.params = params
         self.base_seed = seed
         self._bad_words = bad_words_token_ids(ctx.tokenizer, params.bad_words) if params.bad_words else []

@@ -65,7 +65,7 @@ class OpenAIServingChat(OpenAIServing):
         request = self._with_tool_constraints(request, parsers[0])
         params = self.sampling_params(request, prompt)
         request_id, created = random_id("chatcmpl"), int(time.time())
-        stream = self.generate([prompt], [params], request_id)
+        stream = self.generate([prompt], [params], request_id, request.priority)
         if request.stream:
             return self._stream(request, prompt, params, stream, request_id, created, parsers)
         (final,) = await self.final_outputs(stream, 1)

@@ -39,7 +39,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self.completion_prompts(request.prompt, request.add_special_tokens)
         params = [self.sampling_params(request, p) for p in prompts]
         request_id, created = random_id("cmpl"), int(time.time())
-        stream = self.generate(prompts, params, request_id)
+        stream = self.generate(prompts, params, request_id, request.priority)
         if request.stream:
             return self._stream(request, prompts, params, stream, request_id, created)
         finals = await self.final_outputs(stream, len(prompts))

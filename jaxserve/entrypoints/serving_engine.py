@@ -102,13 +102,13 @@ class OpenAIServing:
                 params = request.to_sampling_params(default_max_tokens)
         except (ValueError, TypeError) as err:
             raise ServingError(str(err)) from err
-        self.check_params(params, prompt)
+        self.check_params(params, prompt, getattr(request, "priority", 0))
         return params
 
-    def check_params(self, params: RequestParams, prompt: EnginePrompt) -> None:
+    def check_params(self, params: RequestParams, prompt: EnginePrompt, priority: int = 0) -> None:
         """The engine's own request checks, with vLLM's context-length message."""
         try:
-            self.info.check_request(params, len(prompt.token_ids))
+            self.info.check_request(params, len(prompt.token_ids), priority)
         except ValueError as err:
             raise ServingError(str(err)) from err
 
@@ -170,10 +170,10 @@ class OpenAIServing:
 
     # ----- generation ---------------------------------------------------------------------------
     def generate(
-        self, prompts: list[EnginePrompt], params: list[RequestParams], request_id: str
+        self, prompts: list[EnginePrompt], params: list[RequestParams], request_id: str, priority: int = 0
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         streams = [
-            self.engine.generate(p.as_engine_input(), sp, f"{request_id}-{i}")
+            self.engine.generate(p.as_engine_input(), sp, f"{request_id}-{i}", priority)
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         return merge_streams(streams)

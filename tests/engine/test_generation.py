@@ -461,6 +461,14 @@ def test_engine_validation_errors(llm, params, message):
     assert "invalid" not in engine.requests and not engine.has_unfinished_requests()
 
 
+def test_a_priority_needs_the_priority_policy(llm):
+    """vLLM's message; this engine schedules first come, first served."""
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=r"^Got priority 1 but Priority scheduling is not enabled\.$"):
+        engine.add_request("prioritized", tokens_prompt(PROMPT), SamplingParams(), priority=1)
+    assert "prioritized" not in engine.requests and not engine.has_unfinished_requests()
+
+
 def test_engine_rejects_other_params_and_long_requests(llm):
     engine = llm.llm_engine
     with pytest.raises(TypeError, match=r"^params must be SamplingParams or BeamSearchParams, got dict$"):

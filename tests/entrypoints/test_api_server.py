@@ -508,6 +508,7 @@ BAD_COMPLETIONS = [
      "truncate_prompt_tokens value (513) is greater than max_model_len (512). Please, select a smaller "
      "truncation size."),
     ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
+    ({"prompt": "x", "priority": 1}, "Got priority 1 but Priority scheduling is not enabled."),
     ({"prompt": LONG_PROMPT, "max_tokens": 16},
      "This model's maximum context length is 512 tokens. However, you requested 616 tokens "
      "(600 in the messages, 16 in the completion)."),
@@ -532,6 +533,7 @@ BAD_CHATS = [
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens must be at least 1, got 0."),
     ({"messages": CHAT, "prompt_logprobs": 1, "stream": True},
      "`prompt_logprobs` are not available when `stream=True`."),
+    ({"messages": CHAT, "priority": -3, "stream": True}, "Got priority -3 but Priority scheduling is not enabled."),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "Only text content parts are supported, got 'image_url'."),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "A text content part needs a `text` string."),
