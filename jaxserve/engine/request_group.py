@@ -28,10 +28,15 @@ import time
 import numpy as np
 
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
-from jaxserve.engine.bad_words import BadWordsFilter, BothConstraints, bad_words_token_ids
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.logprobs import TokenTexts, logprob_dict
-from jaxserve.engine.structured_outputs import GrammarCompiler, GrammarMatcher
+from jaxserve.engine.structured_outputs import (
+    BadWordsFilter,
+    BothConstraints,
+    GrammarCompiler,
+    GrammarMatcher,
+    bad_words_token_ids,
+)
 from jaxserve.logger import init_logger
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGIT_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SamplingRow
