@@ -159,6 +159,6 @@ def _beam_output(output: RequestOutput, tokenizer) -> BeamSearchOutput:
         tokens = output.prompt_token_ids + completion.token_ids
         sequences.append(BeamSearchSequence(
             tokens=tokens, logprobs=completion.logprobs, cum_logprob=completion.cumulative_logprob,
-            text=tokenizer.decode(tokens), finish_reason=completion.finish_reason,
+            text=tokenizer.decode(tokens), finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
         ))
     return BeamSearchOutput(sequences)

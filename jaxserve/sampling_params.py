@@ -258,7 +258,11 @@ class SamplingParams:
 class BeamSearchParams:
     """`LLM.beam_search` parameters (vLLM's). Each step expands every beam by its 2 * beam_width most
     likely tokens and keeps the beam_width best; the result is sorted by
-    cum_logprob / len(tokens) ** length_penalty (the prompt counts in the length, a final EOS does not)."""
+    cum_logprob / len(tokens) ** length_penalty (the prompt counts in the length, a final EOS does not).
+
+    Beyond vLLM's (which the server drops there): ``stop`` strings and ``stop_token_ids`` complete a beam as EOS
+    does; ``logprobs`` top entries per token at least (2 * beam_width are always there); ``seed`` fixes the
+    draws of a beam search with temperature > 0."""
 
     beam_width: int
     max_tokens: int
@@ -266,8 +270,16 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    seed: int | None = None
 
     def __post_init__(self) -> None:
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        if self.seed == -1:
+            self.seed = None
         _check_count(self.beam_width, "beam_width")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be at least 1, got {self.max_tokens}.")
@@ -276,6 +288,12 @@ class BeamSearchParams:
                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temp}.")
         _check(_is_number(self.length_penalty) and math.isfinite(self.length_penalty),
                f"length_penalty must be a finite number, got {self.length_penalty}.")
+        _check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop}.")
+        _check(all(_is_int(t) for t in self.stop_token_ids),
+               f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+               f"logprobs must be non-negative, got {self.logprobs}.")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}.")
 
 
 def _normalize_logit_bias(logit_bias) -> dict[int, float] | None:

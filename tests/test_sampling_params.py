@@ -98,6 +98,10 @@ def test_beam_search_params_defaults():
         ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
         ({"temperature": -1.0}, "temperature must be in [0, 2], got -1.0."),
         ({"length_penalty": math.nan}, "length_penalty must be a finite number, got nan."),
+        ({"stop": ["a", ""]}, "stop must be non-empty strings, got ['a', '']."),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids must contain only integers, got [1.5]."),
+        ({"logprobs": -1}, "logprobs must be non-negative, got -1."),
+        ({"seed": 1.5}, "seed must be an integer, got 1.5."),
     ],
 )
 def test_beam_search_params_validation_errors(kwargs, message):

@@ -158,6 +158,7 @@ class LLMEngine:
                 raise ValueError("beam search is not supported with speculative decoding (speculative_config)")
             check_beam_search_request(params, len(token_ids), self.limits)
             self.grid.check_request(len(token_ids), params.max_tokens)
+            seed = params.seed if params.seed is not None else seed
             group = BeamSearchGroup(request_id, text, token_ids, params, seed, self.context, priority)
         elif isinstance(params, SamplingParams):
             check_sampling_request(params, self.limits)

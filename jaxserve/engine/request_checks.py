@@ -72,6 +72,10 @@ def truncated_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, m
 
 def check_beam_search_request(params: BeamSearchParams, num_prompt_tokens: int, limits: EngineLimits) -> None:
     width = params.beam_width
+    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+        raise ValueError(
+            f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: {limits.max_logprobs}"
+        )
     if 2 * width > limits.max_logprobs:
         raise ValueError(
             f"beam_width={width} needs the top {2 * width} logprobs per step, more than max_logprobs="

@@ -138,7 +138,8 @@ class SamplingFields(OpenAIBaseModel):
         return self
 
     def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
-        """vLLM's mapping: n beams; temperature defaults to 1.0 as in sampling."""
+        """vLLM's mapping: n beams; temperature defaults to 1.0 as in sampling. stop, stop_token_ids, logprobs and
+        seed, which vLLM drops here, are honoured (`BeamSearchParams`)."""
         if self._structured_outputs() is not None:
             raise ValueError("structured outputs are not supported with beam search")
         max_tokens = self.requested_max_tokens()
@@ -146,9 +147,14 @@ class SamplingFields(OpenAIBaseModel):
             beam_width=self.n, max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             ignore_eos=self.ignore_eos, temperature=1.0 if self.temperature is None else self.temperature,
             length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=self.requested_logprobs(), seed=self.seed,
         )
 
     def requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def requested_logprobs(self) -> int | None:
+        """The top logprobs asked for each generated token (None: none)."""
         raise NotImplementedError
 
     def _sampling_kwargs(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> dict:
@@ -224,6 +230,9 @@ class CompletionRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
@@ -380,11 +389,13 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.requested_max_tokens()
         max_tokens = default_max_tokens if max_tokens is None else max_tokens
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs, self.prompt_logprobs))
+        return SamplingParams(**self._sampling_kwargs(max_tokens, self.requested_logprobs(), self.prompt_logprobs))
 
 
 class FunctionCall(OpenAIBaseModel):

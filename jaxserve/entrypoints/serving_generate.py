@@ -78,7 +78,8 @@ class GenerateServing(OpenAIServing):
             params = BeamSearchParams(
                 beam_width=best_of or n, max_tokens=checked.max_tokens or self.max_model_len - len(prompt.token_ids),
                 ignore_eos=checked.ignore_eos, temperature=checked.temperature, length_penalty=length_penalty,
-                include_stop_str_in_output=checked.include_stop_str_in_output,
+                include_stop_str_in_output=checked.include_stop_str_in_output, stop=checked.stop,
+                stop_token_ids=checked.stop_token_ids, logprobs=checked.logprobs, seed=checked.seed,
             )
         except (ValueError, TypeError) as err:
             raise ServingError(str(err)) from err

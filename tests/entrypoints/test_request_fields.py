@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from jaxserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.sampling_params import BeamSearchParams
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -39,3 +40,24 @@ def test_known_fields_and_aliases_log_nothing(warnings):
     ChatCompletionRequest(messages=CHAT, response_format={"type": "json_schema",
                                                           "json_schema": {"name": "n", "schema": {}}})
     assert warnings == []
+
+
+def test_beam_search_keeps_stop_logprobs_and_seed():
+    """vLLM drops them from its BeamSearchParams; jaxserve's beams honour them (`engine/beam_search.py`)."""
+    completion = CompletionRequest(prompt="x", use_beam_search=True, n=3, max_tokens=5, temperature=0.5,
+                                   stop=["\n"], stop_token_ids=[7], logprobs=4, seed=11)
+    assert completion.to_beam_search_params(16) == BeamSearchParams(
+        beam_width=3, max_tokens=5, temperature=0.5, stop=["\n"], stop_token_ids=[7], logprobs=4, seed=11)
+    chat = ChatCompletionRequest(messages=CHAT, use_beam_search=True, n=2, stop="end", logprobs=True,
+                                 top_logprobs=6, seed=3)
+    assert chat.to_beam_search_params(16) == BeamSearchParams(
+        beam_width=2, max_tokens=16, temperature=1.0, stop=["end"], logprobs=6, seed=3)
+
+
+def test_vllms_sampling_fields_reach_sampling_params():
+    request = ChatCompletionRequest(messages=CHAT, truncate_prompt_tokens=-1, allowed_token_ids=[1, 2],
+                                    bad_words=["no"], prompt_logprobs=2, priority=4)
+    params = request.to_sampling_params(16)
+    assert (params.truncate_prompt_tokens, params.allowed_token_ids, params.bad_words, params.prompt_logprobs) == (
+        -1, [1, 2], ["no"], 2)
+    assert request.priority == 4
