@@ -164,7 +164,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if self.bad_words is not None:
-            self.bad_words = list(self.bad_words)
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
         if isinstance(self.structured_outputs, dict):  # JSON bodies (the server's /generate)
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

@@ -34,6 +34,10 @@ def test_normalizations():
     assert greedy.is_greedy and (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)
     assert SamplingParams(repetition_penalty=1.1).has_penalties
     assert SamplingParams(top_k=-1).top_k == -1  # accepted as "off", like 0
+    filters = SamplingParams(bad_words="no way", allowed_token_ids=[4, 2, 4])
+    assert filters.bad_words == ["no way"] and filters.allowed_token_ids == [4, 2]  # one word, not its characters
+    beams = BeamSearchParams(beam_width=2, max_tokens=3, stop="\n", stop_token_ids=[5, 5], seed=-1)
+    assert (beams.stop, beams.stop_token_ids, beams.seed) == (["\n"], [5], None)
 
 
 @pytest.mark.parametrize(

@@ -157,4 +157,5 @@ class Sequence:
         child.num_registered_blocks = self.num_registered_blocks
         child.num_cached_tokens = self.num_cached_tokens
         child.use_prefix_cache = self.use_prefix_cache
+        child.priority = self.priority
         return child

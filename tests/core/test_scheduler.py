@@ -464,6 +464,11 @@ def test_priority_policy_preempts_the_largest_value_and_requeues_it_in_order():
     assert list(sched.waiting) == [seqs[1], seqs[0]]
 
 
+def test_a_fork_keeps_its_requests_priority():
+    """Beam search forks running beams: they must stay in their request's place in the priority order."""
+    assert with_priority(make_seq("r", 3, 0.0), 7).fork().priority == 7
+
+
 def test_the_policy_is_checked():
     with pytest.raises(ValueError, match=r"^policy must be one of fcfs, priority, got 'lifo'$"):
         make_scheduler(policy="lifo")
