@@ -4,6 +4,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid, BucketSpec, DecodeBucket, MixedBucket, PrefillBucket
 from jaxserve.core.schedule import PrefillChunk, Schedule
@@ -472,6 +473,9 @@ def test_a_fork_keeps_its_requests_priority():
 def test_the_policy_is_checked():
     with pytest.raises(ValueError, match=r"^policy must be one of fcfs, priority, got 'lifo'$"):
         make_scheduler(policy="lifo")
+    with pytest.raises(ValueError, match=r"^scheduling_policy must be one of fcfs, priority, got 'lifo'$"):
+        EngineConfig(scheduling_policy="lifo")
+    assert EngineConfig().scheduling_policy == "fcfs"  # vLLM's default
 
 @pytest.mark.parametrize(("ratio", "chunked"), [(0.0, True), (1.2, True), (1.2, False), (5.0, True)])
 def test_tiny_pool_with_preemption_gives_the_same_tokens_as_alone(ratio, chunked):
