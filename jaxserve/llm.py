@@ -69,14 +69,20 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
+        """``priority``: one per prompt, for an engine with scheduling_policy="priority" (lower first; vLLM's)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_per_prompt(prompts, sampling_params)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"The lengths of prompts ({len(prompts)}) and priority ({len(priority)}) must be the "
+                             "same.")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
         request_ids = []
-        for prompt, params in zip(prompts, params_list, strict=True):
+        for prompt, params, request_priority in zip(prompts, params_list, priorities, strict=True):
             request_id = str(next(self._counter))
-            self.llm_engine.add_request(request_id, prompt, _final_only(params))
+            self.llm_engine.add_request(request_id, prompt, _final_only(params), request_priority)
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
 
@@ -153,6 +159,6 @@ def _beam_output(output: RequestOutput, tokenizer) -> BeamSearchOutput:
         tokens = output.prompt_token_ids + completion.token_ids
         sequences.append(BeamSearchSequence(
             tokens=tokens, logprobs=completion.logprobs, cum_logprob=completion.cumulative_logprob,
-            text=tokenizer.decode(tokens), finish_reason=completion.finish_reason,
+            text=tokenizer.decode(tokens), finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
         ))
     return BeamSearchOutput(sequences)

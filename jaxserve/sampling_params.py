@@ -160,6 +160,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    allowed_token_ids: list[int] | None = None  # sample only these tokens
+    bad_words: list[str] | None = None  # never complete one of these words' token sequences
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -175,6 +178,10 @@ class SamplingParams:
         if self.prompt_logprobs is True:
             self.prompt_logprobs = 1
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
         if isinstance(self.structured_outputs, dict):  # JSON bodies (the server's /generate)
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -224,6 +231,20 @@ class SamplingParams:
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}.")
+        self._validate_token_filters()
+
+    def _validate_token_filters(self) -> None:
+        """truncate_prompt_tokens, allowed_token_ids and bad_words (vLLM's messages; their vocabulary checks are
+        the engine's, `engine/request_checks.py`)."""
+        k = self.truncate_prompt_tokens
+        _check(k is None or (_is_int(k) and (k >= 1 or k == -1)),
+               f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}")
+        allowed = self.allowed_token_ids
+        _check(allowed is None or len(allowed) > 0, "allowed_token_ids is not None and empty!")
+        _check(allowed is None or all(_is_int(t) for t in allowed),
+               f"allowed_token_ids must contain only integers, got {allowed}.")
+        _check(self.bad_words is None or all(isinstance(w, str) for w in self.bad_words),
+               f"bad_words must be strings, got {self.bad_words}.")
 
     def _validate_lengths(self) -> None:
         max_tokens, min_tokens = self.max_tokens, self.min_tokens
@@ -254,7 +275,11 @@ class SamplingParams:
 class BeamSearchParams:
     """`LLM.beam_search` parameters (vLLM's). Each step expands every beam by its 2 * beam_width most
     likely tokens and keeps the beam_width best; the result is sorted by
-    cum_logprob / len(tokens) ** length_penalty (the prompt counts in the length, a final EOS does not)."""
+    cum_logprob / len(tokens) ** length_penalty (the prompt counts in the length, a final EOS does not).
+
+    Beyond vLLM's (which the server drops there): ``stop`` strings and ``stop_token_ids`` complete a beam as EOS
+    does; ``logprobs`` top entries per token at least (2 * beam_width are always there); ``seed`` fixes the
+    draws of a beam search with temperature > 0."""
 
     beam_width: int
     max_tokens: int
@@ -262,8 +287,16 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    seed: int | None = None
 
     def __post_init__(self) -> None:
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        if self.seed == -1:
+            self.seed = None
         _check_count(self.beam_width, "beam_width")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be at least 1, got {self.max_tokens}.")
@@ -272,6 +305,12 @@ class BeamSearchParams:
                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temp}.")
         _check(_is_number(self.length_penalty) and math.isfinite(self.length_penalty),
                f"length_penalty must be a finite number, got {self.length_penalty}.")
+        _check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop}.")
+        _check(all(_is_int(t) for t in self.stop_token_ids),
+               f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+               f"logprobs must be non-negative, got {self.logprobs}.")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}.")
 
 
 def _normalize_logit_bias(logit_bias) -> dict[int, float] | None:

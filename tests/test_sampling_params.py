@@ -34,6 +34,10 @@ def test_normalizations():
     assert greedy.is_greedy and (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)
     assert SamplingParams(repetition_penalty=1.1).has_penalties
     assert SamplingParams(top_k=-1).top_k == -1  # accepted as "off", like 0
+    filters = SamplingParams(bad_words="no way", allowed_token_ids=[4, 2, 4])
+    assert filters.bad_words == ["no way"] and filters.allowed_token_ids == [4, 2]  # one word, not its characters
+    beams = BeamSearchParams(beam_width=2, max_tokens=3, stop="\n", stop_token_ids=[5, 5], seed=-1)
+    assert (beams.stop, beams.stop_token_ids, beams.seed) == (["\n"], [5], None)
 
 
 @pytest.mark.parametrize(
@@ -72,6 +76,11 @@ def test_normalizations():
         ({"logit_bias": {1: math.nan}}, "logit_bias values must be finite numbers, got nan."),
         ({"temperature": 0.0, "n": 2}, "n must be 1 when using greedy sampling, got 2."),
         ({"temperature": 0.0, "best_of": 2}, "best_of must be 1 when using greedy sampling, got 2."),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be an integer >= 1 or -1, got -2"),
+        ({"allowed_token_ids": []}, "allowed_token_ids is not None and empty!"),
+        ({"allowed_token_ids": ["a"]}, "allowed_token_ids must contain only integers, got ['a']."),
+        ({"bad_words": ["x", 3]}, "bad_words must be strings, got ['x', 3]."),
     ],
 )
 def test_sampling_params_validation_errors(kwargs, message):
@@ -93,6 +102,10 @@ def test_beam_search_params_defaults():
         ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
         ({"temperature": -1.0}, "temperature must be in [0, 2], got -1.0."),
         ({"length_penalty": math.nan}, "length_penalty must be a finite number, got nan."),
+        ({"stop": ["a", ""]}, "stop must be non-empty strings, got ['a', '']."),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids must contain only integers, got [1.5]."),
+        ({"logprobs": -1}, "logprobs must be non-negative, got -1."),
+        ({"seed": 1.5}, "seed must be an integer, got 1.5."),
     ],
 )
 def test_beam_search_params_validation_errors(kwargs, message):

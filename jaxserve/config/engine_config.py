@@ -18,6 +18,7 @@ from jaxserve.config.speculative_config import SpeculativeConfig
 from jaxserve.config.structured_outputs_config import StructuredOutputsConfig
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")  # what weights and the KV pool are stored in
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)  # "auto": bfloat16 where a bf16 matrix unit exists (precision.py)
 
 
@@ -49,6 +50,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     waiting_served_ratio: float | None = None
+    scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" (arrival order) or "priority" (requests' priority, then arrival)
     async_scheduling: bool | None = None  # schedule step N+1 while step N runs; None: on TPU/GPU, off on CPU
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1  # engine replicas behind one server (engine_core/data_parallel.py)
@@ -127,6 +129,9 @@ class EngineConfig:
         for name in ("strict_no_compile", "enable_prefix_caching", "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
 
     def _parse_nested_configs(self) -> None:
         """`speculative_config` and `kv_events_config` as their configs (from a dict or a JSON object), or None;

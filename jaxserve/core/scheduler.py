@@ -11,7 +11,9 @@ running sequence, on a ``DecodeBucket``) or, when the grid has mixed buckets, a 
 and prefill chunks together, on a ``MixedBucket``): different executables.
 
 Policy
-  * Queues: ``waiting`` (FCFS deque; preempted sequences go back to its front) and ``running``.
+  * Queues: ``waiting`` and ``running``. The policy (vLLM's ``--scheduling-policy``) orders them: ``fcfs``, by
+    arrival (preempted sequences go back to the front of ``waiting``); ``priority``, by the requests'
+    ``priority`` (lower first), then arrival (a preempted sequence goes back to its place in that order).
   * Mixed steps (vLLM V1's policy; grids with ``[mixed]`` buckets): whenever a sequence decodes, every
     decoding sequence gets its row (oldest first), then the remaining token budget (``StepBudget``,
     `step_budget.py`: the largest mixed bucket within the latency target ``max_itl_ms`` by the measured step
@@ -41,7 +43,8 @@ Policy
   * Prefix caching (a block manager with ``enable_prefix_caching``): an admitted sequence starts on the
     longest cached prefix of its full blocks (never its last token) and its first chunk starts after it.
   * Preemption by recompute: when a running sequence needs a block and none is free, the NEWEST
-    running sequence (by arrival) is preempted: its blocks are freed (with prefix caching its computed
+    running sequence (by arrival; under ``priority``, the newest of the largest priority value, as vLLM's) is
+    preempted: its blocks are freed (with prefix caching its computed
     full blocks stay cached until evicted), ``num_computed_tokens`` reset and it is pushed to the front
     of the waiting queue (its outputs are kept and re-prefilled, after its cached prefix). This
     repeats until the older sequence fits, or the sequence itself is the newest.
@@ -55,6 +58,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from jaxserve.config.engine_config import SCHEDULING_POLICIES
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid, DecodeBucket, MixedBucket
 from jaxserve.core.schedule import PrefillChunk, Schedule
@@ -82,6 +86,10 @@ def _age(seq: Sequence) -> tuple[float, int]:
     return seq.arrival_time, seq.seq_id
 
 
+def _priority_then_age(seq: Sequence) -> tuple[int, float, int]:
+    return seq.priority, seq.arrival_time, seq.seq_id
+
+
 class Scheduler:
     def __init__(
         self,
@@ -93,6 +101,7 @@ class Scheduler:
         waiting_served_ratio: float = DEFAULT_WAITING_SERVED_RATIO,
         max_waiting_steps: int = DEFAULT_MAX_WAITING_STEPS,
         enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
     ) -> None:
         grid = bucket_grid
         if (block_manager.num_blocks, block_manager.block_size) != (grid.num_blocks, grid.block_size):
@@ -113,6 +122,8 @@ class Scheduler:
             raise ValueError(f"waiting_served_ratio must be >= 0, got {waiting_served_ratio}")
         if max_waiting_steps < 0:
             raise ValueError(f"max_waiting_steps must be >= 0, got {max_waiting_steps}")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.block_manager = block_manager
         self.bucket_grid = grid
         self.max_num_seqs = max_num_seqs
@@ -122,6 +133,8 @@ class Scheduler:
         self.waiting_served_ratio = waiting_served_ratio
         self.max_waiting_steps = max_waiting_steps
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
+        self._order = _age if policy == "fcfs" else _priority_then_age  # first scheduled first, preempted last
         self.step_budget = StepBudget(grid, max_num_batched_tokens)  # the engine sets one with a target and costs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -156,7 +169,16 @@ class Scheduler:
             raise ValueError(
                 f"seq {seq.seq_id}: {seq.num_tokens} tokens exceed max_model_len={self.max_model_len}"
             )
-        self.waiting.append(seq)
+        if self.policy == "fcfs":
+            self.waiting.append(seq)
+        else:
+            self._insert_waiting(seq)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        """Priority policy: ``seq`` joins ``waiting`` after every sequence that comes before it in the order."""
+        key = self._order(seq)
+        index = next((i for i, other in enumerate(self.waiting) if self._order(other) > key), len(self.waiting))
+        self.waiting.insert(index, seq)
 
     def add_forked(self, seq: Sequence) -> None:
         """A sequence forked from a running one (n > 1, beam search) joins ``running`` directly.
@@ -286,9 +308,10 @@ class Scheduler:
         )
 
     def _classify_running(self, sched: Schedule) -> tuple[list[Sequence], list[Sequence]]:
-        """Mid-prefill and decoding sequences, oldest first; finishes those beyond max_model_len."""
+        """Mid-prefill and decoding sequences, first in the policy's order first (oldest first under fcfs); finishes
+        those beyond max_model_len."""
         partial, decoding = [], []
-        for seq in sorted(self.running, key=_age):
+        for seq in sorted(self.running, key=self._order):
             num_tokens = seq.num_tokens
             uncomputed = num_tokens - seq.num_computed_tokens
             if uncomputed < 1:
@@ -447,7 +470,7 @@ class Scheduler:
         if self.block_manager.num_new_blocks(seq, num_new_tokens) == 0:
             return True  # the common decode case: the token fits the last block
         while not self.block_manager.can_allocate(seq, num_new_tokens):
-            victim = max(self.running, key=_age)
+            victim = max(self.running, key=self._order)
             self._preempt(victim, sched)
             if victim is seq:
                 return False
@@ -458,5 +481,8 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        if self.policy == "fcfs":
+            self.waiting.appendleft(seq)
+        else:
+            self._insert_waiting(seq)
         sched.preempted.append(seq)

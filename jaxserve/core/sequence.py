@@ -63,6 +63,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.sampling_params = sampling_params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = 0  # the scheduler's priority policy: lower values are scheduled first
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -156,4 +157,5 @@ class Sequence:
         child.num_registered_blocks = self.num_registered_blocks
         child.num_cached_tokens = self.num_cached_tokens
         child.use_prefix_cache = self.use_prefix_cache
+        child.priority = self.priority
         return child

@@ -103,7 +103,7 @@ class AsyncLLMEngine:
             queue.put_nowait(EngineDeadError(reason))
 
     async def generate(
-        self, prompt, sampling_params: SamplingParams | BeamSearchParams | None, request_id: str
+        self, prompt, sampling_params: SamplingParams | BeamSearchParams | None, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutputs for one request until it finishes (a beam search: only its final output)."""
         if request_id in self._streams:
@@ -113,7 +113,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = queue
         if self.observer is not None:
             self.observer.request_arrived(request_id)
-        self._pending_adds.append((request_id, prompt, sampling_params or SamplingParams()))
+        self._pending_adds.append((request_id, prompt, sampling_params or SamplingParams(), priority))
         self._wakeup.set()
         finished = False
         try:
@@ -167,9 +167,9 @@ class AsyncLLMEngine:
         """Runs in the worker thread: apply adds and aborts, then one engine step."""
         delivered: list = []
         while self._pending_adds:  # adds first: an abort queued with its own add must find the request
-            request_id, prompt, params = self._pending_adds.popleft()
+            request_id, prompt, params, priority = self._pending_adds.popleft()
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, priority)
             except Exception as err:
                 delivered.append((request_id, err))
         while self._pending_aborts:

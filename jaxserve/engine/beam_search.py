@@ -2,12 +2,13 @@
 
 vLLM's algorithm (`LLM.beam_search`), run on forks instead of re-submitted prompts. The prompt is
 prefilled once; then every step each live beam decodes one token and returns its top 2 * beam_width
-raw logprobs (plus, with temperature > 0, a sampled token). Candidates ending in EOS (unless
-ignore_eos) join the completed list; the beam_width best others become the next beams: a beam picked
-k times continues as itself and k - 1 forks (shared blocks, copy-on-write of the last one), a beam
-not picked is freed. After max_tokens steps the live beams join the completed ones, which are sorted by
-cum_logprob / len(tokens) ** length_penalty (prompt included, a final EOS not) and the best
-beam_width returned.
+raw logprobs (plus, with temperature > 0, a sampled token, drawn with the request's seed and the beam's
+rank). Candidates ending in EOS (unless ignore_eos), in one of `stop_token_ids` or completing one of the
+`stop` strings (jaxserve's: vLLM's beams have no stop) join the completed list; the beam_width best others
+become the next beams: a beam picked k times continues as itself and k - 1 forks (shared blocks,
+copy-on-write of the last one), a beam not picked is freed. After max_tokens steps the live beams join the
+completed ones, which are sorted by cum_logprob / len(tokens) ** length_penalty (prompt included, a final
+EOS not) and the best beam_width returned.
 
 All live beams must have their next logprobs before a step can expand them; if a beam missed a step
 (it was preempted), the others roll back their last token and recompute it with it.
@@ -42,6 +43,16 @@ class Hypothesis:
     last: BeamStep | None
     cum_logprob: float
     num_generated: int
+    stop_reason: int | str | None = None  # the stop token or string that completed it
+
+
+def generated_tokens(last: BeamStep | None) -> list[int]:
+    """The tokens of the chain ending at ``last``, first to last."""
+    tokens = []
+    while last is not None:
+        tokens.append(last.token_id)
+        last = last.previous
+    return tokens[::-1]
 
 
 def beam_score(num_tokens: int, cum_logprob: float, ends_with_eos: bool, length_penalty: float) -> float:
@@ -54,8 +65,8 @@ class BeamSearchGroup(RequestGroup):
     needs_host_sync = True  # the next beams depend on this step's logprobs
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams,
-                 seed: int, ctx: EngineContext):
-        super().__init__(request_id, prompt, prompt_token_ids, ctx)
+                 seed: int, ctx: EngineContext, priority: int = 0):
+        super().__init__(request_id, prompt, prompt_token_ids, ctx, priority)
         self.params = params
         self.num_candidates = 2 * params.beam_width
         self._seed = seed
@@ -68,7 +79,8 @@ class BeamSearchGroup(RequestGroup):
 
     def sampling_row(self, seq: Sequence, start: int, num_tokens: int) -> SamplingRow:
         floats = (self.params.temperature, 1.0, 0.0, 0.0, 0.0, 1.0)
-        return SamplingRow(floats, seed=self._seed + seq.seq_id, step=seq.num_output_tokens,
+        rank = next(i for i, beam in enumerate(self.seqs) if beam is seq)  # seq ids differ from run to run
+        return SamplingRow(floats, seed=self._seed + rank, step=seq.num_output_tokens,
                            prompt_len=self.num_prompt_tokens, flags=FLAG_LOGPROBS)
 
     def on_launch(self, seq: Sequence) -> int:
@@ -109,9 +121,12 @@ class BeamSearchGroup(RequestGroup):
         num_tokens = self.num_prompt_tokens + self.beams[self.seq.seq_id].num_generated + 1
         live = []
         for seq in self.seqs:
+            stops = self._stop_finder(seq)
             for cum, parent, token in self._candidates(seq):
                 if token in self.ctx.eos_token_ids and not self.params.ignore_eos:
                     self.completed.append(self._extend(parent, token, cum))
+                elif (stop_reason := stops(token)) is not None:
+                    self.completed.append(self._extend(parent, token, cum, stop_reason))
                 else:
                     live.append((cum, parent, token))
         eos = self.ctx.eos_token_ids
@@ -124,10 +139,30 @@ class BeamSearchGroup(RequestGroup):
             self._continue_with(chosen)
         self.results.clear()
 
-    def _extend(self, parent: Sequence, token: int, cum_logprob: float) -> Hypothesis:
+    def _stop_finder(self, seq: Sequence):
+        """token -> the stop token id or stop string that the token would complete on ``seq``'s beam, or None."""
+        stop_ids, stop = set(self.params.stop_token_ids), self.params.stop
+        if not stop:
+            return lambda token: token if token in stop_ids else None
+        generated = generated_tokens(self.beams[seq.seq_id].last)
+        before = len(self._decode(generated))
+
+        def finds(token: int) -> int | str | None:
+            if token in stop_ids:
+                return token
+            text = self._decode([*generated, token])
+            return next((s for s in stop if text.find(s, max(before - len(s) + 1, 0)) >= 0), None)
+
+        return finds
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.ctx.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _extend(self, parent: Sequence, token: int, cum_logprob: float,
+                stop_reason: int | str | None = None) -> Hypothesis:
         beam = self.beams[parent.seq_id]
         step = BeamStep(beam.last, token, self.results[parent.seq_id])
-        return Hypothesis(step, cum_logprob, beam.num_generated + 1)
+        return Hypothesis(step, cum_logprob, beam.num_generated + 1, stop_reason)
 
     def _continue_with(self, chosen: list[tuple[float, Sequence, int]]) -> None:
         """The chosen beams, in rank order: a parent's first pick continues the parent itself, its other
@@ -207,14 +242,25 @@ class BeamSearchGroup(RequestGroup):
         token_ids = [s.token_id for s in steps]
         logprobs = [self._candidate_logprobs(s) for s in steps]
         ends_with_eos = bool(token_ids) and token_ids[-1] in self.ctx.eos_token_ids
-        text_ids = token_ids[:-1] if ends_with_eos and not self.params.include_stop_str_in_output else token_ids
-        finish_reason = "abort" if self.aborted else "stop" if ends_with_eos else "length"
+        stopped = ends_with_eos or hypothesis.stop_reason is not None
+        finish_reason = "abort" if self.aborted else "stop" if stopped else "length"
         return CompletionOutput(
-            index=index, text=self.ctx.tokenizer.decode(text_ids, skip_special_tokens=True), token_ids=token_ids,
+            index=index, text=self._text(token_ids, ends_with_eos, hypothesis.stop_reason), token_ids=token_ids,
             cumulative_logprob=hypothesis.cum_logprob, logprobs=logprobs, finish_reason=finish_reason,
+            stop_reason=hypothesis.stop_reason,
         )
+
+    def _text(self, token_ids: list[int], ends_with_eos: bool, stop_reason: int | str | None) -> str:
+        """The beam's text: a final EOS or stop token left out and a stop string cut off, unless
+        include_stop_str_in_output (as in sampling)."""
+        include = self.params.include_stop_str_in_output
+        if isinstance(stop_reason, str):
+            text = self._decode(token_ids)
+            return text[: text.find(stop_reason) + (len(stop_reason) if include else 0)]
+        stops_with_token = ends_with_eos or stop_reason is not None
+        return self._decode(token_ids[:-1] if stops_with_token and not include else token_ids)
 
     def _candidate_logprobs(self, step: BeamStep) -> dict:
         c = step.candidates
-        return logprob_dict(c.token_id, c.logprob, c.rank, c.top_ids, c.top_logprobs, self.num_candidates,
-                            self.ctx.texts)
+        k = max(self.num_candidates, self.params.logprobs or 0)
+        return logprob_dict(c.token_id, c.logprob, c.rank, c.top_ids, c.top_logprobs, k, self.ctx.texts)

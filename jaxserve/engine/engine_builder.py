@@ -87,6 +87,7 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     block_manager = BlockManager(grid.num_blocks, grid.block_size, enable_prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(
         block_manager, grid, max_num_seqs=grid.max_num_seqs, max_num_batched_tokens=grid.max_num_batched_tokens,
+        policy=config.scheduling_policy,
         **({} if config.waiting_served_ratio is None else {"waiting_served_ratio": config.waiting_served_ratio}),
     )
     logger.info("%s", _scheduling_summary(scheduler))

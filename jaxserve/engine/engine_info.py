@@ -10,7 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from jaxserve.core.buckets import BucketGrid
-from jaxserve.engine.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
+from jaxserve.engine.request_checks import (
+    EngineLimits,
+    check_beam_search_request,
+    check_priority,
+    check_sampling_request,
+)
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -31,8 +36,10 @@ class EngineInfo:
         return cls(engine.tokenizer, engine.max_model_len, engine.model_config.vocab_size, engine.limits, engine.grid,
                    sources)
 
-    def check_request(self, params: SamplingParams | BeamSearchParams, num_prompt_tokens: int) -> None:
+    def check_request(self, params: SamplingParams | BeamSearchParams, num_prompt_tokens: int,
+                      priority: int = 0) -> None:
         """The engine's own checks of a request (ValueError with vLLM's messages), before it is sent."""
+        check_priority(priority, self.limits)
         if isinstance(params, BeamSearchParams):
             check_beam_search_request(params, num_prompt_tokens, self.limits)
         else:

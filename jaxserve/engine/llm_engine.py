@@ -39,7 +39,13 @@ from jaxserve.engine.beam_search import BeamSearchGroup
 from jaxserve.engine.engine_builder import EngineParts, build_engine_parts, resolve_async_scheduling, warm_up_engine
 from jaxserve.engine.kv_events import wire_event
 from jaxserve.engine.logprobs import TokenTexts
-from jaxserve.engine.request_checks import EngineLimits, check_beam_search_request, check_sampling_request
+from jaxserve.engine.request_checks import (
+    EngineLimits,
+    check_beam_search_request,
+    check_priority,
+    check_sampling_request,
+    truncated_prompt,
+)
 from jaxserve.engine.request_group import EngineContext, GroupUpdate, RequestGroup, SamplingGroup
 from jaxserve.engine.step_trace import StepTrace
 from jaxserve.logger import init_logger
@@ -111,6 +117,7 @@ class LLMEngine:
         limits = EngineLimits(
             vocab_size=vocab_size, max_logprobs=self.config.max_logprobs, max_num_seqs=self.grid.max_num_seqs,
             num_kv_blocks=self.grid.num_blocks, block_size=self.block_size,
+            scheduling_policy=self.config.scheduling_policy,
         )
         return context, limits
 
@@ -135,11 +142,14 @@ class LLMEngine:
             return prompt, list(self.tokenizer(prompt).input_ids)
         raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None = None) -> None:
-        """Queues a request; BeamSearchParams make it a beam search (one final output, beams best first)."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None = None,
+                    priority: int = 0) -> None:
+        """Queues a request; BeamSearchParams make it a beam search (one final output, beams best first).
+        ``priority``: under the priority scheduling policy, lower values are scheduled first (vLLM's)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        check_priority(priority, self.limits)
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt must contain at least one token")
@@ -149,12 +159,16 @@ class LLMEngine:
                 raise ValueError("beam search is not supported with speculative decoding (speculative_config)")
             check_beam_search_request(params, len(token_ids), self.limits)
             self.grid.check_request(len(token_ids), params.max_tokens)
-            group = BeamSearchGroup(request_id, text, token_ids, params, seed, self.context)
+            seed = params.seed if params.seed is not None else seed
+            group = BeamSearchGroup(request_id, text, token_ids, params, seed, self.context, priority)
         elif isinstance(params, SamplingParams):
             check_sampling_request(params, self.limits)
+            kept = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+            if len(kept) < len(token_ids):  # the prompt is what the model sees
+                text, token_ids = self.tokenizer.decode(kept), kept
             self.grid.check_request(len(token_ids), params.max_tokens or self.max_model_len - len(token_ids))
             seed = params.seed if params.seed is not None else seed
-            group = SamplingGroup(request_id, text, token_ids, params, seed, self.context)
+            group = SamplingGroup(request_id, text, token_ids, params, seed, self.context, priority)
         else:
             raise TypeError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
         self.requests[request_id] = group

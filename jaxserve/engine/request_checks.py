@@ -19,6 +19,15 @@ class EngineLimits:
     max_num_seqs: int
     num_kv_blocks: int
     block_size: int
+    scheduling_policy: str = "fcfs"
+
+
+def check_priority(priority, limits: EngineLimits) -> None:
+    """A request's priority: an integer, and 0 unless the engine schedules by priority (vLLM's message)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and limits.scheduling_policy != "priority":
+        raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
 
 
 def check_sampling_request(params: SamplingParams, limits: EngineLimits) -> None:
@@ -39,14 +48,34 @@ def check_sampling_request(params: SamplingParams, limits: EngineLimits) -> None
                 f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. "
                 f"Vocabulary size: {limits.vocab_size}"
             )
+    if params.allowed_token_ids is not None and not all(0 <= t < limits.vocab_size for t in params.allowed_token_ids):
+        raise ValueError("allowed_token_ids contains out-of-vocab token id!")
     if params.best_of > limits.max_num_seqs:
         raise ValueError(
             f"best_of={params.best_of} sequences cannot run at once: max_num_seqs is {limits.max_num_seqs}"
         )
 
 
+def truncated_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: k = max_model_len; None: the whole prompt);
+    a k above max_model_len is refused with vLLM's message."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    if k == -1:
+        k = max_model_len
+    if k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len})."
+                         " Please, select a smaller truncation size.")
+    return token_ids[-k:]
+
+
 def check_beam_search_request(params: BeamSearchParams, num_prompt_tokens: int, limits: EngineLimits) -> None:
     width = params.beam_width
+    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+        raise ValueError(
+            f"Requested sample logprobs of {params.logprobs}, which is greater than max allowed: {limits.max_logprobs}"
+        )
     if 2 * width > limits.max_logprobs:
         raise ValueError(
             f"beam_width={width} needs the top {2 * width} logprobs per step, more than max_logprobs="

@@ -31,7 +31,13 @@ from jaxserve.config.structured_outputs_config import StructuredOutputsConfig
 from jaxserve.core.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.logprobs import TokenTexts, logprob_dict
-from jaxserve.engine.structured_outputs import GrammarCompiler, GrammarMatcher
+from jaxserve.engine.structured_outputs import (
+    BadWordsFilter,
+    BothConstraints,
+    GrammarCompiler,
+    GrammarMatcher,
+    bad_words_token_ids,
+)
 from jaxserve.logger import init_logger
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.runner.sampler import FLAG_GRAMMAR, FLAG_LOGIT_BIAS, FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SamplingRow
@@ -76,8 +82,10 @@ class EngineContext:
 class RequestGroup(abc.ABC):
     needs_host_sync = False  # True: each step's results must be read before the next step is planned
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], ctx: EngineContext):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], ctx: EngineContext,
+                 priority: int = 0):
         self.request_id = request_id
+        self.priority = priority  # the scheduler's priority policy: lower first (every sequence of the request)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.ctx = ctx
@@ -107,6 +115,7 @@ class RequestGroup(abc.ABC):
 
     def _new_sequence(self, num_pending_forks: int = 0) -> Sequence:
         seq = Sequence(self.request_id, self.prompt_token_ids, arrival_time=self.arrival_time)
+        seq.priority = self.priority
         seq.num_pending_forks = num_pending_forks
         self._root = self._root or seq
         return seq
@@ -196,15 +205,17 @@ class SampleState:
     num_accepted_tokens: int = 0  # output tokens read back from the device (the rest are placeholders)
     num_reported_tokens: int = 0
     num_reported_chars: int = 0
-    grammar: GrammarMatcher | None = None  # structured outputs: where the sequence is in its grammar
+    # structured outputs (where the sequence is in its grammar) and multi-token bad words: its next tokens' mask
+    grammar: GrammarMatcher | BadWordsFilter | BothConstraints | None = None
 
 
 class SamplingGroup(RequestGroup):
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 seed: int, ctx: EngineContext):
-        super().__init__(request_id, prompt, prompt_token_ids, ctx)
+                 seed: int, ctx: EngineContext, priority: int = 0):
+        super().__init__(request_id, prompt, prompt_token_ids, ctx, priority)
         self.params = params
         self.base_seed = seed
+        self._bad_words = bad_words_token_ids(ctx.tokenizer, params.bad_words) if params.bad_words else []
         self.states: dict[int, SampleState] = {}
         first = self._new_sequence(num_pending_forks=params.best_of - 1)
         first.use_prefix_cache = params.prompt_logprobs is None  # prompt logprobs need every prompt position
@@ -218,8 +229,14 @@ class SamplingGroup(RequestGroup):
             0.0 if params.is_greedy else params.temperature, params.top_p, params.min_p,
             params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
         )
-        self._static_flags = (FLAG_LOGIT_BIAS if params.logit_bias else 0) | (
+        self._static_flags = (FLAG_LOGIT_BIAS if self._uses_bias_row else 0) | (
             FLAG_LOGPROBS if self._tracks_logprobs else 0)
+
+    @property
+    def _uses_bias_row(self) -> bool:
+        """logit_bias, allowed_token_ids and one-token bad words are the slot's bias row."""
+        p = self.params
+        return bool(p.logit_bias) or p.allowed_token_ids is not None or any(len(w) == 1 for w in self._bad_words)
 
     @property
     def _tracks_logprobs(self) -> bool:
@@ -232,6 +249,9 @@ class SamplingGroup(RequestGroup):
         grammar = None
         if self.params.structured_outputs is not None:
             grammar = self.ctx.grammars.matcher(self.params.structured_outputs)
+        if any(len(w) > 1 for w in self._bad_words):
+            bad_words = BadWordsFilter(self._bad_words, self.ctx.vocab_size)
+            grammar = bad_words if grammar is None else BothConstraints(grammar, bad_words)
         self.states[seq.seq_id] = SampleState(index, seed, detok, logprobs, grammar=grammar)
         self.seqs.append(seq)
 
@@ -278,13 +298,18 @@ class SamplingGroup(RequestGroup):
 
     def needs_slot(self) -> bool:
         p = self.params
-        return p.has_penalties or bool(p.logit_bias) or p.min_tokens > 0
+        return p.has_penalties or self._uses_bias_row or p.min_tokens > 0
 
     def slot_rows(self) -> tuple[np.ndarray, np.ndarray]:
         p = self.params
         bias = np.zeros(self.ctx.vocab_size, np.float32)
         if p.logit_bias:
             bias[list(p.logit_bias)] = list(p.logit_bias.values())
+        if p.allowed_token_ids is not None:  # vLLM: every other token's logit is -inf
+            allowed = np.zeros(self.ctx.vocab_size, bool)
+            allowed[p.allowed_token_ids] = True
+            bias[~allowed] = -np.inf
+        bias[[w[0] for w in self._bad_words if len(w) == 1]] = -np.inf
         mask = np.zeros(self.ctx.vocab_size, bool)
         if p.min_tokens > 0:
             stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.ctx.eos_token_ids))

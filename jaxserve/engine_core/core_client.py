@@ -154,7 +154,8 @@ class AsyncMPEngine:
 
     # ----- requests -----------------------------------------------------------------------------
     async def generate(
-        self, prompt: dict, sampling_params: SamplingParams | BeamSearchParams | None, request_id: str
+        self, prompt: dict, sampling_params: SamplingParams | BeamSearchParams | None, request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Streams RequestOutputs for one request until it finishes, as `AsyncLLMEngine.generate` does.
         `prompt`: {"prompt": text, "prompt_token_ids": [...]} (the API process tokenizes)."""
@@ -170,7 +171,7 @@ class AsyncMPEngine:
         self._requests[request_id] = request
         if self.observer is not None:
             self.observer.request_arrived(request_id)
-        self._inputs.send(msg.encode([msg.ADD, request_id, prompt, params]))
+        self._inputs.send(msg.encode([msg.ADD, request_id, prompt, params, priority]))
         finished = False
         try:
             while not finished:

@@ -6,8 +6,8 @@ Dataclasses travel as an extension type holding the class name and the field val
 registered here are rebuilt (nothing else can be named by a message); enums by name and value. Tuples become
 lists, numpy scalars Python numbers, and int dict keys stay ints (logprobs are keyed by token id).
 
-Inputs (client -> core): ["add", request_id, prompt, params], ["abort", [request_id, ...]], ["shutdown"],
-["call", call_id, method] (an engine method of `CALLABLE`, run between steps).
+Inputs (client -> core): ["add", request_id, prompt, params, priority], ["abort", [request_id, ...]],
+["shutdown"], ["call", call_id, method] (an engine method of `CALLABLE`, run between steps).
 Outputs (core -> client): ["outputs", [[request_id, RequestOutput], ...], [[request_id, error type, message], ...],
 StatsSnapshot, backend compiles]; ["call_result", call_id, result, error message or None]; ["dead", reason] when
 the core cannot go on (multi-host: a host was lost).

@@ -109,9 +109,9 @@ class EngineCore:
         delivered, errors = [], []
         for message in messages:
             if message[0] == msg.ADD:
-                _, request_id, prompt, params = message
+                _, request_id, prompt, params, priority = message
                 try:
-                    self.engine.add_request(request_id, prompt, as_delta(params))
+                    self.engine.add_request(request_id, prompt, as_delta(params), priority)
                 except Exception as err:
                     errors.append([request_id, type(err).__name__, str(err)])
             elif message[0] == msg.SHUTDOWN:

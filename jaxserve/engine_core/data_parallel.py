@@ -80,13 +80,13 @@ class DataParallelEngine:
         return sum(core.backend_compiles() for core in self.cores)
 
     async def generate(self, prompt: dict, sampling_params: SamplingParams | BeamSearchParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The request on the core with the fewest unfinished requests, streamed as `AsyncMPEngine.generate`."""
         rank = min(range(len(self.cores)), key=self._open.__getitem__)
         self._open[rank] += 1
         self._owner[request_id] = rank
         try:
-            async for output in self.cores[rank].generate(prompt, sampling_params, request_id):
+            async for output in self.cores[rank].generate(prompt, sampling_params, request_id, priority):
                 yield output
         finally:
             self._open[rank] -= 1

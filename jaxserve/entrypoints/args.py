@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxserve.config.engine_config import DTYPE_CHOICES, EngineConfig
+from jaxserve.config.engine_config import DTYPE_CHOICES, SCHEDULING_POLICIES, EngineConfig
 from jaxserve.config.quantization_config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 from jaxserve.entrypoints.chat_output import ChatParserOptions
 from jaxserve.entrypoints.reasoning_parsers import REASONING_PARSERS
@@ -40,6 +40,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "seed": (int, "seed of requests that give none"),
     "attention_backend": (str, "auto, reference, pallas or cpu"),
     "waiting_served_ratio": (float, "prefill new requests once waiting >= this ratio x decoding (TGI's; default 0)"),
+    "scheduling_policy": (str, "fcfs: requests in arrival order; priority: by their `priority` (lower first), "
+                          "then arrival; running requests of the lowest priority are preempted first (vLLM's)"),
     "async_scheduling": (bool, "plan step N+1 while step N runs (--no-async-scheduling reads every step first). "
                          "Default: on for TPU and GPU, off on CPU, where the host's work takes the cores the step "
                          "runs on and a request arriving mid-step would wait one step more (as vLLM's CPU backend)"),
@@ -108,6 +110,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
             kwargs["choices"] = list(QUANTIZATION_CHOICES)
         elif name == "kv_cache_dtype":
             kwargs["choices"] = list(KV_CACHE_DTYPE_CHOICES)
+        elif name == "scheduling_policy":
+            kwargs["choices"] = list(SCHEDULING_POLICIES)
         elif name == "attention_backend":
             kwargs["choices"] = ["auto", "reference", "pallas", "cpu"]
         parser.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, []), **kwargs)

@@ -4,8 +4,9 @@ Place in the data flow: the chat handler (`serving_chat.py`) makes one `ChoiceOu
 request and hands it each output text. The server's `--reasoning-parser` first splits the reasoning from the
 answer (`reasoning_parsers.py`); the answer then goes to a tool call parser when the request's `tool_choice`
 forces calls (`tool_choice.py`) or is "auto" on a server started with `--enable-auto-tool-choice
---tool-call-parser NAME` (`tool_parsers/`). A choice that produced calls and stopped by itself finishes with
-"tool_calls", as OpenAI's do.
+--tool-call-parser NAME` (`tool_parsers/`). With `parallel_tool_calls` false only the first call is kept (vLLM's
+filter; a forced "required" choice is constrained to one call besides). A choice that produced calls and stopped
+by itself finishes with "tool_calls", as OpenAI's do.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ class ParsedMessage:
 class ChoiceOutputParser:
     """One choice's parsers: whole outputs (`message`) or the growing text of a stream (`delta`)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None):
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, parallel_tool_calls: bool = True):
         self.reasoning = reasoning
         self.tools = tools
+        self.parallel_tool_calls = parallel_tool_calls  # False: the first call only
         self.streamed_calls = False  # a streamed choice sent tool calls (its finish reason is "tool_calls")
         self._sent_content = 0
 
@@ -69,7 +71,7 @@ class ChoiceOutputParser:
             tools = get_tool_parser(options.tool_call_parser)()
         else:
             tools = None
-        return cls(reasoning, tools)
+        return cls(reasoning, tools, parallel_tool_calls=request.parallel_tool_calls is not False)
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -82,7 +84,8 @@ class ChoiceOutputParser:
         if self.tools is None or content is None:
             return ParsedMessage(content, reasoning)
         extracted = self.tools.extract(content)
-        return ParsedMessage(extracted.content, reasoning, extracted.tool_calls)
+        calls = extracted.tool_calls if self.parallel_tool_calls else extracted.tool_calls[:1]
+        return ParsedMessage(extracted.content, reasoning, calls)
 
     def delta(self, text: str, finished: bool) -> DeltaMessage | None:
         """The delta of a streamed output that now reads ``text`` (None: nothing to send yet)."""
@@ -102,11 +105,22 @@ class ChoiceOutputParser:
 
     def _answer_delta(self, content: str, finished: bool) -> DeltaMessage | None:
         if self.tools is not None:
-            delta = self.tools.extract_streaming("", content, "", finished)
+            delta = self._first_call_only(self.tools.extract_streaming("", content, "", finished))
             self.streamed_calls |= bool(delta is not None and delta.tool_calls)
             return delta
         new, self._sent_content = content[self._sent_content:], len(content)
         return DeltaMessage(content=new) if new else None
+
+
+    def _first_call_only(self, delta: DeltaMessage | None) -> DeltaMessage | None:
+        """Without parallel tool calls, the pieces of calls after the first are dropped (vLLM keeps index 0)."""
+        if delta is None or self.parallel_tool_calls or all(call.index == 0 for call in delta.tool_calls):
+            return delta
+        fields = delta.model_dump(exclude_unset=True)
+        fields["tool_calls"] = [call for call in delta.tool_calls if call.index == 0]
+        if not fields["tool_calls"]:
+            del fields["tool_calls"]
+        return DeltaMessage(**fields) if fields else None
 
 
 def finish_reason(reason: str | None, tool_calls: bool) -> str | None:

@@ -13,7 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from jaxserve.logger import init_logger
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+
+logger = init_logger("jaxserve.entrypoints.openai_protocol")
 
 
 def random_id(prefix: str) -> str:
@@ -21,7 +24,19 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # as vLLM: unknown request fields are ignored
+    model_config = ConfigDict(extra="ignore")  # as vLLM: unknown request fields are ignored, with a warning
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_fields(cls, data, handler):
+        """vLLM's warning naming the fields a request sent that no field (or alias) of the model takes."""
+        result = handler(data)
+        if isinstance(data, dict) and cls.model_config.get("extra") == "ignore":
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            ignored = sorted(str(key) for key in data if key not in known)
+            if ignored:
+                logger.warning("The following fields were present in the request but ignored: %s", ignored)
+        return result
 
 
 # ----- errors ---------------------------------------------------------------------------------------
@@ -104,6 +119,10 @@ class SamplingFields(OpenAIBaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    priority: int = 0  # under --scheduling-policy priority: lower first
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -119,7 +138,8 @@ class SamplingFields(OpenAIBaseModel):
         return self
 
     def to_beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
-        """vLLM's mapping: n beams; temperature defaults to 1.0 as in sampling."""
+        """vLLM's mapping: n beams; temperature defaults to 1.0 as in sampling. stop, stop_token_ids, logprobs and
+        seed, which vLLM drops here, are honoured (`BeamSearchParams`)."""
         if self._structured_outputs() is not None:
             raise ValueError("structured outputs are not supported with beam search")
         max_tokens = self.requested_max_tokens()
@@ -127,9 +147,14 @@ class SamplingFields(OpenAIBaseModel):
             beam_width=self.n, max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             ignore_eos=self.ignore_eos, temperature=1.0 if self.temperature is None else self.temperature,
             length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=self.requested_logprobs(), seed=self.seed,
         )
 
     def requested_max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def requested_logprobs(self) -> int | None:
+        """The top logprobs asked for each generated token (None: none)."""
         raise NotImplementedError
 
     def _sampling_kwargs(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> dict:
@@ -155,6 +180,9 @@ class SamplingFields(OpenAIBaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": self.logit_bias,  # SamplingParams makes the keys ints and clamps
             "structured_outputs": self._structured_outputs(),
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
         }
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
@@ -202,6 +230,9 @@ class CompletionRequest(SamplingFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
@@ -311,6 +342,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = True
     logprobs: bool | None = False
     top_logprobs: int | None = 0
+    prompt_logprobs: int | None = None  # vLLM's extra: answered in the response's prompt_logprobs
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
@@ -326,6 +358,8 @@ class ChatCompletionRequest(SamplingFields):
                 raise ValueError("`top_logprobs` must be a positive value.")
             if self.top_logprobs > 0 and not self.logprobs:
                 raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        if self.prompt_logprobs and self.stream:
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         if not self.messages:
             raise ValueError("messages must contain at least one message")
         if self.continue_final_message and self.add_generation_prompt:
@@ -355,11 +389,13 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.requested_max_tokens()
         max_tokens = default_max_tokens if max_tokens is None else max_tokens
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs, None))
+        return SamplingParams(**self._sampling_kwargs(max_tokens, self.requested_logprobs(), self.prompt_logprobs))
 
 
 class FunctionCall(OpenAIBaseModel):
@@ -434,6 +470,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's extra
 
 
 class DeltaMessage(OpenAIBaseModel):

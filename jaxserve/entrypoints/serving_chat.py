@@ -38,6 +38,7 @@ from jaxserve.entrypoints.serving_engine import (
     RequestParams,
     ServingError,
     clamp_logprob,
+    prompt_logprobs_of,
     stream_error,
     streamable_text,
 )
@@ -67,7 +68,7 @@ class OpenAIServingChat(OpenAIServing):
         request = self._with_tool_constraints(request, parsers[0])
         params = self._after_reasoning(self.sampling_params(request, prompt), prompt)
         request_id, created = random_id("chatcmpl"), int(time.time())
-        stream = self.generate([prompt], [params], request_id)
+        stream = self.generate([prompt], [params], request_id, request.priority)
         if request.stream:
             return self._stream(request, prompt, params, stream, request_id, created, parsers)
         (final,) = await self.final_outputs(stream, 1)
@@ -141,6 +142,7 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id, created=created, model=self.served_model_name,
             choices=sorted(choices, key=lambda c: c.index),
             usage=UsageInfo.of(num_prompt, num_generated),
+            prompt_logprobs=prompt_logprobs_of(final) if request.prompt_logprobs is not None else None,
         )
 
     async def _stream(

@@ -17,7 +17,6 @@ from jaxserve.entrypoints.openai_protocol import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
-    PromptLogprob,
     UsageInfo,
     random_id,
 )
@@ -27,6 +26,7 @@ from jaxserve.entrypoints.serving_engine import (
     RequestParams,
     ServingError,
     clamp_logprob,
+    prompt_logprobs_of,
     stream_error,
     streamable_text,
 )
@@ -39,7 +39,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self.completion_prompts(request.prompt, request.add_special_tokens)
         params = [self.sampling_params(request, p) for p in prompts]
         request_id, created = random_id("cmpl"), int(time.time())
-        stream = self.generate(prompts, params, request_id)
+        stream = self.generate(prompts, params, request_id, request.priority)
         if request.stream:
             return self._stream(request, prompts, params, stream, request_id, created)
         finals = await self.final_outputs(stream, len(prompts))
@@ -61,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + output.index, text=echo + output.text, logprobs=logprobs,
                     finish_reason=output.finish_reason, stop_reason=output.stop_reason,
-                    prompt_logprobs=_prompt_logprobs(result) if request.prompt_logprobs is not None else None,
+                    prompt_logprobs=prompt_logprobs_of(result) if request.prompt_logprobs is not None else None,
                 ))
         choices.sort(key=lambda c: c.index)
         num_prompt = sum(len(p.token_ids) for p in prompts)
@@ -154,13 +154,3 @@ class OpenAIServingCompletion(OpenAIServing):
             top.setdefault(token, clamp_logprob(entry.logprob))  # the sampled token is always included
             logprobs.top_logprobs.append(top)
         return logprobs
-
-
-def _prompt_logprobs(result: RequestOutput) -> list[dict[int, PromptLogprob] | None] | None:
-    steps = result.prompt_logprobs
-    if steps is None:
-        return None
-    return [None if step is None else {
-        token_id: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
-        for token_id, lp in step.items()
-    } for step in steps]

@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
+from jaxserve.engine.request_checks import truncated_prompt
 from jaxserve.engine_core.core_client import ServerEngine
+from jaxserve.entrypoints.openai_protocol import PromptLogprob
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -91,6 +93,7 @@ class OpenAIServing:
     def sampling_params(self, request: Any, prompt: EnginePrompt) -> RequestParams:
         """The request's SamplingParams (BeamSearchParams with use_beam_search) for one prompt, checked
         against the engine's limits here, so that a bad request is a 400 before any stream starts."""
+        self.truncate_prompt(prompt, getattr(request, "truncate_prompt_tokens", None))
         default_max_tokens = max(self.max_model_len - len(prompt.token_ids), 1)
         try:
             if request.use_beam_search:
@@ -99,17 +102,27 @@ class OpenAIServing:
                 params = request.to_sampling_params(default_max_tokens)
         except (ValueError, TypeError) as err:
             raise ServingError(str(err)) from err
-        self.check_params(params, prompt)
+        self.check_params(params, prompt, getattr(request, "priority", 0))
         return params
 
-    def check_params(self, params: RequestParams, prompt: EnginePrompt) -> None:
+    def check_params(self, params: RequestParams, prompt: EnginePrompt, priority: int = 0) -> None:
         """The engine's own request checks, with vLLM's context-length message."""
         try:
-            self.info.check_request(params, len(prompt.token_ids))
+            self.info.check_request(params, len(prompt.token_ids), priority)
         except ValueError as err:
             raise ServingError(str(err)) from err
 
     # ----- prompts ------------------------------------------------------------------------------
+    def truncate_prompt(self, prompt: EnginePrompt, truncate_prompt_tokens: int | None) -> None:
+        """vLLM's truncate_prompt_tokens: the prompt keeps its last k tokens (its text becomes theirs), before any
+        length check; a k above max_model_len is a 400 with vLLM's message."""
+        try:
+            kept = truncated_prompt(prompt.token_ids, truncate_prompt_tokens, self.max_model_len)
+        except ValueError as err:
+            raise ServingError(str(err), param="truncate_prompt_tokens") from err
+        if len(kept) < len(prompt.token_ids):
+            prompt.text, prompt.token_ids = self.tokenizer.decode(kept), kept
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
@@ -157,10 +170,10 @@ class OpenAIServing:
 
     # ----- generation ---------------------------------------------------------------------------
     def generate(
-        self, prompts: list[EnginePrompt], params: list[RequestParams], request_id: str
+        self, prompts: list[EnginePrompt], params: list[RequestParams], request_id: str, priority: int = 0
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         streams = [
-            self.engine.generate(p.as_engine_input(), sp, f"{request_id}-{i}")
+            self.engine.generate(p.as_engine_input(), sp, f"{request_id}-{i}", priority)
             for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
         ]
         return merge_streams(streams)
@@ -191,6 +204,18 @@ class OpenAIServing:
 
 def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
+
+
+def prompt_logprobs_of(result: RequestOutput) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` extra (a completion choice's, a chat response's): per prompt position, the
+    {token id: Logprob} of its token and the top ones (None at position 0)."""
+    steps = result.prompt_logprobs
+    if steps is None:
+        return None
+    return [None if step is None else {
+        token_id: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+        for token_id, lp in step.items()
+    } for step in steps]
 
 
 def streamable_text(output: CompletionOutput, params: RequestParams) -> str:

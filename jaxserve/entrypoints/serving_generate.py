@@ -56,6 +56,7 @@ class GenerateServing(OpenAIServing):
 
     def _sampling_params(self, fields: dict, prompt: EnginePrompt) -> SamplingParams:
         params = _validated_sampling_params(fields)
+        self.truncate_prompt(prompt, params.truncate_prompt_tokens)
         self.check_params(params, prompt)
         return params
 
@@ -67,6 +68,7 @@ class GenerateServing(OpenAIServing):
         checked = _validated_sampling_params(fields)
         if checked.structured_outputs is not None:
             raise ServingError("structured outputs are not supported with beam search", param="structured_outputs")
+        self.truncate_prompt(prompt, checked.truncate_prompt_tokens)
         if not _is_count(n):
             raise ServingError(f"n must be at least 1, got {n}.", param="n")
         if best_of is not None and not (_is_count(best_of) and best_of >= n):
@@ -76,7 +78,8 @@ class GenerateServing(OpenAIServing):
             params = BeamSearchParams(
                 beam_width=best_of or n, max_tokens=checked.max_tokens or self.max_model_len - len(prompt.token_ids),
                 ignore_eos=checked.ignore_eos, temperature=checked.temperature, length_penalty=length_penalty,
-                include_stop_str_in_output=checked.include_stop_str_in_output,
+                include_stop_str_in_output=checked.include_stop_str_in_output, stop=checked.stop,
+                stop_token_ids=checked.stop_token_ids, logprobs=checked.logprobs, seed=checked.seed,
             )
         except (ValueError, TypeError) as err:
             raise ServingError(str(err)) from err

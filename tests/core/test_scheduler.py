@@ -4,6 +4,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid, BucketSpec, DecodeBucket, MixedBucket, PrefillBucket
 from jaxserve.core.schedule import PrefillChunk, Schedule
@@ -425,6 +426,56 @@ def test_preempted_sequences_go_back_in_arrival_order():
     assert s.decode_seqs == seqs[:2] and s.preempted == [seqs[3], seqs[2]]
     assert list(sched.waiting) == [seqs[2], seqs[3]]
 
+
+
+# -- the priority policy (vLLM's --scheduling-policy priority) ----------------------------------------
+
+
+def with_priority(seq: Sequence, priority: int) -> Sequence:
+    seq.priority = priority
+    return seq
+
+
+def test_priority_policy_admits_lower_values_first_then_by_arrival():
+    sched = make_scheduler(max_num_seqs=2, policy="priority")
+    seqs = [with_priority(make_seq(f"r{i}", 3, float(i)), p) for i, p in enumerate([5, 1, 5, 0, 1])]
+    for seq in seqs:
+        sched.add(seq)
+    assert list(sched.waiting) == [seqs[3], seqs[1], seqs[4], seqs[0], seqs[2]]
+    s = sched.schedule()
+    assert [c.seq for c in s.prefill_chunks] == [seqs[3], seqs[1]]
+    fcfs = make_scheduler(max_num_seqs=2)
+    for seq in [with_priority(make_seq(f"f{i}", 3, float(i)), p) for i, p in enumerate([5, 1, 5, 0, 1])]:
+        fcfs.add(seq)
+    assert [c.seq.request_id for c in fcfs.schedule().prefill_chunks] == ["f0", "f1"]  # fcfs: arrival alone
+
+
+def test_priority_policy_preempts_the_largest_value_and_requeues_it_in_order():
+    """r3 needs a block first (priority 0): r0 (priority 9, the oldest) goes, not the newest; r2 (priority 1)
+    needs one next: r1 (priority 2) goes. The waiting queue holds them by priority."""
+    sched = make_scheduler(num_blocks=4, max_model_len=16, waiting_served_ratio=0.0, policy="priority")
+    seqs = [with_priority(make_seq(f"r{i}", 4, float(i)), p) for i, p in enumerate([9, 2, 1, 0])]
+    for seq in seqs:
+        sched.add(seq)
+    s = sched.schedule()
+    assert [c.seq for c in s.prefill_chunks] == [seqs[3], seqs[2], seqs[1], seqs[0]]
+    advance(s, [1, 2, 3, 4])
+    s = sched.schedule()
+    assert s.decode_seqs == [seqs[3], seqs[2]] and s.preempted == [seqs[0], seqs[1]]
+    assert list(sched.waiting) == [seqs[1], seqs[0]]
+
+
+def test_a_fork_keeps_its_requests_priority():
+    """Beam search forks running beams: they must stay in their request's place in the priority order."""
+    assert with_priority(make_seq("r", 3, 0.0), 7).fork().priority == 7
+
+
+def test_the_policy_is_checked():
+    with pytest.raises(ValueError, match=r"^policy must be one of fcfs, priority, got 'lifo'$"):
+        make_scheduler(policy="lifo")
+    with pytest.raises(ValueError, match=r"^scheduling_policy must be one of fcfs, priority, got 'lifo'$"):
+        EngineConfig(scheduling_policy="lifo")
+    assert EngineConfig().scheduling_policy == "fcfs"  # vLLM's default
 
 @pytest.mark.parametrize(("ratio", "chunked"), [(0.0, True), (1.2, True), (1.2, False), (5.0, True)])
 def test_tiny_pool_with_preemption_gives_the_same_tokens_as_alone(ratio, chunked):

@@ -53,8 +53,10 @@ def llm(setup):
     return setup[0]
 
 
-def reference_beam_search(hf, prompt, width, max_tokens, *, ignore_eos=False, length_penalty=1.0):
-    """vLLM's algorithm in plain numpy: (tokens incl. prompt, cum_logprob) best first."""
+def reference_beam_search(hf, prompt, width, max_tokens, *, ignore_eos=False, length_penalty=1.0,
+                          stops=lambda generated, token: False):
+    """vLLM's algorithm in plain numpy: (tokens incl. prompt, cum_logprob) best first. ``stops(generated, token)``:
+    whether the token completes the beam (a stop token or string)."""
 
     def score(beam):
         tokens, cum = beam
@@ -68,7 +70,8 @@ def reference_beam_search(hf, prompt, width, max_tokens, *, ignore_eos=False, le
             logprobs = hf.logprobs(tokens)[-1]
             for token in np.argsort(-logprobs, kind="stable")[: 2 * width].tolist():
                 beam = (tokens + [token], cum + logprobs[token])
-                (completed if token == EOS and not ignore_eos else candidates).append(beam)
+                done = (token == EOS and not ignore_eos) or stops(tokens[len(prompt):], token)
+                (completed if done else candidates).append(beam)
         beams = sorted(candidates, key=score, reverse=True)[:width]
     return sorted(completed + beams, key=score, reverse=True)[:width]
 
@@ -95,6 +98,61 @@ def test_beam_search_equals_a_reference_over_hf_logits(setup, width, max_tokens,
         for token, entry in zip(generated, seq.logprobs, strict=True):
             assert token in entry and len(entry) == 2 * width
 
+
+def test_stop_token_ids_and_stop_strings_complete_beams(setup):
+    """jaxserve's extension of vLLM's beams: a stop token or a completed stop string ends a beam as EOS does,
+    with finish_reason "stop" and its stop_reason; the text ends before it unless include_stop_str_in_output."""
+    llm, hf, _ = setup
+    tokenizer = llm.get_tokenizer()
+    plain = llm.beam_search([tokens_prompt(PROMPT)], BeamSearchParams(3, 6, ignore_eos=True))[0]
+    best = plain.sequences[0].tokens[len(PROMPT):]
+    stop_token = best[2]
+    output = llm.beam_search([tokens_prompt(PROMPT)],
+                             BeamSearchParams(3, 6, ignore_eos=True, stop_token_ids=[stop_token]))[0]
+    reference = reference_beam_search(hf, PROMPT, 3, 6, ignore_eos=True,
+                                      stops=lambda generated, token: token == stop_token)
+    assert_matches_reference(output, reference)
+    stopped = [s for s in output.sequences if s.tokens[-1] == stop_token]
+    assert stopped and all((s.finish_reason, s.stop_reason) == ("stop", stop_token) for s in stopped)
+    stop = tokenizer.decode(best[:2])  # the best beam's first two tokens: stopped that early, it ranks first
+
+    def completes_stop(generated, token):
+        before = tokenizer.decode(generated, skip_special_tokens=True)
+        return tokenizer.decode(generated + [token], skip_special_tokens=True).find(
+            stop, max(len(before) - len(stop) + 1, 0)) >= 0
+
+    engine = llm.llm_engine
+    for include in (False, True):
+        params = BeamSearchParams(3, 6, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+        engine.add_request(f"stop-{include}", tokens_prompt(PROMPT), params)
+        (final,) = [o for o in _run(engine) if o.request_id == f"stop-{include}"]
+        reference = reference_beam_search(hf, PROMPT, 3, 6, ignore_eos=True, stops=completes_stop)
+        assert [PROMPT + c.token_ids for c in final.outputs] == [tokens for tokens, _ in reference]
+        first = final.outputs[0]
+        full = tokenizer.decode(first.token_ids, skip_special_tokens=True)
+        assert (first.token_ids, first.finish_reason, first.stop_reason) == (best[:2], "stop", stop)
+        assert first.text == full[: full.find(stop) + (len(stop) if include else 0)]
+
+
+def _run(engine) -> list:
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    return finished
+
+
+def test_logprobs_and_seed_of_a_beam_search(setup):
+    """logprobs above 2 * beam_width give that many entries per token; a seed makes a sampling beam search
+    (temperature > 0) repeat itself, alone or beside another request."""
+    llm, _, _ = setup
+    (wide,) = llm.beam_search([tokens_prompt(PROMPT)], BeamSearchParams(2, 4, ignore_eos=True, logprobs=7))
+    assert all(len(entry) == 7 for seq in wide.sequences for entry in seq.logprobs)
+    params = BeamSearchParams(2, 6, ignore_eos=True, temperature=1.5, seed=123)
+    first = llm.beam_search([tokens_prompt(PROMPT)], params)[0]
+    again = llm.beam_search([tokens_prompt(PROMPT[:5]), tokens_prompt(PROMPT)], params)[1]
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in first.sequences]
+    with pytest.raises(ValueError, match=r"^Requested sample logprobs of 21, which is greater than max allowed: 20$"):
+        llm.beam_search([tokens_prompt(PROMPT)], BeamSearchParams(2, 4, logprobs=21))
 
 def test_some_beams_complete_at_eos(setup):
     """The EOS path is exercised: completed beams of different lengths compete (length penalty)."""

@@ -358,6 +358,78 @@ def test_chat_errors(llm):
         tokenizer.chat_template = template
 
 
+# ----- token filters and prompt truncation (vLLM's allowed_token_ids, bad_words, truncate_prompt_tokens) ------
+
+
+def hf_greedy(hf, prompt: list[int], num_tokens: int, banned) -> list[int]:
+    """transformers' greedy tokens with ``banned(output so far)`` -> token ids set to -inf at each step."""
+    output: list[int] = []
+    for _ in range(num_tokens):
+        logits = hf.logits(prompt + output)[-1]
+        logits[list(banned(output))] = -np.inf
+        output.append(int(np.argmax(logits)))
+    return output
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, **kwargs)
+
+
+def test_allowed_token_ids_sample_only_those_tokens(llm, hf):
+    allowed = [LETTERS["a"], LETTERS["c"], 100]
+    out = one(llm, PROMPT, greedy(allowed_token_ids=allowed)).outputs[0]
+    others = sorted(set(range(hf.logits(PROMPT).shape[-1])) - set(allowed))
+    assert out.token_ids == hf_greedy(hf, PROMPT, 10, lambda _: others)
+    assert set(out.token_ids) <= set(allowed)
+
+
+def _vllm_bad_word_bans(words: list[list[int]]):
+    """vLLM's rule, written out: a word's last token is banned where the output ends with its other tokens."""
+    return lambda output: {w[-1] for w in words if len(w) - 1 <= len(output)
+                           and output[len(output) - len(w) + 1:] == w[:-1]}
+
+
+def _letters_only(output: list[int]) -> set[int]:
+    return set(range(320)) - set(LETTERS.values())
+
+
+def test_bad_words_of_one_and_several_tokens_follow_vllms_rule(llm, hf):
+    """Among the letters a-j (one byte token each, so the words tokenize back to the same tokens)."""
+    letters = list(LETTERS.values())
+    plain = one(llm, PROMPT, greedy(allowed_token_ids=letters)).outputs[0].token_ids
+    tokenizer = llm.get_tokenizer()
+    one_token, two_tokens = tokenizer.decode(plain[:1]), tokenizer.decode(plain[3:5])
+    words = [tokenizer.encode(w, add_special_tokens=False) for w in (one_token, two_tokens)]
+    assert words == [plain[:1], plain[3:5]]  # " word" is one token longer: not a second form (vLLM)
+    out = one(llm, PROMPT, greedy(allowed_token_ids=letters, bad_words=[one_token, two_tokens])).outputs[0]
+    bans = _vllm_bad_word_bans(words)
+    expected = hf_greedy(hf, PROMPT, 10, lambda output: bans(output) | _letters_only(output))
+    assert out.token_ids == expected and expected != plain
+    assert expected[0] != plain[0]  # the one-token word is banned from the start
+
+
+def test_bad_words_with_a_batch_neighbour(llm, hf):
+    """A multi-token word's mask follows the request's own output; a request in the same steps is untouched."""
+    letters = list(LETTERS.values())
+    plain = one(llm, PROMPT, greedy(allowed_token_ids=letters)).outputs[0].token_ids
+    word = llm.get_tokenizer().decode(plain[2:4])
+    filtered, unfiltered = llm.generate(
+        [tokens_prompt(PROMPT)] * 2,
+        [greedy(allowed_token_ids=letters, bad_words=[word]), greedy(allowed_token_ids=letters)], use_tqdm=False)
+    bans = _vllm_bad_word_bans([plain[2:4]])
+    expected = hf_greedy(hf, PROMPT, 10, lambda output: bans(output) | _letters_only(output))
+    assert filtered.outputs[0].token_ids == expected != plain
+    assert unfiltered.outputs[0].token_ids == plain
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(llm):
+    out = one(llm, PROMPT, greedy(truncate_prompt_tokens=5))
+    alone = one(llm, PROMPT[-5:], greedy())
+    assert out.prompt_token_ids == PROMPT[-5:]
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert one(llm, PROMPT, greedy(truncate_prompt_tokens=-1)).prompt_token_ids == PROMPT  # -1: max_model_len
+
+
 # ----- engine-level validation ----------------------------------------------------------------------------
 
 
@@ -370,6 +442,10 @@ def test_chat_errors(llm):
         (SamplingParams(logit_bias={5: 1.0, 320: 2.0, -1: 1.0}),
          "token_id(s) [-1, 320] in logit_bias contain out-of-vocab token ids. Vocabulary size: 320"),
         (SamplingParams(n=2, best_of=9), "best_of=9 sequences cannot run at once: max_num_seqs is 8"),
+        (SamplingParams(allowed_token_ids=[5, 320]), "allowed_token_ids contains out-of-vocab token id!"),
+        (SamplingParams(truncate_prompt_tokens=129),
+         "truncate_prompt_tokens value (129) is greater than max_model_len (128). Please, select a smaller "
+         "truncation size."),
         (BeamSearchParams(beam_width=11, max_tokens=4),
          "beam_width=11 needs the top 22 logprobs per step, more than max_logprobs=20; raise max_logprobs or "
          "lower beam_width"),
@@ -383,6 +459,14 @@ def test_engine_validation_errors(llm, params, message):
         engine.add_request("invalid", tokens_prompt(PROMPT), params)
     assert str(err.value) == message
     assert "invalid" not in engine.requests and not engine.has_unfinished_requests()
+
+
+def test_a_priority_needs_the_priority_policy(llm):
+    """vLLM's message; this engine schedules first come, first served."""
+    engine = llm.llm_engine
+    with pytest.raises(ValueError, match=r"^Got priority 1 but Priority scheduling is not enabled\.$"):
+        engine.add_request("prioritized", tokens_prompt(PROMPT), SamplingParams(), priority=1)
+    assert "prioritized" not in engine.requests and not engine.has_unfinished_requests()
 
 
 def test_engine_rejects_other_params_and_long_requests(llm):

@@ -75,6 +75,35 @@ def test_a_matcher_allows_the_grammars_next_tokens_then_ends():
                            "applying 'b'")
 
 
+def test_bad_words_tokenize_as_vllms_and_mask_with_a_grammar():
+    """vLLM's tokenization (the word, and after a space only when as long with another first token) and rule: a
+    word's last token is banned right after its other tokens; with a grammar, only what both allow."""
+    from jaxserve.engine.structured_outputs import (
+        BadWordsFilter,
+        BothConstraints,
+        GrammarCompiler,
+        bad_words_token_ids,
+    )
+    from jaxserve.testing.tiny_models import byte_level_tokenizer
+    from tests.generation_fixtures import LETTERS
+
+    tokenizer = byte_level_tokenizer()
+    a, b, c = (LETTERS[ch] for ch in "abc")
+    assert bad_words_token_ids(tokenizer, ["ab", "  c"]) == [[a, b], [c]]  # " ab" is 3 byte tokens: not kept
+
+    def allowed(mask) -> list[int]:
+        words = mask.allowed_tokens().view(np.uint32)
+        return [t for t in range(320) if words[t // 32] >> (t % 32) & 1]
+
+    words = BadWordsFilter([[a, b], [c]], 320)  # one-token words are the bias row's, not the filter's
+    assert allowed(words) == list(range(320))
+    assert words.consume(a) and allowed(words) == [t for t in range(320) if t != b]
+    matcher = GrammarCompiler(tokenizer, 320, frozenset({2})).matcher(StructuredOutputsParams(choice=["ab", "ac"]))
+    both = BothConstraints(matcher, BadWordsFilter([[a, b]], 320))
+    assert allowed(both) == [a]
+    assert both.consume(a) and allowed(both) == [c] and not both.is_finished
+    assert both.consume(c) and both.is_finished
+
 def test_sampling_params_take_the_constraint_or_its_fields():
     assert SamplingParams(structured_outputs={"choice": ["a", "b"]}).structured_outputs == StructuredOutputsParams(
         choice=["a", "b"])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import msgpack
 import numpy as np
 import pytest
 
 from jaxserve.engine_core import core_messages as msg
+from jaxserve.engine_core.core_process import EngineCore
 from jaxserve.engine_core.output_accumulator import CumulativeOutputs
 from jaxserve.metrics.stats import EngineStats, SchedulerStats, StatsSnapshot
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -19,13 +21,26 @@ def test_requests_travel_whole():
     params = SamplingParams(n=2, temperature=0.7, top_p=0.9, seed=11, stop=["\n", "END"], logit_bias={7: -2.5},
                             structured_outputs=StructuredOutputsParams(
                                 json={"type": "object"}, reasoning_end="</think>", disable_additional_properties=False),
-                            output_kind=RequestOutputKind.DELTA, logprobs=3)
+                            output_kind=RequestOutputKind.DELTA, logprobs=3, truncate_prompt_tokens=4,
+                            allowed_token_ids=[3, 5], bad_words=["no", "never"])
     beams = BeamSearchParams(beam_width=3, max_tokens=5)
-    message = [msg.ADD, "r-1", {"prompt": "hi", "prompt_token_ids": [1, 2]}, params]
+    message = [msg.ADD, "r-1", {"prompt": "hi", "prompt_token_ids": [1, 2]}, params, 3]
     assert msg.decode(msg.encode(message)) == message
     assert msg.decode(msg.encode(beams)) == beams
     decoded = msg.decode(msg.encode(params))
     assert decoded.logit_bias == {7: -2.5} and decoded.output_kind is RequestOutputKind.DELTA
+
+
+def test_the_core_adds_a_request_with_its_params_and_priority():
+    """What `EngineCore._apply` hands the engine of an "add" message, decoded from its bytes."""
+    added = []
+    core = SimpleNamespace(engine=SimpleNamespace(add_request=lambda *args: added.append(args)), running=True)
+    params = SamplingParams(bad_words=["no"], allowed_token_ids=[3], truncate_prompt_tokens=2)
+    prompt = {"prompt": "hi", "prompt_token_ids": [1, 2]}
+    EngineCore._apply(core, [msg.decode(msg.encode([msg.ADD, "r-1", prompt, params, -4]))])
+    ((request_id, received_prompt, received, priority),) = added
+    assert (request_id, received_prompt, priority) == ("r-1", prompt, -4)
+    assert (received.bad_words, received.allowed_token_ids, received.truncate_prompt_tokens) == (["no"], [3], 2)
 
 
 def test_outputs_travel_whole_with_numpy_values():

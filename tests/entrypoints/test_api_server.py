@@ -295,6 +295,20 @@ def test_chat_logprobs_match_transformers(client, expected, model_dir):
         assert entry.bytes == list(entry.token.encode("utf-8"))
 
 
+def test_chat_prompt_logprobs_are_the_responses_as_vllm_puts_them(http, expected):
+    """In the response beside the choices (vLLM's place), the same as a completion of the rendered prompt's."""
+    chat = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 2,
+                                                   "temperature": 0, "prompt_logprobs": 2}).json()
+    completion = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": expected["chat_ids"],
+                                                     "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}).json()
+    prompt_logprobs = chat["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(expected["chat_ids"]) and prompt_logprobs[0] is None
+    assert prompt_logprobs == completion["choices"][0]["prompt_logprobs"]
+    assert all(2 <= len(step) <= 3 for step in prompt_logprobs[1:])
+    assert "prompt_logprobs" not in chat["choices"][0]
+    plain = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": CHAT, "max_tokens": 1}).json()
+    assert plain["prompt_logprobs"] is None
+
 # ----- other endpoints --------------------------------------------------------------------------------
 
 
@@ -432,6 +446,39 @@ def test_metrics_count_one_request_exactly(http, expected, engine):
         (num_tokens - 1) // block_size * block_size)
 
 
+# ----- vLLM's request fields ------------------------------------------------------------------------------
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, expected):
+    ids = expected["prompt_ids"]
+    truncated = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, echo=True,
+                                          temperature=0.0, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 3})
+    alone = client.completions.create(model=MODEL_NAME, prompt=ids[-3:], max_tokens=6, echo=True, **GREEDY)
+    assert truncated.choices[0].text == alone.choices[0].text  # the echo is the 3 tokens the model saw
+    assert truncated.usage.prompt_tokens == 3
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_sampler(client, engine, http):
+    """One allowed token is sampled every time; banning one-token bad words is banning their tokens."""
+    tokenizer = engine.engine.tokenizer
+    token = tokenizer.encode("e", add_special_tokens=False)[0]
+    only_e = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0.0,
+                                       extra_body={"ignore_eos": True, "allowed_token_ids": [token]})
+    assert only_e.choices[0].text == "eeee"
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=3, temperature=0.0,
+                                          extra_body={"ignore_eos": True, "allowed_token_ids": [token]})
+    assert chat.choices[0].message.content == "eee"
+    letters = tokenizer.encode("abcdefghij", add_special_tokens=False)
+    banned = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0.0,
+                                       extra_body={"ignore_eos": True, "allowed_token_ids": letters,
+                                                   "bad_words": ["a", " e"]})
+    others = letters[1:4] + letters[5:]
+    without = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0.0,
+                                        extra_body={"ignore_eos": True, "allowed_token_ids": others})
+    assert banned.choices[0].text == without.choices[0].text
+    assert not {"a", "e"} & set(banned.choices[0].text)
+
+
 # ----- errors -----------------------------------------------------------------------------------------
 
 
@@ -455,6 +502,13 @@ BAD_COMPLETIONS = [
     ({"prompt": [], "max_tokens": 3}, "prompt must not be an empty list"),
     ({"prompt": [5, 100000]}, "Token id 100000 is out of vocabulary (size 320)."),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias keys must be token ids (integers), got 'a'."),
+    ({"prompt": "x", "allowed_token_ids": [5, 320]}, "allowed_token_ids contains out-of-vocab token id!"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids is not None and empty!"),
+    ({"prompt": "x", "truncate_prompt_tokens": 513},
+     "truncate_prompt_tokens value (513) is greater than max_model_len (512). Please, select a smaller "
+     "truncation size."),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
+    ({"prompt": "x", "priority": 1}, "Got priority 1 but Priority scheduling is not enabled."),
     ({"prompt": LONG_PROMPT, "max_tokens": 16},
      "This model's maximum context length is 512 tokens. However, you requested 616 tokens "
      "(600 in the messages, 16 in the completion)."),
@@ -477,6 +531,9 @@ BAD_CHATS = [
     ({"messages": []}, "messages must contain at least one message"),
     ({"messages": CHAT, "top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true."),
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+    ({"messages": CHAT, "prompt_logprobs": 1, "stream": True},
+     "`prompt_logprobs` are not available when `stream=True`."),
+    ({"messages": CHAT, "priority": -3, "stream": True}, "Got priority -3 but Priority scheduling is not enabled."),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "Only text content parts are supported, got 'image_url'."),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "A text content part needs a `text` string."),

@@ -40,6 +40,12 @@ REQUESTS = [  # (route, body)
                               "top_logprobs": 2}),
     ("/generate", {"prompt": PROMPT, "use_beam_search": True, "n": 2, "best_of": 3, "max_tokens": 8,
                    "temperature": 0.0, "ignore_eos": True}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "echo": True,
+                         "truncate_prompt_tokens": 4, "allowed_token_ids": list(range(67, 77)),
+                         "bad_words": ["a", "bc", "cb", "ab"]}),
+    ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 6, "temperature": 0.5,
+                         "ignore_eos": True, "stop": ["e"], "logprobs": 5, "seed": 3}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "temperature": 0.0, "prompt_logprobs": 1}),
 ]
 STREAMED = [
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 3, "stop": ["o"],

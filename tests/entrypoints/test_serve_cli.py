@@ -38,7 +38,8 @@ def test_serve_flags_become_the_engine_config(monkeypatch):
     argv = ["serve", "some/model", "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "8",
             "--max-num-batched-tokens", "256", "--block-size", "32", "--num-kv-blocks", "64",
             "--gpu-memory-utilization", "0.5", "--buckets", "gpu", "--seed", "3", "--attention-backend", "pallas",
-            "--waiting-served-ratio", "1.5", "--max-logprobs", "5", "--compile-cache-dir", "/tmp/cc",
+            "--waiting-served-ratio", "1.5", "--scheduling-policy", "priority", "--max-logprobs", "5",
+            "--compile-cache-dir", "/tmp/cc",
             "--no-async-scheduling", "-tp", "2", "--distributed-init", "--coordinator-address", "h:1",
             "--num-processes", "2", "--process-id", "1", "--strict-no-compile", "--max-itl-ms", "250",
             "--host", "127.0.0.1", "--port", "9000", "--api-key", "k"]
@@ -47,7 +48,8 @@ def test_serve_flags_become_the_engine_config(monkeypatch):
     assert engine_config_from_args(args) == EngineConfig(
         model="some/model", dtype="bfloat16", max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256,
         block_size=32, num_kv_blocks=64, gpu_memory_utilization=0.5, buckets="gpu", seed=3,
-        attention_backend="pallas", waiting_served_ratio=1.5, max_logprobs=5, compile_cache_dir="/tmp/cc",
+        attention_backend="pallas", waiting_served_ratio=1.5, scheduling_policy="priority", max_logprobs=5,
+        compile_cache_dir="/tmp/cc",
         async_scheduling=False, tensor_parallel_size=2, distributed_init=True, coordinator_address="h:1",
         num_processes=2, process_id=1, strict_no_compile=True, max_itl_ms=250.0,
     )

@@ -185,3 +185,20 @@ def test_parser_flags_are_checked():
         ChatParserOptions(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="nope"):
         ChatParserOptions(tool_call_parser="nope")
+
+
+TWO_HERMES_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+                    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("width", [1, 3, 7, 1000])
+def test_auto_without_parallel_tool_calls_keeps_the_first_call_as_vllm_filters(width):
+    single = _request(tools=TOOLS, parallel_tool_calls=False)
+    (call,) = ChoiceOutputParser.for_request(single, AUTO).message(TWO_HERMES_CALLS).tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    first = {"name": "get_weather", "arguments": call.function.arguments}
+    assert _streamed(ChoiceOutputParser.for_request(single, AUTO), TWO_HERMES_CALLS, width)["calls"] == [first]
+    parallel = ChoiceOutputParser.for_request(_request(tools=TOOLS), AUTO)
+    assert [c.function.name for c in parallel.message(TWO_HERMES_CALLS).tool_calls] == ["get_weather", "get_time"]
+    assert len(_streamed(ChoiceOutputParser.for_request(_request(tools=TOOLS), AUTO), TWO_HERMES_CALLS,
+                         width)["calls"]) == 2
