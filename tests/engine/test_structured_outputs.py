@@ -103,6 +103,13 @@ def test_bad_words_tokenize_as_vllms_and_mask_with_a_grammar():
     assert allowed(both) == [a]
     assert both.consume(a) and allowed(both) == [c] and not both.is_finished
     assert both.consume(c) and both.is_finished
+    waiting = GrammarCompiler(tokenizer, 320, frozenset({2})).matcher(
+        StructuredOutputsParams(choice=["ab"], reasoning_end="c"))
+    both = BothConstraints(waiting, BadWordsFilter([[a, b]], 320))  # the grammar waits: the bad words alone
+    assert allowed(both) == list(range(320))
+    assert both.consume(a) and allowed(both) == [t for t in range(320) if t != b]
+    assert both.consume(c) and allowed(both) == [a]
+
 
 def test_sampling_params_take_the_constraint_or_its_fields():
     assert SamplingParams(structured_outputs={"choice": ["a", "b"]}).structured_outputs == StructuredOutputsParams(
