@@ -680,7 +680,7 @@ def test_under_a_reasoning_parser_constraints_wait_for_the_reasoning_to_end(engi
             reasoning_parser=reasoning_parser))
         sent = []
 
-        def generate(prompts, params, request_id):
+        def generate(prompts, params, request_id, priority=0):
             sent.extend(params)
             raise Sent
 
