@@ -22,6 +22,8 @@ class EngineLimits:
 
 
 def check_sampling_request(params: SamplingParams, limits: EngineLimits) -> None:
+    if params.n > limits.max_num_seqs:  # vLLM's bound: a request's n sequences run at once
+        raise ValueError(f"n cannot be greater than max_num_seqs({limits.max_num_seqs}), but got {params.n}.")
     for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         value = getattr(params, name)
         if value is not None and value > limits.max_logprobs:
@@ -39,6 +41,12 @@ def check_sampling_request(params: SamplingParams, limits: EngineLimits) -> None
                 f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. "
                 f"Vocabulary size: {limits.vocab_size}"
             )
+    invalid = sorted(t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size)
+    if invalid:
+        raise ValueError(
+            f"token_id(s) {invalid} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
+            f"{limits.vocab_size}"
+        )
     if params.best_of > limits.max_num_seqs:
         raise ValueError(
             f"best_of={params.best_of} sequences cannot run at once: max_num_seqs is {limits.max_num_seqs}"
