@@ -169,12 +169,12 @@ class AsyncMPEngine:
             raise EngineDeadError(self._dead)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._ensure_reader()
         params = sampling_params or SamplingParams()
+        message = msg.encode([msg.ADD, request_id, prompt, params])  # first: one that cannot be sent leaves nothing
+        self._ensure_reader()
         request = _Request(asyncio.Queue(), prompt.get("prompt"), list(prompt["prompt_token_ids"]), None)
         if isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.CUMULATIVE:
             request.cumulative = CumulativeOutputs(request.prompt, request.prompt_token_ids)
-        message = msg.encode([msg.ADD, request_id, prompt, params])  # before the request is held: nothing to undo
         self._requests[request_id] = request
         if self.observer is not None:
             self.observer.request_arrived(request_id)

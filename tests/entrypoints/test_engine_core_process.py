@@ -266,6 +266,20 @@ def test_bad_input_is_a_400_and_leaves_no_request(servers, mode, route, body, me
     assert _answer(servers[mode], "/generate", {"prompt": PROMPT, "max_tokens": 2})["text"]  # still serving
 
 
+def test_a_request_that_cannot_be_sent_to_the_core_leaves_no_entry(servers):
+    """The client encodes a request before it holds it: text msgpack cannot write (a lone surrogate the server's
+    checks would have refused) fails the call and leaves the client's request map as it was."""
+    engine = servers["core-process"].server.engine
+
+    async def send():
+        prompt = {"prompt": chr(0xD800), "prompt_token_ids": [5]}
+        return [out async for out in engine.generate(prompt, SamplingParams(max_tokens=1), "unsendable")]
+
+    with pytest.raises(UnicodeEncodeError, match="surrogates not allowed"):
+        asyncio.run(send())
+    assert engine._requests == {}
+
+
 STEP_FAILURE = "engine step failed: ValueError('boom')"
 LONG = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
 
