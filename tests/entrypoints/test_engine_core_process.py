@@ -237,6 +237,8 @@ BAD_INPUTS = [  # (route, JSON body as a client sends it, message): a 400 before
      "token_id(s) [18446744073709551616] in stop_token_ids contain out-of-vocab token ids. Vocabulary size: 320"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "n": 10000000, "temperature": 1}',
      "n cannot be greater than max_num_seqs(16), but got 10000000."),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "n": 0}',  # found by the fuzzer
+     "n must be at least 1, got 0."),
 ]
 
 
@@ -264,6 +266,18 @@ def test_bad_input_is_a_400_and_leaves_no_request(servers, mode, route, body, me
     assert response.json()["error"]["message"] == message
     assert _held_requests(servers[mode]) == {}
     assert _answer(servers[mode], "/generate", {"prompt": PROMPT, "max_tokens": 2})["text"]  # still serving
+
+
+@pytest.mark.parametrize("mode", ["in-process", "core-process"])
+@pytest.mark.parametrize("length_penalty", [-2.8138008428577384e89, 1e300])  # the fuzzer's, and its mirror
+def test_a_beam_search_with_an_extreme_length_penalty_is_answered(servers, mode, length_penalty):
+    """length ** length_penalty past float's range (0, or an OverflowError) made the step fail (a 500 that also
+    failed every other running request); the score now takes its limit."""
+    body = {"prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 4, "ignore_eos": True,
+            "length_penalty": length_penalty}
+    answer = _answer(servers[mode], "/v1/completions", body)
+    assert [choice["index"] for choice in answer["choices"]] == [0, 1]
+    assert answer["usage"]["completion_tokens"] == 8 and _held_requests(servers[mode]) == {}
 
 
 def test_a_request_that_cannot_be_sent_to_the_core_leaves_no_entry(servers):
