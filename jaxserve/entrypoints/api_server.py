@@ -169,6 +169,8 @@ async def _json_body(raw_request: Request):
         return json.loads(await raw_request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ServingError(f"The request body is not valid JSON: {err}") from err
+    except RecursionError:
+        raise ServingError("The request body is not valid JSON: nested too deeply") from None
 
 
 async def _respond(raw_request: Request, handler: Awaitable, *, media_type: str) -> Response:

@@ -185,9 +185,9 @@ class OpenAIServing:
     def check_request_chat_template(self, request: Any) -> None:
         """vLLM's refusal of a template the request brings (its `chat_template`, or one in `chat_template_kwargs`)
         unless the server trusts them: a Jinja template is code the server runs."""
-        kwargs = request.chat_template_kwargs or {}
         if self.trust_request_chat_template:
             return
+        kwargs = request.chat_template_kwargs or {}
         if request.chat_template is not None or kwargs.get("chat_template") is not None:
             raise ServingError(UNTRUSTED_CHAT_TEMPLATE, param="chat_template")
 
@@ -225,25 +225,34 @@ class OpenAIServing:
         return ranked[:num]
 
 
-def check_unicode(value: Any, param: str | None = None) -> None:
-    """Refuses text holding a lone surrogate anywhere in a request (JSON's `"\\ud800"` escape gives one): no
-    tokenizer, stop string match, chat template or engine core message takes it. `param`: where `value` lies."""
-    if isinstance(value, str):
-        match = _LONE_SURROGATE.search(value)
-        if match is not None:
-            raise ServingError(f"{param or 'The request'} holds a lone surrogate (U+{ord(match.group()):04X}), which "
-                               "is not valid Unicode text.", param=param and param.split(".")[0].split("[")[0])
-    elif isinstance(value, BaseModel):
-        fields = {**value.__dict__, **(value.__pydantic_extra__ or {})}
-        for name, item in fields.items():
-            check_unicode(item, _child(param, name))
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_unicode(key, param)
-            check_unicode(item, _child(param, str(key)))
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            check_unicode(item, f"{param or ''}[{i}]")
+def check_unicode(value: Any) -> None:
+    """Refuses text holding a lone surrogate anywhere in a request (JSON's `"\\ud800"` escape gives one), naming the
+    first place: no tokenizer, stop string match, chat template or engine core message takes it. Walks the request
+    without recursion (a deeply nested body must not be a RecursionError)."""
+    pending: list[tuple[Any, str | None]] = [(value, None)]
+    while pending:
+        item, param = pending.pop()
+        if isinstance(item, str):
+            _check_text(item, param)
+            continue
+        if isinstance(item, BaseModel):
+            children = [(v, _child(param, k)) for k, v in {**item.__dict__, **(item.__pydantic_extra__ or {})}.items()]
+        elif isinstance(item, dict):
+            children = [(v, _child(param, str(k))) for k, v in item.items()]
+            for key in item:
+                _check_text(key, param)
+        elif isinstance(item, (list, tuple)):
+            children = [(v, f"{param or ''}[{i}]") for i, v in enumerate(item)]
+        else:
+            continue
+        pending.extend(reversed(children))  # first child on top
+
+
+def _check_text(text: Any, param: str | None) -> None:
+    match = _LONE_SURROGATE.search(text) if isinstance(text, str) else None
+    if match is not None:
+        raise ServingError(f"{param or 'The request'} holds a lone surrogate (U+{ord(match.group()):04X}), which is "
+                           "not valid Unicode text.", param=param and param.split(".")[0].split("[")[0])
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -501,6 +501,16 @@ def test_invalid_json_is_400(http, path):
     assert _error(response, 400).startswith("The request body is not valid JSON")
 
 
+@pytest.mark.parametrize(("path", "message"), [("/v1/completions", "There was an error parsing the body"),
+                                                ("/generate", "The request body is not valid JSON: nested too deeply")])
+def test_a_body_nested_too_deeply_is_400(http, path, message):
+    """Python's JSON parser (/generate's) raises RecursionError past its depth: a 400, never the server's 500."""
+    deep = "[" * 100_000 + "]" * 100_000
+    nested = f'{{"model": "{MODEL_NAME}", "prompt": "x", "a": {deep}}}'
+    response = http.post(path, content=nested, headers={"Content-Type": "application/json"})
+    assert _error(response, 400) == message
+
+
 BAD_CHATS = [
     ({"messages": "hello"}, "messages: Input should be a valid list"),
     ({"messages": []}, "messages must contain at least one message"),
