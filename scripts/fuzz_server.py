@@ -78,7 +78,8 @@ def wait_until_healthy(base_url: str, server: subprocess.Popen) -> None:
     raise RuntimeError(f"the server was not healthy after {START_TIMEOUT_S} s")
 
 
-def run_schemathesis(base_url: str, args: argparse.Namespace) -> int:
+def run_schemathesis(base_url: str, workdir: Path, args: argparse.Namespace) -> int:
+    """The schemathesis CLI, run in `workdir` (its .schemathesis/ cache stays out of the repository)."""
     schemathesis = Path(sys.executable).with_name("schemathesis")
     cmd = [str(schemathesis), "run", base_url + "/openapi.json", "--checks", "not_a_server_error",
            "--max-examples", str(args.max_examples), "--seed", str(args.seed), "--workers", str(args.workers),
@@ -86,7 +87,7 @@ def run_schemathesis(base_url: str, args: argparse.Namespace) -> int:
     print(" ".join(cmd), flush=True)
     env = {**os.environ, "SCHEMATHESIS_HOOKS": Path(__file__).stem,
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(cmd, check=False, env=env).returncode
+    return subprocess.run(cmd, check=False, env=env, cwd=workdir).returncode
 
 
 def still_serves(base_url: str) -> bool:
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         server = start_server(Path(workdir), port, args)
         try:
             wait_until_healthy(base_url, server)
-            status = run_schemathesis(base_url, args)
+            status = run_schemathesis(base_url, Path(workdir), args)
             healthy = still_serves(base_url)
         finally:
             server.terminate()
