@@ -23,6 +23,7 @@ from jaxserve.logger import init_logger
 logger = init_logger("jaxserve.sampling_params")
 
 SAMPLING_EPS = 1e-5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MIN_TEMPERATURE = 1e-2  # vLLM raises smaller positive temperatures to this (they overflow in softmax)
 MAX_TEMPERATURE = 2.0
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for one logit bias value
@@ -219,6 +220,8 @@ class SamplingParams:
         _check(self.top_k >= -1, f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}.")
+        _check(self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,  # vLLM's bound (torch.long)
+               f"seed must be in [{INT64_MIN}, {INT64_MAX}], got {self.seed}.")
         self._validate_lengths()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

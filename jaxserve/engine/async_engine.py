@@ -35,6 +35,28 @@ class EngineDeadError(RuntimeError):
     status = HTTPStatus.SERVICE_UNAVAILABLE
 
 
+class InvalidRequestError(ValueError):
+    """The engine refused a request for what it asks (its checks in `LLMEngine.add_request`): the client's fault,
+    which the server answers 400. Every other error of the engine is the server's (500)."""
+
+    status = HTTPStatus.BAD_REQUEST
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed (a bug, not the request's fault): the requests it ran fail with this and the server
+    answers 500 (in a stream: an error event, then `[DONE]`); the engine goes on serving."""
+
+    status = HTTPStatus.INTERNAL_SERVER_ERROR
+
+
+def as_request_error(err: Exception) -> Exception:
+    """What an error of `LLMEngine.add_request` means to the client: its checks raise ValueError or TypeError (the
+    request's fault); anything else is the engine's."""
+    if isinstance(err, (ValueError, TypeError)) and not isinstance(err, InvalidRequestError):
+        return InvalidRequestError(str(err))
+    return err
+
+
 class OutputObserver(Protocol):
     def request_arrived(self, request_id: str) -> None: ...
 
@@ -155,7 +177,8 @@ class AsyncLLMEngine:
                 delivered = await loop.run_in_executor(self._executor, self._step_once)
             except Exception as err:  # a bug in a step: fail the running requests, keep serving
                 logger.exception("engine step failed")
-                delivered = [(rid, err) for rid in self.engine.abort_all_requests()]
+                failure = EngineStepError(f"engine step failed: {err!r}")
+                delivered = [(rid, failure) for rid in self.engine.abort_all_requests()]
             if self.observer is not None:
                 self.observer.outputs_delivered(delivered)
             for request_id, item in delivered:
@@ -171,7 +194,7 @@ class AsyncLLMEngine:
             try:
                 self.engine.add_request(request_id, prompt, params, priority)
             except Exception as err:
-                delivered.append((request_id, err))
+                delivered.append((request_id, as_request_error(err)))
         while self._pending_aborts:
             request_id = self._pending_aborts.popleft()
             aborted = self.engine.abort_request(request_id)

@@ -17,6 +17,7 @@ All live beams must have their next logprobs before a step can expand them; if a
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxserve.core.sequence import Sequence, SequenceStatus
 from jaxserve.engine.logprobs import logprob_dict
@@ -56,9 +57,17 @@ def generated_tokens(last: BeamStep | None) -> list[int]:
 
 
 def beam_score(num_tokens: int, cum_logprob: float, ends_with_eos: bool, length_penalty: float) -> float:
-    """vLLM's `get_beam_search_score`: the length counts the prompt and not a final EOS."""
-    length = num_tokens - 1 if ends_with_eos else num_tokens
-    return cum_logprob / (max(length, 1) ** length_penalty)
+    """vLLM's `get_beam_search_score`: the length counts the prompt and not a final EOS. A length_penalty so large
+    that length ** length_penalty leaves float's range gives the score's limit (0, or cum_logprob's sign times
+    infinity) instead of failing the step (vLLM's ZeroDivisionError or OverflowError)."""
+    length = max(num_tokens - 1 if ends_with_eos else num_tokens, 1)
+    try:
+        denominator = length**length_penalty
+    except OverflowError:
+        return 0.0
+    if denominator == 0.0:
+        return math.copysign(math.inf, cum_logprob) if cum_logprob else 0.0
+    return cum_logprob / denominator
 
 
 class BeamSearchGroup(RequestGroup):

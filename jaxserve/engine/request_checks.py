@@ -31,6 +31,8 @@ def check_priority(priority, limits: EngineLimits) -> None:
 
 
 def check_sampling_request(params: SamplingParams, limits: EngineLimits) -> None:
+    if params.n > limits.max_num_seqs:  # vLLM's bound: a request's n sequences run at once
+        raise ValueError(f"n cannot be greater than max_num_seqs({limits.max_num_seqs}), but got {params.n}.")
     for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
         value = getattr(params, name)
         if value is not None and value > limits.max_logprobs:
@@ -50,6 +52,12 @@ def check_sampling_request(params: SamplingParams, limits: EngineLimits) -> None
             )
     if params.allowed_token_ids is not None and not all(0 <= t < limits.vocab_size for t in params.allowed_token_ids):
         raise ValueError("allowed_token_ids contains out-of-vocab token id!")
+    invalid = sorted(t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size)
+    if invalid:
+        raise ValueError(
+            f"token_id(s) {invalid} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
+            f"{limits.vocab_size}"
+        )
     if params.best_of > limits.max_num_seqs:
         raise ValueError(
             f"best_of={params.best_of} sequences cannot run at once: max_num_seqs is {limits.max_num_seqs}"

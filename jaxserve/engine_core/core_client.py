@@ -28,7 +28,14 @@ import zmq
 import zmq.asyncio
 
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, OutputObserver, settle
+from jaxserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineStepError,
+    InvalidRequestError,
+    OutputObserver,
+    settle,
+)
 from jaxserve.engine.engine_info import EngineInfo
 from jaxserve.engine_core import core_messages as msg
 from jaxserve.engine_core.core_process import run_engine_core
@@ -43,7 +50,7 @@ logger = init_logger("jaxserve.engine_core.core_client")
 
 START_POLL_S = 1.0  # how often start-up checks that the core is still alive
 SHUTDOWN_GRACE_S = 10.0  # how long a core may take to stop when told to, before it is terminated
-_REQUEST_ERRORS = {"ValueError": ValueError, "TypeError": TypeError}  # a refused request; anything else: a bug
+_ENGINE_ERRORS = {cls.__name__: cls for cls in (InvalidRequestError, EngineStepError)}  # by the name the core sends
 
 
 @dataclasses.dataclass
@@ -163,15 +170,16 @@ class AsyncMPEngine:
             raise EngineDeadError(self._dead)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._ensure_reader()
         params = sampling_params or SamplingParams()
+        message = msg.encode([msg.ADD, request_id, prompt, params, priority])  # first: one that cannot be sent leaves nothing
+        self._ensure_reader()
         request = _Request(asyncio.Queue(), prompt.get("prompt"), list(prompt["prompt_token_ids"]), None)
         if isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.CUMULATIVE:
             request.cumulative = CumulativeOutputs(request.prompt, request.prompt_token_ids)
         self._requests[request_id] = request
         if self.observer is not None:
             self.observer.request_arrived(request_id)
-        self._inputs.send(msg.encode([msg.ADD, request_id, prompt, params, priority]))
+        self._inputs.send(message)
         finished = False
         try:
             while not finished:
@@ -237,7 +245,7 @@ class AsyncMPEngine:
             _, outputs, errors, stats, compiles = message
             self._state = _CoreState(stats, compiles)
             delivered = [(rid, self._rebuild(rid, out)) for rid, out in outputs if rid in self._requests]
-            delivered += [(rid, _REQUEST_ERRORS.get(kind, RuntimeError)(text)) for rid, kind, text in errors]
+            delivered += [(rid, _ENGINE_ERRORS.get(kind, EngineStepError)(text)) for rid, kind, text in errors]
             self._deliver(delivered)
 
     def _rebuild(self, request_id: str, output: RequestOutput) -> RequestOutput:

@@ -23,6 +23,7 @@ import zmq
 
 from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.engine.async_engine import EngineStepError, as_request_error
 from jaxserve.engine.engine_info import EngineInfo
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_core import core_messages as msg
@@ -113,7 +114,8 @@ class EngineCore:
                 try:
                     self.engine.add_request(request_id, prompt, as_delta(params), priority)
                 except Exception as err:
-                    errors.append([request_id, type(err).__name__, str(err)])
+                    failure = as_request_error(err)
+                    errors.append([request_id, type(failure).__name__, str(failure)])
             elif message[0] == msg.SHUTDOWN:
                 self.running = False
             elif message[0] == msg.CALL:
@@ -142,7 +144,7 @@ class EngineCore:
         except Exception as err:  # a bug in a step: fail the running requests, keep serving
             logger.exception("engine step failed")
             failed = self.engine.abort_all_requests()
-            return [], [[request_id, "RuntimeError", f"engine step failed: {err}"] for request_id in failed]
+            return [], [[request_id, EngineStepError.__name__, f"engine step failed: {err!r}"] for request_id in failed]
 
     def report_dead(self, reason: str) -> None:
         """Tells the API process why the engine cannot go on (a lost host), from any thread: a socket of its own."""

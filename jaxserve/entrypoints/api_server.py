@@ -4,10 +4,11 @@ engine core runs in a process of its own), run by uvicorn.
 Routes: /generate (vLLM's demo protocol), /v1/completions, /v1/chat/completions, /v1/models, /health,
 /version, /tokenize, /detokenize, /metrics (Prometheus), and for routers /get_server_info, /kv_event_sources,
 /get_load and /reset_prefix_cache (also as /flush_cache). Every error is OpenAI's error JSON: 400 for
-a bad request (invalid JSON, wrong types, invalid values, a prompt that cannot fit), 401 without the API
-key when one is set, 404 for an unknown model or route, 503 once the engine is dead (then `launcher.ApiServer`
-stops the server and the process exits 1). A client that disconnects aborts its request, which frees its KV
-blocks.
+a bad request (invalid JSON, wrong types, invalid values, text that is not valid Unicode, a prompt that cannot
+fit), 401 without the API key when one is set (every route but /health, /version and /metrics), 404 for an
+unknown model or route, 500 for the server's own failure (a failed engine step: never a 400), 503 once the
+engine is dead (then `launcher.ApiServer` stops the server and the process exits 1). A client that disconnects
+aborts its request, which frees its KV blocks.
 
     python -m jaxserve.entrypoints.api_server --model path/to/model --port 8000
 """
@@ -33,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
 from jaxserve.distributed.multihost import distributed_init_requested
-from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
 from jaxserve.engine.chat_template import load_chat_template
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_core.core_client import AsyncMPEngine, ServerEngine
@@ -168,6 +169,8 @@ async def _json_body(raw_request: Request):
         return json.loads(await raw_request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ServingError(f"The request body is not valid JSON: {err}") from err
+    except RecursionError:
+        raise ServingError("The request body is not valid JSON: nested too deeply") from None
 
 
 async def _respond(raw_request: Request, handler: Awaitable, *, media_type: str) -> Response:
@@ -233,11 +236,8 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
     return _error_response(str(err.detail), err.status_code)
 
 
-async def _value_error(_: Request, err: ValueError) -> JSONResponse:
-    return _error_response(str(err), HTTPStatus.BAD_REQUEST)
-
-
-async def _engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:
+async def _engine_error(_: Request, err: EngineDeadError | EngineStepError) -> JSONResponse:
+    """503 once the engine is dead; 500 when the step that ran the request failed."""
     return _error_response(str(err), err.status)
 
 
@@ -270,9 +270,11 @@ class APIKeyMiddleware:
 def build_app(
     engine: ServerEngine, *, served_model_name: str, api_key: str | None = None, model_path: str | None = None,
     chat_template: str | None = None, chat_parsers: ChatParserOptions | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The app over a warm engine; its metrics registry is its own. `chat_template`: the template text for chats
-    whose request names none (default: the tokenizer's). `chat_parsers`: tool call and reasoning parsing."""
+    whose request names none (default: the tokenizer's). `chat_parsers`: tool call and reasoning parsing.
+    `trust_request_chat_template`: requests may bring their own chat template (vLLM's flag; default: refused)."""
     metrics = ServingMetrics(engine.make_stats, engine.backend_compiles)
     engine.observer = metrics
 
@@ -287,14 +289,15 @@ def build_app(
     state.engine, state.metrics, state.served_model_name = engine, metrics, served_model_name
     state.model_path, state.max_model_len = model_path, engine.info.max_model_len
     state.completions = OpenAIServingCompletion(engine, served_model_name)
-    state.chat = OpenAIServingChat(engine, served_model_name, chat_template, parser_options=chat_parsers)
+    trusted = {"trust_request_chat_template": trust_request_chat_template}
+    state.chat = OpenAIServingChat(engine, served_model_name, chat_template, parser_options=chat_parsers, **trusted)
     state.generate = GenerateServing(engine, served_model_name)
-    state.tokenization = OpenAIServingTokenization(engine, served_model_name, chat_template)
+    state.tokenization = OpenAIServingTokenization(engine, served_model_name, chat_template, **trusted)
     app.add_exception_handler(ServingError, _serving_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(ValueError, _value_error)
-    app.add_exception_handler(EngineDeadError, _engine_dead)
+    app.add_exception_handler(EngineDeadError, _engine_error)
+    app.add_exception_handler(EngineStepError, _engine_error)
     app.add_exception_handler(Exception, _internal_error)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -319,7 +322,8 @@ def run_server(args: argparse.Namespace) -> int:
     served_model_name = args.served_model_name or model or EMBEDDED_MODEL_NAME
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key, model_path=model,
-                    chat_template=chat_template, chat_parsers=chat_parsers)
+                    chat_template=chat_template, chat_parsers=chat_parsers,
+                    trust_request_chat_template=args.trust_request_chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     server = ApiServer(config, engine, served_model_name)
     try:

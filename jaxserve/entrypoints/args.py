@@ -140,6 +140,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="the chat template for chat requests that name none: a Jinja file, or the template "
                         "itself (default: the tokenizer's; needed for models without one, e.g. many GGUF files)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let a chat or tokenize request bring its own chat template (`chat_template`, or in "
+                        "`chat_template_kwargs`): Jinja the server runs, so refused by default (vLLM's flag)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="tool_choice \"auto\": parse the model's own tool calls (needs --tool-call-parser)")
     parser.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),

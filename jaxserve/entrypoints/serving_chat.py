@@ -15,7 +15,6 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
-from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.entrypoints.chat_output import AUTO_NEEDS_FLAGS, ChatParserOptions, ChoiceOutputParser, finish_reason
 from jaxserve.entrypoints.openai_protocol import (
     ChatCompletionLogProb,
@@ -60,13 +59,16 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        self.check_model(request.model)
+        self.check_request(request)
         self._check_tools(request)
         prompt = self.chat_prompt(request)
         self._check_template_renders_tools(request, prompt.text)
-        parsers = [ChoiceOutputParser.for_request(request, self.parser_options) for _ in range(request.n)]
-        request = self._with_tool_constraints(request, parsers[0])
+        first_parser = ChoiceOutputParser.for_request(request, self.parser_options)
+        request = self._with_tool_constraints(request, first_parser)
+        # checks n (at most max_num_seqs) before per-choice work
         params = self._after_reasoning(self.sampling_params(request, prompt), prompt)
+        parsers = [first_parser] + [ChoiceOutputParser.for_request(request, self.parser_options)
+                                    for _ in range(request.n - 1)]
         request_id, created = random_id("chatcmpl"), int(time.time())
         stream = self.generate([prompt], [params], request_id, request.priority)
         if request.stream:
@@ -173,7 +175,7 @@ class OpenAIServingChat(OpenAIServing):
                         yield event([choice], usage)
             if options and options.include_usage:
                 yield event([], UsageInfo.of(num_prompt, sum(sent_tokens.values())))
-        except (ValueError, ServingError, EngineDeadError) as err:
+        except Exception as err:  # noqa: BLE001 - a started stream reports any error as an event, then ends
             yield stream_error(err)
         yield "data: [DONE]\n\n"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.entrypoints.openai_protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -24,7 +23,6 @@ from jaxserve.entrypoints.serving_engine import (
     EnginePrompt,
     OpenAIServing,
     RequestParams,
-    ServingError,
     clamp_logprob,
     prompt_logprobs_of,
     stream_error,
@@ -35,7 +33,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
-        self.check_model(request.model)
+        self.check_request(request)
         prompts = self.completion_prompts(request.prompt, request.add_special_tokens)
         params = [self.sampling_params(request, p) for p in prompts]
         request_id, created = random_id("cmpl"), int(time.time())
@@ -97,7 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 final = CompletionStreamResponse(
                     id=request_id, created=created, model=self.served_model_name, choices=[], usage=usage)
                 yield f"data: {final.model_dump_json()}\n\n"
-        except (ValueError, ServingError, EngineDeadError) as err:
+        except Exception as err:  # noqa: BLE001 - a started stream reports any error as an event, then ends
             yield stream_error(err)
         yield "data: [DONE]\n\n"
 

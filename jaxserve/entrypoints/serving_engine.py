@@ -12,17 +12,26 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
+from pydantic import BaseModel
+
+from jaxserve.engine.async_engine import InvalidRequestError
 from jaxserve.engine.request_checks import truncated_prompt
 from jaxserve.engine_core.core_client import ServerEngine
 from jaxserve.entrypoints.openai_protocol import PromptLogprob
+from jaxserve.logger import init_logger
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams, SamplingParams
 
+logger = init_logger("jaxserve.entrypoints.serving_engine")
+
 MIN_LOGPROB = -9999.0  # OpenAI's JSON has no -inf
+UNTRUSTED_CHAT_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                           "Refused request with untrusted chat template.")  # vLLM's words
 RequestParams = SamplingParams | BeamSearchParams  # use_beam_search makes a request a beam search
 
 
@@ -46,14 +55,23 @@ _ERROR_TYPES = {
 
 
 def error_body(message: str, status: HTTPStatus, param: str | None = None) -> dict:
-    """OpenAI's error object, with vLLM's error type names."""
+    """OpenAI's error object, with vLLM's error type names. A lone surrogate a message quotes from the request is
+    escaped (`\\ud800`): the body must encode as UTF-8."""
     err_type = _ERROR_TYPES.get(HTTPStatus(status), HTTPStatus(status).phrase.replace(" ", "") + "Error")
-    return {"error": {"message": message, "type": err_type, "param": param, "code": int(status)}}
+    return {"error": {"message": _valid_text(message), "type": err_type, "param": param and _valid_text(param),
+                      "code": int(status)}}
+
+
+def _valid_text(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def stream_error(err: Exception) -> str:
-    """An error after a stream has started: one `data:` event with the error object (as vLLM)."""
-    status = getattr(err, "status", HTTPStatus.BAD_REQUEST)
+    """An error after a stream has started: one `data:` event with the error object (as vLLM). A refused request
+    (`ServingError`, the engine's `InvalidRequestError`) keeps its status; any other error is the server's, 500."""
+    status = getattr(err, "status", HTTPStatus.INTERNAL_SERVER_ERROR)
+    if status == HTTPStatus.INTERNAL_SERVER_ERROR:
+        logger.error("a stream failed: %r", err)
     return f"data: {json.dumps(error_body(str(err), status))}\n\n"
 
 
@@ -67,11 +85,14 @@ class EnginePrompt:
 
 
 class OpenAIServing:
-    def __init__(self, engine: ServerEngine, served_model_name: str, chat_template: str | None = None):
+    def __init__(self, engine: ServerEngine, served_model_name: str, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False):
         """`chat_template`: the server's (`--chat-template`), used where a request names none; None: the
-        tokenizer's own."""
+        tokenizer's own. `trust_request_chat_template` (`--trust-request-chat-template`, vLLM's): a request may
+        bring its own Jinja template; without it, one that does is refused."""
         self.engine = engine
         self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
         self.info = engine.info
         self.tokenizer = engine.info.tokenizer
         self.max_model_len = engine.info.max_model_len
@@ -79,6 +100,11 @@ class OpenAIServing:
         self.vocab_size = engine.info.vocab_size
 
     # ----- checks -------------------------------------------------------------------------------
+    def check_request(self, request: Any) -> None:
+        """What every handler checks first: the request's text is valid Unicode, then its model name."""
+        check_unicode(request)
+        self.check_model(getattr(request, "model", None))
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise ServingError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
@@ -152,6 +178,7 @@ class OpenAIServing:
     def render_chat(self, request: Any, with_tools: bool = True) -> str:
         """The text of the conversation rendered with the chat template (the request's own, the server's, or the
         model's), and the request's tools, if any and `with_tools` (tool-aware templates render them)."""
+        self.check_request_chat_template(request)
         messages = [_message_dict(m) for m in request.messages]
         kwargs = dict(request.chat_template_kwargs or {})
         template = request.chat_template if request.chat_template is not None else self.chat_template
@@ -167,6 +194,15 @@ class OpenAIServing:
             )
         except Exception as err:  # no template, a template error, bad kwargs: the request's fault
             raise ServingError(f"Cannot apply the chat template: {err}") from err
+
+    def check_request_chat_template(self, request: Any) -> None:
+        """vLLM's refusal of a template the request brings (its `chat_template`, or one in `chat_template_kwargs`)
+        unless the server trusts them: a Jinja template is code the server runs."""
+        if self.trust_request_chat_template:
+            return
+        kwargs = request.chat_template_kwargs or {}
+        if request.chat_template is not None or kwargs.get("chat_template") is not None:
+            raise ServingError(UNTRUSTED_CHAT_TEMPLATE, param="chat_template")
 
     # ----- generation ---------------------------------------------------------------------------
     def generate(
@@ -184,7 +220,7 @@ class OpenAIServing:
         try:
             async for i, output in stream:
                 finals[i] = output
-        except ValueError as err:  # the engine refused the request
+        except InvalidRequestError as err:  # the engine refused the request; any other error is the server's
             raise ServingError(str(err)) from err
         return finals  # type: ignore[return-value]
 
@@ -200,6 +236,43 @@ class OpenAIServing:
         first there, whatever its rank), best first."""
         ranked = sorted(step.items(), key=lambda kv: (math.inf if kv[1].rank is None else kv[1].rank, -kv[1].logprob))
         return ranked[:num]
+
+
+def check_unicode(value: Any) -> None:
+    """Refuses text holding a lone surrogate anywhere in a request (JSON's `"\\ud800"` escape gives one), naming the
+    first place: no tokenizer, stop string match, chat template or engine core message takes it. Walks the request
+    without recursion (a deeply nested body must not be a RecursionError)."""
+    pending: list[tuple[Any, str | None]] = [(value, None)]
+    while pending:
+        item, param = pending.pop()
+        if isinstance(item, str):
+            _check_text(item, param)
+            continue
+        if isinstance(item, BaseModel):
+            children = [(v, _child(param, k)) for k, v in {**item.__dict__, **(item.__pydantic_extra__ or {})}.items()]
+        elif isinstance(item, dict):
+            children = [(v, _child(param, str(k))) for k, v in item.items()]
+            for key in item:
+                _check_text(key, param)
+        elif isinstance(item, (list, tuple)):
+            children = [(v, f"{param or ''}[{i}]") for i, v in enumerate(item)]
+        else:
+            continue
+        pending.extend(reversed(children))  # first child on top
+
+
+def _check_text(text: Any, param: str | None) -> None:
+    match = _LONE_SURROGATE.search(text) if isinstance(text, str) else None
+    if match is not None:
+        raise ServingError(f"{param or 'The request'} holds a lone surrogate (U+{ord(match.group()):04X}), which is "
+                           "not valid Unicode text.", param=param and param.split(".")[0].split("[")[0])
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _child(param: str | None, name: str) -> str:
+    return name if param is None else f"{param}.{name}"
 
 
 def clamp_logprob(value: float) -> float:

@@ -14,13 +14,13 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from jaxserve.engine.async_engine import EngineDeadError
 from jaxserve.entrypoints.openai_protocol import random_id
 from jaxserve.entrypoints.serving_engine import (
     EnginePrompt,
     OpenAIServing,
     RequestParams,
     ServingError,
+    check_unicode,
     streamable_text,
 )
 from jaxserve.outputs import RequestOutput
@@ -33,6 +33,7 @@ class GenerateServing(OpenAIServing):
     async def generate_text(self, body: Any) -> dict | AsyncIterator[bytes]:
         if not isinstance(body, dict):
             raise ServingError("The request body must be a JSON object.")
+        check_unicode(body)
         body = dict(body)
         prompt_text = body.pop("prompt", None)
         if not isinstance(prompt_text, str):
@@ -92,7 +93,7 @@ class GenerateServing(OpenAIServing):
         try:
             async for _, result in outputs:
                 yield (json.dumps({"text": _texts(result, params, num_returned)}) + "\n").encode()
-        except (ValueError, EngineDeadError) as err:
+        except Exception as err:  # noqa: BLE001 - a started stream reports any error as a line, then ends
             yield (json.dumps({"error": str(err)}) + "\n").encode()
 
 

@@ -13,7 +13,7 @@ from jaxserve.entrypoints.serving_engine import OpenAIServing, ServingError
 
 class OpenAIServingTokenization(OpenAIServing):
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
-        self.check_model(request.model)
+        self.check_request(request)
         if request.messages is not None:  # special tokens default off: the chat template has its own BOS
             token_ids = self.chat_prompt(request).token_ids
         else:
@@ -22,7 +22,7 @@ class OpenAIServingTokenization(OpenAIServing):
         return TokenizeResponse(count=len(token_ids), max_model_len=self.max_model_len, tokens=token_ids)
 
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
-        self.check_model(request.model)
+        self.check_request(request)
         bad = [t for t in request.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise ServingError(f"Token id {bad[0]} is out of vocabulary (size {self.vocab_size}).", param="tokens")

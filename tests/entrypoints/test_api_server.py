@@ -78,7 +78,8 @@ def expected(engine):
 def server(engine, expected, model_dir):
     from jaxserve.entrypoints.api_server import build_app
 
-    app = build_app(engine, served_model_name=MODEL_NAME, api_key=API_KEY, model_path=str(model_dir))
+    app = build_app(engine, served_model_name=MODEL_NAME, api_key=API_KEY, model_path=str(model_dir),
+                    trust_request_chat_template=True)  # the tokenize test brings its own template
     with ServerThread(app, engine) as running:
         yield running
 
@@ -339,12 +340,40 @@ def test_the_servers_chat_template_renders_chats_that_name_none(engine):
     from jaxserve.entrypoints.openai_protocol import TokenizeRequest
     from jaxserve.entrypoints.serving_tokenization import OpenAIServingTokenization
 
-    serving = OpenAIServingTokenization(engine, MODEL_NAME, chat_template="[{{ messages[0]['content'] }}]")
+    serving = OpenAIServingTokenization(engine, MODEL_NAME, chat_template="[{{ messages[0]['content'] }}]",
+                                        trust_request_chat_template=True)
     tokenizer = engine.engine.tokenizer
     ids = serving.tokenize(TokenizeRequest(messages=CHAT)).tokens
     assert ids == tokenizer("[Say something.]", add_special_tokens=False).input_ids
     own = serving.tokenize(TokenizeRequest(messages=CHAT, chat_template="<{{ messages[0]['role'] }}>")).tokens
     assert own == tokenizer("<user>", add_special_tokens=False).input_ids
+
+
+def test_a_requests_own_chat_template_is_refused_unless_trusted(engine, expected):
+    """vLLM's `--trust-request-chat-template`, off by default: a template in the request (its `chat_template`, or
+    in `chat_template_kwargs`) is a 400 with vLLM's words, for chats and /tokenize alike; other kwargs pass."""
+    import asyncio
+
+    from jaxserve.entrypoints.api_server import build_parser
+    from jaxserve.entrypoints.openai_protocol import ChatCompletionRequest, TokenizeRequest
+    from jaxserve.entrypoints.serving_chat import OpenAIServingChat
+    from jaxserve.entrypoints.serving_engine import ServingError
+    from jaxserve.entrypoints.serving_tokenization import OpenAIServingTokenization
+
+    untrusted = ("Chat template is passed with request, but --trust-request-chat-template is not set. Refused "
+                 "request with untrusted chat template.")
+    tokenization, chat = OpenAIServingTokenization(engine, MODEL_NAME), OpenAIServingChat(engine, MODEL_NAME)
+    own = [{"chat_template": "{{ 'x' }}"}, {"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}]
+    for fields in own:
+        with pytest.raises(ServingError) as refused:
+            tokenization.tokenize(TokenizeRequest(messages=CHAT, **fields))
+        assert (refused.value.message, refused.value.status, refused.value.param) == (untrusted, 400, "chat_template")
+        with pytest.raises(ServingError, match=re.escape(untrusted)):
+            asyncio.run(chat.create_chat_completion(ChatCompletionRequest(model=MODEL_NAME, messages=CHAT, **fields)))
+    plain_kwargs = TokenizeRequest(messages=CHAT, chat_template_kwargs={"flavour": "plain"})
+    assert tokenization.tokenize(plain_kwargs).tokens == expected["chat_ids"]
+    assert build_parser().parse_args([]).trust_request_chat_template is False
+    assert build_parser().parse_args(["--trust-request-chat-template"]).trust_request_chat_template is True
 
 
 def test_auto_tool_choice_needs_a_template_that_renders_the_tools(engine):
@@ -359,7 +388,7 @@ def test_auto_tool_choice_needs_a_template_that_renders_the_tools(engine):
     from jaxserve.entrypoints.serving_engine import ServingError
 
     auto = ChatParserOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
-    serving = OpenAIServingChat(engine, MODEL_NAME, parser_options=auto)
+    serving = OpenAIServingChat(engine, MODEL_NAME, parser_options=auto, trust_request_chat_template=True)
     tokenized, encode = [], serving.encode
     serving.encode = lambda text, add_special_tokens: tokenized.append(text) or encode(text, add_special_tokens)
     tools = [{"type": "function", "function": {"name": "get_time"}}]
@@ -526,6 +555,16 @@ def test_invalid_json_is_400(http, path):
     assert _error(response, 400).startswith("The request body is not valid JSON")
 
 
+@pytest.mark.parametrize(("path", "message"), [("/v1/completions", "There was an error parsing the body"),
+                                                ("/generate", "The request body is not valid JSON: nested too deeply")])
+def test_a_body_nested_too_deeply_is_400(http, path, message):
+    """Python's JSON parser (/generate's) raises RecursionError past its depth: a 400, never the server's 500."""
+    deep = "[" * 100_000 + "]" * 100_000
+    nested = f'{{"model": "{MODEL_NAME}", "prompt": "x", "a": {deep}}}'
+    response = http.post(path, content=nested, headers={"Content-Type": "application/json"})
+    assert _error(response, 400) == message
+
+
 BAD_CHATS = [
     ({"messages": "hello"}, "messages: Input should be a valid list"),
     ({"messages": []}, "messages must contain at least one message"),
@@ -589,6 +628,20 @@ def test_api_key_is_required_except_for_probes(server):
         bad_client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
     assert httpx.get(server.base_url + "/metrics").status_code == 200
     assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+ROUTER_ROUTES = [("GET", "/get_server_info"), ("GET", "/kv_event_sources"), ("GET", "/get_load"),
+                 ("POST", "/reset_prefix_cache"), ("POST", "/flush_cache")]
+
+
+@pytest.mark.parametrize(("method", "route"), ROUTER_ROUTES)
+def test_the_routers_admin_routes_need_the_api_key(server, method, route):
+    """What vllm-router (and operators) call on a worker is behind the API key, as every route but the probes."""
+    url = server.base_url + route
+    assert _error(httpx.request(method, url), 401) == "Unauthorized: a valid API key is required."
+    assert _error(httpx.request(method, url, headers={"Authorization": "Bearer wrong"}), 401)
+    authorized = httpx.request(method, url, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert authorized.status_code == 200 and isinstance(authorized.json(), dict)
 
 
 def test_unknown_route_is_an_openai_404(http):

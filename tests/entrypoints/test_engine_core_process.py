@@ -10,6 +10,7 @@ requests get a 503 with it and /health answers 503; a core whose API process is 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -20,7 +21,9 @@ import time
 
 import httpx
 import pytest
+import zmq
 
+from jaxserve.engine_core import core_messages as msg
 from jaxserve.engine_core.core_client import AsyncMPEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.testing.tiny_models import make_tiny_model
@@ -231,3 +234,145 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z"  # a zombie has exited
+
+
+# ----- bad input and failed steps, in both modes ------------------------------------------------------
+
+UNICODE_ERROR = "{} holds a lone surrogate (U+{}), which is not valid Unicode text."
+INT64_RANGE = "[-9223372036854775808, 9223372036854775807]"
+BAD_INPUTS = [  # (route, JSON body as a client sends it, message): a 400 before anything reaches the engine
+    ("/v1/completions", r'{"prompt": "\ud800", "max_tokens": 2}', UNICODE_ERROR.format("prompt", "D800")),
+    ("/v1/completions", r'{"prompt": "x", "stop": ["ok", "\udc00"]}', UNICODE_ERROR.format("stop[1]", "DC00")),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}',
+     UNICODE_ERROR.format("messages[0].content", "D800")),
+    ("/tokenize", r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udfff"}]}]}',
+     UNICODE_ERROR.format("messages[0].content[0].text", "DFFF")),
+    ("/tokenize", r'{"prompt": "\ud83d"}', UNICODE_ERROR.format("prompt", "D83D")),
+    ("/generate", r'{"prompt": "\ud800"}', UNICODE_ERROR.format("prompt", "D800")),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 2, "seed": 18446744073709551616}',
+     f"seed must be in {INT64_RANGE}, got 18446744073709551616."),
+    ("/generate", '{"prompt": "x", "max_tokens": 2, "seed": -9223372036854775809}',
+     f"seed must be in {INT64_RANGE}, got -9223372036854775809."),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 2, "stop_token_ids": [3, 18446744073709551616]}',
+     "token_id(s) [18446744073709551616] in stop_token_ids contain out-of-vocab token ids. Vocabulary size: 320"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "n": 10000000, "temperature": 1}',
+     "n cannot be greater than max_num_seqs(16), but got 10000000."),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "n": 0}',  # found by the fuzzer
+     "n must be at least 1, got 0."),
+]
+
+
+def _held_requests(server) -> dict:
+    """The requests the server's engine holds: the in-process engine's and its streams, or the core client's."""
+    engine = server.server.engine
+    if isinstance(engine, AsyncMPEngine):
+        return dict(engine._requests)
+    return {**engine.engine.requests, **engine._streams}
+
+
+def _post_json(server, route: str, body: str) -> httpx.Response:
+    """The body's JSON text as it is (a lone surrogate stays the `\\ud800` escape a client sends), with the model."""
+    if route != "/generate":
+        body = f'{{"model": "{MODEL_NAME}", {body[1:]}'
+    return httpx.post(server.base_url + route, content=body, timeout=120, headers={"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("mode", ["in-process", "core-process"])
+@pytest.mark.parametrize(("route", "body", "message"), BAD_INPUTS, ids=[f"{r}-{i}" for i, (r, *_) in
+                                                                       enumerate(BAD_INPUTS)])
+def test_bad_input_is_a_400_and_leaves_no_request(servers, mode, route, body, message):
+    response = _post_json(servers[mode], route, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == message
+    assert _held_requests(servers[mode]) == {}
+    assert _answer(servers[mode], "/generate", {"prompt": PROMPT, "max_tokens": 2})["text"]  # still serving
+
+
+@pytest.mark.parametrize("mode", ["in-process", "core-process"])
+@pytest.mark.parametrize("length_penalty", [-2.8138008428577384e89, 1e300])  # the fuzzer's, and its mirror
+def test_a_beam_search_with_an_extreme_length_penalty_is_answered(servers, mode, length_penalty):
+    """length ** length_penalty past float's range (0, or an OverflowError) made the step fail (a 500 that also
+    failed every other running request); the score now takes its limit."""
+    body = {"prompt": PROMPT, "use_beam_search": True, "n": 2, "max_tokens": 4, "ignore_eos": True,
+            "length_penalty": length_penalty}
+    answer = _answer(servers[mode], "/v1/completions", body)
+    assert [choice["index"] for choice in answer["choices"]] == [0, 1]
+    assert answer["usage"]["completion_tokens"] == 8 and _held_requests(servers[mode]) == {}
+
+
+def test_a_request_that_cannot_be_sent_to_the_core_leaves_no_entry(servers):
+    """The client encodes a request before it holds it: text msgpack cannot write (a lone surrogate the server's
+    checks would have refused) fails the call and leaves the client's request map as it was."""
+    engine = servers["core-process"].server.engine
+
+    async def send():
+        prompt = {"prompt": chr(0xD800), "prompt_token_ids": [5]}
+        return [out async for out in engine.generate(prompt, SamplingParams(max_tokens=1), "unsendable")]
+
+    with pytest.raises(UnicodeEncodeError, match="surrogates not allowed"):
+        asyncio.run(send())
+    assert engine._requests == {}
+
+
+STEP_FAILURE = "engine step failed: ValueError('boom')"
+LONG = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+
+
+def _fail_the_step(server, monkeypatch) -> None:
+    """The next step of the in-process engine raises a ValueError; for the engine core, the step that ran the request
+    the server holds fails as the core reports a failed step (an error message for it)."""
+    engine = server.server.engine
+    if not isinstance(engine, AsyncMPEngine):
+        monkeypatch.setattr(engine.engine, "step", lambda: (_ for _ in ()).throw(ValueError("boom")))
+        return
+    while not engine._requests:  # the request was sent from another thread
+        time.sleep(0.01)
+    (request_id,) = engine._requests
+    context = zmq.Context()
+    sock = context.socket(zmq.PUSH)
+    sock.connect(f"ipc://{engine._socket_dir}/output")
+    failed = [[request_id, "EngineStepError", STEP_FAILURE]]
+    sock.send(msg.encode([msg.OUTPUTS, [], failed, engine.make_stats(), engine.backend_compiles()]))
+    sock.close(linger=1000)
+    context.term()
+
+
+@pytest.mark.parametrize("mode", ["in-process", "core-process"])
+def test_a_failed_step_is_a_500_not_the_clients_400(servers, mode, monkeypatch):
+    server = servers[mode]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, server.base_url + "/v1/completions", json=_with_model("/", LONG), timeout=120)
+        _fail_the_step(server, monkeypatch)
+        response = answer.result()
+    assert response.status_code == 500, response.text
+    assert response.json()["error"] == {"message": STEP_FAILURE, "type": "InternalServerError", "param": None,
+                                        "code": 500}
+    monkeypatch.undo()
+    _wait_until_released(server)
+    assert _answer(server, "/generate", {"prompt": PROMPT, "max_tokens": 2})["text"]  # still serving
+
+
+@pytest.mark.parametrize("mode", ["in-process", "core-process"])
+def test_a_failed_step_ends_a_stream_with_an_error_event_then_done(servers, mode, monkeypatch):
+    server = servers[mode]
+    body = _with_model("/", {**LONG, "stream": True})
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the stream has started
+        _fail_the_step(server, monkeypatch)
+        rest = [line for line in lines if line.strip()]
+    error = json.loads(rest[-2].removeprefix("data: "))
+    assert rest[-1] == "data: [DONE]" and error == {"error": {"message": STEP_FAILURE, "type": "InternalServerError",
+                                                              "param": None, "code": 500}}
+    monkeypatch.undo()
+    _wait_until_released(server)
+    assert _answer(server, "/generate", {"prompt": PROMPT, "max_tokens": 2})["text"]
+
+
+def _wait_until_released(server) -> None:
+    """A failed request leaves nothing held: at once in-process; the core client forgets it as it fails it."""
+    assert _held_requests(server) == {}
+    engine = server.server.engine
+    if isinstance(engine, AsyncMPEngine):  # the core itself drops it once the client's abort arrives
+        while httpx.get(server.base_url + "/get_load").json()["load"]:
+            time.sleep(0.01)
