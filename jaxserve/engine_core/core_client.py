@@ -171,7 +171,8 @@ class AsyncMPEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
-        message = msg.encode([msg.ADD, request_id, prompt, params, priority])  # first: one that cannot be sent leaves nothing
+        # encoded first: a request that cannot be sent leaves nothing behind
+        message = msg.encode([msg.ADD, request_id, prompt, params, priority])
         self._ensure_reader()
         request = _Request(asyncio.Queue(), prompt.get("prompt"), list(prompt["prompt_token_ids"]), None)
         if isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.CUMULATIVE:

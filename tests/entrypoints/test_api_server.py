@@ -730,7 +730,7 @@ def test_under_a_reasoning_parser_constraints_wait_for_the_reasoning_to_end(engi
 
     def sent_constraint(reasoning_parser: str | None, **fields):
         serving = OpenAIServingChat(engine, MODEL_NAME, parser_options=ChatParserOptions(
-            reasoning_parser=reasoning_parser))
+            reasoning_parser=reasoning_parser), trust_request_chat_template=True)
         sent = []
 
         def generate(prompts, params, request_id, priority=0):
