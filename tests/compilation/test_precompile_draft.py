@@ -23,23 +23,11 @@ from jaxserve.distributed.sharding import make_mesh
 from jaxserve.speculative.draft_model import load_draft_model
 from jaxserve.testing.tiny_models import make_tiny_model
 from jaxserve.weights import load_model
-from tests.compilation.test_compile_cache import _hf_greedy
+from tests.compilation.test_compile_cache import SMALL_SPEC, _hf_greedy
 from tests.paths import REPO_ROOT
 
 K = 2
-SPEC = """
-block_size = 16
-[decode]
-batch_sizes = [1, 2]
-[prefill]
-batch_sizes = [1]
-lengths = [16]
-[context]
-lengths = [64]
-[mixed]
-batch_sizes = [2]
-token_counts = [16]
-"""
+SPEC = SMALL_SPEC
 PROMPT = [5, 9, 17, 33, 65, 129]
 
 
