@@ -6,7 +6,9 @@ instead of this host's memory, so the KV pool leaves room for the largest steps'
 them for the target (`sizing.py`), and a draft model's weights and pool counted as the engine counts them; abstract
 weights, the Pallas backend with the target's kernel variant,
 tensor parallel over the topology's chips) and then, per program (every bucket's step, the sampler
-programs, the allocation programs and the fork programs):
+programs, the allocation programs and the fork programs; with a draft model also the draft's steps, samplers and
+allocations, reported as "draft ..." programs but never stored: the engine's warm-up reads them through JAX's
+persistent cache):
 
 - TPU: compiles it deviceless with the real TPU compiler and Mosaic, reads its `memory_analysis()` and
   stores the serialized executable in the compile cache directory's `ExecutableStore` (keyed by the
@@ -42,6 +44,7 @@ from jaxserve.precision import resolve_engine_dtype
 from jaxserve.quantization.weights import apply_quantization
 from jaxserve.runner.input_batch import step_shape
 from jaxserve.runner.model_runner import ModelRunner, executable_name, sample_shapes, sampler_name
+from jaxserve.speculative.draft_model import draft_buckets, draft_runner
 from jaxserve.weights import load_config, resolve_model_path
 
 MB = 1e6
@@ -189,18 +192,20 @@ def compile_for_target(
     """Builds every program of ``config``'s engine for ``target_name`` (see the module docstring).
 
     ``tensor_parallel_size`` None: as many of the target's devices as the model's heads divide evenly.
-    ``max_buckets``: only the first buckets of the grid (tests); ``largest_only``: only the largest step of
-    each kind (prefill, decode, mixed), the quick worst-case check. Executables go to ``cache_dir`` (resolved
-    like ``EngineConfig.compile_cache_dir``; disabled: none are stored) for TPU targets."""
+    ``max_buckets``: only the first buckets of the grid, and of a draft model's grid (tests); ``largest_only``: only
+    the largest step of each kind (prefill, decode, mixed), the quick worst-case check. Executables go to
+    ``cache_dir`` (resolved like ``EngineConfig.compile_cache_dir``; disabled: none are stored) for TPU targets.
+    A draft model's programs (``speculative_config``'s "draft_model") are built too, as "draft ..." programs of the
+    report, but never stored in the executable store: the engine's warm-up reads them through JAX's persistent
+    cache, and a draft identical to the target would collide with the target's names."""
     built = target_engine(config, target_name, tensor_parallel_size)
     config, target, mesh, grid = built.config, built.target, built.mesh, built.grid
     runner = ModelRunner.for_engine(built.model_config, built.params, config, grid, mesh, abstract=True,
                                     platform=target.platform)
-    shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in grid.buckets))[:max_buckets]
-    if largest_only:
-        shapes = largest_of_each_kind(shapes)
+    shapes = _step_shapes(grid, grid.buckets, max_buckets, largest_only)
     if target.lower_only:
-        return TargetReport(target, grid, mesh.size, _lower_all(runner, shapes))
+        programs = _lower_all(runner, shapes) + _draft_programs(built, max_buckets, largest_only)
+        return TargetReport(target, grid, mesh.size, programs)
     path = resolve_cache_dir(config.compile_cache_dir if cache_dir is None else cache_dir)
     manifest = CacheManifest.current(
         built.model_config, config.dtype, grid, runner.backend.name, mesh.size, max_logprobs=config.max_logprobs,
@@ -209,14 +214,35 @@ def compile_for_target(
     )
     if path is not None:
         runner.executable_store = ExecutableStore(path, manifest, num_devices=len(target.devices))
-    programs = _compile_all(runner, shapes)
+    programs = _compile_all(runner, shapes) + _draft_programs(built, max_buckets, largest_only)
     if path is not None and not any(p.error for p in programs):
         record_manifest(path, manifest)
     return TargetReport(target, grid, mesh.size, programs, path)
 
 
-def _compile_all(runner: ModelRunner, shapes) -> list[ProgramResult]:
-    """Every step of ``shapes``, the sampler program of each of their sample shapes, then the allocations and forks."""
+def _step_shapes(grid: BucketGrid, buckets, max_buckets: int | None, largest_only: bool) -> list:
+    shapes = list(dict.fromkeys(step_shape(b, grid.block_size) for b in buckets))[:max_buckets]
+    return largest_of_each_kind(shapes) if largest_only else shapes
+
+
+def _draft_programs(built: TargetEngine, max_buckets: int | None, largest_only: bool) -> list[ProgramResult]:
+    """The draft model's programs built for the target (none without one), named "draft ...": its steps and
+    samplers and its allocations (it never forks). Its runner has no executable store: nothing of it is stored."""
+    if built.draft is None:
+        return []
+    runner, draft_grid = draft_runner(*built.draft, built.config, built.grid, built.mesh, abstract=True,
+                                      platform=built.target.platform)
+    shapes = _step_shapes(draft_grid, draft_buckets(draft_grid), max_buckets, largest_only)
+    if built.target.lower_only:
+        programs = _lower_all(runner, shapes, forks=False)
+    else:
+        programs = _compile_all(runner, shapes, forks=False)
+    return [dataclasses.replace(p, name=f"draft {p.name}") for p in programs]
+
+
+def _compile_all(runner: ModelRunner, shapes, *, forks: bool = True) -> list[ProgramResult]:
+    """Every step of ``shapes``, the sampler program of each of their sample shapes, then the allocations and
+    (``forks``) the forks."""
     programs = [(executable_name(shape), lambda shape=shape: runner.compile(shape)) for shape in shapes]
     programs += [(sampler_name(shape), lambda shape=shape: runner.compile_sampler(shape))
                  for shape in sample_shapes(shapes)]
@@ -228,7 +254,7 @@ def _compile_all(runner: ModelRunner, shapes) -> list[ProgramResult]:
         logger.info("%s (%d of %d) in %.1fs: %s", done.name, i + 1, len(programs), done.seconds, outcome)
     start = time.perf_counter()
     try:
-        helpers = runner.compile_allocations()
+        helpers = runner.compile_allocations(forks=forks)
     except Exception as err:  # noqa: BLE001
         return [*results, ProgramResult("allocations and forks", time.perf_counter() - start, error=_brief(err))]
     seconds = (time.perf_counter() - start) / max(len(helpers), 1)
@@ -253,10 +279,11 @@ def _measured(name: str, seconds: float, compiled: jax.stages.Compiled) -> Progr
     )
 
 
-def _lower_all(runner: ModelRunner, shapes) -> list[ProgramResult]:
-    """Lowers every program for CUDA (through the Triton kernels); compiling them needs a GPU."""
+def _lower_all(runner: ModelRunner, shapes, *, forks: bool = True) -> list[ProgramResult]:
+    """Lowers every program for CUDA (through the Triton kernels; ``forks``: the forks too); compiling them needs a
+    GPU."""
     results = []
-    for name, (jitted, args) in runner.programs(shapes).items():
+    for name, (jitted, args) in runner.programs(shapes, forks=forks).items():
         start = time.perf_counter()
         try:
             jitted.trace(*args).lower(lowering_platforms=("cuda",))

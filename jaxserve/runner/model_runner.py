@@ -262,12 +262,13 @@ class ModelRunner:
             for spec in dict.fromkeys(structs)
         }
 
-    def programs(self, shapes) -> dict[str, tuple]:
+    def programs(self, shapes, *, forks: bool = True) -> dict[str, tuple]:
         """Every program the engine runs, by name: (jitted function, abstract arguments) of the steps of
-        ``shapes``, the allocations and the forks (to lower them for a platform this host does not have)."""
+        ``shapes``, the allocations and (``forks``; a draft model's runner never forks) the forks (to lower them for
+        a platform this host does not have)."""
         steps = {executable_name(shape): (self._step_jit(), self._abstract_inputs(shape)) for shape in shapes}
         samplers = {sampler_name(shape): self._sampler_program(shape) for shape in sample_shapes(shapes)}
-        return {**steps, **samplers, **self._allocation_programs(), **self._helper_programs()}
+        return {**steps, **samplers, **self._allocation_programs(), **(self._helper_programs() if forks else {})}
 
     def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
               feed_cols, verify=None):

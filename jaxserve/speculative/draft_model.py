@@ -217,16 +217,17 @@ def build_draft_proposer(draft: LoadedModel, config: EngineConfig, target_grid: 
 
 
 def draft_runner(draft_config: ModelConfig, params, config: EngineConfig, target_grid: BucketGrid, mesh, *,
-                 abstract: bool = False) -> tuple[ModelRunner, BucketGrid]:
+                 abstract: bool = False, platform: str | None = None) -> tuple[ModelRunner, BucketGrid]:
     """The draft model's runner and grid in an engine with ``config`` on ``target_grid``, its pool of the target's
     blocks. Its steps sample greedily for at most disable_by_batch_size rows: one sampler slot (none is used) and one
     top logprob (none is read). The engine and precompile (``abstract``: ``params`` are ``ShapeDtypeStruct``s) both
-    build it here, so that they build the same executables."""
+    build it here, so that they build the same executables (``platform``: a target's, as `ModelRunner.for_engine`)."""
     grid = draft_bucket_grid(target_grid, config.speculative_config.disable_by_batch_size)
     runner = ModelRunner(
         draft_config.for_max_model_len(grid.max_model_len), params, dtype=config.dtype,
         block_size=grid.block_size, num_blocks=grid.num_blocks, max_rows=grid.max_batch_size,
         attention_backend=config.attention_backend, mesh=mesh, num_sampler_slots=1, num_logprobs=1, abstract=abstract,
+        platform=platform,
     )
     return runner, grid
 

@@ -16,7 +16,7 @@ import pytest
 from jaxserve.compilation import sizing
 from jaxserve.compilation.precompile import abstract_draft
 from jaxserve.compilation.sizing import engine_bucket_grid
-from jaxserve.compilation.target_compile import target_engine
+from jaxserve.compilation.target_compile import compile_for_target, target_engine
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.speculative_config import SpeculativeConfig
 from jaxserve.distributed.sharding import make_mesh
@@ -142,3 +142,32 @@ def test_a_deviceless_tpu_target_sizes_the_pool_with_the_draft_as_the_engine(dra
     engine = _engine_grid(built.config, engine_loaded, target.platform, built.mesh, target.hbm_bytes_per_device)
     assert built.grid.num_blocks == engine.num_blocks
     assert jax.default_backend() == "cpu"  # computed here, not run on the target
+
+
+def _draft_programs(report, page: str) -> list[str]:
+    """The draft's programs of a one-bucket ``report``: its decode step of one row, its sampler, its allocations (its
+    pool: 1 layer, 1 kv head, the grid's blocks of ``page``)."""
+    pool = f"1x1x{report.grid.num_blocks}x{page}-float32"
+    return ["draft step-s1-q1-p4", "draft sample-s1", f"draft zeros-{pool}", "draft zeros-2-int32",
+            "draft zeros-1x320-int32", "draft zeros-1x320-bool", "draft zeros-1x320-float32"]
+
+
+def test_a_deviceless_tpu_target_compiles_the_draft_models_programs_unstored(draft_config, tmp_path):
+    """`precompile --target` builds the draft's programs for the target too, reported as "draft ..." programs (its
+    buckets capped like the target's); none is stored (the engine's warm-up reads them through JAX's persistent
+    cache, and the store's names are the target's)."""
+    cache = tmp_path / "cache"
+    report = compile_for_target(draft_config, "v5e:2x2", max_buckets=1, cache_dir=str(cache))
+    assert report.failures() == []
+    assert [p.name for p in report.programs if p.name.startswith("draft ")] == _draft_programs(report, "8x128")
+    assert all(p.total_bytes > 0 for p in report.programs)
+    assert "draft step-s1-q1-p4" in report.format_table()
+    stored = sorted(p.name for p in (cache / "jaxserve_executables").rglob("*.executable"))
+    assert stored == ["copy_blocks.executable", "sample-s1.executable", "step-s1-q16-p4.executable",
+                      "write_slot.executable"]  # the target's step, sampler and forks only
+
+
+def test_a_cuda_target_lowers_the_draft_models_programs(draft_config):
+    report = compile_for_target(draft_config, "cuda", max_buckets=1)
+    assert report.target.lower_only and report.failures() == []
+    assert [p.name for p in report.programs if p.name.startswith("draft ")] == _draft_programs(report, "16x64")
