@@ -57,6 +57,7 @@ SLOWEST_MODULES = (
     "tests/models/test_families.py",  # 142
     "tests/engine/test_mixed_steps.py",  # 135
     "tests/speculative/test_draft_model.py",  # 116
+    "tests/compilation/test_precompile_draft.py",  # 103 alone; precompile in a subprocess, then two targets
     "tests/entrypoints/test_router.py",  # 132 alone with a cold cache; its replicas load test_embedded_model's steps
 )
 
