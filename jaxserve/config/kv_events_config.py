@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.config.dict_options import as_dict
+from jaxserve.config.dict_options import as_dict, check_known_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +60,7 @@ class KVEventsConfig:
         if value is None or isinstance(value, KVEventsConfig):
             return value
         value = as_dict(value, "kv_events_config")
-        known = [field.name for field in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(map(repr, unknown))}; "
-                             f"known: {', '.join(known)}")
+        check_known_keys(value, [field.name for field in dataclasses.fields(cls)], "kv_events_config")
         return cls(**value)
 
 

@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from jaxserve.config.dict_options import as_dict
+from jaxserve.config.dict_options import as_dict, check_known_keys
 
 METHODS = ("ngram", "draft_model", "suffix")
 # vLLM's other methods, and why they are not served here
@@ -64,10 +64,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
-        unknown = sorted(set(config) - set(KNOWN_KEYS))
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; "
-                             f"known: {', '.join(KNOWN_KEYS)}")
+        check_known_keys(config, list(KNOWN_KEYS), "speculative_config")
         method = config.get("method") or ("draft_model" if config.get("model") else None)
         if method in UNSUPPORTED_METHODS:
             raise ValueError(f"speculative_config: method {method!r} is not supported: {UNSUPPORTED_METHODS[method]}")

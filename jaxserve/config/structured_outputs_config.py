@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.config.dict_options import as_dict
+from jaxserve.config.dict_options import as_dict, check_known_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +44,5 @@ class StructuredOutputsConfig:
         if isinstance(value, StructuredOutputsConfig):
             return value
         value = as_dict(value, "structured_outputs_config")
-        known = [field.name for field in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ValueError(f"structured_outputs_config: unknown key(s) {', '.join(map(repr, unknown))}; "
-                             f"known: {', '.join(known)}")
+        check_known_keys(value, [field.name for field in dataclasses.fields(cls)], "structured_outputs_config")
         return cls(**value)
