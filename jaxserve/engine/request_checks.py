@@ -43,21 +43,10 @@ def check_sampling_request(params: SamplingParams, limits: EngineLimits) -> None
         raise ValueError(
             f"top_k cannot be greater than vocabulary size({limits.vocab_size}), but got {params.top_k}."
         )
-    if params.logit_bias:
-        invalid = sorted(t for t in params.logit_bias if not 0 <= t < limits.vocab_size)
-        if invalid:
-            raise ValueError(
-                f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. "
-                f"Vocabulary size: {limits.vocab_size}"
-            )
-    if params.allowed_token_ids is not None and not all(0 <= t < limits.vocab_size for t in params.allowed_token_ids):
+    _check_in_vocab(params.logit_bias or (), "logit_bias", limits.vocab_size)
+    if params.allowed_token_ids is not None and _out_of_vocab(params.allowed_token_ids, limits.vocab_size):
         raise ValueError("allowed_token_ids contains out-of-vocab token id!")
-    invalid = sorted(t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size)
-    if invalid:
-        raise ValueError(
-            f"token_id(s) {invalid} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: "
-            f"{limits.vocab_size}"
-        )
+    _check_in_vocab(params.stop_token_ids, "stop_token_ids", limits.vocab_size)
     if params.best_of > limits.max_num_seqs:
         raise ValueError(
             f"best_of={params.best_of} sequences cannot run at once: max_num_seqs is {limits.max_num_seqs}"
@@ -96,4 +85,17 @@ def check_beam_search_request(params: BeamSearchParams, num_prompt_tokens: int, 
         raise ValueError(
             f"beam_width={width} beams of up to {num_prompt_tokens + params.max_tokens} tokens need up to "
             f"{blocks} KV blocks, more than the pool's {limits.num_kv_blocks}"
+        )
+
+
+def _out_of_vocab(token_ids, vocab_size: int) -> list[int]:
+    return sorted(t for t in token_ids if not 0 <= t < vocab_size)
+
+
+def _check_in_vocab(token_ids, field: str, vocab_size: int) -> None:
+    """vLLM's message for token ids outside the vocabulary in ``field``."""
+    invalid = _out_of_vocab(token_ids, vocab_size)
+    if invalid:
+        raise ValueError(
+            f"token_id(s) {invalid} in {field} contain out-of-vocab token ids. Vocabulary size: {vocab_size}"
         )
