@@ -120,6 +120,13 @@ def _compile_one(runner: ModelRunner, shape: StepShape) -> tuple[float, str]:
     return seconds, FROM_CACHE if counts.fresh_compiles == 0 else FRESH
 
 
+def compile_bucket(runner: ModelRunner, bucket: Bucket) -> None:
+    """Builds one bucket's step executable and its sampler's (the background compiler's unit of work)."""
+    shape = step_shape(bucket, runner.block_size)
+    runner.compile(shape)
+    runner.compile_sampler(shape.sample_shape)
+
+
 def compile_buckets(
     runner: ModelRunner,
     buckets: Sequence[Bucket],

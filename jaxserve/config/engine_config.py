@@ -35,7 +35,10 @@ class EngineConfig:
     None (the default) is ``$JAXSERVE_COMPILE_CACHE_DIR`` if set (empty: disabled), else the per-user
     ``~/.cache/jaxserve/compile_cache``; a path overrides; ``""`` disables it. The value is kept as given and
     resolved when the engine starts (`jaxserve.compilation.compile_cache.resolve_cache_dir`).
-    `strict_no_compile` turns a compilation after warm-up into a RuntimeError (vLLM TPU's check).
+    `strict_no_compile` turns a compilation after warm-up into a RuntimeError (vLLM TPU's check), on the step's
+    thread: with `background_compile` (the server's default) warm-up builds only the covering set of buckets, the
+    engine serves on it at once, and a thread builds the others, each used from the step after it lands
+    (`compilation/background.py`).
     """
 
     model: str | None = None
@@ -61,6 +64,8 @@ class EngineConfig:
     process_id: int | None = None
     compile_cache_dir: str | None = None  # None: the per-user default; "": disabled (compilation/compile_cache.py)
     strict_no_compile: bool = False  # raise if anything compiles after warm-up
+    # warm-up builds the covering set only and the other buckets in a thread while serving (the server's default)
+    background_compile: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for (vLLM's default)
     enable_prefix_caching: bool = True  # reuse cached KV blocks of repeated prompt prefixes (vLLM's default)
     disable_log_stats: bool = False  # no periodic stats line (throughput, queues, KV usage, prefix hit rate)
@@ -126,7 +131,7 @@ class EngineConfig:
         object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
 
     def _check_switches(self) -> None:
-        for name in ("strict_no_compile", "enable_prefix_caching", "disable_log_stats"):
+        for name in ("strict_no_compile", "background_compile", "enable_prefix_caching", "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -13,7 +13,9 @@ XLA compiles one program per input shape, so every model step runs on a precompi
 width (``context_len // block_size`` pages) and the attention work. A real batch is padded up to the
 smallest bucket that holds it (3 sequences run on the batch-4 decoder with one padding row). The
 ``BucketGrid`` keeps only the buckets some admissible batch can select, so it is both the list of
-executables to compile and the lookup table the ``Scheduler`` uses every step.
+executables to compile and the lookup table the ``Scheduler`` uses every step. While the engine compiles its
+grid in the background (`compilation/background.py`), steps select only among the buckets whose executables
+have landed, at first the covering set (`covering_buckets`: the few buckets that hold every admissible step).
 
 No JAX here.
 """
@@ -387,6 +389,9 @@ class BucketGrid:
             if self._mixed_feasible(t, r, c)
         ]
 
+        self._ready: set[Bucket] | None = None  # None: every bucket may be selected (`serve_only`)
+        self.on_miss = None  # called with the bucket a step would have taken while it is not ready yet
+
     def _sample_positions(self, num_tokens: int, batch_size: int) -> tuple[int, int]:
         if self.speculative is None:
             return 0, 0
@@ -427,6 +432,59 @@ class BucketGrid:
             and r0 + cdiv(c0 + 1, self.block_size) <= self.num_blocks  # M4
             and t0 < r * c  # M5
         )
+
+    # -- what may be selected: the covering set first, the rest as it compiles ------------------------
+
+    def covering_buckets(self) -> list[Bucket]:
+        """The fewest buckets that hold every admissible step, padded if need be: of each kind the buckets no
+        other bucket of that kind holds (at least as many rows, tokens and context). Every batch selects some
+        kept bucket, and every kept bucket is held by one of these, so selecting among them never fails."""
+        def maximal(buckets, dims):
+            return [b for b in buckets if not any(o != b and all(d(o) >= d(b) for d in dims) for o in buckets)]
+
+        rows, context = (lambda b: b.batch_size), (lambda b: b.context_len)
+        tokens = lambda b: b.num_tokens
+        return [*maximal(self.prefill_buckets, (rows, lambda b: b.chunk_len, context)),
+                *maximal(self.decode_buckets, (rows, context)), *maximal(self.mixed_buckets, (rows, tokens, context))]
+
+    def serve_only(self, buckets) -> None:
+        """From now on steps select only among ``buckets`` (at least the covering set) and those later made
+        ready (`mark_ready`), as the engine's executables land; a step that would have taken a bucket not ready
+        yet takes the smallest ready one that holds it, and ``on_miss`` hears of the bucket it wanted."""
+        missing = set(self.covering_buckets()) - set(buckets)
+        if missing:
+            raise ValueError(f"the buckets served must hold every admissible step: missing {sorted(missing, key=str)}")
+        self._ready = set(buckets)
+
+    def mark_ready(self, buckets) -> None:
+        if self._ready is not None:
+            self._ready.update(buckets)
+            if self._ready.issuperset(self.buckets):
+                self._ready = None
+
+    def is_ready(self, bucket: Bucket) -> bool:
+        """Whether steps may select ``bucket`` now."""
+        return self._ready is None or bucket in self._ready
+
+    @property
+    def num_ready(self) -> int:
+        """Buckets steps may select now."""
+        return self.num_executables if self._ready is None else len(self._ready)
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether every bucket of the grid may be selected."""
+        return self._ready is None
+
+    def _smallest(self, fits: list[Bucket], key) -> Bucket | None:
+        """The smallest of ``fits`` by ``key`` among the ready buckets; ``on_miss`` hears of the smallest of all
+        when it is not ready."""
+        best = min(fits, key=key, default=None)
+        if self._ready is None or best is None or best in self._ready:
+            return best
+        if self.on_miss is not None:
+            self.on_miss(best)
+        return min((b for b in fits if b in self._ready), key=key, default=None)
 
     # -- limits -------------------------------------------------------------------------------------
 
@@ -522,7 +580,7 @@ class BucketGrid:
         fits = [
             b for b in self.decode_buckets if b.batch_size >= num_seqs and b.context_len >= max_context_len
         ]
-        return min(fits, key=lambda b: (b.batch_size * b.context_len, b.batch_size), default=None)
+        return self._smallest(fits, key=lambda b: (b.batch_size * b.context_len, b.batch_size))
 
     def select_decode(self, num_seqs: int, max_context_len: int) -> DecodeBucket:
         """The smallest decode bucket holding ``num_seqs`` rows at ``max_context_len``; ValueError if none."""
@@ -545,7 +603,7 @@ class BucketGrid:
             for b in self.prefill_buckets
             if b.batch_size >= num_seqs and b.chunk_len >= max_chunk_len and b.context_len >= max_context_len
         ]
-        return min(fits, key=lambda b: (b.num_tokens, b.context_len, b.batch_size), default=None)
+        return self._smallest(fits, key=lambda b: (b.num_tokens, b.context_len, b.batch_size))
 
     def select_prefill(self, num_seqs: int, max_chunk_len: int, max_context_len: int) -> PrefillBucket:
         """The prefill bucket with the fewest padded tokens, then the smallest context; ValueError if none."""
@@ -569,7 +627,7 @@ class BucketGrid:
             for b in self.mixed_buckets
             if b.batch_size >= num_rows and b.num_tokens >= num_tokens and b.context_len >= max_context_len
         ]
-        return min(fits, key=lambda b: (b.num_tokens, b.context_len, b.batch_size), default=None)
+        return self._smallest(fits, key=lambda b: (b.num_tokens, b.context_len, b.batch_size))
 
     def select_mixed(self, num_rows: int, num_tokens: int, max_context_len: int) -> MixedBucket:
         """The mixed bucket with the fewest padded tokens, then the smallest context, then the fewest rows,

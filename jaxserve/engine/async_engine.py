@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Protocol
 
-from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.engine_info import EngineInfo
 from jaxserve.engine.llm_engine import LLMEngine
@@ -104,9 +103,8 @@ class AsyncLLMEngine:
     def make_stats(self) -> StatsSnapshot:
         return self.engine.make_stats()
 
-    @staticmethod
-    def backend_compiles() -> int:
-        return num_backend_compiles()
+    def backend_compiles(self) -> int:
+        return self.engine.serving_compiles()
 
     def _ensure_loop(self) -> None:
         if not self.is_running:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 
+from jaxserve.compilation.background import BackgroundCompiler
 from jaxserve.compilation.compile_cache import (
     CACHE_DIR_ENV,
     CacheManifest,
@@ -24,7 +25,7 @@ from jaxserve.compilation.compile_cache import (
     use_persistent_cache,
 )
 from jaxserve.compilation.sizing import engine_bucket_grid
-from jaxserve.compilation.warm_up import WarmUpReport, compile_buckets, use_compile_cache
+from jaxserve.compilation.warm_up import WarmUpReport, compile_bucket, compile_buckets, use_compile_cache
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.kv_events_config import KVEventsConfig
 from jaxserve.core.block_manager import BlockManager
@@ -61,6 +62,7 @@ class EngineParts:
     runner: StepRunner
     proposer: Proposer | None
     kv_event_publisher: KVEventPublisher | None
+    background: BackgroundCompiler | None = None  # the grid's buckets beyond the covering set, while they build
 
 
 def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
@@ -98,8 +100,9 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
 
 
 def warm_up_engine(parts: EngineParts, num_threads: int) -> WarmUpReport:
-    """Compiles (or loads from the compile cache) every bucket's executable, the samplers' and the fork programs
-    (a draft model's buckets too), then with a latency target gives the scheduler its step budget."""
+    """Compiles (or loads from the compile cache) the bucket executables, the samplers' and the fork programs
+    (a draft model's buckets too), then with a latency target gives the scheduler its step budget. With
+    ``background_compile`` only the covering set is built here and the other buckets in `parts.background`."""
     grid, runner, config = parts.grid, parts.runner.model, parts.config
     logger.info("%s", grid.format_table())
     check = manifest = None
@@ -112,23 +115,56 @@ def warm_up_engine(parts: EngineParts, num_threads: int) -> WarmUpReport:
         )
         check = use_compile_cache(runner, cache_dir, manifest)
     runner.compile_helpers()
-    report = compile_buckets(runner, grid.buckets, num_threads=num_threads, cache_dir=cache_dir, cache_check=check)
-    if manifest is not None and not check.ok:
-        record_manifest(cache_dir, manifest)  # every bucket of this configuration is in the cache now
-    logger.info("warm-up: %s", report.summary())
+    first = grid.covering_buckets() if _compiles_in_background(config) else grid.buckets
+    report = compile_buckets(runner, first, num_threads=num_threads, cache_dir=cache_dir, cache_check=check)
+    unrecorded = manifest if check is not None and not check.ok else None  # the cache lacks this configuration
+    rest = [b for b in grid.buckets if b not in set(first)]
+    if rest:
+        grid.serve_only(first)
+        on_done = _grid_done(cache_dir, unrecorded, len(grid.buckets))
+        parts.background = BackgroundCompiler(lambda bucket: compile_bucket(runner, bucket), rest, on_done=on_done)
+        grid.on_miss = parts.background.wanted
+        logger.info("warm-up: %s; serving on this covering set while %d more build in the background",
+                    report.summary(), len(rest))
+    else:
+        logger.info("warm-up: %s", report.summary())
+        if unrecorded is not None:
+            record_manifest(cache_dir, unrecorded)  # every bucket of this configuration is in the cache now
     if isinstance(parts.proposer, DraftModelProposer):
         draft_report = compile_buckets(parts.proposer.runner, parts.proposer.buckets, num_threads=num_threads,
                                        cache_dir=cache_dir)
         logger.info("warm-up of the draft model: %s", draft_report.summary())
     _measure_step_costs(parts)
+    if parts.background is not None:
+        parts.background.start()  # after the probe, which times steps on a quiet host
     return report
+
+
+def _compiles_in_background(config: EngineConfig) -> bool:
+    """Whether warm-up builds only the covering set: asked for, and one host (every host of a multi-host engine runs
+    each step's executable, so all of them build the whole grid before serving)."""
+    if config.background_compile and jax.process_count() > 1:
+        logger.info("background compilation: off on a multi-host engine (every host builds the whole grid first)")
+        return False
+    return config.background_compile
+
+
+def _grid_done(cache_dir: Path | None, manifest: CacheManifest | None, num_buckets: int):
+    """What runs once every bucket is built: the log line, and the manifest recorded for a compile cache that did
+    not have it (every bucket of this configuration is in the cache now)."""
+    def done(seconds: float) -> None:
+        if manifest is not None:
+            record_manifest(cache_dir, manifest)
+        logger.info("bucket grid complete: %d buckets, the last built %.1fs after the covering set", num_buckets,
+                    seconds)
+    return done
 
 
 def _measure_step_costs(parts: EngineParts) -> None:
     """With a latency target, times the mixed buckets and gives the scheduler the budget they allow."""
     if parts.config.max_itl_ms is None or not parts.grid.has_mixed:
         return
-    costs = parts.runner.measure_mixed_costs(parts.grid.mixed_buckets)
+    costs = parts.runner.measure_mixed_costs([b for b in parts.grid.mixed_buckets if parts.grid.is_ready(b)])
     logger.info("%s", costs.format_table())
     budget = StepBudget(parts.grid, parts.scheduler.max_num_batched_tokens, parts.config.max_itl_ms, costs)
     parts.scheduler.step_budget = budget

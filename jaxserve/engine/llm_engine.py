@@ -30,7 +30,7 @@ import dataclasses
 import random
 import time
 
-from jaxserve.compilation.compile_cache import CompileCounts, thread_compile_counts
+from jaxserve.compilation.compile_cache import CompileCounts, num_backend_compiles, thread_compile_counts
 from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS, WarmUpReport
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.core.schedule import Schedule
@@ -207,13 +207,16 @@ class LLMEngine:
             prefix_cache_hits=prefix_cache.hits,
         )
         per_position = list(self.stats.spec_accepted_per_position)
-        return StatsSnapshot(scheduler, dataclasses.replace(self.stats, spec_accepted_per_position=per_position))
+        engine = dataclasses.replace(self.stats, spec_accepted_per_position=per_position,
+                                     num_buckets=self.grid.num_executables, num_buckets_ready=self.grid.num_ready)
+        return StatsSnapshot(scheduler, engine)
 
     # ----- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedules and dispatches one step, then returns the outputs of the step before it (or of
         this one, without async scheduling)."""
         outputs = []
+        self._take_built_buckets()
         if self._in_flight is not None and self._num_sync_groups:
             outputs += self._complete(self._in_flight)  # beams pick their next tokens before scheduling
             self._in_flight = None
@@ -238,8 +241,31 @@ class LLMEngine:
             self.stat_logger.log(self.make_stats())
         return outputs
 
+    def _take_built_buckets(self) -> None:
+        """Buckets the background compiler built since the last step serve from this one on."""
+        background = self.parts.background
+        if background is not None and not self.grid.is_complete:
+            self.grid.mark_ready(background.take_ready())
+
+    def wait_for_grid(self, timeout: float | None = None) -> bool:
+        """Waits up to ``timeout`` for the background compiler to build the rest of the grid and lets steps use it;
+        whether the grid is complete (True at once without background compilation)."""
+        background = self.parts.background
+        if background is not None and background.wait(timeout):
+            self._take_built_buckets()
+        return self.grid.is_complete
+
+    def serving_compiles(self) -> int:
+        """XLA compilations in this process so far, less the background compiler's: what /metrics' "compiles after
+        warm-up" counts (anything the step path compiled)."""
+        background = self.parts.background
+        return num_backend_compiles() - (0 if background is None else background.backend_compiles)
+
     def close(self) -> None:
-        """Stops what runs beside the steps: the KV event publisher's thread, once it has sent what is queued."""
+        """Stops what runs beside the steps: the background compiler (after the bucket it is building) and the KV
+        event publisher's thread, once it has sent what is queued."""
+        if self.parts.background is not None:
+            self.parts.background.stop()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
             self.kv_event_publisher = None

@@ -21,7 +21,6 @@ import traceback
 import jax
 import zmq
 
-from jaxserve.compilation.compile_cache import num_backend_compiles
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.async_engine import EngineStepError, as_request_error
 from jaxserve.engine.engine_info import EngineInfo
@@ -54,7 +53,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     core = EngineCore(engine, input_address, output_address, parent)
     if role == "leader":
         lead(engine, on_lost=core.report_dead)
-    ready_pipe.send(("ready", EngineInfo.of(engine), engine.make_stats(), num_backend_compiles()))
+    ready_pipe.send(("ready", EngineInfo.of(engine), engine.make_stats(), engine.serving_compiles()))
     ready_pipe.close()
     core.run()
 
@@ -155,7 +154,8 @@ class EngineCore:
 
     def _send(self, delivered: list[RequestOutput], errors: list) -> None:
         outputs = [[out.request_id, without_prompt(out)] for out in delivered]
-        self.outputs.send(msg.encode([msg.OUTPUTS, outputs, errors, self.engine.make_stats(), num_backend_compiles()]))
+        stats, compiles = self.engine.make_stats(), self.engine.serving_compiles()
+        self.outputs.send(msg.encode([msg.OUTPUTS, outputs, errors, stats, compiles]))
 
 
 def as_delta(params):

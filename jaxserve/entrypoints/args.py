@@ -61,7 +61,10 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
                           "new ones (`jaxserve precompile` fills it). Default: $JAXSERVE_COMPILE_CACHE_DIR if "
                           "set, else ~/.cache/jaxserve/compile_cache (under $XDG_CACHE_HOME if set); "
                           "'' (or JAXSERVE_COMPILE_CACHE_DIR='') disables it"),
-    "strict_no_compile": (bool, "fail if anything compiles after warm-up"),
+    "strict_no_compile": (bool, "fail if anything compiles on the step path after warm-up"),
+    "background_compile": (bool, "serve once the covering set of buckets is built (every step has a bucket that "
+                           "holds it, padded) and build the others in a thread, each used from the step after it "
+                           "lands (the server's default; --no-background-compile builds the whole grid first)"),
     "enable_prefix_caching": (bool, "reuse the KV blocks of prompt prefixes computed before (on by default, as "
                               "vLLM's; --no-enable-prefix-caching computes every prompt whole)"),
     "disable_log_stats": (bool, "no periodic stats line (throughput, queues, KV usage, prefix cache hit rate)"),
@@ -131,6 +134,7 @@ ENGINE_CORE_PROCESS = False  # the server's default; see docs/benchmarks/serving
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(max_itl_ms=SERVER_MAX_ITL_MS)  # a server has a latency target; offline runs do not
+    parser.set_defaults(background_compile=True)  # a server answers before its whole grid is built
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default, as vLLM: every interface)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None,

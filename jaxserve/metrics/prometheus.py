@@ -3,7 +3,7 @@
 Two sources feed one `CollectorRegistry` per server (so two apps in one process never collide):
 - the engine's stats snapshot (`stats.py`) taken at scrape time (`EngineStateCollector`): requests running
   and waiting, KV cache usage, prompt and generation token counters, preemptions, compiles after warm-up,
-  bucket padding;
+  bucket padding, the bucket grid's executables and how many of them serve yet;
 - request timings observed as the AsyncLLMEngine delivers outputs (`ServingMetrics`): time to first
   token, inter-token latency, end-to-end latency and finished requests by reason.
 """
@@ -62,6 +62,9 @@ class EngineStateCollector:
         yield _counter("bucket_padded_tokens", "Padding query slots run to fill buckets.", engine.num_padded_tokens)
         yield _gauge("bucket_padding_per_real_token", "Padded query slots per real token over all steps.",
                      engine.padding_per_real_token)
+        yield _gauge("bucket_grid_buckets", "Bucket executables of the engine's grid.", engine.num_buckets)
+        yield _gauge("bucket_grid_buckets_ready", "Bucket executables steps may run now (the grid is complete when "
+                     "this equals bucket_grid_buckets; the others build in the background).", engine.num_buckets_ready)
         yield from _spec_decode_counters(engine)
 
 

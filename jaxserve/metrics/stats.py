@@ -27,6 +27,8 @@ class EngineStats:
     num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run through the model: cache hits excluded
     num_generation_tokens: int = 0
     num_compiles_after_warm_up: int = 0  # executables built while serving: should stay 0
+    num_buckets: int = 0  # the bucket grid's executables (set when a snapshot is taken)
+    num_buckets_ready: int = 0  # of which steps may select now (the rest build in the background)
     num_late_sampled_steps: int = 0  # steps sampled after dispatch, once their rows' grammar masks were known
     num_late_masks: int = 0  # constrained rows of those steps whose mask was filled after dispatch
     # speculative decoding (vLLM's spec_decode counters): rows verified with drafts, their drafts, those accepted,

@@ -189,6 +189,9 @@ class ModelRunner:
         self.slot_state = self._abstract_slot_state()
         if not abstract:
             self.slot_state = jax.tree.map(lambda spec: _zeros_program(spec)(), self.slot_state)
+        # the structs of the params, the pool and the sampler state, taken once: a program built in another thread
+        # (background compilation) never reads the arrays a running step is donating
+        self._state_structs = _abstract((self.params, self.kv_pool, self.slot_state))
         self.num_logprobs = max(num_logprobs, 1)  # K of the step's top-K logprobs (a static shape)
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
@@ -320,7 +323,7 @@ class ModelRunner:
         rep = replicated(self.mesh)
         vocab = self.config.vocab_size
         num_logits = shape.num_sample_positions or shape.batch_size
-        args = (_abstract(self.slot_state), jax.ShapeDtypeStruct((num_logits, vocab), jnp.float32, sharding=rep),
+        args = (self._state_structs[2], jax.ShapeDtypeStruct((num_logits, vocab), jnp.float32, sharding=rep),
                 SamplingTensors.abstract(shape.batch_size, vocab, rep))
         if not shape.num_sample_positions:
             return jax.jit(self._sample, out_shardings=rep), args
@@ -346,7 +349,7 @@ class ModelRunner:
         if shape.num_sample_positions:
             verify = VerifyInputs.abstract(shape.num_sample_positions, s, shape.num_speculative_tokens, rep)
         return (
-            _abstract(self.params), _abstract(self.kv_pool), _abstract(self.slot_state), i32(*shape.input_shape),
+            self._state_structs[0], self._state_structs[1], self._state_structs[2], i32(*shape.input_shape),
             meta, i32(s),
             SamplingTensors.abstract(s, self.config.vocab_size, rep), i32(self.max_rows), i32(s), i32(s), verify,
         )
@@ -413,11 +416,11 @@ class ModelRunner:
         return {
             "copy_blocks": (
                 jax.jit(self._copy_blocks, donate_argnums=(0, 1), out_shardings=((pool, pool), rep)),
-                (_abstract(self.kv_pool), _abstract(self.slot_state), idx, idx, idx, idx),
+                (self._state_structs[1], self._state_structs[2], idx, idx, idx, idx),
             ),
             "write_slot": (
                 jax.jit(write_slot, donate_argnums=(0,), out_shardings=rep),
-                (_abstract(self.slot_state), sds((), jnp.int32), sds((vocab,), jnp.float32),
+                (self._state_structs[2], sds((), jnp.int32), sds((vocab,), jnp.float32),
                  sds((vocab,), jnp.bool_), sds((vocab,), jnp.int32), sds((vocab,), jnp.bool_)),
             ),
         }

@@ -669,3 +669,41 @@ def test_padding_accounting_mixed():
     assert stats.mixed_waste == pytest.approx(24 / 64)
     assert stats.context_waste == pytest.approx(1 - 800 / 2048)
     assert PaddingStats().mixed_waste == 0.0
+
+
+# -- serving before the grid is complete: the covering set ------------------------------------------
+
+
+def test_covering_buckets_hold_every_kept_bucket():
+    grid = make_grid(BucketSpec.from_dict(spec_dict()))
+    assert grid.covering_buckets() == [
+        PrefillBucket(1, 256, 1024), PrefillBucket(2, 64, 1024), PrefillBucket(4, 16, 1024), DecodeBucket(4, 1024),
+    ]
+    mixed = make_grid(BucketSpec.from_dict(spec_dict(mixed={"batch_sizes": [2, 4], "token_counts": [16, 64]})))
+    assert [b for b in mixed.covering_buckets() if isinstance(b, MixedBucket)] == [MixedBucket(64, 4, 1024)]
+
+
+def test_serving_on_the_covering_set_pads_and_reports_the_bucket_it_wanted():
+    grid = make_grid(BucketSpec.from_dict(spec_dict()))
+    wanted = []
+    grid.serve_only(grid.covering_buckets())
+    grid.on_miss = wanted.append
+    assert (grid.is_complete, grid.num_ready) == (False, 4)
+    assert not grid.is_ready(DecodeBucket(1, 64))
+    assert grid.select_decode(1, 10) == DecodeBucket(4, 1024)
+    assert grid.select_prefill(1, 20, 20) == PrefillBucket(2, 64, 1024)  # the fewest padded tokens of the ready
+    assert grid.select_prefill(3, 10, 1000) == PrefillBucket(4, 16, 1024)  # ready, and the smallest: no miss
+    assert wanted == [DecodeBucket(1, 64), PrefillBucket(1, 64, 64)]
+    grid.mark_ready([DecodeBucket(1, 64)])
+    assert grid.select_decode(1, 10) == DecodeBucket(1, 64)
+    assert grid.select_decode(2, 10) == DecodeBucket(4, 1024)  # (2, 64) is still building
+    grid.mark_ready(grid.buckets)
+    assert (grid.is_complete, grid.num_ready) == (True, 26)
+    assert grid.select_decode(2, 10) == DecodeBucket(2, 64)
+
+
+def test_serve_only_needs_the_covering_set():
+    grid = make_grid(BucketSpec.from_dict(spec_dict()))
+    with pytest.raises(ValueError, match=r"must hold every admissible step: missing \[DecodeBucket\(batch_size=4, "
+                                         r"context_len=1024\)\]"):
+        grid.serve_only(grid.covering_buckets()[:3])
