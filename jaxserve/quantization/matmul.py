@@ -25,13 +25,16 @@ under the precision policy) is passed in by the caller.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-import qwix
 
 from jaxserve.config.quantization_config import FP8_E4M3_MAX, INT8_MAX, QuantScheme
 from jaxserve.quantization.weights import dequantize_groups
+
+if TYPE_CHECKING:
+    import qwix
 
 
 def quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, scheme: QuantScheme,
@@ -56,6 +59,8 @@ def grouped_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax
 
 
 def _w8a8_matmul(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+    import qwix  # imported where used: it pulls in flax.nnx and optax, seconds of every start without quantization
+
     rows = quantize_rows(x.reshape(-1, x.shape[-1]), values.dtype)
     weight = qwix.QArray(values, scale.reshape(1, -1), qtype=values.dtype)
     out = qwix.dot_general(rows, weight, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -67,6 +72,8 @@ def quantize_rows(rows: jax.Array, dtype: jnp.dtype) -> qwix.QArray:
     the type's largest value (127 for int8, 448 for float8 e4m3; 1 for a zero row), values = row / scale (int8:
     rounded to nearest even). qwix's `quantize` maps the maximum to 127.5 instead, so the largest entry of
     every row sits on a rounding boundary (-127 or -128 by the last bit of its product)."""
+    import qwix
+
     rows = rows.astype(jnp.float32)
     largest = INT8_MAX if dtype == jnp.int8 else FP8_E4M3_MAX
     absmax = jnp.max(jnp.abs(rows), axis=1, keepdims=True)
