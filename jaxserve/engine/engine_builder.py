@@ -39,7 +39,6 @@ from jaxserve.engine.kv_events import KVEventPublisher, binds
 from jaxserve.logger import init_logger
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.quantization.weights import apply_quantization
-from jaxserve.runner.step_costs import ServedStepTimer
 from jaxserve.runner.step_runner import StepRunner
 from jaxserve.speculative.draft_model import DraftModelProposer, build_draft_proposer, load_draft_model
 from jaxserve.speculative.ngram import NgramProposer
@@ -134,7 +133,7 @@ def _learn_step_costs(config: EngineConfig, grid: BucketGrid, scheduler: Schedul
         return
     costs = StepCosts()
     scheduler.step_budget = StepBudget(grid, scheduler.max_num_batched_tokens, config.max_itl_ms, costs)
-    runner.timer = ServedStepTimer(costs, list(grid.spec.mixed_token_counts), list(grid.spec.mixed_batch_sizes))
+    runner.learn_step_costs(costs, grid)
     logger.info("step budget: %s", scheduler.step_budget.describe())
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid
+from jaxserve.core.cost_model import StepCosts
 from jaxserve.core.sequence import Sequence
 from jaxserve.runner.input_batch import Row, StepInputs, initial_token_counts, prepare_step_inputs, step_shape
 from jaxserve.runner.model_runner import ModelRunner, StepOutput
@@ -140,6 +141,10 @@ class StepRunner:
     def for_engine(cls, model_config: ModelConfig, params: dict, config: EngineConfig, grid: BucketGrid,
                    mesh: jax.sharding.Mesh) -> StepRunner:
         return cls(ModelRunner.for_engine(model_config, params, config, grid, mesh), grid, model_config.vocab_size)
+
+    def learn_step_costs(self, costs: StepCosts, grid: BucketGrid) -> None:
+        """From now on every step read back is timed and the mixed ones teach ``costs`` (`step_costs.py`)."""
+        self.timer = ServedStepTimer(costs, list(grid.spec.mixed_token_counts), list(grid.spec.mixed_batch_sizes))
 
     # ----- sequences ----------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
