@@ -41,6 +41,16 @@ caching is on by default); when it runs beside `jaxserve` the report adds the ra
         --workload ../shared/workloads/shared_prefix.jsonl --request-rate 1
     python scripts/bench_serving.py --servers jaxserve,jaxserve-no-prefix-caching \\
         --workload ../shared/workloads/shared_prefix.jsonl --num-prompts 4 --max-output-len 8   # a smoke run
+
+With `--busy-start` every server is measured twice: started on a quiet machine, and started while another
+process keeps one core busy (`python -c "while True: pass"`, from before the server launches until it answers
+/health), which is stopped before the client runs. The busy start's rows are named `<server> (busy start)`, and a
+line per server and rate gives its output tok/s and mean TTFT over the quiet start's: a server must not keep
+what it learned about its speed while the machine was busy (issue 57's check: within 10% of the quiet start's
+output tok/s and 20% of its mean TTFT).
+
+    python scripts/bench_serving.py --servers jaxserve --busy-start --num-prompts 32 --random-input-len 512 \\
+        --random-output-len 64 --request-rate 0.5
 """
 
 from __future__ import annotations
@@ -373,33 +383,52 @@ def stop_server(proc: subprocess.Popen, grace: float = 60) -> None:
     proc.wait()
 
 
-def measure_server(args, server: str, result_dir: Path, rates: list[float]) -> list[dict]:
-    """Starts `server`, runs the client against it once per request rate, stops it; the client's results, each
-    with the server's time to ready and its prefix cache counters over that client run."""
+BUSY_START = " (busy start)"  # a row's server name: started while another process kept one core busy
+
+
+def start_busy_core() -> subprocess.Popen:
+    """A process that keeps one core busy until it is killed (`stop_busy_core`)."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+
+
+def stop_busy_core(spinner: subprocess.Popen | None) -> None:
+    if spinner is not None:
+        spinner.kill()
+        spinner.wait()
+
+
+def measure_server(args, server: str, result_dir: Path, rates: list[float], busy_start: bool = False) -> list[dict]:
+    """Starts `server` (with `busy_start`, while one core is kept busy until it is ready), runs the client against
+    it once per request rate, stops it; the client's results, each with the server's time to ready and its prefix
+    cache counters over that client run."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     cmd, env = server_command(args, server, port)
     results = []
-    with open(result_dir / f"{file_stem(server)}-server.log", "w") as log:
-        print(f"starting {server}: {' '.join(cmd)}", flush=True)
+    label = server + (BUSY_START if busy_start else "")  # its rows' and files' name
+    with open(result_dir / f"{file_stem(label)}-server.log", "w") as log:
+        spinner = start_busy_core() if busy_start else None
+        print(f"starting {label}: {' '.join(cmd)}", flush=True)
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
         try:
             try:
                 ready = wait_ready(proc, base_url, args.server_timeout)
             except (RuntimeError, TimeoutError) as err:
-                raise RuntimeError(f"{server}: {err}; its log: {log.name}") from err
+                raise RuntimeError(f"{label}: {err}; its log: {log.name}") from err
+            finally:
+                stop_busy_core(spinner)  # the server is loaded on a quiet machine
             if args.request_rates and args.warmup_prompts:
-                print(f"{server} ready after {ready:.0f}s; warming up with {args.warmup_prompts} prompts", flush=True)
+                print(f"{label} ready after {ready:.0f}s; warming up with {args.warmup_prompts} prompts", flush=True)
                 warmup = {"num_prompts": args.warmup_prompts, "seed": args.seed + WARMUP_SEED_OFFSET}
-                run_client(argparse.Namespace(**{**vars(args), **warmup}), server, port, result_dir, float("inf"),
-                           name=f"{file_stem(server)}-warmup.json")
+                run_client(argparse.Namespace(**{**vars(args), **warmup}), label, port, result_dir, float("inf"),
+                           name=f"{file_stem(label)}-warmup.json")
             for i, rate in enumerate(rates):
-                print(f"{server} ready after {ready:.0f}s; running {client_name(args)} at {rate} req/s", flush=True)
+                print(f"{label} ready after {ready:.0f}s; running {client_name(args)} at {rate} req/s", flush=True)
                 before = prefix_cache_counters(base_url)
                 # a sweep gives each rate its own prompts (seed + i), the same for every server: a rate must not
                 # find the prompts of the rates before it in the prefix cache
                 rate_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i}) if args.request_rates else args
-                result = run_client(rate_args, server, port, result_dir, rate)
+                result = run_client(rate_args, label, port, result_dir, rate)
                 after = prefix_cache_counters(base_url)
                 result["startup_s"] = ready
                 result["prefix_cache"] = {name: after[name] - before[name] for name in after}
@@ -528,6 +557,22 @@ def prefix_caching_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def busy_start_lines(rows: list[dict]) -> list[str]:
+    """Each busy start's output tok/s and mean TTFT over its quiet start's, against issue 57's bounds (10%, 20%)."""
+    by_name = {r["server"]: r for r in rows}
+    lines = []
+    for busy in (r for r in rows if r["server"].endswith(BUSY_START)):
+        quiet = by_name.get(busy["server"].removesuffix(BUSY_START))
+        if quiet is None or not quiet["output_throughput"] or not quiet["mean_ttft_ms"]:
+            continue
+        tok_s = busy["output_throughput"] / quiet["output_throughput"]
+        ttft = busy["mean_ttft_ms"] / quiet["mean_ttft_ms"]
+        lines.append(f"{busy['server']} / quiet start: output tok/s {tok_s:.2f}x "
+                     f"({'within' if tok_s >= 0.9 else 'outside'} 10%), mean TTFT {ttft:.2f}x "
+                     f"({'within' if ttft <= 1.2 else 'outside'} 20%)")
+    return lines
+
+
 def compare_servers(args) -> None:
     result_dir = Path(args.result_dir or tempfile.mkdtemp(prefix="bench_serving_"))
     result_dir.mkdir(parents=True, exist_ok=True)
@@ -535,12 +580,15 @@ def compare_servers(args) -> None:
     baselines.embedded_hf_dir()  # converted before any server starts (vLLM's model, the client's tokenizer)
     rates = parse_rates(args.request_rates) if args.request_rates else [args.request_rate]
     rows, startups, results = [], [], []
-    for server in filter(None, args.servers.split(",")):
-        for rate, result in zip(rates, measure_server(args, server, result_dir, rates), strict=True):
-            results.append((server, result))
-            rows.append({**summarize_client_result(server, result, args.random_output_len), "rate": rate})
+    starts = [(server, busy) for server in filter(None, args.servers.split(","))
+              for busy in ((False, True) if args.busy_start else (False,))]
+    for server, busy in starts:
+        label = server + (BUSY_START if busy else "")
+        for rate, result in zip(rates, measure_server(args, server, result_dir, rates, busy), strict=True):
+            results.append((label, result))
+            rows.append({**summarize_client_result(label, result, args.random_output_len), "rate": rate})
             print(json.dumps(rows[-1]), flush=True)
-        startups.append(f"{server} {results[-1][1]['startup_s']:.0f}s")
+        startups.append(f"{label} {results[-1][1]['startup_s']:.0f}s")
     print(f"\n{workload_description(args)}; jaxserve {args.dtype}, vLLM {args.vllm_dtype}; time to ready (not "
           f"measured): {', '.join(startups)}; logs and results in {result_dir}")
     if args.request_rates:
@@ -550,7 +598,7 @@ def compare_servers(args) -> None:
     write_itl_plot(plot, f"ITL over time: {workload_title(args)} at {args.request_rate} req/s", results)
     print(f"{args.request_rate} req/s; ITL over time: {plot}\n")
     print(comparison_table(rows))
-    print("\n" + "\n".join(prefix_caching_lines(rows)))
+    print("\n" + "\n".join(prefix_caching_lines(rows) + busy_start_lines(rows)))
 
 
 def parse_rates(text: str) -> list[float]:
@@ -569,6 +617,7 @@ def report_sweep(args, rows: list[dict], result_dir: Path) -> None:
     for rate in sorted({r["rate"] for r in rows}):
         print(f"\n### {rate:g} requests/s\n")
         print(comparison_table([r for r in rows if r["rate"] == rate]))
+        print("\n".join(busy_start_lines([r for r in rows if r["rate"] == rate])))
     print(f"\nrows: {result_dir / 'sweep.json'}; plot: {plot}")
 
 
@@ -642,6 +691,9 @@ def main() -> None:
                        help="VLLM_CPU_OMP_THREADS_BIND: cores for vLLM's OpenMP threads, auto or nobind")
     group.add_argument("--vllm-reserved-cpus", type=int, default=baselines.VLLM_RESERVED_CPUS,
                        help="VLLM_CPU_NUM_OF_RESERVED_CPU: cores kept back from the model by --vllm-omp-bind auto")
+    group.add_argument("--busy-start", action="store_true",
+                       help="measure each server twice: started quietly, and started while one core is kept busy "
+                            "until it is ready")
     group.add_argument("--server-timeout", type=float, default=900, help="seconds for a server to become ready")
     group.add_argument("--client-timeout", type=float, default=3600, help="seconds for one client run")
     group.add_argument("--result-dir", default=None, help="servers' logs and clients' results (default: a temp dir)")

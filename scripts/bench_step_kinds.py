@@ -1,10 +1,10 @@
 """Device time of one step of each bucket, decode against mixed, with and without speculation's sample positions.
 
 Builds the engine twice on ``MODEL`` with ``BUCKETS`` (bfloat16; without, then with n-gram speculation, K = 4) and
-times each decode bucket (every row at 300 cached tokens) and each mixed bucket (the warm-up probe's rows,
-`runner/step_costs.py`) through `ModelRunner.execute`, 30 runs after one untimed: the median milliseconds, the
-host's dispatch included, no engine loop. It separates what a step kind costs on the device from the engine's
-host work (scripts/bench_draft_bounds.py measures both together).
+times each decode bucket (every row at 300 cached tokens) and each mixed bucket (decode rows and a chunk,
+`runner/step_costs.py`'s `probe_inputs`) through `ModelRunner.execute`, 30 runs after one untimed: the median
+milliseconds, the host's dispatch included, no engine loop. It separates what a step kind costs on the device from
+the engine's host work (scripts/bench_draft_bounds.py measures both together).
 
     python scripts/bench_step_kinds.py MODEL BUCKETS      # e.g. a random SmolLM2 shape on a GPU
 """

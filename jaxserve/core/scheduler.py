@@ -16,12 +16,12 @@ Policy
     ``priority`` (lower first), then arrival (a preempted sequence goes back to its place in that order).
   * Mixed steps (vLLM V1's policy; grids with ``[mixed]`` buckets): whenever a sequence decodes, every
     decoding sequence gets its row (oldest first), then the remaining token budget (``StepBudget``,
-    `step_budget.py`: the largest mixed bucket within the latency target ``max_itl_ms`` by the measured step
-    costs, else ``min(max_num_batched_tokens, largest mixed bucket)``; minus the decode rows) and rows go to
-    prefill chunks: mid-prefill sequences oldest first, then admissions from the waiting queue as below. So no
-    decoding sequence ever waits behind a prefill; a prefill waits only when decode rows fill the step.
-    A chunk that does not end its prompt is cut so the step's tokens fill a mixed bucket exactly. A step
-    without decode rows is a prefill step as below; one without chunks a decode step.
+    `step_budget.py`: the largest mixed bucket within the latency target ``max_itl_ms`` by the step costs
+    learned while serving, past it for a backlog, else the untargeted budget, within ``max_num_batched_tokens``;
+    minus the decode rows) and rows go to prefill chunks: mid-prefill sequences oldest first, then admissions
+    from the waiting queue as below. So no decoding sequence ever waits behind a prefill; a prefill waits only
+    when decode rows fill the step. A chunk that does not end its prompt is cut so the step's tokens fill a
+    mixed bucket exactly. A step without decode rows is a prefill step as below; one without chunks a decode step.
   * Speculative decoding (a grid with ``speculative``): a decoding sequence's draft tokens
     (``Sequence.spec_token_ids``, set by the engine's proposer) join its row, so the step is a mixed step even
     without chunks. Drafts are cut to the step's token budget and to the KV blocks free now (a draft never
@@ -63,7 +63,7 @@ from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid, DecodeBucket, MixedBucket
 from jaxserve.core.schedule import PrefillChunk, Schedule
 from jaxserve.core.sequence import Sequence, SequenceStatus
-from jaxserve.core.step_budget import QUEUE_STEPS, StepBudget
+from jaxserve.core.step_budget import DRAIN_STEPS, StepBudget
 
 # Prefill-vs-decode knob (TGI's waiting_served_ratio; TGI ships 1.2 with max_waiting_tokens=20).
 # Default 0.0 = admit whenever a request waits and fits (vLLM's prefill-first). In a step-cost
@@ -265,10 +265,10 @@ class Scheduler:
 
     def _pending_prefill_tokens(self, partial: list[Sequence]) -> int:
         """Prompt tokens waiting to be prefilled: the rest of the mid-prefill sequences' and the waiting ones' (whole,
-        before any cached prefix), counted only as far as the largest step could take."""
+        before any cached prefix), counted only as far as ``DRAIN_STEPS`` of the largest steps could take."""
         pending = sum(seq.num_uncomputed_tokens for seq in partial)
         for seq in self.waiting:
-            if pending > self.step_budget.max_tokens * QUEUE_STEPS:
+            if pending > self.step_budget.max_tokens * DRAIN_STEPS:
                 break
             pending += seq.num_tokens
         return pending

@@ -1,49 +1,38 @@
-"""How many query tokens a mixed step may hold: a latency target over measured step costs (host side, no JAX).
+"""How many query tokens a mixed step may hold: a latency target over learned step costs (host side, no JAX).
 
 While sequences decode, every step holds their rows, so a step's duration is their inter-token latency. The
 scheduler (`scheduler.py`) asks ``StepBudget.mixed_tokens(num_decode_rows)`` before it adds prefill chunks
 to a step with decode rows; with speculative decoding it passes the rows' draft tokens too: a row verifying k
 drafts is one row of k + 1 tokens, so the step's cost is read in its rows' column and its drafts take tokens.
-With a target (``max_itl_ms``, `jaxserve serve --max-itl-ms`) and costs measured
-on the bucket executables at warm-up (`StepCosts`, `runner/step_costs.py`), the ceiling is the largest mixed
-bucket whose step stays within the target, and under it the step follows the queue: the prompts waiting to be
-prefilled in one step, or in two where the measured costs say two smaller steps cost less than one padded
-one (at least the untargeted budget either way). So a light queue runs steps sized to it (a lone prompt stalls
-its decoders once, or twice where that is cheaper) and a growing queue larger steps, which read the weights
-once for more tokens, up to the target and never past it while decode rows wait. Sarathi-Serve's stall-free
-batching sets one fixed budget from its latency target; this one is chosen again every step. Without a
-target, or without costs, the budget is the bucket file's ``[mixed] token_budget`` (the best offline
-throughput on that platform; else the largest mixed bucket), within ``max_num_batched_tokens``. A step
+With a target (``max_itl_ms``, `jaxserve serve --max-itl-ms`) and the step costs learned from the steps served
+so far (`StepCosts`, `cost_model.py`: measured medians, a fit for the shapes not run), the ceiling is the largest
+mixed bucket whose step stays within the target, and under it the step follows the queue: the prompts waiting to
+be prefilled in one step, or in two where the costs say two smaller steps cost less than one padded one (at
+least the untargeted budget either way). So a light queue runs steps sized to it (a lone prompt stalls its
+decoders once, or twice where that is cheaper) and a growing queue larger steps, which read the weights once for
+more tokens, up to the target. Sarathi-Serve's stall-free batching sets one fixed budget from its latency target;
+this one is chosen again every step. Without a target, or before any step shape is measured (the first steps of
+a server: nothing is timed at start-up), the budget is the bucket file's ``[mixed] token_budget`` (the best
+offline throughput on that platform; else the largest mixed bucket), within ``max_num_batched_tokens``. A step
 without decode rows is a prefill step and is not bounded by the target.
+
+A backlog outgrows the target (no starvation): when the prompt tokens waiting to be prefilled exceed what
+``DRAIN_STEPS`` steps at the ceiling take beside the decode rows, a queue that arrives faster than capped steps
+drain it would wait longer and longer. Then the step grows past the target to the smallest bucket that drains the
+backlog in ``DRAIN_STEPS`` steps, at most to the untargeted budget (the throughput-best step: past it a larger
+step buys no throughput, only longer stalls) or, while the bucket just above the ceiling is not measured, to that
+bucket (so that a cost estimated too high from smaller steps is measured and corrected). Once the backlog is
+within ``DRAIN_STEPS`` capped steps the target holds again.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from jaxserve.core.buckets import BucketGrid
+from jaxserve.core.cost_model import StepCosts
 from jaxserve.math_utils import cdiv
 
 QUEUE_STEPS = 2  # a step with a latency target splits the waiting prompts in at most this many steps
-
-
-@dataclasses.dataclass(frozen=True)
-class StepCosts:
-    """Measured seconds per step of each mixed bucket shape, ``(num_tokens, batch_size) -> seconds``."""
-
-    seconds: dict[tuple[int, int], float]
-
-    def of(self, num_tokens: int, batch_size: int) -> float:
-        return self.seconds[(num_tokens, batch_size)]
-
-    def format_table(self) -> str:
-        batch_sizes = sorted({b for _, b in self.seconds})
-        token_counts = sorted({t for t, _ in self.seconds})
-        lines = ["mixed step cost (ms) | " + " | ".join(f"{b} rows" for b in batch_sizes)]
-        for t in token_counts:
-            cells = (f"{1e3 * self.seconds[(t, b)]:.1f}" if (t, b) in self.seconds else "-" for b in batch_sizes)
-            lines.append(f"{t} tokens | " + " | ".join(cells))
-        return "\n".join(lines)
+DRAIN_STEPS = 8  # a backlog that capped steps take more steps than this to drain lets steps grow past the target
 
 
 class StepBudget:
@@ -59,7 +48,8 @@ class StepBudget:
 
     @property
     def follows_target(self) -> bool:
-        return self.max_itl_ms is not None and self.costs is not None
+        """Whether steps follow the target now: there is one, and some step shape is measured."""
+        return self.max_itl_ms is not None and self.costs is not None and self.costs.is_ready
 
     def mixed_tokens(self, num_decode_rows: int, pending_tokens: int | None = None, num_draft_tokens: int = 0) -> int:
         """Query tokens of a mixed step with ``num_decode_rows`` decode rows verifying ``num_draft_tokens`` drafts
@@ -70,8 +60,9 @@ class StepBudget:
         tokens (the smallest such bucket when none is within it: prefill never stops), its cost read for the
         decode rows and a chunk's row (drafts are tokens of their rows, not rows). Under it the step follows the
         queue: the pending prompts in one step, or in ``QUEUE_STEPS`` where that costs less (`_queue_tokens`), and
-        at least the untargeted budget (a short prompt goes through in one step). Without a target: the bucket
-        file's ``[mixed] token_budget`` (else ``max_tokens``)."""
+        at least the untargeted budget (a short prompt goes through in one step); a backlog grows it past the
+        ceiling (`_drain_tokens`). Without a target, or before any step shape is measured: the bucket file's
+        ``[mixed] token_budget`` (else ``max_tokens``)."""
         if not self.follows_target:
             return self.untargeted_tokens
         decode_tokens = num_decode_rows + num_draft_tokens
@@ -79,11 +70,24 @@ class StepBudget:
         sizes = [t for t in self.grid.spec.mixed_token_counts if decode_tokens < t <= self.max_tokens]
         if rows is None or not sizes:
             return self.max_tokens
-        within = [t for t in sizes if (t, rows) in self.costs.seconds and self._ms(t, rows) <= self.max_itl_ms]
+        within = [t for t in sizes if self._ms(t, rows) <= self.max_itl_ms]
         ceiling = max(within) if within else min(sizes)
         if pending_tokens is None:
             return ceiling
+        if pending_tokens > DRAIN_STEPS * (ceiling - decode_tokens):
+            return self._drain_tokens(decode_tokens, pending_tokens, sizes, ceiling, rows)
         return self._queue_tokens(decode_tokens, pending_tokens, within or [ceiling], rows)
+
+    def _drain_tokens(self, decode_tokens: int, pending_tokens: int, sizes: list[int], ceiling: int,
+                      rows: int) -> int:
+        """A backlog (more pending tokens than ``DRAIN_STEPS`` steps at the ``ceiling`` take): the smallest bucket
+        that drains it in ``DRAIN_STEPS`` steps, at most the untargeted budget or, while it is not measured, the
+        bucket above the ceiling; never below the ceiling."""
+        above = [t for t in sizes if t > ceiling]
+        explore = above[0] if above and not self.costs.is_measured(above[0], rows) else ceiling
+        cap = max(self.untargeted_tokens, explore)
+        drains = min((t for t in sizes if t >= decode_tokens + cdiv(pending_tokens, DRAIN_STEPS)), default=sizes[-1])
+        return max(ceiling, min(drains, cap))
 
     def _queue_tokens(self, decode_tokens: int, pending_tokens: int, sizes: list[int], rows: int) -> int:
         """Under the ceiling (the largest of ``sizes``), after the ``decode_tokens`` of the decode rows: the pending
@@ -113,7 +117,8 @@ class StepBudget:
 
     def describe(self) -> str:
         if not self.follows_target:
-            reason = "no --max-itl-ms" if self.max_itl_ms is None else "no measured step costs"
+            reason = "no --max-itl-ms" if self.max_itl_ms is None else (
+                f"until steps are measured, then within {self.max_itl_ms:g} ms: step costs are learned while serving")
             return f"mixed steps up to {self.untargeted_tokens} tokens ({reason})"
         budgets = {d: self.mixed_tokens(d) for d in (0, *self.grid.spec.mixed_batch_sizes[:-1])}
         by_rows = ", ".join(f"{t} tokens from {d} decode rows" for d, t in budgets.items())

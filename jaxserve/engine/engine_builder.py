@@ -4,9 +4,10 @@ Place in the data flow: `LLMEngine.__init__` calls `build_engine_parts`, which j
 turns the persistent compile cache on before anything compiles, builds the device mesh, resolves the dtype,
 loads and quantizes the model (and a draft model), sizes the bucket grid and the KV pool
 (`compilation/sizing.py`), and builds the block manager, the scheduler, the step runner (`runner/step_runner.py`),
-the draft proposer and the KV event publisher. `warm_up_engine` then compiles, or loads from the compile cache,
-every bucket's executable (`compilation/warm_up.py`) and, with a latency target, gives the scheduler the step
-budget that the step runner's measured step costs allow (`runner/step_costs.py`). After it nothing compiles.
+the draft proposer and the KV event publisher; with a latency target the scheduler's step budget and the step
+runner's timer share the step costs that serving teaches (`core/cost_model.py`, `runner/step_costs.py`).
+`warm_up_engine` then compiles, or loads from the compile cache, every bucket's executable
+(`compilation/warm_up.py`). After it nothing compiles.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.kv_events_config import KVEventsConfig
 from jaxserve.core.block_manager import BlockManager
 from jaxserve.core.buckets import BucketGrid
+from jaxserve.core.cost_model import StepCosts
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.step_budget import StepBudget
 from jaxserve.distributed.multihost import distributed_init_requested, initialize_distributed
@@ -94,6 +96,7 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     )
     logger.info("%s", _scheduling_summary(scheduler))
     runner = StepRunner.for_engine(loaded.config, loaded.params, config, grid, mesh)
+    _learn_step_costs(config, grid, scheduler, runner)
     return EngineParts(config, compile_cache_dir, mesh, loaded, grid, block_manager, scheduler, runner,
                        make_proposer(config, grid, draft, mesh),
                        kv_event_publisher(config.kv_events_config, block_manager, config.data_parallel_rank))
@@ -134,9 +137,8 @@ def warm_up_engine(parts: EngineParts, num_threads: int) -> WarmUpReport:
         draft_report = compile_buckets(parts.proposer.runner, parts.proposer.buckets, num_threads=num_threads,
                                        cache_dir=cache_dir)
         logger.info("warm-up of the draft model: %s", draft_report.summary())
-    _measure_step_costs(parts)
     if parts.background is not None:
-        parts.background.start()  # after the probe, which times steps on a quiet host
+        parts.background.start()
     return report
 
 
@@ -160,15 +162,15 @@ def _grid_done(cache_dir: Path | None, manifest: CacheManifest | None, num_bucke
     return done
 
 
-def _measure_step_costs(parts: EngineParts) -> None:
-    """With a latency target, times the mixed buckets and gives the scheduler the budget they allow."""
-    if parts.config.max_itl_ms is None or not parts.grid.has_mixed:
+def _learn_step_costs(config: EngineConfig, grid: BucketGrid, scheduler: Scheduler, runner: StepRunner) -> None:
+    """With a latency target: the scheduler's step budget follows costs that the step runner's timer learns from
+    the mixed steps served (nothing is timed at start-up: a busy start would freeze wrong costs)."""
+    if config.max_itl_ms is None or not grid.has_mixed:
         return
-    costs = parts.runner.measure_mixed_costs([b for b in parts.grid.mixed_buckets if parts.grid.is_ready(b)])
-    logger.info("%s", costs.format_table())
-    budget = StepBudget(parts.grid, parts.scheduler.max_num_batched_tokens, parts.config.max_itl_ms, costs)
-    parts.scheduler.step_budget = budget
-    logger.info("step budget: %s", budget.describe())
+    costs = StepCosts()
+    scheduler.step_budget = StepBudget(grid, scheduler.max_num_batched_tokens, config.max_itl_ms, costs)
+    runner.learn_step_costs(costs, grid)
+    logger.info("step budget: %s", scheduler.step_budget.describe())
 
 
 def kv_event_publisher(events: KVEventsConfig | None, block_manager: BlockManager,

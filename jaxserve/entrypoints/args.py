@@ -30,7 +30,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     ),
     "max_itl_ms": (float, "inter-token latency target in ms ('none': no target): a step with decode rows takes "
                    "the prefill chunk that lets the waiting prompts through in one step (two where cheaper), "
-                   "within the largest mixed bucket whose cost (timed at warm-up) stays under the target. Default: "
+                   "within the largest mixed bucket whose cost (learned from the steps served) stays under the target, "
+                   "past it for a backlog. Default: "
                    f"{SERVER_MAX_ITL_MS:g} for the server and precompile, none offline (mixed steps up to the bucket "
                    "file's [mixed] token_budget, and no larger mixed buckets compiled)"),
     "block_size": (int, "tokens per KV cache block (default: the bucket file's)"),

@@ -1,11 +1,16 @@
-"""Measured step costs of the mixed buckets: what the step budget (`core/step_budget.py`) weighs.
+"""Step timing: the served mixed steps' durations that the step costs learn from, and synthetic steps for scripts.
 
-After warm-up, when the engine has a latency target (``max_itl_ms``), it times each mixed bucket's executable
-on synthetic rows: decode rows of one token and one prefill chunk with the rest of the bucket's tokens, every
-row attending ``PROBE_CONTEXT`` cached tokens (fewer when the bucket is narrower). Each bucket runs once
-untimed and then ``PROBE_RUNS`` times; the median is its cost. The rows use no sampler slot and write their
-K/V into block 0, which no sequence holds yet (nothing is served before warm-up ends) and which a sequence
-writes before it reads.
+Place in the data flow: `StepRunner.launch` stamps each step when it starts dispatching it and `StepRunner.collect`
+hands the step to `ServedStepTimer.ready` once its tokens are on the host; a mixed step's seconds go to the
+`StepCosts` of the scheduler's step budget (`core/cost_model.py`, `core/step_budget.py`). What is measured: the
+host's wall time from the later of the step's dispatch and the previous step's readback to this step's readback.
+Without async scheduling that is the step's input preparation, dispatch, device time and readback; with it the
+step was dispatched while the one before still ran, so it is counted from that one's readback (its own host-side
+preparation overlapped it), and host work that delays the readback (the previous step's outputs, the next step's
+planning) counts too, as it delays every stream's next token. Scheduling and detokenizing outside the step
+are not in it. Nothing is timed at start-up (the costs of a busy start would be frozen into the budget).
+
+`median_step_seconds` and `probe_inputs` time a bucket's executable on synthetic rows, for the benchmark scripts.
 """
 
 from __future__ import annotations
@@ -16,26 +21,42 @@ import time
 import numpy as np
 
 from jaxserve.core.buckets import MixedBucket
-from jaxserve.core.step_budget import StepCosts
+from jaxserve.core.cost_model import StepCosts
+from jaxserve.logger import init_logger
 from jaxserve.runner.input_batch import StepInputs, step_shape
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.sampler import SamplingTensors
 from jaxserve.runner.spec_verify import VerifyInputs
 
+logger = init_logger("jaxserve.runner.step_costs")
+
 PROBE_CONTEXT = 512  # cached tokens each synthetic row attends to
 PROBE_RUNS = 3
+FIRST_TABLE_AT = 16  # mixed steps observed before the learned costs are first logged; then at 4x as many
 
 
-def measure_mixed_costs(runner: ModelRunner, buckets: list[MixedBucket]) -> StepCosts:
-    """Median seconds per step of each mixed bucket shape (the narrowest context bucket of each)."""
-    narrowest: dict[tuple[int, int], MixedBucket] = {}
-    for bucket in sorted(buckets, key=lambda b: b.context_len, reverse=True):
-        narrowest[(bucket.num_tokens, bucket.batch_size)] = bucket
-    return StepCosts({key: _median_seconds(runner, bucket) for key, bucket in sorted(narrowest.items())})
+class ServedStepTimer:
+    """Times the steps the engine reads back and teaches their mixed buckets' costs to ``costs``."""
 
+    def __init__(self, costs: StepCosts, token_counts: list[int], batch_sizes: list[int]):
+        self.costs = costs
+        self.token_counts, self.batch_sizes = token_counts, batch_sizes  # the table's rows and columns
+        self._last_ready = 0.0  # perf_counter() when the last step's results reached the host
+        self._next_table_at = FIRST_TABLE_AT
 
-def _median_seconds(runner: ModelRunner, bucket: MixedBucket) -> float:
-    return median_step_seconds(runner, bucket, probe_inputs(runner, bucket))
+    def ready(self, bucket, dispatched: float, now: float | None = None) -> float:
+        """A step dispatched at ``dispatched`` (`time.perf_counter()`) was read back ``now`` (default: now); a mixed
+        one's seconds are observed. Returns the step's seconds as measured."""
+        now = time.perf_counter() if now is None else now
+        seconds = now - max(dispatched, self._last_ready)
+        self._last_ready = now
+        if isinstance(bucket, MixedBucket):
+            self.costs.observe(bucket.num_tokens, bucket.batch_size, seconds)
+            if self.costs.num_observed >= self._next_table_at:
+                self._next_table_at *= 4
+                logger.info("mixed step costs learned so far (%d steps; ~: estimated from the measured shapes):\n%s",
+                            self.costs.num_observed, self.costs.format_table(self.token_counts, self.batch_sizes))
+        return seconds
 
 
 def median_step_seconds(runner: ModelRunner, bucket, inputs: StepInputs, runs: int = PROBE_RUNS) -> float:

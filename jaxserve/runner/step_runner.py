@@ -10,12 +10,15 @@ still on the device (async scheduling), and the `ModelRunner` call. It returns a
 waiting for the device. A constrained row whose grammar waits for the previous step's token is dispatched taking its
 argmax; once the host knows its mask, `resample` samples the step's rows again from its logits, on the device.
 `collect` waits for a step and gives a `StepResult` on the host: each row's tokens (a verifying step's accepted
-drafts, then its token) with their logprobs, and the prompt logprobs of the rows that asked.
+drafts, then its token) with their logprobs, and the prompt logprobs of the rows that asked. With a latency target
+the engine gives the step runner a `ServedStepTimer` (`step_costs.py`), which `collect` tells each step's duration:
+the step costs the scheduler's budget learns from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Protocol
 
 import jax
@@ -23,15 +26,15 @@ import numpy as np
 
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.model_config import ModelConfig
-from jaxserve.core.buckets import BucketGrid, MixedBucket
+from jaxserve.core.buckets import BucketGrid
+from jaxserve.core.cost_model import StepCosts
 from jaxserve.core.sequence import Sequence
-from jaxserve.core.step_budget import StepCosts
 from jaxserve.runner.input_batch import Row, StepInputs, initial_token_counts, prepare_step_inputs, step_shape
 from jaxserve.runner.model_runner import ModelRunner, StepOutput
 from jaxserve.runner.sampler import FLAG_LOGPROBS, FLAG_PROMPT_LOGPROBS, SamplingRow, SamplingTensors
 from jaxserve.runner.sampler_state import SlotTable
 from jaxserve.runner.spec_verify import VerifyInputs
-from jaxserve.runner.step_costs import measure_mixed_costs
+from jaxserve.runner.step_costs import ServedStepTimer
 
 
 @dataclasses.dataclass
@@ -70,6 +73,8 @@ class LaunchedStep:
     query_starts: np.ndarray | None  # ragged steps: each row's first token in the step's flat input
     verify: VerifyInputs | None  # a verifying step's sample positions and drafts (host arrays)
     late_mask_rows: frozenset[int]  # rows that took their argmax: their masks waited for the previous step
+    bucket: object = None  # the bucket it runs on
+    dispatched: float = 0.0  # time.perf_counter() when its dispatch began
 
     @property
     def flags(self) -> np.ndarray:
@@ -130,15 +135,16 @@ class StepRunner:
         self._slot_copies: list[tuple[int, int]] = []  # (parent slot, child slot) of forks not yet copied
         self._fed_tokens: jax.Array | None = None  # the last launched step's tokens, on the device
         self._fed_rows: dict[int, int] = {}  # seq_id -> its row in that step
+        self.timer: ServedStepTimer | None = None  # with a latency target: learns the mixed steps' costs
 
     @classmethod
     def for_engine(cls, model_config: ModelConfig, params: dict, config: EngineConfig, grid: BucketGrid,
                    mesh: jax.sharding.Mesh) -> StepRunner:
         return cls(ModelRunner.for_engine(model_config, params, config, grid, mesh), grid, model_config.vocab_size)
 
-    def measure_mixed_costs(self, buckets: list[MixedBucket]) -> StepCosts:
-        """Each mixed bucket's median step time on synthetic rows (`step_costs.py`), for the step budget."""
-        return measure_mixed_costs(self.model, buckets)
+    def learn_step_costs(self, costs: StepCosts, grid: BucketGrid) -> None:
+        """From now on every step read back is timed and the mixed ones teach ``costs`` (`step_costs.py`)."""
+        self.timer = ServedStepTimer(costs, list(grid.spec.mixed_token_counts), list(grid.spec.mixed_batch_sizes))
 
     # ----- sequences ----------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -156,6 +162,7 @@ class StepRunner:
                block_copies: list[tuple[int, int]]) -> LaunchedStep:
         """Dispatches a `Schedule`'s step, its ``bucket`` and ``rows`` (``requests[i]``: row i's request), after
         the KV blocks' copy-on-write ``block_copies`` (src, dst); returns at once."""
+        dispatched = time.perf_counter()
         self._sync_device_state(rows, requests, block_copies)
         inputs = self._inputs(bucket, rows, requests)
         late = frozenset(i for i, ((seq, start, num_tokens), request) in enumerate(zip(rows, requests, strict=True))
@@ -166,7 +173,7 @@ class StepRunner:
         output = self.model.execute(bucket, inputs, self._fed_tokens)
         self._fed_tokens = output.tokens
         self._fed_rows = {seq.seq_id: row for row, (seq, _, _) in enumerate(rows)}
-        return LaunchedStep(output, sampling, inputs.query_starts, inputs.verify, late)
+        return LaunchedStep(output, sampling, inputs.query_starts, inputs.verify, late, bucket, dispatched)
 
     def resample(self, step: LaunchedStep, masks: dict[int, np.ndarray]) -> None:
         """Samples every row of ``step`` (dispatched taking its argmax) from its logits on the device, each row
@@ -183,6 +190,8 @@ class StepRunner:
         logprobs = host_logprobs(output.logprobs) if np.any(step.flags & FLAG_LOGPROBS) else None
         prompt = host_logprobs(output.prompt_logprobs) if np.any(step.flags & FLAG_PROMPT_LOGPROBS) else None
         num_accepted = None if output.num_accepted is None else np.asarray(output.num_accepted)
+        if self.timer is not None:
+            self.timer.ready(step.bucket, step.dispatched)
         return StepResult(step, tokens, logprobs, prompt, num_accepted)
 
     def _inputs(self, bucket, rows: list[Row], requests: list[RowRequest]) -> StepInputs:

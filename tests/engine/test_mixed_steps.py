@@ -198,20 +198,19 @@ def test_other_attention_backends_on_mixed_steps_give_the_same_tokens(model_dir,
         _assert_same_logprobs(a.prompt_logprobs, b.prompt_logprobs)
 
 
-def test_a_latency_target_measures_every_mixed_shape_and_changes_no_token(model_dir, llms, tmp_path):
-    """`max_itl_ms`: warm-up times each mixed bucket shape on its executable (nothing compiles after warm-up),
-    the scheduler's budget follows the target, and greedy tokens stay those of prefill-or-decode steps."""
+def test_a_latency_target_learns_the_served_mixed_steps_costs_and_changes_no_token(model_dir, llms, tmp_path):
+    """`max_itl_ms`: nothing is timed at start-up; every mixed step served is timed into the step costs the
+    scheduler's budget follows (nothing compiles after warm-up), and greedy tokens stay those of
+    prefill-or-decode steps."""
     legacy, _ = llms
     targeted = _llm(model_dir, tmp_path, "targeted", BUCKETS + MIXED, max_itl_ms=60_000.0)
     budget = targeted.llm_engine.scheduler.step_budget
-    assert budget.follows_target and budget.max_itl_ms == 60_000.0
-    assert sorted(budget.costs.seconds) == [(16, 4), (16, 8), (32, 4), (32, 8)]
-    assert all(0 < seconds < 60 for seconds in budget.costs.seconds.values())
-    assert [budget.mixed_tokens(d) for d in (0, 3, 7)] == [32, 32, 32]  # every shape is within a minute
+    assert budget.max_itl_ms == 60_000.0 and budget.costs.num_observed == 0 and not budget.follows_target
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected, _ = _run(legacy, PROMPTS, params)
     got, mixed_steps = _run(targeted, PROMPTS, params)
     assert mixed_steps > 0 and [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert budget.costs.num_observed == targeted.llm_engine.stats.num_mixed_steps
     assert targeted.llm_engine.stats.num_compiles_after_warm_up == 0
 
 

@@ -161,3 +161,22 @@ def test_throughput_async_scheduling_runs_in_order():
     assert bench_throughput.async_scheduling_runs("") == []
     with pytest.raises(ValueError, match=r"takes on and off, comma-separated; got \['true'\]"):
         bench_throughput.async_scheduling_runs("on,true")
+
+
+def test_a_busy_start_is_compared_with_the_quiet_start_of_the_same_server():
+    rows = [bench_serving.summarize_client_result(name, client_result([16], tput, ttft), 16)
+            for name, tput, ttft in [("jaxserve", 100.0, 1000.0), ("jaxserve (busy start)", 89.0, 1150.0),
+                                     ("vllm", 50.0, 500.0)]]
+    assert bench_serving.busy_start_lines(rows) == [
+        "jaxserve (busy start) / quiet start: output tok/s 0.89x (outside 10%), mean TTFT 1.15x (within 20%)"]
+    assert bench_serving.busy_start_lines(rows[:1] + rows[2:]) == []
+
+
+def test_a_busy_core_runs_until_it_is_stopped():
+    spinner = bench_serving.start_busy_core()
+    try:
+        assert spinner.poll() is None
+    finally:
+        bench_serving.stop_busy_core(spinner)
+    assert spinner.returncode is not None
+    bench_serving.stop_busy_core(None)  # a quiet start has none
