@@ -18,6 +18,8 @@ jaxserve's KV usage.
     python scripts/bench_throughput.py --baseline "" --quantization int8,int8_w8a8   # quantized against not
     python scripts/bench_throughput.py --baseline vllm --quantization int8_w8a8 --vllm-quantization int8_w8a8
     python scripts/bench_throughput.py --baseline "" --num-requests 128 --async-scheduling on,off,on,off
+    python scripts/bench_throughput.py --baseline "" --num-requests 64 --max-model-len 8192 \
+        --bucket-runs /tmp/old-cpu.toml,cpu,/tmp/old-cpu.toml,cpu    # two bucket grids, interleaved
 
 `--baseline` is a comma-separated list of transformers (static batches of each `--hf-batch-sizes`, in each
 `--hf-dtype`) and vllm (one run per `--vllm-dtype`); default transformers, empty for jaxserve alone. vLLM
@@ -62,13 +64,14 @@ def add_requests(engine, requests: list[tuple[list[int], int]]) -> None:
 
 
 def bench_jaxserve(args, requests, quantization: str | None = None, kv_cache_dtype: str = "auto",
-                   async_scheduling: bool | None = None) -> dict:
+                   async_scheduling: bool | None = None, buckets: str | None = None) -> dict:
+    """One jaxserve run; ``buckets``: a bucket spec other than ``--buckets`` (a `--bucket-runs` entry)."""
     import jax
 
     from jaxserve import LLM
 
     start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, buckets=args.buckets,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, buckets=buckets or args.buckets,
               num_kv_blocks=args.num_kv_blocks, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
               async_scheduling=async_scheduling)
     startup = time.perf_counter() - start
@@ -87,12 +90,13 @@ def bench_jaxserve(args, requests, quantization: str | None = None, kv_cache_dty
     check_token_counts("jaxserve", [counts.get(i, 0) for i in range(len(requests))], requests)
     kv_label = "" if kv_cache_dtype == "auto" else f"{kv_cache_dtype} KV"
     async_label = {None: "", True: "async scheduling on", False: "async scheduling off"}[async_scheduling]
+    buckets_label = "" if buckets is None else f"buckets {buckets}"
     return {
-        "engine": " ".join(filter(None, ["jaxserve", quantization, kv_label, async_label])),
+        "engine": " ".join(filter(None, ["jaxserve", quantization, kv_label, async_label, buckets_label])),
         "seconds": elapsed,
         "startup_s": startup, "output_tokens": sum(counts.values()),
         "padding_per_real_token": engine.stats.padding_per_real_token, "peak_kv_usage": peak_usage,
-        "preemptions": engine.stats.num_preemptions,
+        "preemptions": engine.stats.num_preemptions, "num_executables": engine.grid.num_executables,
         "weight_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(engine.runner.params)),
         "kv_blocks": engine.grid.num_blocks,
     }
@@ -199,7 +203,8 @@ def report(results: list[dict], num_requests: int) -> str:
     for r in results:
         if r["engine"].startswith("jaxserve"):
             lines.append(
-                f"{r['engine']}: start-up (load + warm-up) {r['startup_s']:.1f}s, weights "
+                f"{r['engine']}: start-up (load + warm-up) {r['startup_s']:.1f}s, {r['num_executables']} step "
+                f"executables, weights "
                 f"{r['weight_bytes'] / 1e6:.1f} MB, KV pool {r['kv_blocks']} blocks, peak KV usage "
                 f"{r['peak_kv_usage']:.1%}, preemptions {r['preemptions']}"
             )
@@ -227,6 +232,9 @@ def main() -> None:
     parser.add_argument("--async-scheduling", default="",
                         help="comma-separated on/off (repeats allowed, e.g. on,off,on,off): one more jaxserve run "
                         "for each, with async scheduling on or off (the first run takes the platform's default)")
+    parser.add_argument("--bucket-runs", default="",
+                        help="comma-separated bucket specs (names or .toml paths; repeats allowed, e.g. old.toml,cpu,"
+                        "old.toml,cpu to interleave): one more jaxserve run for each, on that grid")
     parser.add_argument("--baseline", default="transformers",
                         help="comma-separated: transformers, vllm (default transformers; empty for none)")
     parser.add_argument("--hf-batch-sizes", default="8,16,32", help="transformers': comma-separated; empty to skip")
@@ -260,6 +268,8 @@ def main() -> None:
     runs += [(bench_jaxserve, args, requests, scheme) for scheme in filter(None, args.quantization.split(","))]
     runs += [(bench_jaxserve, args, requests, None, kv) for kv in filter(None, args.kv_cache_dtypes.split(","))]
     runs += [(bench_jaxserve, args, requests, None, "auto", on) for on in async_runs]
+    runs += [(bench_jaxserve, args, requests, None, "auto", None, spec)
+             for spec in filter(None, args.bucket_runs.split(","))]
     if "transformers" in chosen:
         sizes = [int(size) for size in filter(None, args.hf_batch_sizes.split(","))]
         dtypes = filter(None, args.hf_dtype.split(","))

@@ -203,13 +203,12 @@ def running_bytes(compiled: jax.stages.Compiled) -> int:
 
 def largest_of_each_kind(shapes: list[StepShape]) -> list[StepShape]:
     """The largest step (query tokens, then pages) of each kind: prefill, decode and mixed (ragged)."""
-    kind = lambda s: "mixed" if s.ragged else "decode" if s.num_query_tokens == 1 else "prefill"
     size = lambda s: (s.batch_size * s.num_query_tokens if not s.ragged else s.num_query_tokens, s.batch_size,
                       s.pages_per_seq)
     largest: dict[str, StepShape] = {}
     for shape in shapes:
-        if kind(shape) not in largest or size(shape) > size(largest[kind(shape)]):
-            largest[kind(shape)] = shape
+        if shape.kind not in largest or size(shape) > size(largest[shape.kind]):
+            largest[shape.kind] = shape
     return [shape for shape in shapes if shape in largest.values()]
 
 

@@ -4,11 +4,11 @@ Place in the data flow: `jaxserve precompile --target NAME` (and `scripts/check_
 engine exactly as a server on the target would (`target_engine`: `engine_bucket_grid` with the target chips' HBM
 instead of this host's memory, so the KV pool leaves room for the largest steps' temporaries, measured by compiling
 them for the target (`sizing.py`), and a draft model's weights and pool counted as the engine counts them; abstract
-weights, the Pallas backend with the target's kernel variant,
-tensor parallel over the topology's chips) and then, per program (every bucket's step, the sampler
-programs, the allocation programs and the fork programs; with a draft model also the draft's steps, samplers and
-allocations, reported as "draft ..." programs but never stored: the engine's warm-up reads them through JAX's
-persistent cache):
+weights, the Pallas backend with the target's kernel variant, tensor parallel over the topology's chips), lists
+every program it will build (`plan_for_target`, `program_list.py`; `--list` stops there and compiles nothing, not
+even the sizing's largest steps) and then, per program (every bucket's step, the sampler programs, the allocation
+programs and the fork programs; with a draft model also the draft's steps, samplers and allocations, reported as
+"draft ..." programs but never stored: the engine's warm-up reads them through JAX's persistent cache):
 
 - TPU: compiles it deviceless with the real TPU compiler and Mosaic, reads its `memory_analysis()` and
   stores the serialized executable in the compile cache directory's `ExecutableStore` (keyed by the
@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from jaxserve.compilation.compile_cache import CacheManifest, record_manifest, resolve_cache_dir
 from jaxserve.compilation.executable_store import ExecutableStore
 from jaxserve.compilation.precompile import abstract_draft, abstract_params
+from jaxserve.compilation.program_list import Program, format_program_list, runner_programs
 from jaxserve.compilation.sizing import engine_bucket_grid, largest_of_each_kind
 from jaxserve.compilation.targets import CompileTarget, auto_tensor_parallel_size, resolve_target
 from jaxserve.config.engine_config import EngineConfig
@@ -42,7 +43,7 @@ from jaxserve.distributed.sharding import TP_AXIS, check_tensor_parallel
 from jaxserve.logger import init_logger
 from jaxserve.precision import resolve_engine_dtype
 from jaxserve.quantization.weights import apply_quantization
-from jaxserve.runner.input_batch import step_shape
+from jaxserve.runner.input_batch import StepShape, step_shape
 from jaxserve.runner.model_runner import ModelRunner, executable_name, sample_shapes, sampler_name
 from jaxserve.speculative.draft_model import draft_buckets, draft_runner
 from jaxserve.weights import load_config, resolve_model_path
@@ -158,10 +159,12 @@ class TargetEngine:
     grid: BucketGrid
 
 
-def target_engine(config: EngineConfig, target_name: str, tensor_parallel_size: int | None = None) -> TargetEngine:
+def target_engine(config: EngineConfig, target_name: str, tensor_parallel_size: int | None = None, *,
+                  fit_to_steps: bool = True) -> TargetEngine:
     """The engine of ``config`` on ``target_name``, its grid sized as `build_engine_parts` sizes it there: the target
     chips' HBM for the device's memory, a draft model's weights and pool counted (``tensor_parallel_size`` None: as
-    many of the target's devices as the model's heads divide evenly)."""
+    many of the target's devices as the model's heads divide evenly). ``fit_to_steps=False``: the pool the memory
+    budget alone gives, without compiling the largest steps to fit it to them (a CUDA target never fits them)."""
     config = dataclasses.replace(config, attention_backend="pallas")
     model_path = resolve_model_path(config.model)
     model_config = load_config(model_path)
@@ -176,8 +179,44 @@ def target_engine(config: EngineConfig, target_name: str, tensor_parallel_size: 
                                               config.quantization)
     draft = abstract_draft(config, model_config)
     grid = engine_bucket_grid(config, model_config, params, target.platform, mesh, target.hbm_bytes_per_device,
-                              fit_to_steps=not target.lower_only, draft=draft)
+                              fit_to_steps=fit_to_steps and not target.lower_only, draft=draft)
     return TargetEngine(config, target, mesh, model_path, model_config, params, draft, grid)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetPlan:
+    """What a target compile builds, before it builds anything: the engine, its runner and step shapes, the draft
+    model's runner and step shapes (None without one), and every program by name (`program_list.py`)."""
+
+    built: TargetEngine
+    runner: ModelRunner
+    shapes: list[StepShape]
+    draft: tuple[ModelRunner, list[StepShape]] | None
+    programs: list[Program]
+
+    def format_programs(self) -> str:
+        t = self.built.target
+        verb = "to lower for" if t.lower_only else "to compile for"
+        return format_program_list(self.programs, f"{verb} {t.name}")
+
+
+def plan_for_target(config: EngineConfig, target_name: str, *, tensor_parallel_size: int | None = None,
+                    max_buckets: int | None = None, largest_only: bool = False,
+                    fit_to_steps: bool = True) -> TargetPlan:
+    """The programs `compile_for_target` builds (its arguments; ``fit_to_steps=False`` compiles nothing at all: the KV
+    pool is then the memory budget's, before the largest steps' needs give some blocks back)."""
+    built = target_engine(config, target_name, tensor_parallel_size, fit_to_steps=fit_to_steps)
+    runner = ModelRunner.for_engine(built.model_config, built.params, built.config, built.grid, built.mesh,
+                                    abstract=True, platform=built.target.platform)
+    shapes = _step_shapes(built.grid, built.grid.buckets, max_buckets, largest_only)
+    programs = runner_programs(runner, shapes)
+    draft = None
+    if built.draft is not None:
+        draft_run, draft_grid = draft_runner(*built.draft, built.config, built.grid, built.mesh, abstract=True,
+                                             platform=built.target.platform)
+        draft = (draft_run, _step_shapes(draft_grid, draft_buckets(draft_grid), max_buckets, largest_only))
+        programs += runner_programs(draft_run, draft[1], forks=False, prefix="draft ")
+    return TargetPlan(built, runner, shapes, draft, programs)
 
 
 def compile_for_target(
@@ -198,13 +237,18 @@ def compile_for_target(
     A draft model's programs (``speculative_config``'s "draft_model") are built too, as "draft ..." programs of the
     report, but never stored in the executable store: the engine's warm-up reads them through JAX's persistent
     cache, and a draft identical to the target would collide with the target's names."""
-    built = target_engine(config, target_name, tensor_parallel_size)
+    plan = plan_for_target(config, target_name, tensor_parallel_size=tensor_parallel_size, max_buckets=max_buckets,
+                           largest_only=largest_only)
+    return compile_plan(plan, cache_dir)
+
+
+def compile_plan(plan: TargetPlan, cache_dir: str | None = None) -> TargetReport:
+    """Builds the programs of ``plan`` (`compile_for_target`), logging their list first."""
+    logger.info("%s", plan.format_programs())
+    built, runner, shapes = plan.built, plan.runner, plan.shapes
     config, target, mesh, grid = built.config, built.target, built.mesh, built.grid
-    runner = ModelRunner.for_engine(built.model_config, built.params, config, grid, mesh, abstract=True,
-                                    platform=target.platform)
-    shapes = _step_shapes(grid, grid.buckets, max_buckets, largest_only)
     if target.lower_only:
-        programs = _lower_all(runner, shapes) + _draft_programs(built, max_buckets, largest_only)
+        programs = _lower_all(runner, shapes) + _draft_programs(plan)
         return TargetReport(target, grid, mesh.size, programs)
     path = resolve_cache_dir(config.compile_cache_dir if cache_dir is None else cache_dir)
     manifest = CacheManifest.current(
@@ -214,7 +258,7 @@ def compile_for_target(
     )
     if path is not None:
         runner.executable_store = ExecutableStore(path, manifest, num_devices=len(target.devices))
-    programs = _compile_all(runner, shapes) + _draft_programs(built, max_buckets, largest_only)
+    programs = _compile_all(runner, shapes) + _draft_programs(plan)
     if path is not None and not any(p.error for p in programs):
         record_manifest(path, manifest)
     return TargetReport(target, grid, mesh.size, programs, path)
@@ -225,15 +269,13 @@ def _step_shapes(grid: BucketGrid, buckets, max_buckets: int | None, largest_onl
     return largest_of_each_kind(shapes) if largest_only else shapes
 
 
-def _draft_programs(built: TargetEngine, max_buckets: int | None, largest_only: bool) -> list[ProgramResult]:
+def _draft_programs(plan: TargetPlan) -> list[ProgramResult]:
     """The draft model's programs built for the target (none without one), named "draft ...": its steps and
     samplers and its allocations (it never forks). Its runner has no executable store: nothing of it is stored."""
-    if built.draft is None:
+    if plan.draft is None:
         return []
-    runner, draft_grid = draft_runner(*built.draft, built.config, built.grid, built.mesh, abstract=True,
-                                      platform=built.target.platform)
-    shapes = _step_shapes(draft_grid, draft_buckets(draft_grid), max_buckets, largest_only)
-    if built.target.lower_only:
+    runner, shapes = plan.draft
+    if plan.built.target.lower_only:
         programs = _lower_all(runner, shapes, forks=False)
     else:
         programs = _compile_all(runner, shapes, forks=False)

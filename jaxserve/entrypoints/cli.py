@@ -6,7 +6,8 @@
   `--no-chat-template` is given.
 - `jaxserve precompile` compiles every bucket into the persistent compilation cache
   (`scripts/precompile.py` runs the same); start the engine with the same flags (and `--compile-cache-dir`,
-  unless both use the default directory).
+  unless both use the default directory). With `--target` it builds for a TPU topology or CUDA, listing its
+  programs first (`--list`: only that).
 
 Engine flags map one to one onto EngineConfig fields (`args.py`).
 """
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         "not fit",
     )
     pre.add_argument("--lower-only", action="store_true", help="with --target cuda: lower every program, no compile")
+    pre.add_argument(
+        "--list", action="store_true",
+        help="with --target: list the programs it would build (name and kind a line, the total and a count per "
+        "kind) and compile nothing (the KV pool is the memory budget's, before the largest steps give blocks back)",
+    )
     pre.set_defaults(tensor_parallel_size=None)  # with --target: None picks it from the topology
     # caches are precompiled for servers: with the server's latency target the grid holds its larger mixed steps
     pre.set_defaults(max_itl_ms=SERVER_MAX_ITL_MS)
@@ -69,7 +75,7 @@ def run_precompile(args: argparse.Namespace) -> int:
     from jaxserve.compilation.precompile import precompile
     from jaxserve.compilation.warm_up import DEFAULT_COMPILE_THREADS
 
-    if args.target is not None or args.lower_only:
+    if args.target is not None or args.lower_only or args.list:
         return run_target_precompile(args)
     config = engine_config_from_args(args)
     print(f"precompiling {config.model or 'the embedded model'} ({config.dtype})", flush=True)
@@ -81,16 +87,23 @@ def run_precompile(args: argparse.Namespace) -> int:
 
 
 def run_target_precompile(args: argparse.Namespace) -> int:
-    from jaxserve.compilation.target_compile import compile_for_target
+    from jaxserve.compilation.target_compile import compile_plan, plan_for_target
 
     if args.target is None:
-        raise SystemExit("jaxserve precompile: --lower-only needs --target cuda")
-    if (args.target == "cuda") != args.lower_only:
+        raise SystemExit(f"jaxserve precompile: {'--list' if args.list else '--lower-only'} needs --target")
+    if (args.target == "cuda") != args.lower_only and not args.list:
         raise SystemExit("jaxserve precompile: compiling for CUDA needs a GPU: use --target cuda --lower-only "
                          "(--lower-only applies to cuda only)")
     config = engine_config_from_args(args)  # tensor parallel: the target's mesh (below) decides
     print(f"building {config.model or 'the embedded model'} for {args.target}", flush=True)
-    report = compile_for_target(config, args.target, tensor_parallel_size=args.tensor_parallel_size)
+    plan = plan_for_target(config, args.target, tensor_parallel_size=args.tensor_parallel_size,
+                           fit_to_steps=not args.list)
+    print(plan.format_programs(), flush=True)
+    if args.list:
+        print("compiled nothing: the KV pool (zeros-*) is the memory budget's; compiling fits it to the largest "
+              "steps, which gives some blocks back")
+        return 0
+    report = compile_plan(plan)
     print(report.format_table())
     if report.cache_dir is not None and not report.failures():
         print(f"executables and manifest in {report.cache_dir}; on the target start the engine with the same flags, "

@@ -40,6 +40,11 @@ class StepShape:
     def sample_shape(self) -> SampleShape:
         return SampleShape(self.batch_size, self.num_sample_positions, self.num_speculative_tokens)
 
+    @property
+    def kind(self) -> str:
+        """The step kind of its bucket: "mixed" (ragged), "decode" (one query token per row) or "prefill"."""
+        return "mixed" if self.ragged else "decode" if self.num_query_tokens == 1 else "prefill"
+
 
 @dataclasses.dataclass(frozen=True)
 class SampleShape:

@@ -2,11 +2,13 @@
 small TPU grid compiled deviceless for v5e (real TPU compiler and Mosaic), every program fits and its
 serialized executable and manifest are stored; the decode step updates the stacked pool in place (no
 temporary of a layer's pool size); a Llama-3-8B-shaped config at tensor parallel 4 over v5e:2x2 on
-representative buckets; the GPU grid's programs lowered for CUDA through the Triton kernels; the CLI's
-exit code and errors. The full grids run in `scripts/check_targets.py` (docs/benchmarks/targets.md)."""
+representative buckets; the GPU grid's programs lowered for CUDA through the Triton kernels; every program of
+the default TPU and GPU grids counted (and listed by `--list`) without compiling any; the CLI's exit code and
+errors. The full grids run in `scripts/check_targets.py` (docs/benchmarks/targets.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -16,8 +18,9 @@ import pytest
 
 from jaxserve.compilation.compile_cache import read_manifests
 from jaxserve.compilation.executable_store import STORE_DIR_NAME
+from jaxserve.compilation.program_list import Program, count_by_kind, format_program_list
 from jaxserve.compilation.sizing import largest_of_each_kind
-from jaxserve.compilation.target_compile import compile_for_target, target_dtype
+from jaxserve.compilation.target_compile import compile_for_target, plan_for_target, target_dtype
 from jaxserve.compilation.targets import auto_tensor_parallel_size, resolve_target
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.entrypoints.cli import main
@@ -179,3 +182,62 @@ def test_cli_exits_1_naming_the_programs_that_do_not_fit(tmp_path, capsys):
     assert code == 1
     assert re.search(r"failed:\n  step-s1-q128-p8: ", out), out[-3000:]
     assert "KV pool 12000 blocks of 64 tokens" in out
+
+
+# Every program of the default grids at max_model_len 8192 and the engine's defaults (max_num_seqs 256, 16 x 2048
+# batched tokens): one context length, so one step per decode batch size, prefill (batch, chunk) and mixed (rows,
+# tokens); a sampler per batch size; the pool's, no_tokens' and the sampler state's three allocations; two forks.
+TPU_PROGRAMS = {"prefill step": 9, "decode step": 6, "mixed step": 8, "sampler": 8, "allocation": 5, "fork": 2}
+GPU_PROGRAMS = {"prefill step": 9, "decode step": 7, "mixed step": 8, "sampler": 7, "allocation": 5, "fork": 2}
+
+
+@pytest.mark.parametrize(("target", "model", "expected"), [
+    ("v5e:2x2", "embedded", TPU_PROGRAMS), ("v6e:2x2", "embedded", TPU_PROGRAMS),
+    ("v5e:2x2", "llama3-8b", TPU_PROGRAMS), ("v6e:2x2", "llama3-8b", TPU_PROGRAMS),
+    ("cuda", "embedded", GPU_PROGRAMS),
+])
+def test_default_grids_have_at_most_40_programs(target, model, expected, llama3_8b_dir):
+    config = EngineConfig(model=None if model == "embedded" else str(llama3_8b_dir), max_model_len=8192)
+    plan = plan_for_target(config, target, fit_to_steps=False)
+    assert plan.built.grid.max_model_len == 8192 and plan.built.grid.max_num_batched_tokens == 16 * 2048
+    assert count_by_kind(plan.programs) == expected
+    assert len(plan.programs) == 38
+    assert len({p.name for p in plan.programs}) == 38  # every name once
+    assert plan.runner.num_compiles == 0  # counted, not compiled
+    # with vLLM's 8192 batched tokens the 16 x 2048 prefill is pruned: 37
+    smaller = plan_for_target(dataclasses.replace(config, max_num_batched_tokens=8192), target, fit_to_steps=False)
+    assert count_by_kind(smaller.programs) == {**expected, "prefill step": 8}
+
+
+def test_cli_lists_the_programs_and_compiles_nothing(capsys):
+    assert main(["precompile", "--target", "v5e:2x2", "--list", "--max-model-len", "8192"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = ("38 programs to compile for v5e:2x2: 9 prefill steps, 6 decode steps, 8 mixed steps, 8 samplers, "
+              "5 allocations, 2 forks")
+    assert out[1] == header
+    listed = [line.split() for line in out[2:40]]
+    assert listed[0] == ["step-s1-q128-p128", "prefill", "step"]
+    assert listed[9] == ["step-s8-q1-p128", "decode", "step"]
+    assert listed[22] == ["step-s256-t2048-p128", "mixed", "step"]
+    assert [name for name, *_ in listed[23:31]] == [f"sample-s{b}" for b in (1, 4, 16, 8, 32, 64, 128, 256)]
+    assert [name for name, *_ in listed[36:]] == ["copy_blocks", "write_slot"]
+    assert out[40].startswith("compiled nothing")
+    assert len(out) == 41
+
+
+def test_cli_list_needs_a_target():
+    with pytest.raises(SystemExit, match="--list needs --target"):
+        main(["precompile", "--list"])
+
+
+def test_program_list_counts_each_kind_in_order():
+    programs = [Program("step-s1-q1-p8", "decode step"), Program("step-s8-q1-p8", "decode step"),
+                Program("sample-s1", "sampler"), Program("draft step-s1-q1-p8", "draft decode step")]
+    assert count_by_kind(programs) == {"decode step": 2, "sampler": 1, "draft decode step": 1}
+    assert format_program_list(programs, "to lower for cuda").splitlines() == [
+        "4 programs to lower for cuda: 2 decode steps, 1 sampler, 1 draft decode step",
+        "  step-s1-q1-p8        decode step",
+        "  step-s8-q1-p8        decode step",
+        "  sample-s1            sampler",
+        "  draft step-s1-q1-p8  draft decode step",
+    ]

@@ -144,26 +144,24 @@ def test_shipped_specs_load_and_build(platform):
 
 
 def test_cpu_spec_stays_small():
+    """One context length: the same 26 steps at max_model_len 8192 as at 2048 (the native kernel reads a row's own
+    pages only, so a wider block table costs no attention work)."""
     spec = load_bucket_spec("cpu", "cpu")
-    grid = BucketGrid(
-        spec, block_size=16, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4096
-    )
-    assert (len(grid.decode_buckets), len(grid.prefill_buckets), len(grid.mixed_buckets)) == (20, 12, 20)
-    assert grid.num_executables == 52
-    short = BucketGrid(
-        spec, block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512, num_blocks=2048
-    )
-    assert (len(short.decode_buckets), len(short.prefill_buckets), len(short.mixed_buckets)) == (10, 6, 10)
-    assert short.num_executables == 26
-    assert short.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (32, 64, 128, 256, 512)]
+    assert spec.context_lengths == (8192,)
+    for max_model_len in (8192, 2048):
+        grid = BucketGrid(spec, block_size=16, max_model_len=max_model_len, max_num_seqs=64,
+                          max_num_batched_tokens=512, num_blocks=4096)
+        assert (len(grid.decode_buckets), len(grid.prefill_buckets), len(grid.mixed_buckets)) == (10, 6, 10)
+        assert grid.num_executables == 26
+        assert grid.mixed_buckets == [MixedBucket(t, r, 8192) for r in (16, 64) for t in (32, 64, 128, 256, 512)]
     assert spec.mixed_token_budget == 128
-    offline = BucketGrid(spec, block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512,
-                         num_blocks=2048, mixed_token_limit=spec.mixed_token_budget)
-    assert offline.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (32, 64, 128)]
+    offline = BucketGrid(spec, block_size=16, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=512,
+                         num_blocks=4096, mixed_token_limit=spec.mixed_token_budget)
+    assert offline.mixed_buckets == [MixedBucket(t, r, 8192) for r in (16, 64) for t in (32, 64, 128)]
     assert offline.num_executables == 22
     text = Path(spec.source).read_text()
-    assert "# 26 executables (10 decode + 6 prefill + 10 mixed) at max_model_len 2048, 52 at 8192" in text
-    assert "22 and\n# 44 without one (offline)" in text
+    assert "# 26 step executables (10 decode + 6 prefill + 10 mixed) at any max_model_len up to 8192" in text
+    assert "22 without\n# one (offline)" in text
 
 
 def test_mixed_token_budget_is_optional_and_checked():
@@ -191,14 +189,17 @@ def test_tpu_spec_is_lane_aligned():
 
 
 @pytest.mark.parametrize(
-    ("platform", "mixed", "counts"),
+    ("platform", "mixed", "counts", "num_samplers"),
     [
-        ("cpu", ((16, 64), (32, 64, 128, 256, 512)), None),
-        ("gpu", ((32, 256), (256, 512, 1024, 2048)), (45, 38, 40)),
-        ("tpu", ((64, 256), (256, 512, 1024, 2048)), (30, 38, 40)),
+        ("cpu", ((16, 64), (32, 64, 128, 256, 512)), None, None),
+        ("gpu", ((32, 256), (256, 512, 1024, 2048)), (7, 9, 8), 7),
+        ("tpu", ((64, 256), (256, 512, 1024, 2048)), (6, 9, 8), 8),
     ],
 )
-def test_shipped_mixed_tables_and_quoted_counts(platform, mixed, counts):
+def test_shipped_mixed_tables_and_quoted_counts(platform, mixed, counts, num_samplers):
+    """The TPU and GPU files quote their programs at max_model_len 8192 and the engine's defaults (max_num_seqs and
+    max_num_batched_tokens from the largest decode and prefill buckets): steps, a sampler per batch size, and the 7
+    allocation and fork programs (tests/compilation/test_targets.py counts them through the runner)."""
     spec = load_bucket_spec(None, platform)
     assert (spec.mixed_batch_sizes, spec.mixed_token_counts) == mixed
     if counts is None:  # cpu.toml quotes the engine's defaults: test_cpu_spec_stays_small
@@ -207,12 +208,16 @@ def test_shipped_mixed_tables_and_quoted_counts(platform, mixed, counts):
         spec,
         block_size=spec.block_size,
         max_model_len=8192,
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
+        max_num_seqs=spec.decode_batch_sizes[-1],
+        max_num_batched_tokens=spec.prefill_batch_sizes[-1] * spec.prefill_lengths[-1],
         num_blocks=100_000,
     )
     assert (len(grid.decode_buckets), len(grid.prefill_buckets), len(grid.mixed_buckets)) == counts
-    quoted = f"# {sum(counts)} executables ({counts[0]} decode + {counts[1]} prefill + {counts[2]} mixed)"
+    assert len({b.batch_size for b in grid.buckets}) == num_samplers
+    total = sum(counts) + num_samplers + 7
+    quoted = (f"# {total} programs at max_model_len 8192 and the engine's defaults (max_num_seqs 256, "
+              f"max_num_batched_tokens\n# 16 x 2048 = 32768): {sum(counts)} steps ({counts[0]} decode + {counts[1]} "
+              f"prefill + {counts[2]} mixed), {num_samplers} samplers")
     assert quoted in Path(spec.source).read_text()
 
 
