@@ -7,7 +7,9 @@ loads and quantizes the model (and a draft model), sizes the bucket grid and the
 the draft proposer and the KV event publisher; with a latency target the scheduler's step budget and the step
 runner's timer share the step costs that serving teaches (`core/cost_model.py`, `runner/step_costs.py`).
 `warm_up_engine` then compiles, or loads from the compile cache, every bucket's executable
-(`compilation/warm_up.py`). After it nothing compiles.
+(`compilation/warm_up.py`), or with `background_compile` only the covering set, handing the other buckets to a
+`BackgroundCompiler` (`compilation/background.py`) whose thread builds them while the engine serves. Nothing
+compiles on the step path.
 """
 
 from __future__ import annotations
