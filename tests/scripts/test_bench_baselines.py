@@ -100,15 +100,15 @@ def test_token_count_check_and_throughput_table():
         bench_throughput.check_token_counts("x", [3, 4], requests)
     results = [
         {"engine": "jaxserve", "seconds": 2.0, "output_tokens": 8, "startup_s": 1.0, "padding_per_real_token": 0.1,
-         "peak_kv_usage": 0.5, "preemptions": 0, "weight_bytes": 325_653_120, "kv_blocks": 2048},
+         "peak_kv_usage": 0.5, "preemptions": 0, "weight_bytes": 325_653_120, "kv_blocks": 2048, "num_executables": 22},
         {"engine": "vllm bfloat16", "seconds": 1.0, "output_tokens": 8, "requests": 2, "startup_s": 3.0},
     ]
     table = bench_throughput.report(results, 2)
     assert "| jaxserve | 2.0 | 4.0 | 1.00 | 1.00x | 0.100 |" in table
     assert "| vllm bfloat16 | 1.0 | 8.0 | 2.00 | 0.50x | n/a |" in table
     assert "vllm bfloat16: start-up" in table
-    assert ("jaxserve: start-up (load + warm-up) 1.0s, weights 325.7 MB, KV pool 2048 blocks, peak KV usage 50.0%, "
-            "preemptions 0") in table
+    assert ("jaxserve: start-up (load + warm-up) 1.0s, 22 step executables, weights 325.7 MB, KV pool 2048 blocks, "
+            "peak KV usage 50.0%, preemptions 0") in table
 
 
 def test_a_missing_vllm_names_its_install_script(tmp_path, monkeypatch):
