@@ -151,7 +151,7 @@ def _leaves(tree: dict, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, .
 def _save_leaf(directory: Path, name: str, leaf_path: tuple[str, ...], array: np.ndarray) -> dict:
     """Saves one leaf; ml_dtypes' types (bfloat16, float8) as the unsigned integers of their bytes."""
     stored = array.view(f"u{array.dtype.itemsize}") if array.dtype.kind == "V" else array
-    np.save(directory / name, stored, allow_pickle=False)
+    np.save(directory / name, np.ascontiguousarray(stored), allow_pickle=False)  # tofile is slow on strided arrays
     return {"path": list(leaf_path), "file": name, "dtype": array.dtype.name, "shape": list(array.shape)}
 
 
