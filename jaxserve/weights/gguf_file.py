@@ -129,6 +129,16 @@ def read_gguf_config(reader) -> ModelConfig:
     return ModelConfig.from_hf(gguf_hf_config(reader))
 
 
+def gguf_model_config(hf_config: dict, quantization: str | None = None) -> ModelConfig:
+    """The ModelConfig a GGUF file serves as, from its metadata as a Hugging Face config dict (`gguf_hf_config`;
+    the converted-weights cache keeps that dict): with quantization="gguf" it carries the scheme its blocks are
+    kept in; the other schemes are applied after loading."""
+    config = ModelConfig.from_hf(hf_config)
+    if quantization == "gguf":
+        return dataclasses.replace(config, quantization=parse_quantization("gguf"))
+    return config
+
+
 def gguf_hf_config(reader) -> dict:
     """The GGUF metadata as a Hugging Face config.json dict."""
     arch = gguf_architecture(reader)
@@ -258,14 +268,16 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, -1, 2, *tail).swapaxes(1, 2).reshape(weight.shape)
 
 
-def load_gguf(path: Path, dtype: str, quantization: str | None = None):
-    """Returns (ModelConfig, params) for a GGUF file: tensors dequantized to ``dtype``, or with
-    ``quantization="gguf"`` the quantized layers' blocks kept as int8 codes (`gguf_blocks`)."""
+def load_gguf(path: Path, dtype: str, quantization: str | None = None) -> tuple[dict, dict]:
+    """Returns (Hugging Face config dict, params) for a GGUF file: tensors dequantized to ``dtype``, or with
+    ``quantization="gguf"`` the quantized layers' blocks kept as int8 codes (`gguf_blocks`). `gguf_model_config`
+    makes the ModelConfig of the dict."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     arch = gguf_architecture(reader)
-    config = read_gguf_config(reader)
+    hf_config = gguf_hf_config(reader)
+    config = gguf_model_config(hf_config)
     moe = config.num_experts is not None
     tensors = {hf_name(t.name, arch, moe): t for t in reader.tensors if hf_name(t.name, arch, moe)}
     experts = ExpertSlices(reader.tensors, arch, config.num_experts or 0)
@@ -282,11 +294,11 @@ def load_gguf(path: Path, dtype: str, quantization: str | None = None):
         return rows.fix(name, dequantize_tensor(tensor(name)))
 
     if quantization != "gguf":
-        return config, params_from_hf(get, config, dtype)
+        return hf_config, params_from_hf(get, config, dtype)
     if moe:
         raise ValueError(grouped_experts_refusal("gguf"))
-    config = dataclasses.replace(config, quantization=parse_quantization("gguf"))
-    return config, params_from_hf(get, config, dtype, GgufBlocks(get, tensor, rows))
+    config = gguf_model_config(hf_config, quantization)
+    return hf_config, params_from_hf(get, config, dtype, GgufBlocks(get, tensor, rows))
 
 
 class _RowFixes:

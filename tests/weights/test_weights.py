@@ -276,7 +276,14 @@ def test_gguf_tokenizer_is_converted_once_then_loaded_from_the_cache(tmp_path, m
     assert cached.parent == tmp_path / "jaxserve" / "tokenizers" and not cached.exists()
     converted = load_tokenizer(path)
     assert (cached / "tokenizer_config.json").is_file()
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("AutoTokenizer loaded the cached tokenizer")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)  # its generic class is loaded directly
     reloaded = load_tokenizer(path)
+    assert type(reloaded) is type(converted)
     text = "Hello, world! Ünïcödé and  spaces\n<|im_start|>user"
     assert reloaded(text).input_ids == converted(text).input_ids
     messages = [{"role": "user", "content": "Hi"}]
