@@ -6,8 +6,8 @@ grid serve only those (`BucketGrid.serve_only`) and hands the other buckets to a
 builds them one at a time, each with its sampler (`compilation/warm_up.py`'s `compile_bucket`), from the compile
 cache where it has them. The order follows traffic: the bucket that steps wanted most often while it was missing
 (`BucketGrid.on_miss` calls `wanted`) comes next, then the grid's own order (prefill, decode, mixed, smallest
-first). A built bucket waits in a queue until `LLMEngine.step` takes it (`take_ready`) and marks it ready in the
-grid before it schedules: the step after an executable lands may use it, and no step waits on a compile nor
+first). A built bucket waits in a queue until `LLMEngine.step` has it marked ready in the grid (`hand_over`) before
+it schedules: the step after an executable lands may use it, and no step waits on a compile nor
 compiles anything itself (the strict mode's per-thread check still holds on the step's thread).
 
 The thread runs at a lower scheduling priority (nice +10, Linux threads have their own) so that serving keeps the
@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from jaxserve.compilation.compile_cache import thread_compile_counts
-from jaxserve.core.buckets import Bucket
+from jaxserve.core.buckets import Bucket, BucketGrid
 from jaxserve.logger import init_logger
 
 logger = init_logger("jaxserve.compilation.background")
@@ -37,9 +37,12 @@ BACKGROUND_NICENESS = 10
 class BackgroundCompiler:
     """Builds ``buckets`` with ``build`` (one bucket's executables) in a daemon thread, most wanted first."""
 
-    def __init__(self, build: Callable[[Bucket], None], buckets: Sequence[Bucket], *, on_done=None) -> None:
-        """``on_done(seconds)``: called in the thread once every bucket is built (not after `stop`)."""
+    def __init__(self, build: Callable[[Bucket], None], buckets: Sequence[Bucket], *, grid: BucketGrid | None = None,
+                 on_done=None) -> None:
+        """``grid``: where `hand_over` marks the built buckets ready. ``on_done(seconds)``: called in the thread once
+        every bucket is built (not after `stop`). With no buckets it is never started and hands nothing over."""
         self._build = build
+        self.grid = grid
         self._pending = list(buckets)
         self._wanted: Counter[Bucket] = Counter()
         self._ready: queue.SimpleQueue[Bucket] = queue.SimpleQueue()
@@ -70,6 +73,11 @@ class BackgroundCompiler:
             except queue.Empty:
                 return built
 
+    def hand_over(self) -> None:
+        """Marks the buckets built since the last call ready in the grid: the engine calls it between steps."""
+        if self.grid is not None and not self.grid.is_complete:
+            self.grid.mark_ready(self.take_ready())
+
     @property
     def num_pending(self) -> int:
         with self._lock:
@@ -80,10 +88,12 @@ class BackgroundCompiler:
         return self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Waits up to ``timeout`` for every bucket to be built (or the thread to stop); whether it has ended."""
+        """Waits up to ``timeout`` for every bucket to be built, then hands them over (call it where the engine steps,
+        between steps); whether every bucket of the grid serves now (without a grid: whether the thread ended)."""
         if self._thread.is_alive():
             self._thread.join(timeout)
-        return not self._thread.is_alive()
+        self.hand_over()
+        return not self._thread.is_alive() if self.grid is None else self.grid.is_complete
 
     def stop(self, timeout: float | None = None) -> None:
         """No further bucket is started; waits up to ``timeout`` for the one being built."""

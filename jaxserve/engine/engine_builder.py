@@ -66,7 +66,8 @@ class EngineParts:
     runner: StepRunner
     proposer: Proposer | None
     kv_event_publisher: KVEventPublisher | None
-    background: BackgroundCompiler | None = None  # the grid's buckets beyond the covering set, while they build
+    # the grid's buckets beyond the covering set, while they build (warm-up replaces it; empty: nothing to build)
+    background: BackgroundCompiler = dataclasses.field(default_factory=lambda: BackgroundCompiler(None, []))
 
 
 def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
@@ -127,7 +128,8 @@ def warm_up_engine(parts: EngineParts, num_threads: int) -> WarmUpReport:
     if rest:
         grid.serve_only(first)
         on_done = _grid_done(cache_dir, unrecorded, len(grid.buckets))
-        parts.background = BackgroundCompiler(lambda bucket: compile_bucket(runner, bucket), rest, on_done=on_done)
+        parts.background = BackgroundCompiler(lambda bucket: compile_bucket(runner, bucket), rest, grid=grid,
+                                              on_done=on_done)
         grid.on_miss = parts.background.wanted
         logger.info("warm-up: %s; serving on this covering set while %d more build in the background",
                     report.summary(), len(rest))
@@ -139,7 +141,7 @@ def warm_up_engine(parts: EngineParts, num_threads: int) -> WarmUpReport:
         draft_report = compile_buckets(parts.proposer.runner, parts.proposer.buckets, num_threads=num_threads,
                                        cache_dir=cache_dir)
         logger.info("warm-up of the draft model: %s", draft_report.summary())
-    if parts.background is not None:
+    if rest:
         parts.background.start()
     return report
 

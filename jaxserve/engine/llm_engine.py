@@ -216,7 +216,7 @@ class LLMEngine:
         """Schedules and dispatches one step, then returns the outputs of the step before it (or of
         this one, without async scheduling)."""
         outputs = []
-        self._take_built_buckets()
+        self.parts.background.hand_over()  # buckets built in the background serve from this step on
         if self._in_flight is not None and self._num_sync_groups:
             outputs += self._complete(self._in_flight)  # beams pick their next tokens before scheduling
             self._in_flight = None
@@ -241,31 +241,14 @@ class LLMEngine:
             self.stat_logger.log(self.make_stats())
         return outputs
 
-    def _take_built_buckets(self) -> None:
-        """Buckets the background compiler built since the last step serve from this one on."""
-        background = self.parts.background
-        if background is not None and not self.grid.is_complete:
-            self.grid.mark_ready(background.take_ready())
-
-    def wait_for_grid(self, timeout: float | None = None) -> bool:
-        """Waits up to ``timeout`` for the background compiler to build the rest of the grid and lets steps use it;
-        whether the grid is complete (True at once without background compilation)."""
-        background = self.parts.background
-        if background is not None and background.wait(timeout):
-            self._take_built_buckets()
-        return self.grid.is_complete
-
     def serving_compiles(self) -> int:
-        """XLA compilations in this process so far, less the background compiler's: what /metrics' "compiles after
-        warm-up" counts (anything the step path compiled)."""
-        background = self.parts.background
-        return num_backend_compiles() - (0 if background is None else background.backend_compiles)
+        """XLA compilations in this process but the background compiler's: anything the step path compiled."""
+        return num_backend_compiles() - self.parts.background.backend_compiles
 
     def close(self) -> None:
         """Stops what runs beside the steps: the background compiler (after the bucket it is building) and the KV
         event publisher's thread, once it has sent what is queued."""
-        if self.parts.background is not None:
-            self.parts.background.stop()
+        self.parts.background.stop()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
             self.kv_event_publisher = None

@@ -46,7 +46,7 @@ def test_serves_on_the_covering_set_then_on_each_bucket_that_lands(model_dir, mo
     assert wanted[DecodeBucket(4, 1024)] > 0 and wanted[PrefillBucket(1, 32, 1024)] > 0
     monkeypatch.undo()
     engine.parts.background.start()
-    assert engine.wait_for_grid(timeout=300)
+    assert engine.parts.background.wait(timeout=300)
     stats = engine.make_stats().engine
     assert (stats.num_buckets_ready, engine.grid.is_complete) == (7, True)
     before = engine.stats.num_padded_tokens
