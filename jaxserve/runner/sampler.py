@@ -172,8 +172,10 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, slots: SlotState,
     """i32[S]: each row's token from its raw logits f32[S, V]. ``uncounted`` i32[S, D]: tokens the slot's counts
     hold that the row must not see (a verified draft's later drafts, `spec_verify.py`; vocab size: none).
 
-    The branches return tokens, never logits: a `lax.cond` that passes [S, V] logits through copies them, 15
-    ms per cond for a [64, 49152] batch on XLA:CPU, as much as the rest of the sampler."""
+    The random draw (`sample_random`, most of the sampler's compile time) is traced once: an all-greedy batch
+    takes its argmax in branches that return tokens, never logits (a `lax.cond` that passes [S, V] logits
+    through copies them, 15 ms per cond for a [64, 49152] batch on XLA:CPU, as much as the greedy sampler);
+    a batch with random rows pays that copy once, beside its draw's cost."""
     processes = (
         jnp.any(params.flag(FLAG_GRAMMAR))
         | jnp.any(params.flag(FLAG_LOGIT_BIAS))
@@ -181,7 +183,14 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, slots: SlotState,
         | _any_penalty(params)
     )
     processed = lambda: process_logits(logits, params, slots, uncounted)
-    return jax.lax.cond(processes, lambda: _tokens(processed(), params), lambda: _tokens(logits, params))
+
+    def greedy_batch() -> jax.Array:
+        return jax.lax.cond(processes, lambda: first_argmax(processed()), lambda: first_argmax(logits))
+
+    def random_batch() -> jax.Array:
+        return _tokens(jax.lax.cond(processes, processed, lambda: logits), params)
+
+    return jax.lax.cond(jnp.all(greedy_rows(params)), greedy_batch, random_batch)
 
 
 def process_logits(logits: jax.Array, params: SamplingTensors, slots: SlotState,
@@ -193,10 +202,7 @@ def process_logits(logits: jax.Array, params: SamplingTensors, slots: SlotState,
 
 def _tokens(processed: jax.Array, params: SamplingTensors) -> jax.Array:
     """Greedy rows' argmax, random rows' draw."""
-    greedy = first_argmax(processed)
-    is_greedy = greedy_rows(params)
-    random = jax.lax.cond(jnp.all(is_greedy), lambda: greedy, lambda: sample_random(processed, params))
-    return jnp.where(is_greedy, greedy, random)
+    return jnp.where(greedy_rows(params), first_argmax(processed), sample_random(processed, params))
 
 
 def greedy_rows(params: SamplingTensors) -> jax.Array:
@@ -275,21 +281,22 @@ def sample_random(logits: jax.Array, params: SamplingTensors) -> jax.Array:
     weight of the values above it is under top_p of the total (ties at the cutoff are all kept, as in
     `filter_logits`). The first draw in the nucleus is the token: exactly the renormalized nucleus
     distribution. ``FIRST_DRAWS`` draws per row are checked together, then single redraws for rows that missed;
-    rows still outside after ``MAX_REDRAWS`` (top_p near 0) draw from the exact filtered logits."""
+    rows still outside after ``MAX_REDRAWS`` (top_p near 0) draw from the exact filtered logits. Every uniform a
+    row may use is drawn once, up front (one copy of the PRNG's hash in the program, not one per use)."""
     scaled = logits / jnp.maximum(params.temperature, _EPS)[:, None]
     largest = jnp.max(scaled, axis=-1, keepdims=True)
     weights = jnp.exp(scaled - jnp.where(jnp.isfinite(largest), largest, 0.0))
     weights = jnp.where(weights < params.min_p[:, None], 0.0, weights)  # min_p: p < min_p * max p
     weights = jnp.where(scaled < _top_k_floor(scaled, params.top_k)[:, None], 0.0, weights)
-    keys = row_keys(params)
-    draw = _NucleusDraw(scaled, weights, params.top_p, keys)
+    draws = uniforms(row_keys(params), 0, MAX_REDRAWS + 1)  # draw numbers 0..MAX_REDRAWS
+    draw = _NucleusDraw(scaled, weights, params.top_p, draws)
     tokens, found = draw.first(FIRST_DRAWS)
     tokens, found = jax.lax.cond(jnp.all(found), lambda: (tokens, found), lambda: draw.again(tokens, found))
 
     def exact() -> jax.Array:
         filtered = filter_logits(logits, params)
         exact_weights = jnp.exp(filtered - jnp.max(filtered, axis=-1, keepdims=True))
-        return jnp.where(found, tokens, inverse_cdf_draw(exact_weights, uniforms(keys, MAX_REDRAWS, 1))[:, 0])
+        return jnp.where(found, tokens, inverse_cdf_draw(exact_weights, draws[:, MAX_REDRAWS:])[:, 0])
 
     return jax.lax.cond(jnp.all(found), lambda: tokens, exact)
 
@@ -309,7 +316,7 @@ class _NucleusDraw:
     scaled: jax.Array  # f32[S, V]
     weights: jax.Array  # f32[S, V], exp(scaled - max) after min_p and top_k
     top_p: jax.Array  # f32[S]
-    keys: jax.Array  # [S] PRNG keys
+    draws: jax.Array  # f32[S, MAX_REDRAWS + 1], each row's uniforms of draw numbers 0..MAX_REDRAWS
 
     @functools.cached_property
     def total(self) -> jax.Array:
@@ -317,7 +324,7 @@ class _NucleusDraw:
 
     def first(self, num_draws: int) -> tuple[jax.Array, jax.Array]:
         """(token, in the nucleus) of each row's first draw in the nucleus among draws 0..num_draws-1."""
-        candidates = inverse_cdf_draw(self.weights, uniforms(self.keys, 0, num_draws))
+        candidates = inverse_cdf_draw(self.weights, self.draws[:, :num_draws])
         inside = jnp.stack([self._in_nucleus(candidates[:, i]) for i in range(num_draws)], axis=-1)
         first = jnp.argmax(inside, axis=-1)
         return jnp.take_along_axis(candidates, first[:, None], axis=-1)[:, 0], jnp.any(inside, axis=-1)
@@ -327,7 +334,7 @@ class _NucleusDraw:
 
         def redraw(state):
             number, tokens, found = state
-            candidate = inverse_cdf_draw(self.weights, uniforms(self.keys, number, 1))[:, 0]
+            candidate = inverse_cdf_draw(self.weights, jax.lax.dynamic_slice_in_dim(self.draws, number, 1, 1))[:, 0]
             take = ~found & self._in_nucleus(candidate)
             return number + 1, jnp.where(take, candidate, tokens), found | take
 
