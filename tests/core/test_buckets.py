@@ -144,24 +144,26 @@ def test_shipped_specs_load_and_build(platform):
 
 
 def test_cpu_spec_stays_small():
-    """One context length: the same 26 steps at max_model_len 8192 as at 2048 (the native kernel reads a row's own
-    pages only, so a wider block table costs no attention work)."""
     spec = load_bucket_spec("cpu", "cpu")
-    assert spec.context_lengths == (8192,)
-    for max_model_len in (8192, 2048):
-        grid = BucketGrid(spec, block_size=16, max_model_len=max_model_len, max_num_seqs=64,
-                          max_num_batched_tokens=512, num_blocks=4096)
-        assert (len(grid.decode_buckets), len(grid.prefill_buckets), len(grid.mixed_buckets)) == (10, 6, 10)
-        assert grid.num_executables == 26
-        assert grid.mixed_buckets == [MixedBucket(t, r, 8192) for r in (16, 64) for t in (32, 64, 128, 256, 512)]
+    grid = BucketGrid(
+        spec, block_size=16, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4096
+    )
+    assert (len(grid.decode_buckets), len(grid.prefill_buckets), len(grid.mixed_buckets)) == (20, 12, 20)
+    assert grid.num_executables == 52
+    short = BucketGrid(
+        spec, block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512, num_blocks=2048
+    )
+    assert (len(short.decode_buckets), len(short.prefill_buckets), len(short.mixed_buckets)) == (10, 6, 10)
+    assert short.num_executables == 26
+    assert short.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (32, 64, 128, 256, 512)]
     assert spec.mixed_token_budget == 128
-    offline = BucketGrid(spec, block_size=16, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=512,
-                         num_blocks=4096, mixed_token_limit=spec.mixed_token_budget)
-    assert offline.mixed_buckets == [MixedBucket(t, r, 8192) for r in (16, 64) for t in (32, 64, 128)]
+    offline = BucketGrid(spec, block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=512,
+                         num_blocks=2048, mixed_token_limit=spec.mixed_token_budget)
+    assert offline.mixed_buckets == [MixedBucket(t, r, 2048) for r in (16, 64) for t in (32, 64, 128)]
     assert offline.num_executables == 22
     text = Path(spec.source).read_text()
-    assert "# 26 step executables (10 decode + 6 prefill + 10 mixed) at any max_model_len up to 8192" in text
-    assert "22 without\n# one (offline)" in text
+    assert "# 26 executables (10 decode + 6 prefill + 10 mixed) at max_model_len 2048, 52 at 8192" in text
+    assert "22 and\n# 44 without one (offline)" in text
 
 
 def test_mixed_token_budget_is_optional_and_checked():
