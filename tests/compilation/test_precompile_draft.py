@@ -5,6 +5,7 @@ run: the engine's sizing is called with the target's memory and devices)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -13,10 +14,10 @@ import sys
 import jax
 import pytest
 
-from jaxserve.compilation import sizing
+from jaxserve.compilation import sizing, target_compile
 from jaxserve.compilation.precompile import abstract_draft
 from jaxserve.compilation.sizing import engine_bucket_grid
-from jaxserve.compilation.target_compile import compile_for_target, target_engine
+from jaxserve.compilation.target_compile import compile_for_target
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.speculative_config import SpeculativeConfig
 from jaxserve.distributed.sharding import make_mesh
@@ -134,10 +135,31 @@ def test_the_steps_are_fitted_beside_the_draft_models_weights_and_pool(draft_con
     assert seen == [weights + probe_pool]
 
 
-def test_a_deviceless_tpu_target_sizes_the_pool_with_the_draft_as_the_engine(draft_config, engine_loaded):
+@pytest.fixture(scope="module")
+def target_engines():
+    """`target_engine` remembering what it built for these tests: sizing the v5e:2x2 grid compiles its largest steps
+    for the TPU (the better part of the two deviceless tests' time), and both tests size the same engine, the second
+    inside `compile_for_target`. The engines it built, by their arguments."""
+    built, build = {}, target_compile.target_engine
+
+    def remembered(*args, **kwargs):
+        arguments = inspect.signature(build).bind(*args, **kwargs)
+        arguments.apply_defaults()
+        key = repr(arguments.arguments)
+        if key not in built:
+            built[key] = build(*args, **kwargs)
+        return built[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(target_compile, "target_engine", remembered)
+        yield built
+
+
+def test_a_deviceless_tpu_target_sizes_the_pool_with_the_draft_as_the_engine(draft_config, engine_loaded,
+                                                                              target_engines):
     loaded, draft = engine_loaded
     assert abstract_draft(draft_config, loaded.config)[0] == draft.config
-    built = target_engine(draft_config, "v5e:2x2")
+    built = target_compile.target_engine(draft_config, "v5e:2x2")
     target = built.target
     engine = _engine_grid(built.config, engine_loaded, target.platform, built.mesh, target.hbm_bytes_per_device)
     assert built.grid.num_blocks == engine.num_blocks
@@ -152,12 +174,13 @@ def _draft_programs(report, page: str) -> list[str]:
             "draft zeros-1x320-int32", "draft zeros-1x320-bool", "draft zeros-1x320-float32"]
 
 
-def test_a_deviceless_tpu_target_compiles_the_draft_models_programs_unstored(draft_config, tmp_path):
+def test_a_deviceless_tpu_target_compiles_the_draft_models_programs_unstored(draft_config, tmp_path, target_engines):
     """`precompile --target` builds the draft's programs for the target too, reported as "draft ..." programs (its
     buckets capped like the target's); none is stored (the engine's warm-up reads them through JAX's persistent
-    cache, and the store's names are the target's)."""
+    cache, and the store's names are the target's). Its engine is the one the test above sized (`target_engines`)."""
     cache = tmp_path / "cache"
     report = compile_for_target(draft_config, "v5e:2x2", max_buckets=1, cache_dir=str(cache))
+    assert any(built.grid is report.grid for built in target_engines.values())
     assert report.failures() == []
     assert [p.name for p in report.programs if p.name.startswith("draft ")] == _draft_programs(report, "8x128")
     assert all(p.total_bytes > 0 for p in report.programs)

@@ -25,7 +25,7 @@ lengths = [64, 256]
 [context]
 lengths = [1024]
 [mixed]
-batch_sizes = [16]
+batch_sizes = [4]
 token_counts = [32]
 """
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -34,12 +34,13 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 @pytest.fixture(scope="module")
 def llms(tmp_path_factory):
     """(n-gram, the model drafting for itself) on the same small grid, the second reading the first's target
-    executables from their compile cache."""
+    executables from their compile cache. Pools of 256 blocks, 4 sequences of max_model_len (the CPU default's 2048
+    blocks are 1.5 GB per pool of this model, and the self-drafting engine holds two)."""
     tmp = tmp_path_factory.mktemp("speculation")
     buckets = tmp / "buckets.toml"
     buckets.write_text(BUCKETS)
-    common = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4, "buckets": str(buckets),
-              "compile_cache_dir": str(tmp / "cache")}
+    common = {"dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4, "num_kv_blocks": 256,
+              "buckets": str(buckets), "compile_cache_dir": str(tmp / "cache")}
     ngram = LLM(**common, speculative_config=NGRAM)
     self_draft = {"model": str(ngram.llm_engine.model_path), "num_speculative_tokens": 4}
     return ngram, LLM(**common, speculative_config=self_draft)
