@@ -42,7 +42,7 @@ def test_serve_flags_become_the_engine_config(monkeypatch):
             "--compile-cache-dir", "/tmp/cc",
             "--no-async-scheduling", "-tp", "2", "--distributed-init", "--coordinator-address", "h:1",
             "--num-processes", "2", "--process-id", "1", "--strict-no-compile", "--max-itl-ms", "250",
-            "--host", "127.0.0.1", "--port", "9000", "--api-key", "k"]
+            "--no-background-compile", "--host", "127.0.0.1", "--port", "9000", "--api-key", "k"]
     assert cli.main(argv) == 0
     args = seen["args"]
     assert engine_config_from_args(args) == EngineConfig(
@@ -55,8 +55,8 @@ def test_serve_flags_become_the_engine_config(monkeypatch):
     )
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 9000, "k")
     defaults = cli.build_parser().parse_args(["serve"])
-    # no MODEL: the embedded SmolLM2; a server has a latency target
-    assert engine_config_from_args(defaults) == EngineConfig(max_itl_ms=SERVER_MAX_ITL_MS)
+    # no MODEL: the embedded SmolLM2; a server has a latency target and answers before its whole grid is built
+    assert engine_config_from_args(defaults) == EngineConfig(max_itl_ms=SERVER_MAX_ITL_MS, background_compile=True)
     assert (defaults.host, defaults.port) == ("0.0.0.0", 8000)  # vLLM's defaults
 
 
