@@ -52,10 +52,11 @@ class BackgroundCompiler:
         self.error: BaseException | None = None
         self.num_built = 0
         self.backend_compiles = 0  # XLA compilations in this thread: not the step path's (`LLMEngine.serving_compiles`)
-        self.started = time.perf_counter()
+        self.started: float | None = None  # time.perf_counter() at `start`
         self._thread = threading.Thread(target=self._run, name="jaxserve-background-compile", daemon=True)
 
     def start(self) -> BackgroundCompiler:
+        self.started = time.perf_counter()
         self._thread.start()
         return self
 
@@ -117,7 +118,7 @@ class BackgroundCompiler:
                 self.num_built += 1
                 self.backend_compiles = (thread_compile_counts() - before).backend_compiles
                 self._ready.put(bucket)
-        except BaseException as e:  # reported by the engine; the covering set keeps serving
+        except BaseException as e:  # logged here and kept in `error`; the buckets built so far keep serving
             self.error = e
             logger.exception("background compilation stopped: the grid keeps serving the buckets built so far")
             return

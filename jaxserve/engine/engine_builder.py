@@ -107,8 +107,8 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
 
 def warm_up_engine(parts: EngineParts, num_threads: int) -> WarmUpReport:
     """Compiles (or loads from the compile cache) the bucket executables, the samplers' and the fork programs
-    (a draft model's buckets too), then with a latency target gives the scheduler its step budget. With
-    ``background_compile`` only the covering set is built here and the other buckets in `parts.background`."""
+    (a draft model's buckets too). With ``background_compile`` only the covering set is built here and the other
+    buckets in `parts.background`, started last."""
     grid, runner, config = parts.grid, parts.runner.model, parts.config
     logger.info("%s", grid.format_table())
     check = manifest = None
@@ -124,7 +124,8 @@ def warm_up_engine(parts: EngineParts, num_threads: int) -> WarmUpReport:
     first = grid.covering_buckets() if _compiles_in_background(config) else grid.buckets
     report = compile_buckets(runner, first, num_threads=num_threads, cache_dir=cache_dir, cache_check=check)
     unrecorded = manifest if check is not None and not check.ok else None  # the cache lacks this configuration
-    rest = [b for b in grid.buckets if b not in set(first)]
+    built = set(first)
+    rest = [b for b in grid.buckets if b not in built]
     if rest:
         grid.serve_only(first)
         on_done = _grid_done(cache_dir, unrecorded, len(grid.buckets))
