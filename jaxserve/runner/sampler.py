@@ -12,14 +12,16 @@ device. The order is vLLM's:
             └─ random rows: / temperature, min_p, top_k, then a top-p draw (`sample_random`)
 
 Each stage sits behind a `lax.cond` on "does any row use it", so an all-greedy batch without
-penalties or logprobs costs one argmax. The key of a row depends only on its seed and the number of
-tokens its sequence has generated, so a seeded request samples the same tokens alone and in any batch.
+penalties or logprobs costs one argmax. A row's uniforms depend only on its seed and the number of tokens its
+sequence has generated (counter-based, `uniforms`), so a seeded request samples the same tokens alone and in any
+batch.
 
 A random row draws with a handful of uniforms, not one Gumbel variate per vocabulary entry: inverse-CDF
 draws from the min_p / top_k filtered weights (block sums, then one block's cumulative sum), the first
 draw inside the top-p nucleus kept (rejection sampling, exact: a draw is in the nucleus with probability
-at least top_p). Neither the vocabulary nor the nucleus is sorted; the exact cutoff (`filter_logits`) is
-computed only for rows whose draws all missed the nucleus.
+at least top_p). Neither the vocabulary nor the nucleus is sorted; the exact nucleus (a bisection over the row's
+values, `_NucleusDraw.nucleus_weights`) is found only in a step where some row's draws all missed it.
+`filter_logits` finds the same cutoff from the logits for the speculative verifier's exact distributions.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.extend.random import threefry2x32_p
 
 from jaxserve.math_utils import cdiv
 from jaxserve.runner.logprobs import TokenLogprobs, token_logprobs
@@ -274,36 +277,34 @@ def _any_penalty(params: SamplingTensors) -> jax.Array:
 
 
 def sample_random(logits: jax.Array, params: SamplingTensors) -> jax.Array:
-    """Temperature, min_p and top_k as weights, then one top-p draw per row from its own key.
+    """Temperature, min_p and top_k as weights, then one top-p draw per row from its own uniforms.
 
     A row's weights are exp(scaled - max) (its probabilities over the largest one), zero below min_p and
     outside top_k. Its draws come from those weights by inverse CDF; a draw x is in the top-p nucleus when the
     weight of the values above it is under top_p of the total (ties at the cutoff are all kept, as in
     `filter_logits`). The first draw in the nucleus is the token: exactly the renormalized nucleus
     distribution. ``FIRST_DRAWS`` draws per row are checked together, then single redraws for rows that missed;
-    rows still outside after ``MAX_REDRAWS`` (top_p near 0) draw from the exact filtered logits. Every uniform a
+    rows still outside after ``MAX_REDRAWS`` (top_p near 0) draw from the exact nucleus. Every uniform a
     row may use is drawn once, up front (one copy of the PRNG's hash in the program, not one per use)."""
+    draw = nucleus_draw(logits, params)
+    tokens, found = draw.first(FIRST_DRAWS)
+    tokens, found = jax.lax.cond(jnp.all(found), lambda: (tokens, found), lambda: draw.again(tokens, found))
+
+    def exact() -> jax.Array:
+        return jnp.where(found, tokens, inverse_cdf_draw(draw.nucleus_weights(), draw.draws[:, MAX_REDRAWS:])[:, 0])
+
+    return jax.lax.cond(jnp.all(found), lambda: tokens, exact)
+
+
+def nucleus_draw(logits: jax.Array, params: SamplingTensors) -> _NucleusDraw:
+    """The rows' scaled logits, their weights after min_p and top_k, and their uniforms (`sample_random`)."""
     scaled = logits / jnp.maximum(params.temperature, _EPS)[:, None]
     largest = jnp.max(scaled, axis=-1, keepdims=True)
     weights = jnp.exp(scaled - jnp.where(jnp.isfinite(largest), largest, 0.0))
     weights = jnp.where(weights < params.min_p[:, None], 0.0, weights)  # min_p: p < min_p * max p
     weights = jnp.where(scaled < _top_k_floor(scaled, params.top_k)[:, None], 0.0, weights)
-    draws = uniforms(row_keys(params), 0, MAX_REDRAWS + 1)  # draw numbers 0..MAX_REDRAWS
-    draw = _NucleusDraw(scaled, weights, params.top_p, draws)
-    tokens, found = draw.first(FIRST_DRAWS)
-    tokens, found = jax.lax.cond(jnp.all(found), lambda: (tokens, found), lambda: draw.again(tokens, found))
-
-    def exact() -> jax.Array:
-        filtered = filter_logits(logits, params)
-        exact_weights = jnp.exp(filtered - jnp.max(filtered, axis=-1, keepdims=True))
-        return jnp.where(found, tokens, inverse_cdf_draw(exact_weights, draws[:, MAX_REDRAWS:])[:, 0])
-
-    return jax.lax.cond(jnp.all(found), lambda: tokens, exact)
-
-
-def row_keys(params: SamplingTensors) -> jax.Array:
-    """[S] PRNG keys: a row's depends only on its seed and the number of tokens its sequence generated."""
-    return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(params.seed, params.step)
+    draws = uniforms(params, 0, MAX_REDRAWS + 1)  # draw numbers 0..MAX_REDRAWS
+    return _NucleusDraw(scaled, weights, params.top_p, draws)
 
 
 FIRST_DRAWS = 2  # draws per row checked against the nucleus in one pass (each draw costs a pass over the row)
@@ -342,17 +343,37 @@ class _NucleusDraw:
         _, tokens, found = jax.lax.while_loop(lambda s: (s[0] < MAX_REDRAWS) & ~jnp.all(s[2]), redraw, state)
         return tokens, found
 
+    def nucleus_weights(self) -> jax.Array:
+        """f32[S, V]: the weights inside each row's top-p nucleus, zero outside (the exact draw of a row whose draws
+        all missed)."""
+        return jnp.where(self.scaled >= self._cutoff()[:, None], self.weights, 0.0)
+
+    def _cutoff(self) -> jax.Array:
+        """f32[S]: each row's smallest value in the nucleus, where `_in_nucleus` starts to hold, by bisection over
+        the values' ordered keys (a loop of 32 passes over the row: a small program, run only for rows whose draws
+        all missed; `filter_logits` finds the same set from the logits, at several times the compile time)."""
+        keys = _ordered_keys(self.scaled + 0.0)  # -0.0 -> +0.0: equal floats get equal keys
+        limit = jnp.where(self.top_p >= 1.0, jnp.inf, self.top_p * self.total)
+        above = lambda key: jnp.sum(jnp.where(keys > key[:, None], self.weights, 0.0), axis=-1)
+        return _float_of_key(_smallest_key_where(keys, lambda key: above(key) < limit))
+
     def _in_nucleus(self, tokens: jax.Array) -> jax.Array:
         value = jnp.take_along_axis(self.scaled, tokens[:, None], axis=-1)
         above = jnp.sum(jnp.where(self.scaled > value, self.weights, 0.0), axis=-1)
         return (above < self.top_p * self.total) | (self.top_p >= 1.0)
 
 
-def uniforms(keys: jax.Array, first: int | jax.Array, count: int) -> jax.Array:
-    """f32[S, count] in [0, 1): draw numbers first..first+count-1 of each row's key."""
-    numbers = first + jnp.arange(count, dtype=jnp.int32)
-    draw = lambda key: jax.vmap(lambda n: jax.random.uniform(jax.random.fold_in(key, n)))(numbers)
-    return jax.vmap(draw)(keys)
+def uniforms(params: SamplingTensors, first: int, count: int) -> jax.Array:
+    """f32[S, count] in [0, 1): draw numbers first..first+count-1 of each row, counter-based: threefry-2x32 keyed
+    by the row's seed (`jax.random.key(seed)`'s words) at the counter (tokens the sequence has generated, draw
+    number). One hash over [S, count] words, no key derivation: the cheapest PRNG program to compile, and a row's
+    draws depend only on its seed, its step and the draw number."""
+    shape = (params.seed.shape[0], count)
+    seed = jnp.broadcast_to(params.seed[:, None], shape)
+    step = jnp.broadcast_to(params.step.astype(jnp.uint32)[:, None], shape)
+    numbers = jnp.broadcast_to(jnp.uint32(first) + jnp.arange(count, dtype=jnp.uint32), shape)
+    bits = threefry2x32_p.bind(jnp.zeros(shape, jnp.uint32), seed, step, numbers)[0]
+    return jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0  # [1, 2) - 1
 
 
 def inverse_cdf_draw(weights: jax.Array, uniforms: jax.Array) -> jax.Array:

@@ -39,7 +39,6 @@ from jaxserve.runner.sampler import (
     greedy_rows,
     inverse_cdf_draw,
     process_logits,
-    row_keys,
     sample_tokens,
     uniforms,
 )
@@ -150,7 +149,7 @@ def _rejection_test(logits, params, slots, uncounted, drafts) -> tuple[jax.Array
     probs = jax.nn.softmax(filtered, axis=-1)
     index = jnp.arange(probs.shape[0])
     safe_drafts = jnp.maximum(drafts, 0)
-    draws = uniforms(row_keys(params), VERIFY_DRAWS, 2)
+    draws = uniforms(params, VERIFY_DRAWS, 2)
     accepted = draws[:, 0] < probs[index, safe_drafts]
     residual = inverse_cdf_draw(probs.at[index, safe_drafts].set(0.0), draws[:, 1:])[:, 0]
     return accepted, residual

@@ -300,17 +300,26 @@ def test_best_of_keeps_the_n_highest_cumulative_logprobs(llm):
 # ----- output kinds -------------------------------------------------------------------------------------
 
 
+def _stop_in_the_first_sample_only(llm) -> str:
+    """Three letters that the first of two seeded samples writes before its end and the second never writes: with
+    them as a stop string one sample stops mid-stream and the other runs to its length."""
+    first, second = (o.text for o in one(llm, PROMPT, letters_params(n=2)).outputs)
+    candidates = (first[i : i + 3] for i in range(len(first) - 4))
+    return next(stop for stop in candidates if stop not in second and first.find(stop) > 0)
+
+
 def test_cumulative_and_delta_streams(llm):
     engine = llm.llm_engine
-    final = one(llm, PROMPT, letters_params(n=2, stop="cda", logprobs=1))
+    stop = _stop_in_the_first_sample_only(llm)
+    final = one(llm, PROMPT, letters_params(n=2, stop=stop, logprobs=1))
     assert [o.finish_reason for o in final.outputs] == ["stop", "length"]  # one stops mid-stream
-    cumulative = run_to_completion(engine, "cum", PROMPT, letters_params(n=2, stop="cda", logprobs=1))
+    cumulative = run_to_completion(engine, "cum", PROMPT, letters_params(n=2, stop=stop, logprobs=1))
     for out in cumulative:
         for c in out.outputs:
             assert final.outputs[c.index].text.startswith(c.text)  # text that may start a stop is held back
     assert [c.text for c in cumulative[-1].outputs] == [c.text for c in final.outputs]
     deltas = run_to_completion(engine, "delta", PROMPT, letters_params(
-        n=2, stop="cda", logprobs=1, output_kind=RequestOutputKind.DELTA))
+        n=2, stop=stop, logprobs=1, output_kind=RequestOutputKind.DELTA))
     assert deltas[-1].finished and not any(o.finished for o in deltas[:-1])
     for index, expected in enumerate(final.outputs):
         parts = [c for o in deltas for c in o.outputs if c.index == index]

@@ -27,9 +27,11 @@ from jaxserve.runner.sampler import (
     filter_logits,
     first_argmax,
     inverse_cdf_draw,
+    nucleus_draw,
     process_logits,
     sample,
     sample_random,
+    uniforms,
 )
 from jaxserve.runner.sampler_state import SlotState, SlotTable, copy_slots, update_token_counts, write_slot
 
@@ -503,3 +505,37 @@ def test_padding_rows_are_greedy_and_slotless():
     assert np.asarray(t.floats)[1:].tolist() == [list(PAD_FLOATS)] * 2
     assert np.asarray(t.slot).tolist() == [1, 4, 4]
     assert int(np.asarray(jax.jit(lambda x: x.seed)(t))[0]) == 2**32 - 1  # a u32 seed survives the i32 column
+
+
+def test_the_exact_fallbacks_nucleus_is_the_reference_filters():
+    """A row whose draws all missed draws from `nucleus_weights`: over rows of every temperature, min_p, top_k and
+    top_p mix (peaked and flat rows, tied values), the tokens it keeps are the numpy reference's, and where tied
+    values straddle the cutoff all of them (as `filter_logits` keeps them)."""
+    rng = np.random.default_rng(6)
+    settings = [(t, m, k, p) for t in (0.7, 1.3) for m in (0.0, 0.1) for k in (0, 5) for p in (0.05, 0.5, 0.9, 1.0)]
+    logits = rng.normal(0, rng.uniform(0.3, 6.0, (len(settings), 1)), (len(settings), V)).astype(np.float32)
+    ties = np.arange(len(settings)) % 4 == 0
+    logits[ties] = np.round(logits[ties] * 2) / 2
+    rows = [row(temperature=t, min_p=m, top_k=k, top_p=p) for t, m, k, p in settings]
+    nucleus = jax.jit(lambda x, params: nucleus_draw(x, params).nucleus_weights())(logits, tensors(rows))
+    kept = np.asarray(nucleus) > 0
+    for i, (temperature, min_p, top_k, top_p) in enumerate(settings):
+        reference = np.isfinite(ref_filter(logits[i].astype(np.float64), temperature, min_p, top_k, top_p))
+        smallest = logits[i][reference].min()
+        np.testing.assert_array_equal(kept[i], reference | (kept[i] & (logits[i] == smallest)), err_msg=f"row {i}")
+
+
+def test_a_rows_uniforms_depend_on_its_seed_step_and_draw_number_only():
+    """Counter-based draws: a (seed, step) pair gets the same uniforms in any row of any batch, another seed, step or
+    first draw number other ones; 4096 x 33 of them are uniform on [0, 1) (mean and deciles within 0.01)."""
+    pairs = [(5, 0), (5, 1), (6, 0), (5, 0)]
+    draws = np.asarray(jax.jit(uniforms, static_argnums=(1, 2))(tensors([row(seed=s, step=n) for s, n in pairs]), 0, 4))
+    np.testing.assert_array_equal(draws[0], draws[3])
+    assert len({tuple(d) for d in draws[:3]}) == 3
+    later = np.asarray(jax.jit(uniforms, static_argnums=(1, 2))(tensors([row(seed=5, step=0)]), 2, 2))
+    np.testing.assert_array_equal(later[0], draws[0, 2:])
+    many = np.asarray(jax.jit(uniforms, static_argnums=(1, 2))(
+        tensors([row(seed=s, step=s % 7) for s in range(4096)]), 0, 33)).ravel()
+    assert many.min() >= 0.0 and many.max() < 1.0
+    assert abs(many.mean() - 0.5) < 0.01
+    np.testing.assert_allclose(np.quantile(many, np.linspace(0.1, 0.9, 9)), np.linspace(0.1, 0.9, 9), atol=0.01)
