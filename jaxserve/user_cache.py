@@ -3,8 +3,8 @@
 Place in the data flow: everything jaxserve keeps between runs lives under it, each user in its own
 subdirectory: the compile cache (`compile_cache.default_cache_dir`), tokenizers converted from GGUF files
 (`weights.tokenizer_cache_dir`), weights converted from GGUF files
-(`weights.converted_cache`) and the native CPU kernel's shared library (`kernels_cpu`); the first two are named by
-`file_cache_name` after the file they come from.
+(`weights.converted_cache`) and the native CPU kernel's shared library (`kernels_cpu`); the tokenizers and the
+weights are named by `file_cache_name` after the file they come from.
 """
 
 from __future__ import annotations
