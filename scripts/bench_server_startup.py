@@ -28,7 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
-from bench_serving import SERVED_MODEL_NAME, free_port, server_command  # noqa: E402
+from bench_serving import SERVED_MODEL_NAME, free_port, server_command, start_busy_core, stop_busy_core  # noqa: E402
 
 POLL_SECONDS = 0.2
 
@@ -60,15 +60,14 @@ def start_once(args, server: str, cache_dir: Path, log: Path) -> dict:
         env["VLLM_CACHE_ROOT"] = str(cache_dir)
     else:
         cmd += ["--compile-cache-dir", str(cache_dir)]
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
+    busy = start_busy_core() if args.busy_core else None
     with log.open("w") as out:
         launched = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             return first_answer(proc, f"http://127.0.0.1:{port}", launched, args.timeout)
         finally:
-            if busy is not None:
-                busy.kill()
+            stop_busy_core(busy)
             proc.terminate()
             try:
                 proc.wait(30)
