@@ -1,5 +1,5 @@
-"""A native XLA:CPU kernel for jaxserve: paged attention over the stacked KV pool, decode rows and
-prefill chunks alike.
+"""Native XLA:CPU kernels for jaxserve: paged attention over the stacked KV pool, decode rows and
+prefill chunks alike, and the write of a step's new K/V into that pool.
 
 Place in the data flow: the "cpu" attention backend (`jaxserve.attention.backends.CpuBackend`, chosen by
 "auto" on CPU) calls `paged_attention` once per layer of every step. The plain-XLA attention gathers every
@@ -21,9 +21,14 @@ loads them, and computes in float32. With `logit_softcap` c (Gemma 2's
 attn_logit_softcapping) each scaled score s becomes c * tanh(s / c) before masking and the softmax; without
 it the kernel runs a variant compiled with no trace of the cap.
 
-The C++ source ships with the package and is compiled on first use with the system C++ compiler
-against jaxlib's FFI headers, into ``$XDG_CACHE_HOME/jaxserve/kernels_cpu/<hash>/`` (hash of the
-source, the jaxlib version, the compiler command and this CPU's model and flags, since it is built for
+`write_kv_rows` (`kv_write.cc`) is the cpu backend's K/V write (`jaxserve.attention.kv_cache.write_kv`, "native"):
+it copies each new token's rows into its slot of one layer, in place (its results alias the pools). XLA's scatter
+does the same as fast, but XLA:CPU compiles every scatter, and the index computation feeding it, into a kernel of
+its own: two of each per layer in a step of unrolled layers, which was most of the step's compile time.
+
+The C++ sources ship with the package and are compiled on first use into one library, with the system C++
+compiler against jaxlib's FFI headers, into ``$XDG_CACHE_HOME/jaxserve/kernels_cpu/<hash>/`` (hash of the
+sources, the jaxlib version, the compiler command and this CPU's model and flags, since it is built for
 the native instruction set). `load()` returns None, with the reason in `build_error()`, when there is no
 compiler or the build fails; the backend then falls back to plain XLA.
 """
@@ -47,7 +52,8 @@ import numpy as np
 from jaxserve.user_cache import cache_root
 
 TARGET_NAME = "jaxserve_paged_attention"
-SOURCE = Path(__file__).with_name("paged_attention.cc")
+WRITE_TARGET_NAME = "jaxserve_kv_write"
+SOURCES = (Path(__file__).with_name("paged_attention.cc"), Path(__file__).with_name("kv_write.cc"))
 CXX_FLAGS = [
     "-O3", "-march=native", "-mprefer-vector-width=512", "-std=c++17", "-shared", "-fPIC",
     # lets the dot products vectorize (reassociated sums); infinities keep their meaning (no -ffast-math)
@@ -78,7 +84,8 @@ def library_path(compiler: str) -> Path:
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), compiler.encode(), " ".join(CXX_FLAGS).encode(),
+    sources = [source.read_bytes() for source in SOURCES]
+    for part in (*sources, jaxlib.__version__.encode(), compiler.encode(), " ".join(CXX_FLAGS).encode(),
                  _cpu_description().encode()):
         key.update(part)
     return cache_root() / "kernels_cpu" / key.hexdigest()[:24] / "libjaxserve_kernels_cpu.so"
@@ -88,7 +95,7 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        command = [compiler, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
+        command = [compiler, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(built)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
@@ -112,6 +119,7 @@ def load() -> ctypes.CDLL | None:
         _build_error = str(err)
         return None
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.PagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(WRITE_TARGET_NAME, jax.ffi.pycapsule(library.KvWrite), platform="cpu")
     return library
 
 
@@ -216,3 +224,25 @@ def padded_paged_attention(
         k_scales=k_scales, v_scales=v_scales,
     )
     return out.reshape(q.shape)
+
+
+def write_kv_rows(
+    k_pool: jax.Array,  # [L, Hkv, ...]: slots of `row` elements after the kv heads, any dtype
+    v_pool: jax.Array,  # the same shape and dtype as k_pool
+    layer: jax.Array,  # i32[]
+    k_rows: jax.Array,  # [N, Hkv, row], k_pool's dtype
+    v_rows: jax.Array,  # as k_rows
+    slots: jax.Array,  # i32[N]: row n's slot; one outside the pool (padding) is skipped
+) -> tuple[jax.Array, jax.Array]:
+    """(k_pool, v_pool) with row n of ``k_rows`` / ``v_rows`` at slot ``slots[n]`` of ``layer``, every kv head,
+    written in place by `kv_write.cc` (the results alias the pools): the K/V pages of a step (rows of head_dim
+    values) or an int8 pool's scales (rows of one). Raises ValueError for rows of another dtype than their pool
+    or pools of two shapes. Call `load()` first."""
+    if k_rows.dtype != k_pool.dtype or v_rows.dtype != v_pool.dtype or k_pool.shape != v_pool.shape:
+        raise ValueError(f"K/V rows must have their pool's dtype and the pools one shape: pools {k_pool.dtype}"
+                         f"{list(k_pool.shape)} and {v_pool.dtype}{list(v_pool.shape)}, rows {k_rows.dtype} and "
+                         f"{v_rows.dtype}")
+    results = (jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
+    call = jax.ffi.ffi_call(WRITE_TARGET_NAME, results, input_output_aliases={0: 0, 1: 1})
+    return call(k_pool, v_pool, k_rows, v_rows, jnp.asarray(slots, jnp.int32),
+                jnp.asarray(layer, jnp.int32).reshape(1))

@@ -26,7 +26,7 @@ logger = init_logger("jaxserve.attention.backends")
 class AttentionBackend(Protocol):
     name: str
 
-    head_window_writes: bool  # how write_kv scatters into the pool for it
+    kv_writes: str  # how write_kv puts the new K/V into the pool for it (`kv_cache.KV_WRITES`)
 
     def tokens_per_row(self, block_size: int, head_dim: int) -> int: ...  # of the pool layout it reads
 
@@ -56,7 +56,7 @@ class ReferenceBackend:
     """
 
     name = "reference"
-    head_window_writes = False  # write_kv's layout of the scatter (see write_kv)
+    kv_writes = "rows"  # one XLA scatter of a [kv heads, head_dim] window per token (see write_kv)
 
     def __init__(self, chunk_tokens: int = 256, group_rows: int = 8):
         self.chunk_tokens = chunk_tokens
@@ -142,7 +142,7 @@ class PallasBackend:
     (Triton kernels), or "cpu", where the TPU variant runs in the Pallas interpreter (tests)."""
 
     name = "pallas"
-    head_window_writes = True
+    kv_writes = "head_windows"
 
     def __init__(self, platform: str):
         from kernels_pallas._common import GPU_PLATFORMS
@@ -190,6 +190,7 @@ class CpuBackend(ReferenceBackend):
     plain-XLA path of `ReferenceBackend`. Both apply the sliding window and the logit soft-cap."""
 
     name = "cpu"
+    kv_writes = "native"  # the kernel library's custom call: nothing for XLA to compile per layer
 
     def __init__(self, **chunking):
         import kernels_cpu

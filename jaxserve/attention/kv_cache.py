@@ -7,7 +7,8 @@ token (`rows, lanes = block_size, head_dim`); the Pallas backend's TPU kernels t
 is 64 with another dimension minor, and a Mosaic kernel reads only row-major tiles, so a plain pool of
 head_dim 64 would be relaid out (copied whole) at every kernel call. The layers' scan carries the whole
 pool and indexes it with the layer number, so `write_kv` updates the donated buffer in place and reads
-touch only the pages of the block tables: the step never copies the pool.
+touch only the pages of the block tables: the step never copies the pool. `write_kv` is an XLA scatter for the
+reference and Pallas backends and the native kernel's custom call for the cpu backend (`KV_WRITES`).
 
 `kv_cache_dtype="fp8"` (vLLM's option) keeps K/V as float8 e4m3 with a scale of 1 (vLLM's default when the
 checkpoint gives no scales): the values are saturated to +-448 and rounded as they are written, and readers
@@ -48,6 +49,9 @@ def pool_page_shape(block_size: int, head_dim: int, tokens_per_row: int = 1) -> 
     return block_size // tokens_per_row, tokens_per_row * head_dim
 
 
+KV_WRITES = ("rows", "head_windows", "native")  # how `write_kv` puts the new K/V into the pool
+
+
 def write_kv(
     k_pool,  # [L, Hkv, num_blocks, rows, lanes] (see pool_page_shape), or ScaledPages of such int8 pages
     v_pool,  # as k_pool
@@ -56,46 +60,66 @@ def write_kv(
     v: jax.Array,  # [S, Q, Hkv, D]
     meta: AttentionMetadata,
     *,
-    head_windows: bool = False,
+    writes: str = "rows",
 ):
-    """Scatters the step's new K/V into one layer of the pool, in place; padding tokens are dropped. An int8
+    """Puts the step's new K/V into one layer of the pool, in place; padding tokens are dropped. An int8
     pool (`ScaledPages`) gets each row quantized (`quantize_rows`) and its scale written beside it.
 
-    ``head_windows`` (the Pallas backend; always for a lane-dense pool): one head_dim-wide window per
-    (token, kv head), which TPUs update in place. Otherwise one [kv heads, head_dim] window per token
-    (XLA:CPU's fast path)."""
+    ``writes`` (the backend's `kv_writes`; one of `KV_WRITES`): "rows", one XLA scatter of a [kv heads,
+    head_dim] window per token (XLA:CPU's fast path); "head_windows" (the Pallas backend; always for a lane-dense
+    pool), one head_dim-wide window per (token, kv head), which TPUs update in place; "native" (the cpu backend),
+    the native kernel's custom call (`kernels_cpu.write_kv_rows`), which XLA:CPU does not compile: its scatters
+    are kernels of their own, two per layer of an unrolled model, most of a step's compile time."""
+    if writes not in KV_WRITES:
+        raise ValueError(f"writes must be one of {KV_WRITES}, not {writes!r}")
     if not isinstance(k_pool, ScaledPages):
-        return _write_pages(k_pool, v_pool, layer, k, v, meta, head_windows)
+        return _write_pages(k_pool, v_pool, layer, k, v, meta, writes)
     (k_values, k_scales), (v_values, v_scales) = quantize_rows(k), quantize_rows(v)
-    k_pages, v_pages = _write_pages(k_pool.values, v_pool.values, layer, k_values, v_values, meta, head_windows)
-    return (ScaledPages(k_pages, _write_scales(k_pool.scales, layer, k_scales, meta)),
-            ScaledPages(v_pages, _write_scales(v_pool.scales, layer, v_scales, meta)))
+    k_pages, v_pages = _write_pages(k_pool.values, v_pool.values, layer, k_values, v_values, meta, writes)
+    k_scales, v_scales = _write_scales(k_pool.scales, v_pool.scales, layer, k_scales, v_scales, meta, writes)
+    return ScaledPages(k_pages, k_scales), ScaledPages(v_pages, v_scales)
 
 
-def _write_pages(k_pool, v_pool, layer, k, v, meta, head_windows: bool):
+def _write_pages(k_pool, v_pool, layer, k, v, meta, writes: str):
     num_layers, num_kv_heads, num_blocks, rows, lanes = k_pool.shape
     head_dim = k.shape[-1]
-    if head_windows or lanes != head_dim:
+    if writes == "head_windows" or lanes != head_dim:
         return _write_kv_head_windows(k_pool, v_pool, layer, k, v, meta)
     num_slots = num_blocks * rows
     slots, (k, v) = _token_slots(meta, k.shape[:2], rows, num_slots, k, v)
+    k, v = to_pool_dtype(k, k_pool.dtype), to_pool_dtype(v, v_pool.dtype)  # [N, Hkv, D], index order
+    if writes == "native":
+        return _native_write(k_pool, v_pool, layer, k, v, slots)
 
     def scatter(pool: jax.Array, new: jax.Array) -> jax.Array:
         flat = pool.reshape(num_layers, num_kv_heads, num_slots, head_dim)
-        new = to_pool_dtype(new, pool.dtype)  # [S*Q, Hkv, D], index order
         return flat.at[layer, :, slots].set(new, mode="drop").reshape(pool.shape)
 
     return scatter(k_pool, k), scatter(v_pool, v)
 
 
-def _write_scales(scales: jax.Array, layer: jax.Array, new: jax.Array, meta: AttentionMetadata) -> jax.Array:
-    """Writes ``new`` f32[S, Q, Hkv], the step's per-token-per-head scales, into one layer of ``scales``
-    [L, Hkv, num_blocks, block_size] at the slots its values went to, in place."""
-    num_layers, num_kv_heads, num_blocks, block_size = scales.shape
+def _native_write(k_pool, v_pool, layer, k_rows, v_rows, slots):
+    import kernels_cpu
+
+    if kernels_cpu.load() is None:  # builds and registers the kernels (once per process)
+        raise RuntimeError(f"the native K/V write's kernel could not be built: {kernels_cpu.build_error()}")
+    return kernels_cpu.write_kv_rows(k_pool, v_pool, layer, k_rows, v_rows, slots)
+
+
+def _write_scales(k_scales, v_scales, layer, new_k, new_v, meta, writes: str):
+    """Writes ``new_k`` / ``new_v`` f32[S, Q, Hkv], the step's per-token-per-head scales, into one layer of
+    ``k_scales`` / ``v_scales`` [L, Hkv, num_blocks, block_size] at the slots their values went to, in place."""
+    num_layers, num_kv_heads, num_blocks, block_size = k_scales.shape
     num_slots = num_blocks * block_size
-    slots, (new,) = _token_slots(meta, new.shape[:2], block_size, num_slots, new)
-    flat = scales.reshape(num_layers, num_kv_heads, num_slots)
-    return flat.at[layer, :, slots].set(new, mode="drop").reshape(scales.shape)
+    slots, (new_k, new_v) = _token_slots(meta, new_k.shape[:2], block_size, num_slots, new_k, new_v)
+    if writes == "native":
+        return _native_write(k_scales, v_scales, layer, new_k[..., None], new_v[..., None], slots)
+
+    def scatter(scales: jax.Array, new: jax.Array) -> jax.Array:
+        flat = scales.reshape(num_layers, num_kv_heads, num_slots)
+        return flat.at[layer, :, slots].set(new, mode="drop").reshape(scales.shape)
+
+    return scatter(k_scales, new_k), scatter(v_scales, new_v)
 
 
 def _token_slots(meta, query_shape, block_size: int, num_slots: int, *per_token: jax.Array):

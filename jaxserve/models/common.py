@@ -25,6 +25,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -35,6 +36,7 @@ from jaxserve.config.model_config import GEMMA_FAMILIES, ModelConfig
 from jaxserve.config.quantization_config import KV_SCALE_NAMES, QuantScheme
 from jaxserve.distributed.sharding import TP_AXIS
 from jaxserve.models.norms import RMSNorm
+from jaxserve.models.params import weight
 from jaxserve.models.rotary import apply_rotary
 from jaxserve.quantization.matmul import grouped_matmul, quantized_matmul
 from jaxserve.quantization.weights import GROUP_OFFSET, GROUP_SCALE
@@ -72,23 +74,23 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = (x.shape[-1], self.features)
         if self.quantization is None:
-            y = matmul(x, self.param("kernel", nn.initializers.lecun_normal(), shape, self.param_dtype))
+            y = matmul(x, weight(self, "kernel", nn.initializers.lecun_normal(), shape, self.param_dtype))
         elif self.quantization.group_size:
             y = self._grouped(x, shape)
         else:
-            values = self.param("kernel", nn.initializers.zeros, shape, self.quantization.weight_jnp_dtype)
-            scale = self.param("kernel_scale", nn.initializers.ones, (self.features,), jnp.float32)
+            values = weight(self, "kernel", nn.initializers.zeros, shape, self.quantization.weight_jnp_dtype)
+            scale = weight(self, "kernel_scale", nn.initializers.ones, (self.features,), jnp.float32)
             y = quantized_matmul(x, values, scale, self.quantization, self.param_dtype, matmul)
         if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(jnp.float32)
+            y = y + weight(self, "bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(jnp.float32)
         return y
 
     def _grouped(self, x: jax.Array, shape: tuple[int, int]) -> jax.Array:
         """x times a grouped kernel: int8 codes with a scale and an offset per group of inputs (a GGUF's blocks)."""
         groups = (shape[0] // self.quantization.group_size, self.features)
-        codes = self.param("kernel", nn.initializers.zeros, shape, jnp.int8)
-        scale = self.param(GROUP_SCALE, nn.initializers.ones, groups, jnp.float32)
-        offset = self.param(GROUP_OFFSET, nn.initializers.zeros, groups, jnp.float32)
+        codes = weight(self, "kernel", nn.initializers.zeros, shape, jnp.int8)
+        scale = weight(self, GROUP_SCALE, nn.initializers.ones, groups, jnp.float32)
+        offset = weight(self, GROUP_OFFSET, nn.initializers.zeros, groups, jnp.float32)
         return grouped_matmul(x, codes, scale, offset, self.quantization, self.param_dtype, matmul)
 
 
@@ -138,7 +140,7 @@ def paged_attention(
     """
 
     def local(q, k, v, k_pool, v_pool, layer, meta, slides):
-        k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, meta, head_windows=backend.head_window_writes)
+        k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, meta, writes=backend.kv_writes)
 
         def attend(window):
             return backend.attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=window,
@@ -209,7 +211,7 @@ class Attention(nn.Module):
         if cfg.scale_attn_by_inverse_layer_idx:  # GPT-2 option: scores of layer i divided by i + 1
             q = q / (layer + 1).astype(q.dtype)
         if cfg.kv_cache_scales:
-            k_scale, v_scale = (self.param(name, nn.initializers.ones, (), jnp.float32) for name in KV_SCALE_NAMES)
+            k_scale, v_scale = (weight(self, name, nn.initializers.ones, (), jnp.float32) for name in KV_SCALE_NAMES)
             q, k, v = q * k_scale.astype(q.dtype), k / k_scale.astype(k.dtype), v / v_scale.astype(v.dtype)
         sliding_window, slides = layer_window(cfg, layer)
         out, kv_pool = paged_attention(
@@ -233,6 +235,12 @@ class Attention(nn.Module):
             k.reshape(num_seqs, num_q, cfg.num_kv_heads, cfg.head_dim),
             v.reshape(num_seqs, num_q, cfg.num_kv_heads, cfg.head_dim),
         )
+
+
+def layer_numbers(num_layers: int) -> np.ndarray:
+    """The layers' numbers as a host array: constants of the step, so that layer i of an unrolled stack passes the
+    literal i to its kernels (an iota sliced per layer is a compiled kernel per layer on XLA:CPU)."""
+    return np.arange(num_layers, dtype=np.int32)
 
 
 def layer_stack(layer_cls: type[nn.Module], num_layers: int, num_broadcast_inputs: int, *args, scan: bool,

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jaxserve.attention.backends import AttentionBackend
 from jaxserve.attention.metadata import AttentionMetadata, token_layout
 from jaxserve.config.model_config import ModelConfig
-from jaxserve.models.common import Attention, dense, embedding, layer_stack, norm_offset
+from jaxserve.models.common import Attention, dense, embedding, layer_numbers, layer_stack, norm_offset
 from jaxserve.models.mlp import GatedMLP
 from jaxserve.models.moe import SparseMoeBlock
 from jaxserve.models.norms import RMSNorm
@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
     def __call__(self, input_ids, kv_pool, meta: AttentionMetadata):
         positions = token_layout(meta, input_ids.shape).positions
         hidden = self.embed(input_ids)
-        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        layer_ids = layer_numbers(self.config.num_layers)
         (hidden, kv_pool), _ = self.layers((hidden, kv_pool), layer_ids, self.rotary(positions), meta)
         return self.norm(hidden), kv_pool
 

@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config.quantization_config import QuantScheme
 from jaxserve.distributed.sharding import TP_AXIS, check_divisible
 from jaxserve.models.common import ACTIVATIONS, matmul
+from jaxserve.models.params import weight
 
 
 class SharedExpertParams(NamedTuple):
@@ -216,7 +217,7 @@ class Kernel(nn.Module):
 
     @nn.compact
     def __call__(self) -> jax.Array:
-        return self.param("kernel", nn.initializers.lecun_normal(), self.shape, self.param_dtype)
+        return weight(self, "kernel", nn.initializers.lecun_normal(), self.shape, self.param_dtype)
 
 
 class ExpertWeights(nn.Module):
@@ -235,10 +236,10 @@ class ExpertWeights(nn.Module):
         names_and_shapes = (("gate_proj", into), ("up_proj", into), ("down_proj", out_of))
         if self.quantization is None:
             init = nn.initializers.lecun_normal(batch_axis=0)
-            return tuple(self.param(name, init, shape, self.dtype) for name, shape in names_and_shapes), None
+            return tuple(weight(self, name, init, shape, self.dtype) for name, shape in names_and_shapes), None
         dtype = self.quantization.weight_jnp_dtype
-        values = tuple(self.param(name, nn.initializers.zeros, shape, dtype) for name, shape in names_and_shapes)
-        scales = ExpertScales(*(self.param(f"{name}_scale", nn.initializers.ones, shape[:1] + shape[2:], jnp.float32)
+        values = tuple(weight(self, name, nn.initializers.zeros, shape, dtype) for name, shape in names_and_shapes)
+        scales = ExpertScales(*(weight(self, f"{name}_scale", nn.initializers.ones, shape[:1] + shape[2:], jnp.float32)
                                 for name, shape in names_and_shapes))
         return values, scales
 

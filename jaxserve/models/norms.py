@@ -11,6 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxserve.models.params import weight
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * (offset + weight) over the last axis; weight stored in `dtype`, float32 out."""
@@ -22,7 +24,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.zeros if self.offset else nn.initializers.ones
-        weight = self.param("weight", init, (x.shape[-1],), self.dtype)
+        scale = weight(self, "weight", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (weight.astype(jnp.float32) + self.offset) * normed
+        return (scale.astype(jnp.float32) + self.offset) * normed

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxserve.attention.backends import AttentionBackend
 from jaxserve.attention.metadata import AttentionMetadata, token_layout
 from jaxserve.config.model_config import ModelConfig
-from jaxserve.models.common import ACTIVATIONS, Attention, dense, embedding, layer_stack
+from jaxserve.models.common import ACTIVATIONS, Attention, dense, embedding, layer_numbers, layer_stack
 
 
 def layer_norm(config: ModelConfig, dtype, name: str | None = None) -> nn.LayerNorm:
@@ -107,7 +107,7 @@ class OPTForCausalLM(nn.Module):
         if cfg.word_embed_proj_dim is not None:
             hidden = self.project_in(hidden)
         hidden = hidden + self.embed_positions(positions + self.position_offset)
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        layer_ids = layer_numbers(cfg.num_layers)
         (hidden, kv_pool), _ = self.layers((hidden, kv_pool), layer_ids, meta)
         if cfg.final_norm:
             hidden = self.norm(hidden)

@@ -81,8 +81,9 @@ def _int8_pool(layers, heads, blocks, block_size, head_dim, tokens_per_row=1):
     return ScaledPages(pages, jnp.zeros((layers, heads, blocks, block_size), jnp.float32))
 
 
-@pytest.mark.parametrize("tokens_per_row, head_windows", [(1, False), (1, True), (2, True)])
-def test_writes_put_each_scale_at_its_token_s_slot(tokens_per_row, head_windows):
+@pytest.mark.parametrize("tokens_per_row, writes",
+                         [(1, "rows"), (1, "head_windows"), (2, "head_windows"), (1, "native")])
+def test_writes_put_each_scale_at_its_token_s_slot(tokens_per_row, writes):
     """Two sequences, one of 5 new tokens from position 14 (crossing into its second block), one of 1: read back
     through the block tables, every written row is its quantized value times its scale, nothing else is touched."""
     layers, heads, blocks, block_size, head_dim = 2, 2, 6, 16, 64
@@ -90,7 +91,7 @@ def test_writes_put_each_scale_at_its_token_s_slot(tokens_per_row, head_windows)
     k = jax.random.normal(jax.random.key(0), (2, 5, heads, head_dim), jnp.float32) * 3
     meta = AttentionMetadata(block_tables=jnp.array([[4, 1], [2, 0]], jnp.int32), q_start=jnp.array([14, 7]),
                              lengths=jnp.array([19, 8]))
-    k_pool, v_pool = write_kv(pool, pool, jnp.int32(1), k, -k, meta, head_windows=head_windows)
+    k_pool, v_pool = write_kv(pool, pool, jnp.int32(1), k, -k, meta, writes=writes)
     if tokens_per_row > 1:  # read the lane-dense pages in the plain layout
         plain = lambda p: ScaledPages(p.values.reshape(layers, heads, blocks, block_size, head_dim), p.scales)
         k_pool, v_pool = plain(k_pool), plain(v_pool)
