@@ -43,28 +43,23 @@ _session_cache("JAXSERVE_WEIGHTS_CACHE_DIR", "jaxserve-test-weights-cache-")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-# The slowest modules, slowest first (seconds of one pytest-xdist worker, 2-core AMD EPYC, 2026-11-27), run before
-# the others so that the two workers end together: xdist hands whole modules out in collection order (`make test`
-# passes --no-loadscope-reorder; xdist's default order, by number of tests, left the one-test tensor-parallel module,
-# 5 minutes, to run alone at the end of the suite).
+# The slowest modules, slowest first (seconds of one pytest-xdist worker while the other runs too, 2-core AMD EPYC,
+# 2026-11-28), run before the others so that the two workers end together: xdist hands whole modules out in
+# collection order (`make test` passes --no-loadscope-reorder; xdist's default order, by number of tests, left the
+# one-test tensor-parallel module, 5 minutes then, to run alone at the end of the suite).
 SLOWEST_MODULES = (
-    "tests/e2e/test_embedded_model.py",  # 350
-    "tests/distributed/test_tensor_parallel.py",  # 313
-    "tests/compilation/test_targets.py",  # 300
-    "tests/models/test_family_engines.py",  # 230
-    "tests/engine/test_engine.py",  # 200
-    "tests/compilation/test_compile_cache.py",  # 200
-    "tests/speculative/test_spec_decode.py",  # 199
-    "tests/engine/test_prefix_caching.py",  # 153
-    "tests/models/test_families.py",  # 142
-    "tests/engine/test_mixed_steps.py",  # 135
-    # 238, now about half (2026-11-28, one after the other with the old module: 138 s against 281)
-    "tests/speculative/test_embedded_speculation.py",
-    "tests/speculative/test_draft_model.py",  # 116
-    # 103 alone, now about 10% less (2026-11-28, side by side with the old module: 129 s against 144): the two v5e:2x2
-    # tests size the target once; half of it is the precompile and engine subprocesses of its first test
-    "tests/compilation/test_precompile_draft.py",
-    "tests/entrypoints/test_router.py",  # 132 alone with a cold cache; its replicas load test_embedded_model's steps
+    "tests/e2e/test_embedded_model.py",  # 323
+    "tests/distributed/test_tensor_parallel.py",  # 208
+    "tests/models/test_families.py",  # 137
+    "tests/compilation/test_targets.py",  # 119
+    "tests/speculative/test_embedded_speculation.py",  # 97
+    "tests/compilation/test_precompile_draft.py",  # 76
+    "tests/speculative/test_spec_decode.py",  # 64
+    "tests/compilation/test_compile_cache.py",  # 62
+    "tests/kernels/test_ragged_paged_attention.py",  # 61
+    "tests/models/test_family_engines.py",  # 56
+    "tests/models/test_model_parity.py",  # 52
+    "tests/entrypoints/test_router.py",  # 51: its replicas load test_embedded_model's steps from the compile cache
 )
 
 
