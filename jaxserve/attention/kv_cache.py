@@ -81,21 +81,30 @@ def write_kv(
 
 
 def _write_pages(k_pool, v_pool, layer, k, v, meta, writes: str):
-    num_layers, num_kv_heads, num_blocks, rows, lanes = k_pool.shape
+    _, _, num_blocks, rows, lanes = k_pool.shape
     head_dim = k.shape[-1]
     if writes == "head_windows" or lanes != head_dim:
         return _write_kv_head_windows(k_pool, v_pool, layer, k, v, meta)
     num_slots = num_blocks * rows
     slots, (k, v) = _token_slots(meta, k.shape[:2], rows, num_slots, k, v)
     k, v = to_pool_dtype(k, k_pool.dtype), to_pool_dtype(v, v_pool.dtype)  # [N, Hkv, D], index order
-    if writes == "native":
-        return _native_write(k_pool, v_pool, layer, k, v, slots)
+    return _put_rows(k_pool, v_pool, layer, slots, k, v, native=writes == "native")
 
-    def scatter(pool: jax.Array, new: jax.Array) -> jax.Array:
-        flat = pool.reshape(num_layers, num_kv_heads, num_slots, head_dim)
-        return flat.at[layer, :, slots].set(new, mode="drop").reshape(pool.shape)
 
-    return scatter(k_pool, k), scatter(v_pool, v)
+def _put_rows(k_pool, v_pool, layer, slots: jax.Array, k_rows: jax.Array, v_rows: jax.Array, *, native: bool):
+    """(k_pool, v_pool) with rows [N, Hkv, row...] at ``slots`` of ``layer``: the native kernel's custom call, or an
+    XLA scatter per pool."""
+    if native:
+        return _native_write(k_pool, v_pool, layer, k_rows, v_rows, slots)
+    return _scatter_slots(k_pool, layer, slots, k_rows), _scatter_slots(v_pool, layer, slots, v_rows)
+
+
+def _scatter_slots(pool: jax.Array, layer, slots: jax.Array, new: jax.Array) -> jax.Array:
+    """``pool`` [L, Hkv, slots..., row...] with ``new`` [N, Hkv, row...] at ``slots`` of ``layer`` (one past the
+    pool: dropped), by one XLA scatter over the pool seen as [L, Hkv, num_slots, row...]."""
+    num_layers, num_kv_heads = pool.shape[:2]
+    flat = pool.reshape(num_layers, num_kv_heads, -1, *new.shape[2:])
+    return flat.at[layer, :, slots].set(new, mode="drop").reshape(pool.shape)
 
 
 def _native_write(k_pool, v_pool, layer, k_rows, v_rows, slots):
@@ -109,17 +118,9 @@ def _native_write(k_pool, v_pool, layer, k_rows, v_rows, slots):
 def _write_scales(k_scales, v_scales, layer, new_k, new_v, meta, writes: str):
     """Writes ``new_k`` / ``new_v`` f32[S, Q, Hkv], the step's per-token-per-head scales, into one layer of
     ``k_scales`` / ``v_scales`` [L, Hkv, num_blocks, block_size] at the slots their values went to, in place."""
-    num_layers, num_kv_heads, num_blocks, block_size = k_scales.shape
-    num_slots = num_blocks * block_size
-    slots, (new_k, new_v) = _token_slots(meta, new_k.shape[:2], block_size, num_slots, new_k, new_v)
-    if writes == "native":
-        return _native_write(k_scales, v_scales, layer, new_k[..., None], new_v[..., None], slots)
-
-    def scatter(scales: jax.Array, new: jax.Array) -> jax.Array:
-        flat = scales.reshape(num_layers, num_kv_heads, num_slots)
-        return flat.at[layer, :, slots].set(new, mode="drop").reshape(scales.shape)
-
-    return scatter(k_scales, new_k), scatter(v_scales, new_v)
+    num_blocks, block_size = k_scales.shape[2:]
+    slots, (new_k, new_v) = _token_slots(meta, new_k.shape[:2], block_size, num_blocks * block_size, new_k, new_v)
+    return _put_rows(k_scales, v_scales, layer, slots, new_k[..., None], new_v[..., None], native=writes == "native")
 
 
 def _token_slots(meta, query_shape, block_size: int, num_slots: int, *per_token: jax.Array):
