@@ -128,6 +128,12 @@ def build_error() -> str | None:
     return _build_error
 
 
+def require(user: str) -> None:
+    """`load()`, or a RuntimeError naming ``user`` (what needs the kernels) and why they could not be built."""
+    if load() is None:
+        raise RuntimeError(f"{user} could not be built: {build_error()}")
+
+
 def _check_pool_dtypes(k_pool: jax.Array, v_pool: jax.Array) -> None:
     if k_pool.dtype not in POOL_DTYPES or v_pool.dtype != k_pool.dtype:
         raise ValueError(f"the CPU paged attention reads float32, bfloat16 (or uint16 bits of bfloat16), uint8 "

@@ -196,8 +196,7 @@ class CpuBackend(ReferenceBackend):
         import kernels_cpu
 
         super().__init__(**chunking)
-        if kernels_cpu.load() is None:  # builds and registers the kernel (once per process)
-            raise RuntimeError(f"the cpu attention backend's kernel could not be built: {kernels_cpu.build_error()}")
+        kernels_cpu.require("the cpu attention backend's kernel")  # builds and registers it (once per process)
 
     def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None):
         import kernels_cpu

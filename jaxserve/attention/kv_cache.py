@@ -110,8 +110,7 @@ def _scatter_slots(pool: jax.Array, layer, slots: jax.Array, new: jax.Array) -> 
 def _native_write(k_pool, v_pool, layer, k_rows, v_rows, slots):
     import kernels_cpu
 
-    if kernels_cpu.load() is None:  # builds and registers the kernels (once per process)
-        raise RuntimeError(f"the native K/V write's kernel could not be built: {kernels_cpu.build_error()}")
+    kernels_cpu.require("the native K/V write's kernel")  # builds and registers it (once per process)
     return kernels_cpu.write_kv_rows(k_pool, v_pool, layer, k_rows, v_rows, slots)
 
 
