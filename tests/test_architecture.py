@@ -26,7 +26,7 @@ PACKAGES = ("jaxserve", "kernels_pallas", "kernels_cpu")
 LAYERS = (
     {"jaxserve.logger", "jaxserve.math_utils", "jaxserve.user_cache", "jaxserve.config", "jaxserve.outputs",
      "jaxserve.wire", "jaxserve.json_schemas"},
-    {"jaxserve.sampling_params", "jaxserve.precision"},
+    {"jaxserve.sampling_params", "jaxserve.precision", "jaxserve.reductions"},
     {"jaxserve.core", "jaxserve.metrics", "jaxserve.distributed", "kernels_pallas", "kernels_cpu"},
     {"jaxserve.attention", "jaxserve.quantization"},
     {"jaxserve.models", "jaxserve.weights"},

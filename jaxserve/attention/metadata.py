@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxserve.reductions import count_true
+
 
 @struct.dataclass
 class AttentionMetadata:
@@ -64,7 +66,7 @@ def token_layout(meta: AttentionMetadata, query_shape: tuple[int, int]) -> Token
         rows = jnp.broadcast_to(jnp.arange(num_rows, dtype=jnp.int32)[:, None], query_shape)
         return TokenLayout(rows, positions, positions < meta.lengths[:, None])
     flat = jnp.arange(query_shape[1], dtype=jnp.int32)
-    rows = jnp.sum(flat[:, None] >= meta.query_starts[None, :], axis=1, dtype=jnp.int32) - 1
+    rows = count_true(flat[:, None] >= meta.query_starts[None, :], axis=1) - 1
     rows = jnp.maximum(rows, 0)
     positions = meta.q_start[rows] + flat - meta.query_starts[rows]
     valid = positions < meta.lengths[rows]

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxserve.attention.metadata import TokenLayout
+from jaxserve.reductions import count_true
 
 PROMPT_LOGPROBS_CHUNK = 32  # prompt positions whose logits exist at once
 
@@ -42,7 +43,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> TokenLogprob
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
     chosen = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)
-    rank = jnp.sum(logprobs >= chosen, axis=-1, dtype=jnp.int32)  # vLLM: tokens at least as likely
+    rank = count_true(logprobs >= chosen)  # vLLM: tokens at least as likely
     return TokenLogprobs(chosen[..., 0], rank, top_ids.astype(jnp.int32), top_logprobs)
 
 
