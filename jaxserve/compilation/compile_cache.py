@@ -60,7 +60,7 @@ CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # JAX records it when
 STEP_CODE = (
     "jaxserve/runner", "jaxserve/models", "jaxserve/attention", "jaxserve/quantization",
     "jaxserve/distributed/sharding.py",
-    "jaxserve/math_utils.py", "jaxserve/config", "kernels_pallas", "kernels_cpu",
+    "jaxserve/math_utils.py", "jaxserve/reductions.py", "jaxserve/config", "kernels_pallas", "kernels_cpu",
 )
 _ROOT = Path(__file__).resolve().parents[2]  # the directory that holds jaxserve/ and the kernel packages
 

@@ -275,10 +275,12 @@ def test_n_samples_share_the_prompt_blocks_copy_on_write_and_are_reproducible(ll
 
 
 def test_forked_samples_read_the_shared_and_copied_blocks_correctly(llm):
-    """At the lowest temperature every sample follows the greedy path: the forks' KV is the parent's."""
+    """Samples through the random path restricted to their top token (top_k 1) follow the greedy path: the forks'
+    KV is the parent's. (Not a low temperature: vLLM's floor of 0.01 lets 5% of samples leave this path at its
+    fifth token, whose top-2 logit gap is 0.025.)"""
     prompt = list(range(40, 61))
     greedy = one(llm, prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)).outputs[0]
-    cold = one(llm, prompt, SamplingParams(n=4, temperature=0.01, seed=2, max_tokens=10, ignore_eos=True))
+    cold = one(llm, prompt, SamplingParams(n=4, temperature=1.0, top_k=1, seed=2, max_tokens=10, ignore_eos=True))
     assert [o.token_ids for o in cold.outputs] == [greedy.token_ids] * 4
 
 
