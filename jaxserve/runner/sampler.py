@@ -406,9 +406,9 @@ def inverse_cdf_draw(weights: jax.Array, uniforms: jax.Array) -> jax.Array:
 
 def _cumulative_sum(x: jax.Array) -> jax.Array:
     """``jnp.cumsum(x, -1)`` as a product with an upper-triangular matrix of ones. XLA:CPU splits a cumulative sum
-    into a tree of reduce-windows, several kernels each compiled apart (the sampler's four cumulative sums were 24
-    kernels); a dot is one, at a few million multiply-adds per step. Its rounding may differ from the sequential
-    sum's; `_first_passing` never picks a zero weight, whatever order the terms were added in."""
+    into two reduce-windows (a block's and the blocks') and the fusions around them, each kernel compiled apart; a
+    dot is one kernel, at a few million multiply-adds per step. Its rounding may differ from the sequential sum's;
+    `_first_passing` never picks a zero weight, whatever order the terms were added in."""
     n = x.shape[-1]
     ones_above = jnp.asarray(np.triu(np.ones((n, n), np.float32)))
     return jnp.matmul(x, ones_above, precision=jax.lax.Precision.HIGHEST)
