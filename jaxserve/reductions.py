@@ -1,12 +1,12 @@
-"""Counts and index searches over a long axis (a vocabulary, a step's tokens) in the form XLA compiles cheaply.
+"""Counts and index searches over a long axis (a vocabulary, a batch's rows) in the form XLA compiles cheaply.
 
-The sampler, the logprobs and the step's token layout reduce booleans and indices over up to a vocabulary of
-entries. XLA:CPU splits an integer reduction over a long axis into a tree of reduce-windows (stride 32: three
-kernels for 49152 entries, each compiled apart), while a float32 reduction stays one kernel: a rank over
-[128, 49152] logits compiles in 126 ms as an int32 sum and in 70 ms as a float32 one, a first-index search in
-133 and 70 ms (2-core AMD EPYC, `docs/benchmarks/startup.md`). So these count and search in float32, exactly:
-every count and index here is below 2**24, where float32 holds integers exactly (the largest vocabularies are
-about 2**18).
+The sampler and the logprobs reduce booleans and indices over a vocabulary, the ragged step's token layout over
+the batch's rows. XLA:CPU splits an integer reduction over more than 32 entries into a tree of reduce-windows
+(stride 32: three kernels for 49152 entries, each compiled apart), while these float32 sums stay one kernel:
+a rank over [128, 49152] logits compiles in 126 ms as an int32 sum and in 70 ms as a float32 one, a first-index
+search in 133 and 70 ms (2-core AMD EPYC, `docs/benchmarks/startup.md`). So these count and search in float32,
+exactly: every count and index here is below 2**24, where float32 holds integers exactly (the largest
+vocabularies are about 2**18).
 """
 
 from __future__ import annotations
