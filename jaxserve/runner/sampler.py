@@ -533,7 +533,7 @@ def _prefix_cutoff(
     cum_before = jnp.cumsum(probs, axis=-1) - probs
     keep = in_top_k & ((cum_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
     keep = keep.at[:, 0].set(True)  # the most likely token always survives
-    num_keep = jnp.sum(keep, axis=-1)
+    num_keep = count_true(keep)
     threshold = jnp.take_along_axis(descending, (num_keep - 1)[:, None], axis=-1)[:, 0]
     unfiltered = (k >= vocab) & (top_p >= 1.0)
     threshold = jnp.where(unfiltered, -jnp.inf, threshold)
