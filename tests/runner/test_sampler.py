@@ -234,17 +234,19 @@ def test_a_batch_with_random_rows_samples_from_the_processed_logits():
     counts, prompt = np.asarray(state.output_counts[0]), np.asarray(state.prompt_mask[0])
     greedy = [ref_penalties(logits[0], counts, prompt, 1.5, 0.0, 2.0).argmax(),
               (logits[1] + np.asarray(state.logit_bias[1])).argmax()]
+    sampled, processed = jax.jit(sample, static_argnums=3), jax.jit(process_logits)
+    drawn_from = jax.jit(sample_random)
     drawn_by_step, unprocessed_by_step = [], []
     for step in range(8):
         rows = [row(repetition=2.0, presence=1.5, slot=0), row(slot=1, flags=FLAG_LOGIT_BIAS),
                 row(temperature=0.9, top_p=0.8, repetition=1.5, slot=2, seed=7, step=step),
                 row(temperature=1.2, top_k=20, slot=3, seed=11, step=step, flags=FLAG_LOGIT_BIAS)]
         params = tensors(rows)
-        out = jax.jit(sample, static_argnums=3)(logits, params, state, K)
-        drawn = np.asarray(jax.jit(sample_random)(jax.jit(process_logits)(logits, params, state), params))
+        out = sampled(logits, params, state, K)
+        drawn = np.asarray(drawn_from(processed(logits, params, state), params))
         np.testing.assert_array_equal(np.asarray(out.tokens), [*greedy, *drawn[2:]])
         drawn_by_step.append(drawn[2:])
-        unprocessed_by_step.append(np.asarray(jax.jit(sample_random)(jnp.asarray(logits), params))[2:])
+        unprocessed_by_step.append(np.asarray(drawn_from(jnp.asarray(logits), params))[2:])
     assert not np.array_equal(drawn_by_step, unprocessed_by_step)  # the processing shows
 
 
