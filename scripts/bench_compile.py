@@ -3,7 +3,8 @@
 Builds the engine's `ModelRunner` on the default model (the embedded SmolLM2-135M GGUF) as the engine and precompile
 do (`ModelRunner.for_engine` on the engine's bucket grid), then for one program of each kind, a decode step (16 rows,
 2048 context), a prefill step (1 x 128 tokens), a mixed step (128 tokens over 64 rows) and the sampler of 64 rows,
-times ``lower()`` and ``compile()`` of a fresh `jax.jit` (`ModelRunner.programs`) with no persistent compile cache
+times ``lower()`` and ``compile()`` of a fresh `jax.jit` (`ModelRunner.programs`, compiled with the engine's XLA
+options: `runner/compiler_options.py`) with no persistent compile cache
 (JAX's is off; the runner has no executable store) and the process's CPU seconds for both, and the fastest of
 ``--runs`` runs of the compiled program, in milliseconds:
 the step with its sampler through `ModelRunner.execute` (greedy rows), and the sampler alone on greedy rows and on
@@ -68,13 +69,25 @@ def pick_buckets(grid) -> dict:
             "mixed": narrowest(MixedBucket, num_tokens=128, batch_size=64)}
 
 
-def timed_compile(jitted, args) -> tuple[float, float, float, object]:
-    """(seconds to lower, seconds to compile, CPU seconds of both, the executable) of a fresh jit. The CPU
-    seconds (every thread of the process) vary less than the wall clock on a shared machine."""
+def compiler_options_of(runner, kind: str):
+    """The XLA options the engine compiles a program of ``kind`` with (none in a tree from before they existed)."""
+    import jax.numpy as jnp
+
+    try:
+        from jaxserve.runner.compiler_options import compiler_options
+    except ImportError:
+        return None
+    return compiler_options(runner.platform, jnp.float32 if kind == "sampler" else runner.dtype)
+
+
+def timed_compile(jitted, args, options=None) -> tuple[float, float, float, object]:
+    """(seconds to lower, seconds to compile, CPU seconds of both, the executable) of a fresh jit, compiled with
+    XLA ``options``. The CPU seconds (every thread of the process) vary less than the wall clock on a shared
+    machine."""
     start, cpu_start = time.perf_counter(), time.process_time()
     lowered = jitted.lower(*args)
     lowered_at = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(options)
     return lowered_at - start, time.perf_counter() - lowered_at, time.process_time() - cpu_start, compiled
 
 
@@ -93,7 +106,7 @@ def compile_kinds(runner, buckets: dict) -> dict:
         shape = shapes.get(kind)
         name = sampler_name(sample_shape) if shape is None else executable_name(shape)
         programs = runner.programs([shape] if shape is not None else [shapes["mixed"]], forks=False)
-        *times[kind], compiled = timed_compile(*programs[name])
+        *times[kind], compiled = timed_compile(*programs[name], compiler_options_of(runner, kind))
         if shape is None:
             runner.sampler_executables[sample_shape] = compiled
         else:

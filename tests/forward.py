@@ -10,6 +10,7 @@ from jaxserve.attention.backends import get_attention_backend
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.models import get_model_class
 from jaxserve.models.common import unstack_layers
+from jaxserve.runner.compiler_options import compiler_options
 
 
 class PagedForward:
@@ -23,7 +24,8 @@ class PagedForward:
         shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
         nan = jnp.full(shape, jnp.nan, jnp.dtype(dtype))  # unwritten slots are NaN: a stray read shows
         self.pool = (nan, nan)
-        self._apply = jax.jit(self._forward)
+        # the engine's XLA options for a program in this dtype (its runner's steps compile with them too)
+        self._apply = jax.jit(self._forward, compiler_options=compiler_options(jax.default_backend(), dtype))
 
     def _forward(self, params, pool, ids, meta):
         hidden, pool = self.model.apply(params, ids, pool, meta)

@@ -137,7 +137,8 @@ class ExecutableStore:
         tmp.replace(path)
         self.num_saved += 1
 
-    def load_or_compile(self, name: str, jitted, abstract_args: tuple) -> jax.stages.Compiled:
+    def load_or_compile(self, name: str, jitted, abstract_args: tuple,
+                        compiler_options: dict | None = None) -> jax.stages.Compiled:
         """The executable of ``jitted`` on ``abstract_args``: the stored one (no tracing, no lowering), else
         lowered and compiled, and then stored if XLA compiled it (an executable JAX loaded from its persistent
         cache serializes without part of its code on XLA:CPU, and fails with "Function ... not found" once
@@ -145,7 +146,7 @@ class ExecutableStore:
         compiled = self.load(name, abstract_args)
         if compiled is None:
             before = thread_compile_counts()
-            compiled = jitted.lower(*abstract_args).compile()
+            compiled = jitted.lower(*abstract_args).compile(compiler_options)
             if (thread_compile_counts() - before).fresh_compiles:
                 self.save(name, compiled)
         return compiled

@@ -54,6 +54,7 @@ from jaxserve.distributed.sharding import (
 )
 from jaxserve.models import get_model_class
 from jaxserve.models.common import unstack_layers, untie_lm_head
+from jaxserve.runner.compiler_options import compiler_options
 from jaxserve.runner.input_batch import SampleShape, StepInputs, StepShape, step_shape
 from jaxserve.runner.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
 from jaxserve.runner.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sample
@@ -67,7 +68,8 @@ class ExecutableSource(Protocol):
 
     loaded: set[str]  # names it gave out without compiling
 
-    def load_or_compile(self, name: str, jitted, abstract_args: tuple) -> jax.stages.Compiled: ...
+    def load_or_compile(self, name: str, jitted, abstract_args: tuple,
+                        compiler_options: dict | None = None) -> jax.stages.Compiled: ...
 
 
 def executable_name(shape: StepShape) -> str:
@@ -357,7 +359,8 @@ class ModelRunner:
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """Compiles (once) the executable for one step shape. Thread-safe for different shapes."""
         if shape not in self.executables:
-            executable = self._compile(self._step_jit(), self._abstract_inputs(shape), executable_name(shape))
+            executable = self._compile(self._step_jit(), self._abstract_inputs(shape), executable_name(shape),
+                                       self.dtype)
             with self._compile_lock:
                 self.executables[shape] = executable
         return self.executables[shape]
@@ -371,7 +374,7 @@ class ModelRunner:
     def compile_sampler(self, shape: SampleShape) -> jax.stages.Compiled:
         """Compiles (once) the sampler executable of steps of ``shape``. Thread-safe for different shapes."""
         if shape not in self.sampler_executables:
-            executable = self._compile(*self._sampler_program(shape), sampler_name(shape))
+            executable = self._compile(*self._sampler_program(shape), sampler_name(shape), jnp.float32)
             with self._compile_lock:
                 self.sampler_executables[shape] = executable
         return self.sampler_executables[shape]
@@ -386,14 +389,16 @@ class ModelRunner:
         rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
         return jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep))
 
-    def _compile(self, jitted, abstract_args, name: str) -> jax.stages.Compiled:
+    def _compile(self, jitted, abstract_args, name: str, compute_dtype=jnp.float32) -> jax.stages.Compiled:
         """The executable of ``jitted`` on ``abstract_args``: through the executable store when there is one
-        (stored executables are loaded, not traced), else lowered and compiled."""
+        (stored executables are loaded, not traced), else lowered and compiled, with the options of a program
+        computing in ``compute_dtype`` (`compiler_options.py`)."""
         start = time.perf_counter()
+        options = compiler_options(self.platform, compute_dtype)
         if self.executable_store is not None:
-            compiled = self.executable_store.load_or_compile(name, jitted, abstract_args)
+            compiled = self.executable_store.load_or_compile(name, jitted, abstract_args, options)
         else:
-            compiled = jitted.lower(*abstract_args).compile()
+            compiled = jitted.lower(*abstract_args).compile(options)
         with self._compile_lock:
             self.compile_seconds += time.perf_counter() - start
             self.num_compiles += 1
