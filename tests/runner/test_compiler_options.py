@@ -1,5 +1,5 @@
 """The XLA options of the runner's programs (`runner/compiler_options.py`): float32 programs on CPU compile with
-XLA:CPU's LLVM IR emitters, bfloat16 steps and other platforms with XLA's defaults."""
+XLA:CPU's LLVM IR emitters, bfloat16 steps with its fusion emitters, other platforms with XLA's defaults."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.compilation.precompile import abstract_params
-from jaxserve.runner.compiler_options import LLVM_IR_EMITTERS, compiler_options
+from jaxserve.runner.compiler_options import FUSION_EMITTERS, LLVM_IR_EMITTERS, compiler_options
 from jaxserve.runner.input_batch import SampleShape, StepShape
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.testing.tiny_models import tiny_hf_config
@@ -17,14 +17,14 @@ from jaxserve.weights import load_config
 
 @pytest.mark.parametrize(
     ("platform", "dtype", "expected"),
-    [("cpu", jnp.float32, LLVM_IR_EMITTERS), ("cpu", jnp.bfloat16, None), ("tpu", jnp.float32, None),
+    [("cpu", jnp.float32, LLVM_IR_EMITTERS), ("cpu", jnp.bfloat16, FUSION_EMITTERS), ("tpu", jnp.float32, None),
      ("cuda", jnp.float32, None), ("cpu", "float32", LLVM_IR_EMITTERS)],
 )
 def test_only_float32_programs_on_cpu_get_the_llvm_ir_emitters(platform, dtype, expected):
     assert compiler_options(platform, dtype) == expected
 
 
-@pytest.mark.parametrize(("dtype", "step_options"), [("float32", LLVM_IR_EMITTERS), ("bfloat16", None)])
+@pytest.mark.parametrize(("dtype", "step_options"), [("float32", LLVM_IR_EMITTERS), ("bfloat16", FUSION_EMITTERS)])
 def test_the_runner_compiles_its_steps_in_their_dtype_and_its_sampler_in_float32(tmp_path, monkeypatch, dtype,
                                                                                    step_options):
     config = tiny_hf_config("llama")
