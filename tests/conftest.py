@@ -50,22 +50,23 @@ if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
 
 
 # The slowest modules, slowest first (seconds of one pytest-xdist worker while the other runs too, 2-core AMD EPYC,
-# 2026-11-28), run before the others so that the two workers end together: xdist hands whole modules out in
+# 2026-11-29), run before the others so that the two workers end together: xdist hands whole modules out in
 # collection order (`make test` passes --no-loadscope-reorder; xdist's default order, by number of tests, left the
 # one-test tensor-parallel module, 5 minutes then, to run alone at the end of the suite).
 SLOWEST_MODULES = (
-    "tests/e2e/test_embedded_model.py",  # 323
-    "tests/distributed/test_tensor_parallel.py",  # 208
-    "tests/models/test_families.py",  # 137
-    "tests/compilation/test_targets.py",  # 119
-    "tests/speculative/test_embedded_speculation.py",  # 97
-    "tests/compilation/test_precompile_draft.py",  # 76
-    "tests/speculative/test_spec_decode.py",  # 64
-    "tests/compilation/test_compile_cache.py",  # 62
-    "tests/kernels/test_ragged_paged_attention.py",  # 61
-    "tests/models/test_family_engines.py",  # 56
-    "tests/models/test_model_parity.py",  # 52
-    "tests/entrypoints/test_router.py",  # 51: its replicas load test_embedded_model's steps from the compile cache
+    "tests/e2e/test_embedded_model.py",  # 234
+    "tests/compilation/test_targets.py",  # 113
+    "tests/distributed/test_tensor_parallel.py",  # 112
+    "tests/speculative/test_embedded_speculation.py",  # 85
+    "tests/models/test_families.py",  # 82
+    "tests/models/test_family_engines.py",  # 67
+    "tests/compilation/test_precompile_draft.py",  # 58
+    "tests/speculative/test_spec_decode.py",  # 58
+    "tests/entrypoints/test_router.py",  # 50: its replicas load test_embedded_model's steps from the compile cache
+    "tests/compilation/test_compile_cache.py",  # 49
+    "tests/e2e/test_bfloat16_accuracy.py",  # 42
+    "tests/distributed/test_multihost_serving.py",  # 40
+    "tests/kernels/test_ragged_paged_attention.py",  # 39
 )
 
 
