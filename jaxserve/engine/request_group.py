@@ -46,6 +46,13 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger("jaxserve.engine.request_group")
 
+def device_repetition_penalty(penalty: float) -> float:
+    """A valid repetition_penalty (finite, positive) within float32's normal range, as the device holds it: beyond
+    it a Python float would become inf (0 x inf is NaN for a zero logit) or 0 (a division by zero) on the device."""
+    limits = np.finfo(np.float32)
+    return min(max(penalty, float(limits.tiny)), float(limits.max))
+
+
 FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
@@ -227,7 +234,7 @@ class SamplingGroup(RequestGroup):
         self._prompt_logprobs_reported = False
         self._floats = (
             0.0 if params.is_greedy else params.temperature, params.top_p, params.min_p,
-            params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+            params.presence_penalty, params.frequency_penalty, device_repetition_penalty(params.repetition_penalty),
         )
         self._static_flags = (FLAG_LOGIT_BIAS if self._uses_bias_row else 0) | (
             FLAG_LOGPROBS if self._tracks_logprobs else 0)

@@ -5,6 +5,8 @@ output kinds, finish reasons, chat, every engine-level validation error, and no 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -65,6 +67,18 @@ def test_greedy_penalties_and_logit_bias_follow_a_reference_over_hf_logits(llm, 
     assert out.token_ids == generated
     plain = one(llm, PROMPT, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)).outputs[0]
     assert plain.token_ids != generated  # the parameters changed the output
+
+
+@pytest.mark.parametrize(("penalty", "on_the_device"), [(1e300, np.finfo(np.float32).max),
+                                                        (1e-300, np.finfo(np.float32).tiny)])
+def test_a_repetition_penalty_beyond_float32_acts_as_float32s_limit(llm, penalty, on_the_device):
+    """vLLM takes any finite positive repetition_penalty; one beyond float32's range is held at its limit, not cast
+    to inf or 0 (a NaN logit, a division by zero)."""
+    params = lambda value: SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "overflow encountered in cast" fails the test
+        extreme = one(llm, PROMPT, params(penalty)).outputs[0].token_ids
+    assert extreme == one(llm, PROMPT, params(float(on_the_device))).outputs[0].token_ids
 
 
 def every_parameter(seed: int, **overrides) -> SamplingParams:
