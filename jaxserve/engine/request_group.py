@@ -46,6 +46,7 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger("jaxserve.engine.request_group")
 
+
 def device_repetition_penalty(penalty: float) -> float:
     """A valid repetition_penalty (finite, positive) within float32's normal range, as the device holds it: beyond
     it a Python float would become inf (0 x inf is NaN for a zero logit) or 0 (a division by zero) on the device."""

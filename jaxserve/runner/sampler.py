@@ -285,8 +285,8 @@ def sample_random(logits: jax.Array, params: SamplingTensors) -> jax.Array:
     distribution. Rows draw ``DRAWS_PER_PASS`` at a time, in a loop that ends once every row has its token (one pass
     in nearly every step); rows still outside after ``MAX_REDRAWS`` draws (top_p near 0) draw from the exact
     nucleus. Every uniform a row may use is drawn once, up front (one copy of the PRNG's hash in the program, not
-    one per use), and the draw itself is traced once, in the loop's body (a second copy for a first pass outside
-    the loop compiled in 0.4 s of the sampler's 2.3 CPU seconds)."""
+    one per use), and the draw itself is traced once, in the loop's body (with a second copy for a first pass
+    outside the loop, this function alone compiled in 1.51 CPU s against 1.30)."""
     draw = nucleus_draw(logits, params)
     tokens, found = draw.passes()
 
@@ -408,7 +408,9 @@ def _cumulative_sum(x: jax.Array) -> jax.Array:
     `_first_passing` never picks a zero weight, whatever order the terms were added in."""
     n = x.shape[-1]
     ones_above = (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0) <= jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
-    ones_above = ones_above.astype(x.dtype)  # built in the program: a constant would be an argument in a loop's body
+    # built in the program, not a NumPy constant: constants in the draw loop's body broke the engine's first step
+    # (docs/benchmarks/startup.md; the cause was not isolated)
+    ones_above = ones_above.astype(x.dtype)
     return jnp.matmul(x, ones_above, precision=jax.lax.Precision.HIGHEST)
 
 
