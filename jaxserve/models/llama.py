@@ -5,7 +5,7 @@ Qwen2-MoE and Qwen3-MoE (`moe.SparseMoeBlock` in place of the MLP). Gemma 2 and 
 Place in the data flow: the model runner calls `LlamaForCausalLM.apply` inside a jitted step with a
 batch of token ids (`[S, Q]` padded or `[1, T]` ragged), the stacked KV pool and the step's
 `AttentionMetadata`; each layer writes its new K/V into its slice of the pool and attends through the chosen
-attention backend (`common.Attention`). Layers run under `nn.scan` over stacked weights, so compile time does
+attention backend (`common.Attention`). Layers run as a scan over stacked weights, so compile time does
 not grow with depth, or unrolled (`scan_layers=False`, on CPU; see `common.layer_stack`). Weights are stored
 in `dtype`; activations are float32 between bf16-or-f32 matmuls (the precision policy of `common`).
 """

@@ -3,7 +3,7 @@ everywhere, pre-norm (125m and most sizes) or post-norm (350m) blocks, and optio
 a narrower word embedding and the hidden size (350m: 512 -> 1024).
 
 Place in the data flow: the same interface and paged KV pool as the Llama family (see llama.py); layers
-run under `nn.scan` (or unrolled, `scan_layers=False`) and attend through `common.Attention`. GPT-2
+run as a scan over stacked weights (or unrolled, `scan_layers=False`) and attend through `common.Attention`. GPT-2
 (gpt2.py) is this decoder with position offset 0. Parameter names follow this package's common names,
 not Hugging Face's (fc1 -> up_proj, out_proj -> o_proj); `jaxserve.weights` converts.
 """

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.testing.hf_reference import hf_logits
 from jaxserve.testing.tiny_models import make_tiny_model
 from jaxserve.weights import load_model
@@ -81,3 +84,25 @@ def test_bfloat16_tracks_float32(tmp_path, scan_layers):
     scale = np.abs(expected).max()
     assert np.abs(got - expected).max() < 0.05 * scale
     assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.85
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_the_layer_stack_traces_one_layer_and_initializes_the_loaders_layout(tmp_path, monkeypatch, scan_layers):
+    """A step traces its decoder layer once however many layers it has (`common.LayerStack`), and the model's
+    initialization builds the tree the loaders build (stacked, or one subtree per layer unrolled)."""
+    from jaxserve.compilation.precompile import _plain_dicts
+    from jaxserve.models import llama
+
+    loaded = load_model(str(make_tiny_model(tmp_path / "m", "llama", num_hidden_layers=5)), "float32")
+    forward = PagedForward(loaded.config, loaded.params, scan_layers=scan_layers)
+    traces = []
+    layer_call = llama.DecoderLayer.__call__
+    monkeypatch.setattr(llama.DecoderLayer, "__call__", lambda self, *a: traces.append(1) or layer_call(self, *a))
+    meta = AttentionMetadata(block_tables=jnp.zeros((1, 4), jnp.int32), q_start=jnp.zeros(1, jnp.int32),
+                             lengths=jnp.full(1, 3, jnp.int32))
+    forward._apply.lower(forward.params, forward.pool, jnp.ones((1, 3), jnp.int32), meta)
+    assert len(traces) == 1
+
+    init = jax.eval_shape(forward.model.init, jax.random.key(0), jnp.ones((1, 3), jnp.int32), forward.pool, meta)
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), _plain_dicts(tree)["params"]["layers"])
+    assert shapes(init) == shapes(forward.params)
