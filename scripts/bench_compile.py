@@ -69,15 +69,19 @@ def pick_buckets(grid) -> dict:
             "mixed": narrowest(MixedBucket, num_tokens=128, batch_size=64)}
 
 
-def compiler_options_of(runner, kind: str):
-    """The XLA options the engine compiles a program of ``kind`` with (none in a tree from before they existed)."""
+def compiler_options_of(runner, name: str):
+    """The XLA options the engine compiles the program ``name`` with (`ModelRunner.compiler_options_of`; in a
+    tree from before that method, its rule: a step in the engine's dtype, the rest in float32; none before the
+    options existed)."""
     import jax.numpy as jnp
 
+    if hasattr(runner, "compiler_options_of"):
+        return runner.compiler_options_of(name)
     try:
         from jaxserve.runner.compiler_options import compiler_options
     except ImportError:
         return None
-    return compiler_options(runner.platform, jnp.float32 if kind == "sampler" else runner.dtype)
+    return compiler_options(runner.platform, runner.dtype if name.startswith("step-") else jnp.float32)
 
 
 def timed_compile(jitted, args, options=None) -> tuple[float, float, float, object]:
@@ -106,7 +110,7 @@ def compile_kinds(runner, buckets: dict) -> dict:
         shape = shapes.get(kind)
         name = sampler_name(sample_shape) if shape is None else executable_name(shape)
         programs = runner.programs([shape] if shape is not None else [shapes["mixed"]], forks=False)
-        *times[kind], compiled = timed_compile(*programs[name], compiler_options_of(runner, kind))
+        *times[kind], compiled = timed_compile(*programs[name], compiler_options_of(runner, name))
         if shape is None:
             runner.sampler_executables[sample_shape] = compiled
         else:

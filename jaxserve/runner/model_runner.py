@@ -72,10 +72,13 @@ class ExecutableSource(Protocol):
                         compiler_options: dict | None = None) -> jax.stages.Compiled: ...
 
 
+STEP_PREFIX = "step-"  # every step executable's name starts with it
+
+
 def executable_name(shape: StepShape) -> str:
     """The step executable's name in an `ExecutableSource`."""
     kind = "t" if shape.ragged else "q"
-    name = f"step-s{shape.batch_size}-{kind}{shape.num_query_tokens}-p{shape.pages_per_seq}"
+    name = f"{STEP_PREFIX}s{shape.batch_size}-{kind}{shape.num_query_tokens}-p{shape.pages_per_seq}"
     if shape.num_sample_positions:
         name += f"-v{shape.num_sample_positions}x{shape.num_speculative_tokens}"
     return name
@@ -359,8 +362,7 @@ class ModelRunner:
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """Compiles (once) the executable for one step shape. Thread-safe for different shapes."""
         if shape not in self.executables:
-            executable = self._compile(self._step_jit(), self._abstract_inputs(shape), executable_name(shape),
-                                       self.dtype)
+            executable = self._compile(self._step_jit(), self._abstract_inputs(shape), executable_name(shape))
             with self._compile_lock:
                 self.executables[shape] = executable
         return self.executables[shape]
@@ -374,7 +376,7 @@ class ModelRunner:
     def compile_sampler(self, shape: SampleShape) -> jax.stages.Compiled:
         """Compiles (once) the sampler executable of steps of ``shape``. Thread-safe for different shapes."""
         if shape not in self.sampler_executables:
-            executable = self._compile(*self._sampler_program(shape), sampler_name(shape), jnp.float32)
+            executable = self._compile(*self._sampler_program(shape), sampler_name(shape))
             with self._compile_lock:
                 self.sampler_executables[shape] = executable
         return self.sampler_executables[shape]
@@ -389,12 +391,17 @@ class ModelRunner:
         rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
         return jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep))
 
-    def _compile(self, jitted, abstract_args, name: str, compute_dtype=jnp.float32) -> jax.stages.Compiled:
+    def compiler_options_of(self, name: str) -> dict | None:
+        """The XLA options the program ``name`` (a key of `programs`) compiles with: a step computes in the
+        engine's dtype, every other program in float32 (`compiler_options.py`)."""
+        return compiler_options(self.platform, self.dtype if name.startswith(STEP_PREFIX) else jnp.float32)
+
+    def _compile(self, jitted, abstract_args, name: str) -> jax.stages.Compiled:
         """The executable of ``jitted`` on ``abstract_args``: through the executable store when there is one
-        (stored executables are loaded, not traced), else lowered and compiled, with the options of a program
-        computing in ``compute_dtype`` (`compiler_options.py`)."""
+        (stored executables are loaded, not traced), else lowered and compiled, with the options of the
+        program ``name`` (`compiler_options_of`)."""
         start = time.perf_counter()
-        options = compiler_options(self.platform, compute_dtype)
+        options = self.compiler_options_of(name)
         if self.executable_store is not None:
             compiled = self.executable_store.load_or_compile(name, jitted, abstract_args, options)
         else:
