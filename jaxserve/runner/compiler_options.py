@@ -10,9 +10,10 @@ older emitters and every other CPU program the newer ones, both named explicitly
 for a process, as the test suite does, changes neither); TPU and GPU programs get no options.
 
 The LLVM IR emitters put a program's kernels into ``xla_cpu_parallel_codegen_split_count`` LLVM modules (32 by
-default) and compile each apart, at a fixed cost per module: in 4 modules a float32 step compiled in 10-20% less
-time and 20% less CPU on 2 cores (a decode step's median 0.28 -> 0.23 s, a mixed step's 0.42 -> 0.39 s; the
-sampler and the fusion emitters' bfloat16 steps unchanged). A fixed number, not the machine's cores, so that a
+default) and compile each apart, at a near-fixed cost per module: in 4 modules a float32 step compiled in 6-20% less
+wall time and 10-25% less CPU on 2 cores (medians of 8 interleaved rounds: decode 0.28 -> 0.25 s, prefill 0.40 ->
+0.32, mixed 0.36 -> 0.34; the sampler and the fusion emitters' bfloat16 steps unchanged; docs/benchmarks/startup.md).
+A fixed number, not the machine's cores, so that a
 compile cache built on one machine serves another (the options are part of JAX's cache key).
 """
 
