@@ -13,8 +13,8 @@ The LLVM IR emitters put a program's kernels into ``xla_cpu_parallel_codegen_spl
 default) and compile each apart, at a near-fixed cost per module: in 4 modules a float32 step compiled in 6-20% less
 wall time and 10-25% less CPU on 2 cores (medians of 8 interleaved rounds: decode 0.28 -> 0.25 s, prefill 0.40 ->
 0.32, mixed 0.36 -> 0.34; the sampler and the fusion emitters' bfloat16 steps unchanged; docs/benchmarks/startup.md).
-A fixed number, not the machine's cores, so that a
-compile cache built on one machine serves another (the options are part of JAX's cache key).
+A fixed number, not the machine's cores, so that a compile cache built on one machine serves another (the options
+are part of JAX's cache key).
 """
 
 from __future__ import annotations
