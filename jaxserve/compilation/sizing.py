@@ -6,12 +6,12 @@ engine's limits, and sizes the KV pool: on CPU a fixed default (or `num_kv_block
 what the device's memory holds once the weights, the sampler state and the largest steps' own needs are
 counted. `memory_budget` gives the device's usable bytes and a provisional pool is sized from them less
 the weights and the sampler state. A step needs more while it runs: temporaries (activations, attention
-scratch), outputs that are not donated buffers (logits, prompt logprobs) and its code; for a 16 x
-2048-token prefill of Llama-3-8B at tensor parallel 4 that is about 2 GB per chip, more than v5e had
-left. `blocks_over_budget` compiles the largest step of each kind (prefill, decode, mixed) and the sampler
-of the most rows (it runs after a step, beside the weights and the pool, on the step's logits) and reads their
-`memory_analysis()`; the grid then gives back as many blocks as the largest of them overshoots the budget
-by. That is vLLM's profiling run, measured on the compiled executables instead of on a forward pass. The
+scratch), outputs that are not donated buffers (logits) and its code; for a 16 x 2048-token prefill of
+Llama-3-8B at tensor parallel 4 that is about 2 GB per chip, more than v5e had left. `blocks_over_budget`
+compiles the largest step of each kind (prefill, decode, mixed), the sampler of the most rows (it runs after a
+step, beside the weights and the pool, on the step's logits) and the prompt logprobs' program (beside them too),
+and reads their `memory_analysis()`; the grid then gives back as many blocks as the largest of them overshoots
+the budget by. That is vLLM's profiling run, measured on the compiled executables instead of on a forward pass. The
 probe compiles against a small pool (a step that does not fit cannot even be compiled for TPU: "HLO
 temporaries exceed available HBM") and adds the provisional pool's remaining blocks: a step's pool bytes
 are its argument (donated, updated in place), and its temporaries do not grow with the pool.
@@ -224,6 +224,15 @@ def largest_samplers(shapes: list[StepShape]) -> list[SampleShape]:
     return list(largest.values())
 
 
+def _prompt_logprobs_bytes(runner: ModelRunner) -> int:
+    """Bytes on the device while the prompt logprobs' program runs: everything resident (its arguments, the weights
+    and the positions, among them) and its own outputs, temporaries and code."""
+    if runner.prompt_positions is None:
+        return 0
+    compiled = runner.compile_prompt_logprobs()
+    return running_bytes(compiled) - compiled.memory_analysis().argument_size_in_bytes + runner.resident_bytes()
+
+
 def blocks_over_budget(runner: ModelRunner, shapes: list[StepShape], budget: MemoryBudget, bytes_per_block: int,
                        pool_blocks: int, *, beside_bytes: int = 0) -> tuple[int, int]:
     """(blocks a pool of ``pool_blocks`` must give back so that the largest of ``shapes``' steps and samplers fits
@@ -234,7 +243,7 @@ def blocks_over_budget(runner: ModelRunner, shapes: list[StepShape], budget: Mem
     ``beside_bytes`` to every program's (a draft model's weights and pool, resident while the target's steps run)."""
     steps = max(running_bytes(runner.compile(shape)) for shape in largest_of_each_kind(shapes))
     samplers = max(running_bytes(runner.compile_sampler(shape)) for shape in largest_samplers(shapes))
-    measured = max(steps, samplers + runner.resident_bytes()) + beside_bytes
+    measured = max(steps, samplers + runner.resident_bytes(), _prompt_logprobs_bytes(runner)) + beside_bytes
     need = measured + (pool_blocks - runner.num_blocks) * bytes_per_block
     over = need - budget.usable_bytes
     return (max(0, cdiv(over, bytes_per_block)), need)

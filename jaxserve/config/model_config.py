@@ -131,6 +131,11 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def output_hidden_size(self) -> int:
+        """The width of the final hidden states, what the lm head reads (OPT may project them out narrower)."""
+        return self.word_embed_proj_dim or self.hidden_size
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 

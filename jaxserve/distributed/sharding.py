@@ -129,6 +129,12 @@ def kv_pool_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(None, TP_AXIS))
 
 
+def hidden_sharding(mesh: Mesh, hidden_size: int) -> NamedSharding:
+    """Hidden states kept between programs `[N, H]` (the prompt logprobs' positions): each device holds a slice of
+    H where it divides, else all of it."""
+    return NamedSharding(mesh, P(None, TP_AXIS) if hidden_size % mesh.size == 0 else P())
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -1,16 +1,18 @@
-"""Log probabilities on the device, inside the step (the host turns them into vLLM's dicts: `engine/logprobs.py`).
+"""Log probabilities on the device (the host turns them into vLLM's dicts: `engine/logprobs.py`).
 
 As vLLM's default (`logprobs_mode="raw_logprobs"`), logprobs are the log_softmax of the model's raw
-logits, before logit_bias, penalties, temperature and top-k/top-p/min-p. The step returns, per row, the
+logits, before logit_bias, penalties, temperature and top-k/top-p/min-p. The sampler returns, per row, the
 top K (K = max_logprobs, a static shape) and the sampled token's logprob and rank (1 = most likely);
-a request asking for k <= K keeps the first k. Prompt logprobs need the logits of every prompt position:
-they are computed only when a row asks for them (`lax.cond`), over chunks of positions so the
-[rows, positions, vocab] logits never exist at once.
+a request asking for k <= K keeps the first k. Prompt logprobs need the logits of every prompt position: a step of
+several query tokens leaves its final hidden states and each position's target token in `PromptPositions` (a
+buffer on the device, the size of the grid's largest step, donated to every step), and one program of its own
+(`ModelRunner`'s "prompt-logprobs", run only after a step where a row asks) computes them from there, over chunks
+of positions so the [positions, vocab] logits never exist at once. Kept out of the steps, the prompt logprobs are
+compiled once rather than into every prefill and mixed step (docs/benchmarks/startup.md).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
@@ -60,23 +62,46 @@ def prompt_targets(
     return jnp.where(layout.positions + 1 < lengths[layout.rows], shifted, next_token[layout.rows])
 
 
+@struct.dataclass
+class PromptPositions:
+    """A step's positions for prompt logprobs, flat [N] (N: the grid's largest step's tokens, a multiple of
+    `PROMPT_LOGPROBS_CHUNK`): the final hidden states and the token each position predicts; a step of T query
+    tokens writes the first T."""
+
+    hidden: jax.Array  # [N, H], the model's dtype
+    targets: jax.Array  # i32[N]
+
+    @classmethod
+    def abstract(cls, max_step_tokens: int, hidden_size: int, dtype, hidden_sharding=None,
+                 targets_sharding=None) -> PromptPositions:
+        n = -(-max_step_tokens // PROMPT_LOGPROBS_CHUNK) * PROMPT_LOGPROBS_CHUNK
+        return cls(jax.ShapeDtypeStruct((n, hidden_size), dtype, sharding=hidden_sharding),
+                   jax.ShapeDtypeStruct((n,), jnp.int32, sharding=targets_sharding))
+
+    def written(self, hidden: jax.Array, targets: jax.Array) -> PromptPositions:
+        """The buffer with a step's hidden states [..., H] and targets [...] (input-shaped) in its first rows."""
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1]).astype(self.hidden.dtype)
+        return PromptPositions(self.hidden.at[: flat_hidden.shape[0]].set(flat_hidden),
+                               self.targets.at[: targets.size].set(targets.reshape(-1)))
+
+
 def prompt_logprobs(
-    hidden: jax.Array,  # [S, Q, H], final hidden states
-    targets: jax.Array,  # i32[S, Q]
-    logits_fn: Callable[[jax.Array], jax.Array],  # [N, H] -> f32[N, V]
+    positions: PromptPositions,
+    num_tokens: jax.Array,  # i32[], the positions a step wrote
+    logits_fn: Callable[[jax.Array], jax.Array],  # [C, H] -> f32[C, V]
     k: int,
 ) -> TokenLogprobs:
-    """Logprobs of every position's target token and the position's top-k: arrays [S, Q(, K)]."""
-    s, q, h = hidden.shape
-    chunk = math.gcd(q, PROMPT_LOGPROBS_CHUNK)
-    hidden_chunks = hidden.reshape(s, q // chunk, chunk, h).swapaxes(0, 1)
-    target_chunks = targets.reshape(s, q // chunk, chunk).swapaxes(0, 1)
+    """Logprobs of the first ``num_tokens`` positions' targets and their top-k, arrays [N(, K)] (rows past
+    ``num_tokens``, up to the end of their chunk, are zeros or a padding's values): one chunk of positions at a time."""
+    n = positions.targets.shape[0]
+    chunk = PROMPT_LOGPROBS_CHUNK
 
-    def one_chunk(args):
-        hidden_c, targets_c = args  # [S, C, H], [S, C]
-        logits = logits_fn(hidden_c.reshape(s * chunk, h))
-        return token_logprobs(logits, targets_c.reshape(s * chunk), k)
+    def one_chunk(i, out: TokenLogprobs) -> TokenLogprobs:
+        start = i * chunk
+        hidden = jax.lax.dynamic_slice_in_dim(positions.hidden, start, chunk)
+        targets = jax.lax.dynamic_slice_in_dim(positions.targets, start, chunk)
+        found = token_logprobs(logits_fn(hidden), targets, k)
+        return jax.tree.map(lambda o, f: jax.lax.dynamic_update_slice_in_dim(o, f, start, 0), out, found)
 
-    out = jax.lax.map(one_chunk, (hidden_chunks, target_chunks))  # leaves [Q/C, S*C(, K)]
-    return jax.tree.map(lambda x: x.reshape(q // chunk, s, chunk, *x.shape[2:]).swapaxes(0, 1)
-                        .reshape(s, q, *x.shape[2:]), out)
+    num_chunks = (num_tokens + chunk - 1) // chunk
+    return jax.lax.fori_loop(0, num_chunks, one_chunk, TokenLogprobs.zeros((n,), k))

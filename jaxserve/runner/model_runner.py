@@ -3,8 +3,10 @@
 The step runner (`step_runner.py`) hands it a bucket and the step's inputs, already padded to it
 (`input_batch.py`: rows of equal length, or for a mixed step the rows' tokens back to back); it dispatches the
 executable of the bucket's `StepShape`, which runs the model over the paged KV pool and counts the step's tokens in
-the per-sequence sampler state (both donated, so updated in place), giving the logits where the step samples and prompt
-logprobs when a row asks; then the sampler executable of the step's `SampleShape` (its batch size) samples one
+the per-sequence sampler state (both donated, so updated in place), giving the logits where the step samples (a step of
+several query tokens also leaves its final hidden states and targets in the donated `PromptPositions`, from which
+the "prompt-logprobs" executable computes the prompt logprobs after a step where a row asks: `logprobs.py`); then
+the sampler executable of the step's `SampleShape` (its batch size) samples one
 token per sequence from those logits (`sampler.py`; a speculative step verifies its drafts, `spec_verify.py`),
 with logprobs when a row asks. One sampler executable serves every step of its batch size, whatever the step's
 tokens and context, so the sampler is compiled once per batch size, not into every step.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 import time
 from typing import Protocol
@@ -46,6 +49,7 @@ from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.distributed.sharding import (
     check_tensor_parallel,
+    hidden_sharding,
     kv_pool_sharding,
     make_mesh,
     param_shardings,
@@ -56,7 +60,7 @@ from jaxserve.models import get_model_class
 from jaxserve.models.common import unstack_layers, untie_lm_head
 from jaxserve.runner.compiler_options import compiler_options
 from jaxserve.runner.input_batch import SampleShape, StepInputs, StepShape, step_shape
-from jaxserve.runner.logprobs import TokenLogprobs, prompt_logprobs, prompt_targets
+from jaxserve.runner.logprobs import PromptPositions, TokenLogprobs, prompt_logprobs, prompt_targets
 from jaxserve.runner.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sample
 from jaxserve.runner.sampler_state import SlotState, copy_slots, update_token_counts, write_slot
 from jaxserve.runner.spec_verify import VerifyInputs, uncount_rejected
@@ -73,6 +77,7 @@ class ExecutableSource(Protocol):
 
 
 STEP_PREFIX = "step-"  # every step executable's name starts with it
+PROMPT_LOGPROBS = "prompt-logprobs"  # the program of the prompt logprobs, run after a step where a row asks
 
 
 def executable_name(shape: StepShape) -> str:
@@ -113,7 +118,7 @@ class StepOutput:
     tokens: jax.Array  # i32[max_rows], rows past the bucket's batch are 0 (fed to the next step)
     logits: jax.Array  # f32[S, V], the raw logits sampled from (read by `resample`, tests and debugging)
     logprobs: TokenLogprobs  # [S(, K)]: the sampled token's raw logprob and rank, and the top K
-    prompt_logprobs: TokenLogprobs | None  # input-shaped [S, Q(, K)] or [1, T(, K)]: each position's next token
+    prompt_logprobs: TokenLogprobs | None  # flat [N(, K)] over the step's input positions: each one's next token
     # a verifying step (`spec_verify.py`): each row's accepted drafts, i32[S]; its logits and logprobs are then
     # per sample position, [P(, ...)]
     num_accepted: jax.Array | None = None
@@ -147,9 +152,12 @@ class ModelRunner:
         num_logprobs: int = 20,
         platform: str | None = None,
         kv_cache_dtype: str = "auto",
+        max_step_tokens: int = 0,
     ):
         """``kv_cache_dtype``: what the KV pool keeps, the model's dtype ("auto"), float8 ("fp8") or int8 with a
-        scale per token and kv head ("int8"; see `attention/kv_cache.py`). ``abstract=True``: ``params`` are
+        scale per token and kv head ("int8"; see `attention/kv_cache.py`). ``max_step_tokens``: the query tokens of
+        the largest step, the size of the prompt logprobs' `PromptPositions` (0: none, a draft model's runner).
+        ``abstract=True``: ``params`` are
         ``ShapeDtypeStruct``s and no KV pool (nor sampler state) is allocated; such a runner only compiles
         (precompilation into the persistent cache needs no device memory). ``platform``: what the steps are built
         for, by default the mesh's devices' platform (a deviceless TPU topology's devices say "tpu"; "cuda" builds
@@ -194,9 +202,15 @@ class ModelRunner:
         self.slot_state = self._abstract_slot_state()
         if not abstract:
             self.slot_state = jax.tree.map(lambda spec: _zeros_program(spec)(), self.slot_state)
-        # the structs of the params, the pool and the sampler state, taken once: a program built in another thread
-        # (background compilation) never reads the arrays a running step is donating
-        self._state_structs = _abstract((self.params, self.kv_pool, self.slot_state))
+        self.prompt_positions = None  # what the steps leave for the "prompt-logprobs" program (`logprobs.py`)
+        if max_step_tokens:
+            width = config.output_hidden_size
+            positions = PromptPositions.abstract(max_step_tokens, width, self.dtype, hidden_sharding(self.mesh, width),
+                                                 replicated(self.mesh))
+            self.prompt_positions = positions if abstract else jax.tree.map(_device_zeros, positions)
+        # the structs of the params, the pool, the sampler state and the prompt positions, taken once: a program
+        # built in another thread (background compilation) never reads the arrays a running step is donating
+        self._state_structs = _abstract((self.params, self.kv_pool, self.slot_state, self.prompt_positions))
         self.num_logprobs = max(num_logprobs, 1)  # K of the step's top-K logprobs (a static shape)
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
@@ -207,6 +221,7 @@ class ModelRunner:
         self._compile_lock = threading.Lock()  # warm-up compiles buckets from several threads
         self._copy_executable = None
         self._write_slot_executable = None
+        self._prompt_logprobs_executable = None
 
     @classmethod
     def for_engine(cls, model_config: ModelConfig, params: dict, config: EngineConfig, grid: BucketGrid,
@@ -221,6 +236,7 @@ class ModelRunner:
             num_blocks=grid.num_blocks if num_blocks is None else num_blocks, max_rows=grid.max_batch_size,
             attention_backend=config.attention_backend, mesh=mesh, abstract=abstract, platform=platform,
             num_sampler_slots=grid.max_num_seqs, num_logprobs=config.max_logprobs, kv_cache_dtype=config.kv_cache_dtype,
+            max_step_tokens=max(math.prod(step_shape(b, grid.block_size).input_shape) for b in grid.buckets),
         )
 
     def _abstract_pool(self) -> tuple:
@@ -259,7 +275,10 @@ class ModelRunner:
         if not forks:
             return compiled
         self.compile_helpers()
-        return {**compiled, "copy_blocks": self._copy_executable, "write_slot": self._write_slot_executable}
+        helpers = {"copy_blocks": self._copy_executable, "write_slot": self._write_slot_executable}
+        if self._prompt_logprobs_executable is not None:
+            helpers[PROMPT_LOGPROBS] = self._prompt_logprobs_executable
+        return {**compiled, **helpers}
 
     def _allocation_programs(self) -> dict[str, tuple]:
         """The programs that allocate the pool, `no_tokens` and the sampler state, by name: (jitted, no args)."""
@@ -278,11 +297,12 @@ class ModelRunner:
         samplers = {sampler_name(shape): self._sampler_program(shape) for shape in sample_shapes(shapes)}
         return {**steps, **samplers, **self._allocation_programs(), **(self._helper_programs() if forks else {})}
 
-    def _step(self, params, kv_pool, slot_state, input_ids, meta, sample_index, sampling, prev_tokens, feed_rows,
-              feed_cols, verify=None):
-        """The model over the step's tokens: (the raw logits where it samples, f32[S, V] or at a verifying step's
-        P sample positions f32[P, V], and the prompt logprobs), the pool with the tokens' K/V and the slots with
-        the tokens counted. The sampler executable of the step's `SampleShape` samples from those logits."""
+    def _step(self, params, kv_pool, slot_state, prompt_positions, input_ids, meta, sample_index, sampling,
+              prev_tokens, feed_rows, feed_cols, verify=None):
+        """The model over the step's tokens: the raw logits where it samples (f32[S, V], or at a verifying step's
+        P sample positions f32[P, V]), the pool with the tokens' K/V, the slots with the tokens counted and (a step
+        of several query tokens) ``prompt_positions`` with its hidden states and targets for the prompt logprobs.
+        The sampler executable of the step's `SampleShape` samples from those logits."""
         row_starts = row_offsets(meta, input_ids.shape)
         input_ids = feed_previous_tokens(input_ids, prev_tokens, feed_rows, feed_cols, row_starts)
         hidden, kv_pool = self.model.apply(params, input_ids, kv_pool, meta)
@@ -291,24 +311,23 @@ class ModelRunner:
         sampled_at = row_starts + sample_index if verify is None else verify.flat_index
         hidden_at = hidden.reshape(-1, hidden.shape[-1])[sampled_at]
         logits = self.model.apply(params, hidden_at, method=self.model.logits)
-        prompt = None
-        if input_ids.shape[1] > 1:
-            prompt = self._prompt_logprobs(params, hidden, input_ids, layout, meta, sampling)
-        return (logits, prompt), kv_pool, slot_state
+        if prompt_positions is not None and input_ids.shape[1] > 1:
+            targets = prompt_targets(input_ids, layout, meta.lengths, sampling.prompt_next_token)
+            # the model's hidden states are whole on every device: each keeps its slice of H (a constraint, else
+            # the partitioner would split the layers' activations on H to match the buffer)
+            hidden = jax.lax.with_sharding_constraint(hidden, replicated(self.mesh))
+            prompt_positions = prompt_positions.written(hidden, targets)
+        return logits, kv_pool, slot_state, prompt_positions
 
     def _padded(self, tokens: jax.Array) -> jax.Array:
         """A step's S tokens padded with zeros to max_rows (the shape every step's tokens are fed from)."""
         return jnp.zeros(self.max_rows, jnp.int32).at[: tokens.shape[0]].set(tokens)
 
-    def _prompt_logprobs(self, params, hidden, input_ids, layout, meta, sampling) -> TokenLogprobs:
-        """Steps of several query tokens: every position's logprobs, computed only when some row asks for them."""
-        targets = prompt_targets(input_ids, layout, meta.lengths, sampling.prompt_next_token)
+    def _prompt_logprobs(self, params, prompt_positions, num_tokens) -> TokenLogprobs:
+        """The "prompt-logprobs" program: the logprobs of the first ``num_tokens`` positions a step left in
+        ``prompt_positions`` (its flat input positions), arrays [N(, K)]."""
         logits_fn = lambda h: self.model.apply(params, h, method=self.model.logits)
-        return jax.lax.cond(
-            jnp.any(sampling.flag(FLAG_PROMPT_LOGPROBS)),
-            lambda: prompt_logprobs(hidden, targets, logits_fn, self.num_logprobs),
-            lambda: TokenLogprobs.zeros(input_ids.shape, self.num_logprobs),
-        )
+        return prompt_logprobs(prompt_positions, num_tokens, logits_fn, self.num_logprobs)
 
     def _sample(self, slot_state, logits, sampling):
         """A step's tokens (i32[max_rows]) and logprobs sampled from its raw logits f32[S, V] under ``sampling``."""
@@ -354,8 +373,7 @@ class ModelRunner:
         if shape.num_sample_positions:
             verify = VerifyInputs.abstract(shape.num_sample_positions, s, shape.num_speculative_tokens, rep)
         return (
-            self._state_structs[0], self._state_structs[1], self._state_structs[2], i32(*shape.input_shape),
-            meta, i32(s),
+            *self._state_structs, i32(*shape.input_shape), meta, i32(s),
             SamplingTensors.abstract(s, self.config.vocab_size, rep), i32(self.max_rows), i32(s), i32(s), verify,
         )
 
@@ -368,10 +386,10 @@ class ModelRunner:
         return self.executables[shape]
 
     def resident_bytes(self) -> int:
-        """Bytes per device of the weights and the KV pool: on the device while a sampler executable runs,
-        though not among its arguments."""
+        """Bytes per device of the weights, the KV pool and the prompt logprobs' positions: on the device while a
+        sampler executable runs, though not among its arguments."""
         shard_bytes = lambda x: int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
-        return sum(shard_bytes(x) for x in jax.tree.leaves((self.params, self.kv_pool)))
+        return sum(shard_bytes(x) for x in jax.tree.leaves((self.params, self.kv_pool, self.prompt_positions)))
 
     def compile_sampler(self, shape: SampleShape) -> jax.stages.Compiled:
         """Compiles (once) the sampler executable of steps of ``shape``. Thread-safe for different shapes."""
@@ -389,12 +407,14 @@ class ModelRunner:
 
     def _step_jit(self):
         rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
-        return jax.jit(self._step, donate_argnums=(1, 2), out_shardings=(rep, (pool, pool), rep))
+        positions = jax.tree.map(lambda x: x.sharding, self._state_structs[3])
+        return jax.jit(self._step, donate_argnums=(1, 2, 3), out_shardings=(rep, (pool, pool), rep, positions))
 
     def compiler_options_of(self, name: str) -> dict | None:
-        """The XLA options the program ``name`` (a key of `programs`) compiles with: a step computes in the
-        engine's dtype, every other program in float32 (`compiler_options.py`)."""
-        return compiler_options(self.platform, self.dtype if name.startswith(STEP_PREFIX) else jnp.float32)
+        """The XLA options the program ``name`` (a key of `programs`) compiles with: a step and the prompt logprobs
+        (the model's lm head) compute in the engine's dtype, every other program in float32 (`compiler_options.py`)."""
+        in_engine_dtype = name.startswith(STEP_PREFIX) or name == PROMPT_LOGPROBS
+        return compiler_options(self.platform, self.dtype if in_engine_dtype else jnp.float32)
 
     def _compile(self, jitted, abstract_args, name: str) -> jax.stages.Compiled:
         """The executable of ``jitted`` on ``abstract_args``: through the executable store when there is one
@@ -412,20 +432,31 @@ class ModelRunner:
         return compiled
 
     def compile_helpers(self) -> None:
-        """The fork executables, copy_blocks and write_slot (once; warm-up builds them with the buckets)."""
+        """The fork executables, copy_blocks and write_slot, and the prompt logprobs' (once; warm-up builds them
+        with the buckets)."""
         if self._copy_executable is not None:
             return
         programs = self._helper_programs()
         self._copy_executable = self._compile(*programs["copy_blocks"], "copy_blocks")
         self._write_slot_executable = self._compile(*programs["write_slot"], "write_slot")
+        if self.prompt_positions is not None:
+            self.compile_prompt_logprobs()
+
+    def compile_prompt_logprobs(self) -> jax.stages.Compiled:
+        """The prompt logprobs' executable (once; `compile_helpers` builds it with the forks')."""
+        if self._prompt_logprobs_executable is None:
+            program = self._helper_programs()[PROMPT_LOGPROBS]
+            self._prompt_logprobs_executable = self._compile(*program, PROMPT_LOGPROBS)
+        return self._prompt_logprobs_executable
 
     def _helper_programs(self) -> dict[str, tuple]:
-        """The fork programs by name: (jitted function, abstract arguments)."""
+        """The fork programs and (unless this runner computes none) the prompt logprobs' by name: (jitted
+        function, abstract arguments)."""
         m, vocab = self.max_copies, self.config.vocab_size
         rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
         sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
         idx = sds((m,), jnp.int32)
-        return {
+        programs = {
             "copy_blocks": (
                 jax.jit(self._copy_blocks, donate_argnums=(0, 1), out_shardings=((pool, pool), rep)),
                 (self._state_structs[1], self._state_structs[2], idx, idx, idx, idx),
@@ -436,6 +467,10 @@ class ModelRunner:
                  sds((vocab,), jnp.bool_), sds((vocab,), jnp.int32), sds((vocab,), jnp.bool_)),
             ),
         }
+        if self.prompt_positions is not None:
+            programs[PROMPT_LOGPROBS] = (jax.jit(self._prompt_logprobs, out_shardings=rep),
+                                         (self._state_structs[0], self._state_structs[3], sds((), jnp.int32)))
+        return programs
 
     def execute(self, bucket, inputs: StepInputs, prev_tokens: jax.Array | None = None) -> StepOutput:
         """Dispatches one step and its sampler without waiting for them; returns its StepOutput as device arrays.
@@ -455,17 +490,28 @@ class ModelRunner:
         feed_rows = no_feed if inputs.feed_rows is None else inputs.feed_rows
         feed_cols = no_feed if inputs.feed_cols is None else inputs.feed_cols
         sampler = self._sampler(shape.sample_shape)
-        (logits, prompt_logprobs), self.kv_pool, self.slot_state = executable(
-            self.params, self.kv_pool, self.slot_state, inputs.input_ids, meta, inputs.sample_index,
-            inputs.sampling, self.no_tokens if prev_tokens is None else prev_tokens, feed_rows, feed_cols,
-            inputs.verify,
+        logits, self.kv_pool, self.slot_state, self.prompt_positions = executable(
+            self.params, self.kv_pool, self.slot_state, self.prompt_positions, inputs.input_ids, meta,
+            inputs.sample_index, inputs.sampling, self.no_tokens if prev_tokens is None else prev_tokens, feed_rows,
+            feed_cols, inputs.verify,
         )
+        prompt_logprobs = self._run_prompt_logprobs(shape, inputs.sampling)
         if inputs.verify is None:
             tokens, logprobs = sampler(self.slot_state, logits, inputs.sampling)
             return StepOutput(tokens, logits, logprobs, prompt_logprobs)
         (tokens, logprobs, num_accepted), self.slot_state = sampler(self.slot_state, logits, inputs.sampling,
                                                                     inputs.verify)
         return StepOutput(tokens, logits, logprobs, prompt_logprobs, num_accepted)
+
+    def _run_prompt_logprobs(self, shape: StepShape, sampling: SamplingTensors) -> TokenLogprobs | None:
+        """After a step of several query tokens where a row asks for prompt logprobs: every position's, flat
+        [N(, K)] (dispatched before the next step overwrites the positions it left)."""
+        if shape.input_shape[1] == 1 or not np.any(sampling.flags & FLAG_PROMPT_LOGPROBS):
+            return None
+        if self.prompt_positions is None:
+            raise ValueError("this runner computes no prompt logprobs (max_step_tokens=0)")
+        num_tokens = np.int32(math.prod(shape.input_shape))
+        return self.compile_prompt_logprobs()(self.params, self.prompt_positions, num_tokens)
 
     def resample(self, output: StepOutput, sampling: SamplingTensors) -> StepOutput:
         """A dispatched step's output with its rows sampled again under ``sampling`` (its S rows) from its
@@ -507,3 +553,8 @@ def _padded_pairs(pairs: list[tuple[int, int]], size: int, out_of_range: int) ->
     if pairs:
         src[: len(pairs)], dst[: len(pairs)] = zip(*pairs, strict=True)
     return src, dst
+
+
+def _device_zeros(struct: jax.ShapeDtypeStruct) -> jax.Array:
+    """A zeroed array put on ``struct``'s sharding from the host (no program to compile)."""
+    return jax.device_put(np.zeros(struct.shape, struct.dtype), struct.sharding)

@@ -166,14 +166,16 @@ def test_precompile_compiles_every_bucket_fresh_and_records_the_manifest(precomp
     assert "4 buckets in " in stdout and ": 0 from the compile cache, 4 compiled fresh, 1 thread" in stdout
     assert "no manifest (not precompiled)" in stdout
     # 4 buckets, the sampler executables of their 2 batch sizes, the allocations of the KV pool, of
-    # `no_tokens` and of the sampler state (3 distinct arrays), and the 2 fork executables (copy_blocks, write_slot)
-    assert num_cache_entries(cache) == 13
-    # The 4 buckets, 2 samplers and 2 fork executables are also stored serialized, under the configuration's key.
+    # `no_tokens` and of the sampler state (3 distinct arrays), the 2 fork executables (copy_blocks, write_slot) and
+    # the prompt logprobs'
+    assert num_cache_entries(cache) == 14
+    # The 4 buckets, 2 samplers, 2 fork executables and the prompt logprobs' are also stored serialized, under the
+    # configuration's key.
     (store_dir,) = (cache / STORE_DIR_NAME).iterdir()
     assert sorted(p.name for p in store_dir.iterdir()) == [
-        "copy_blocks.executable", "sample-s1.executable", "sample-s2.executable", "step-s1-q1-p4.executable",
-        "step-s1-q16-p4.executable", "step-s2-q1-p4.executable", "step-s2-t16-p4.executable",
-        "write_slot.executable",
+        "copy_blocks.executable", "prompt-logprobs.executable", "sample-s1.executable", "sample-s2.executable",
+        "step-s1-q1-p4.executable", "step-s1-q16-p4.executable", "step-s2-q1-p4.executable",
+        "step-s2-t16-p4.executable", "write_slot.executable",
     ]
     (manifest,) = read_manifests(cache)
     assert store_dir.name == store_key(manifest)
@@ -193,13 +195,14 @@ def test_second_process_starts_from_the_cache_with_zero_fresh_compiles(precompil
     assert probe["state"] == "match" and probe["differences"] == []
     assert probe["sources"] == ["cache hit"] * 4
     assert (probe["hits"], probe["fresh"]) == (4, 0)
-    # The 4 buckets, 2 samplers and 2 fork executables are deserialized from the store: neither lowered nor
-    # compiled. The process's only XLA compilations are the 5 allocation programs, all loaded from JAX's cache.
-    assert (probe["store_loaded"], probe["store_saved"]) == (8, 0)
+    # The 4 buckets, 2 samplers, 2 fork executables and the prompt logprobs' are deserialized from the store:
+    # neither lowered nor compiled. The process's only XLA compilations are the 5 allocation programs, all loaded
+    # from JAX's cache.
+    assert (probe["store_loaded"], probe["store_saved"]) == (9, 0)
     assert (probe["backend_compiles"], probe["cache_hits"], probe["cache_writes"]) == (5, 5, 0)
     assert probe["compiles_after_warm_up"] == 0
     assert probe["tokens"] == _hf_greedy(model_dir, PROMPT, NEW_TOKENS)  # loaded executables compute right
-    assert num_cache_entries(cache) == 13
+    assert num_cache_entries(cache) == 14
 
 
 def test_changed_bucket_file_is_reported_and_only_new_buckets_compile(precompiled, model_dir, tmp_path):
@@ -238,8 +241,8 @@ def test_tensor_parallel_precompile_starts_with_zero_fresh_compiles(model_dir, b
     assert manifest.engine_limits["tensor_parallel_size"] == 2
     probe = _probe_engine(model_dir, bucket_file, cache, "strict", tensor_parallel_size=2)
     assert probe["state"] == "match" and (probe["hits"], probe["fresh"]) == (4, 0)
-    # loaded: 4 steps, 2 samplers, 2 forks
-    assert (probe["store_loaded"], probe["backend_compiles"], probe["cache_hits"]) == (8, 5, 5)
+    # loaded: 4 steps, 2 samplers, 2 forks, the prompt logprobs'
+    assert (probe["store_loaded"], probe["backend_compiles"], probe["cache_hits"]) == (9, 5, 5)
     assert probe["tokens"] == _hf_greedy(model_dir, PROMPT, NEW_TOKENS)
 
 
@@ -542,7 +545,7 @@ def test_engine_uses_the_per_user_cache_by_default(model_dir, bucket_file, tmp_p
     assert engine.compile_cache_dir == engine.warm_up_report.cache_dir == persistent_cache_dir() == expected
     assert num_cache_entries(expected) > 0  # JAX's entries
     (store_dir,) = (expected / STORE_DIR_NAME).iterdir()  # and the serialized buckets
-    assert len(list(store_dir.glob("*.executable"))) == 8  # 4 buckets, 2 samplers, 2 forks
+    assert len(list(store_dir.glob("*.executable"))) == 9  # 4 buckets, 2 samplers, 2 forks, the prompt logprobs'
     (manifest,) = read_manifests(expected)
     assert manifest.info["written_by"] == "engine warm-up"
 

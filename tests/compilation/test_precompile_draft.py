@@ -186,8 +186,8 @@ def test_a_deviceless_tpu_target_compiles_the_draft_models_programs_unstored(dra
     assert all(p.total_bytes > 0 for p in report.programs)
     assert "draft step-s1-q1-p4" in report.format_table()
     stored = sorted(p.name for p in (cache / "jaxserve_executables").rglob("*.executable"))
-    assert stored == ["copy_blocks.executable", "sample-s1.executable", "step-s1-q16-p4.executable",
-                      "write_slot.executable"]  # the target's step, sampler and forks only
+    assert stored == ["copy_blocks.executable", "prompt-logprobs.executable", "sample-s1.executable",
+                      "step-s1-q16-p4.executable", "write_slot.executable"]  # the target's only
 
 
 def test_a_cuda_target_lowers_the_draft_models_programs(draft_config):

@@ -49,11 +49,18 @@ class _Compiled:
 
 
 class _Runner:
-    """Steps and samplers whose temporaries are given per shape, beside ``resident`` bytes of weights and pool;
-    records what was compiled."""
+    """Steps and samplers whose temporaries are given per shape, beside ``resident`` bytes of weights and pool, and
+    (``prompt_logprobs_temp``) the prompt logprobs' program; records what was compiled."""
 
-    def __init__(self, temps: dict[StepShape | SampleShape, int], num_blocks: int, resident: int):
+    def __init__(self, temps: dict[StepShape | SampleShape, int], num_blocks: int, resident: int,
+                 prompt_logprobs_temp: int | None = None):
         self.temps, self.compiled, self.num_blocks, self.resident = temps, [], num_blocks, resident
+        self.prompt_positions = None if prompt_logprobs_temp is None else "positions"
+        self.prompt_logprobs_temp = prompt_logprobs_temp
+
+    def compile_prompt_logprobs(self) -> _Compiled:
+        self.compiled.append("prompt-logprobs")
+        return _Compiled(self.prompt_logprobs_temp)
 
     def compile(self, shape: StepShape) -> _Compiled:
         self.compiled.append(shape)
@@ -92,6 +99,17 @@ def test_a_sampler_beside_the_weights_and_pool_can_be_what_overshoots():
     runner = _Runner({decode: 100, SampleShape(8): 0}, num_blocks=2, resident=600)
     # the step: 1115 bytes; the sampler: 1015 + 600 resident = 1615, and 800 more with 10 blocks
     assert blocks_over_budget(runner, [decode], MemoryBudget(2000), 100, pool_blocks=10) == (5, 2415)
+
+
+def test_the_prompt_logprobs_program_beside_the_weights_and_pool_can_be_what_overshoots():
+    decode = StepShape(8, 1, 8)
+    runner = _Runner({decode: 100, SampleShape(8): 0}, num_blocks=2, resident=600, prompt_logprobs_temp=700)
+    # the step: 1115 bytes; the sampler: 1015 + 600 = 1615; the prompt logprobs: its outputs, temporaries and code
+    # (30 - 20 + 700 + 5; its arguments are resident) + the resident 600 = 1315; the largest, 800 more with 10 blocks
+    assert blocks_over_budget(runner, [decode], MemoryBudget(2000), 100, pool_blocks=10) == (5, 2415)
+    runner.prompt_logprobs_temp = 1200  # now it is the largest: 30 - 20 + 5 + 1200 + 600 = 1815, and 800 more
+    assert blocks_over_budget(runner, [decode], MemoryBudget(2000), 100, pool_blocks=10) == (7, 2615)
+    assert runner.compiled.count("prompt-logprobs") == 2
 
 
 def test_largest_samplers_are_the_most_rows_of_plain_and_verifying_steps():

@@ -73,7 +73,7 @@ def test_embedded_model_compiles_for_v5e_and_every_program_fits(embedded_v5e):
     names = [p.name for p in report.programs]
     assert names[:3] == ["step-s1-q128-p8", "step-s8-q1-p8", "step-s8-t128-p8"]
     assert names[3:5] == ["sample-s1", "sample-s8"]  # one per batch size of the steps
-    assert {"copy_blocks", "write_slot"} <= set(names)
+    assert {"copy_blocks", "write_slot", "prompt-logprobs"} <= set(names)
     assert report.failures() == []
     pool_bytes = 2 * report.grid.num_blocks * 64 * 3 * 64 * 30 * 2  # K and V, bfloat16
     steps = [p for p in report.programs if p.name.startswith("step-")]
@@ -89,7 +89,8 @@ def test_embedded_model_compiles_for_v5e_and_every_program_fits(embedded_v5e):
     assert "compiled for v5e:2x2 (TPU v5 lite, 4 devices, tensor parallel 1)" in table
     assert "every program fits" in table
     stored = sorted(p.name for p in (cache / STORE_DIR_NAME).glob("*/*.executable"))
-    assert stored == sorted(f"{name}.executable" for name in names[:5] + ["copy_blocks", "write_slot"])
+    stored_names = names[:5] + ["copy_blocks", "write_slot", "prompt-logprobs"]
+    assert stored == sorted(f"{name}.executable" for name in stored_names)
     (manifest,) = read_manifests(cache)
     assert (manifest.platform, manifest.device_kind) == ("tpu", "TPU v5 lite")
     assert manifest.info["written_by"] == "precompile --target v5e:2x2"
@@ -124,11 +125,11 @@ def test_gpu_grid_lowers_for_cuda(small_grid):
     report = compile_for_target(config, "cuda", max_buckets=3)
     assert report.target.lower_only
     assert report.failures() == []
-    # three steps, the samplers of their batch sizes, five allocations, two forks
+    # three steps, the samplers of their batch sizes, five allocations, two forks, the prompt logprobs'
     sizes = {p.name.split("-")[1] for p in report.programs if p.name.startswith("step-")}
     assert sorted(p.name for p in report.programs if p.name.startswith("sample-")) == sorted(
         f"sample-{s}" for s in sizes)
-    assert len(report.programs) == 3 + len(sizes) + 7
+    assert len(report.programs) == 3 + len(sizes) + 8
     table = report.format_table()
     assert "lowered for cuda" in table and table.endswith("every program lowered")
     # dtype auto means the GPU's: bfloat16 for its tensor cores, whatever this CPU has
@@ -186,9 +187,12 @@ def test_cli_exits_1_naming_the_programs_that_do_not_fit(tmp_path, capsys):
 
 # Every program of the default grids at max_model_len 8192 and the engine's defaults (max_num_seqs 256, 16 x 2048
 # batched tokens): one context length, so one step per decode batch size, prefill (batch, chunk) and mixed (rows,
-# tokens); a sampler per batch size; the pool's, no_tokens' and the sampler state's three allocations; two forks.
-TPU_PROGRAMS = {"prefill step": 9, "decode step": 6, "mixed step": 8, "sampler": 8, "allocation": 5, "fork": 2}
-GPU_PROGRAMS = {"prefill step": 9, "decode step": 7, "mixed step": 8, "sampler": 7, "allocation": 5, "fork": 2}
+# tokens); a sampler per batch size; the pool's, no_tokens' and the sampler state's three allocations; two forks;
+# the prompt logprobs' program.
+TPU_PROGRAMS = {"prefill step": 9, "decode step": 6, "mixed step": 8, "sampler": 8, "allocation": 5, "fork": 2,
+                "prompt logprobs": 1}
+GPU_PROGRAMS = {"prefill step": 9, "decode step": 7, "mixed step": 8, "sampler": 7, "allocation": 5, "fork": 2,
+                "prompt logprobs": 1}
 
 
 @pytest.mark.parametrize(("target", "model", "expected"), [
@@ -201,8 +205,8 @@ def test_default_grids_have_at_most_40_programs(target, model, expected, llama3_
     plan = plan_for_target(config, target, fit_to_steps=False)
     assert plan.built.grid.max_model_len == 8192 and plan.built.grid.max_num_batched_tokens == 16 * 2048
     assert count_by_kind(plan.programs) == expected
-    assert len(plan.programs) == 38
-    assert len({p.name for p in plan.programs}) == 38  # every name once
+    assert len(plan.programs) == 39
+    assert len({p.name for p in plan.programs}) == 39  # every name once
     assert plan.runner.num_compiles == 0  # counted, not compiled
     # with vLLM's 8192 batched tokens the 16 x 2048 prefill is pruned: 37
     smaller = plan_for_target(dataclasses.replace(config, max_num_batched_tokens=8192), target, fit_to_steps=False)
@@ -212,17 +216,18 @@ def test_default_grids_have_at_most_40_programs(target, model, expected, llama3_
 def test_cli_lists_the_programs_and_compiles_nothing(capsys):
     assert main(["precompile", "--target", "v5e:2x2", "--list", "--max-model-len", "8192"]) == 0
     out = capsys.readouterr().out.splitlines()
-    header = ("38 programs to compile for v5e:2x2: 9 prefill steps, 6 decode steps, 8 mixed steps, 8 samplers, "
-              "5 allocations, 2 forks")
+    header = ("39 programs to compile for v5e:2x2: 9 prefill steps, 6 decode steps, 8 mixed steps, 8 samplers, "
+              "5 allocations, 2 forks, 1 prompt logprobs")
     assert out[1] == header
-    listed = [line.split() for line in out[2:40]]
+    listed = [line.split() for line in out[2:41]]
     assert listed[0] == ["step-s1-q128-p128", "prefill", "step"]
     assert listed[9] == ["step-s8-q1-p128", "decode", "step"]
     assert listed[22] == ["step-s256-t2048-p128", "mixed", "step"]
     assert [name for name, *_ in listed[23:31]] == [f"sample-s{b}" for b in (1, 4, 16, 8, 32, 64, 128, 256)]
-    assert [name for name, *_ in listed[36:]] == ["copy_blocks", "write_slot"]
-    assert out[40].startswith("compiled nothing")
-    assert len(out) == 41
+    assert [name for name, *_ in listed[36:38]] == ["copy_blocks", "write_slot"]
+    assert listed[38] == ["prompt-logprobs", "prompt", "logprobs"]
+    assert out[41].startswith("compiled nothing")
+    assert len(out) == 42
 
 
 def test_cli_list_needs_a_target():

@@ -157,17 +157,19 @@ def test_serving_uses_the_warm_up_shardings_and_compiles_nothing(llms):
         params_in, pool_in = executable.input_shardings[0][:2]
         assert pool_in == (runner.kv_pool[0].sharding, runner.kv_pool[1].sharding)
         assert jax.tree.leaves(params_in) == jax.tree.leaves(jax.tree.map(lambda x: x.sharding, runner.params))
-        assert executable.output_shardings[1][0].spec == P(None, "tp")  # ((logits, prompt logprobs), pool, slots)
+        assert executable.output_shardings[1][0].spec == P(None, "tp")  # (logits, pool, slots, positions)
 
 
 def test_compiled_steps_only_all_reduce_the_row_parallel_outputs_and_update_the_pool_in_place(llms):
     """Megatron's communication and nothing more: the scanned layer body all-reduces the o_proj and
     down_proj outputs ([S, Q, hidden], or [1, T, hidden] in a mixed step); no all-gather (the pool and weights
-    never move), and the donated pool's and (replicated) sampler state's per-device bytes are aliased to the
-    output. The sampler executables communicate nothing: every device samples the same replicated logits."""
+    never move), and the donated pool's, (replicated) sampler state's and prompt positions' per-device bytes are
+    aliased to the output. The sampler executables communicate nothing: every device samples the same replicated
+    logits."""
     runner = llms[4].llm_engine.runner
     donated_bytes_per_device = sum(pool.addressable_shards[0].data.nbytes for pool in runner.kv_pool)
-    donated_bytes_per_device += sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.slot_state))
+    donated = jax.tree.leaves((runner.slot_state, runner.prompt_positions))
+    donated_bytes_per_device += sum(x.addressable_shards[0].data.nbytes for x in donated)
     for shape, executable in runner.executables.items():
         hlo = executable.as_text()
         collectives = re.findall(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(", hlo)
@@ -301,3 +303,22 @@ def test_bfloat16_layout_splits_too(model_dir, buckets):
     compiles_before = num_backend_compiles()
     assert _generate(bf16[2]) == _generate(bf16[1])
     assert num_backend_compiles() == compiles_before
+
+
+def test_prompt_logprobs_agree_with_the_positions_split_over_the_hidden_axis(llms):
+    """A step leaves its hidden states sharded on H (`PromptPositions`); the prompt logprobs' program computes on
+    the mesh what it computes on one device."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    found = {}
+    for tp, llm in llms.items():
+        entries = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].prompt_logprobs
+        found[tp] = entries[1:]
+        hidden = llm.llm_engine.runner.prompt_positions.hidden
+        assert hidden.sharding.spec == P(None, "tp")
+        assert hidden.addressable_shards[0].data.shape[1] == hidden.shape[1] // tp
+    assert len(found[1]) == len(PROMPTS[0]) - 1
+    for tp in (2, 4):
+        assert [list(e) for e in found[tp]] == [list(e) for e in found[1]]  # same tokens, same order
+        assert [[x.rank for x in e.values()] for e in found[tp]] == [[x.rank for x in e.values()] for e in found[1]]
+        np.testing.assert_allclose([[x.logprob for x in e.values()] for e in found[tp]],
+                                   [[x.logprob for x in e.values()] for e in found[1]], atol=2e-5)

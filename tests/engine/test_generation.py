@@ -217,10 +217,14 @@ def test_finish_reasons_length_and_abort(llm):
 # ----- logprobs -----------------------------------------------------------------------------------------
 
 
-def test_logprobs_and_prompt_logprobs_match_log_softmax_of_hf_logits(llm, hf):
+def test_logprobs_and_prompt_logprobs_match_log_softmax_of_hf_logits(llm, hf, monkeypatch):
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 259, size=70)]  # prefilled as 64 + 6
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True, logprobs=4, prompt_logprobs=3)
+    runner = llm.llm_engine.runner
+    program, runs = runner.compile_prompt_logprobs(), []
+    monkeypatch.setattr(runner, "_prompt_logprobs_executable", lambda *args: runs.append(1) or program(*args))
     result = one(llm, prompt, params)
+    assert len(runs) == 2  # after each of the two prefill steps; never after a decode step
     out = result.outputs[0]
     ref = hf.logprobs(prompt + out.token_ids)
     for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
@@ -234,6 +238,7 @@ def test_logprobs_and_prompt_logprobs_match_log_softmax_of_hf_logits(llm, hf):
     assert no_logprobs.outputs[0].token_ids == out.token_ids  # asking for logprobs changes no token
     assert (no_logprobs.outputs[0].logprobs, no_logprobs.outputs[0].cumulative_logprob) == (None, None)
     assert no_logprobs.prompt_logprobs is None
+    assert len(runs) == 2  # no row of its steps asked
 
 
 def check_position(entry, token, ref_row, k, llm):

@@ -41,4 +41,5 @@ def test_the_runner_compiles_its_steps_in_their_dtype_and_its_sampler_in_float32
     runner.compile_sampler(SampleShape(4))
     assert seen == [step_options, LLVM_IR_EMITTERS]
     assert runner.compiler_options_of("step-s4-q1-p2") == step_options  # what bench_compile.py compiles with
+    assert runner.compiler_options_of("prompt-logprobs") == step_options  # the lm head, in the engine's dtype
     assert runner.compiler_options_of("sample-s4") == runner.compiler_options_of("copy_blocks") == LLVM_IR_EMITTERS

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from jaxserve.attention.metadata import AttentionMetadata, token_layout
-from jaxserve.runner.logprobs import prompt_logprobs, prompt_targets, token_logprobs
+from jaxserve.runner.logprobs import (
+    PROMPT_LOGPROBS_CHUNK,
+    PromptPositions,
+    prompt_logprobs,
+    prompt_targets,
+    token_logprobs,
+)
 from jaxserve.runner.sampler import (
     FLAG_GRAMMAR,
     FLAG_LOGIT_BIAS,
@@ -369,11 +375,17 @@ def test_prompt_logprobs_over_chunks_equal_a_direct_log_softmax(q):
     np.testing.assert_array_equal(targets[0], np.append(input_ids[0, 1:], 5))
     np.testing.assert_array_equal(targets[1, : q - 4], input_ids[1, 1 : q - 3])
     assert targets[1, q - 4] == 9
-    out = jax.jit(lambda hd, t: prompt_logprobs(hd, t, lambda x: x @ weight, K))(hidden, targets)
-    direct = token_logprobs(jnp.asarray(hidden @ weight), jnp.asarray(targets), K)
+    structs = PromptPositions.abstract(150, h, jnp.float32)
+    assert structs.hidden.shape == (160, h)  # a whole number of chunks
+    ones = PromptPositions(jnp.ones((160, h), jnp.float32), jnp.ones(160, jnp.int32))  # an earlier step's
+    positions = jax.jit(PromptPositions.written)(ones, hidden, targets)
+    out = jax.jit(lambda p, n: prompt_logprobs(p, n, lambda x: x @ weight, K))(positions, np.int32(s * q))
+    direct = token_logprobs(jnp.asarray(hidden @ weight).reshape(s * q, V), jnp.asarray(targets).reshape(-1), K)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(direct), strict=True):
-        assert a.shape == b.shape
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        assert a.shape[0] == 160 and a.shape[1:] == b.shape[1:]
+        np.testing.assert_allclose(np.asarray(a)[: s * q], np.asarray(b), rtol=1e-5, atol=1e-5)
+        last_chunk_end = -(-s * q // PROMPT_LOGPROBS_CHUNK) * PROMPT_LOGPROBS_CHUNK
+        assert not np.any(np.asarray(a)[last_chunk_end:])  # chunks past the step's positions: not computed
 
 
 # ----- per-slot state ----------------------------------------------------------------------------------
