@@ -15,7 +15,7 @@ from jaxserve.compilation.compile_cache import step_code_files, step_code_hash
 from jaxserve.compilation.precompile import abstract_params
 from jaxserve.quantization.weights import apply_quantization
 from jaxserve.runner.input_batch import StepShape
-from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.model_runner import PROMPT_LOGPROBS, STEP_PREFIX, ModelRunner
 from jaxserve.testing.tiny_models import tiny_hf_config
 from jaxserve.weights import load_config
 from tests.paths import REPO_ROOT
@@ -39,9 +39,12 @@ def _model_config(family: str, directory: Path):
     return load_config(directory)
 
 
-def _files_run_while_lowering(model_config, backend: str, dtype: str, quantization: str | None = None) -> set[str]:
+def _files_run_while_lowering(model_config, backend: str, dtype: str, quantization: str | None = None, *,
+                              model_programs_only: bool = False) -> set[str]:
     """Repository files (relative paths) whose functions run while the runner is built and every program of
-    ``SHAPES`` (steps, samplers, allocations, forks) is traced and lowered."""
+    ``SHAPES`` (steps, samplers, allocations, forks, the prompt logprobs') is traced and lowered; with
+    ``model_programs_only`` the steps and the prompt logprobs' (the others run no model code: one family's
+    cover them)."""
     files: set[str] = set()
 
     def profile(frame, event, arg):
@@ -52,9 +55,11 @@ def _files_run_while_lowering(model_config, backend: str, dtype: str, quantizati
     sys.setprofile(profile)
     try:
         runner = ModelRunner(model_config, params, dtype=dtype, block_size=16, num_blocks=8, max_rows=4,
-                             attention_backend=backend, abstract=True, num_sampler_slots=4, num_logprobs=2)
-        for jitted, args in runner.programs(SHAPES).values():
-            jitted.trace(*args).lower()
+                             attention_backend=backend, abstract=True, num_sampler_slots=4, num_logprobs=2,
+                             max_step_tokens=16)
+        for name, (jitted, args) in runner.programs(SHAPES).items():
+            if not model_programs_only or name.startswith(STEP_PREFIX) or name == PROMPT_LOGPROBS:
+                jitted.trace(*args).lower()
     finally:
         sys.setprofile(None)
     ours = [Path(f).resolve() for f in files if Path(f).is_absolute()]
@@ -67,10 +72,11 @@ def traced_files(tmp_path_factory) -> set[str]:
     for family in ARCHITECTURES:
         model_config = _model_config(family, tmp_path_factory.mktemp(family))
         for backend, dtype in BACKENDS:
-            traced |= _files_run_while_lowering(model_config, backend, dtype)
+            traced |= _files_run_while_lowering(model_config, backend, dtype, model_programs_only=bool(traced))
     # quantized weights and activations: the quantized products are traced into the steps too
     llama = _model_config("llama", tmp_path_factory.mktemp("llama-int8"))
-    traced |= _files_run_while_lowering(llama, "reference", "float32", quantization="int8_w8a8")
+    traced |= _files_run_while_lowering(llama, "reference", "float32", quantization="int8_w8a8",
+                                        model_programs_only=True)
     return traced
 
 
