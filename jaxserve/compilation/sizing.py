@@ -203,8 +203,7 @@ def running_bytes(compiled: jax.stages.Compiled) -> int:
 
 def largest_of_each_kind(shapes: list[StepShape]) -> list[StepShape]:
     """The largest step (query tokens, then pages) of each kind: prefill, decode and mixed (ragged)."""
-    size = lambda s: (s.batch_size * s.num_query_tokens if not s.ragged else s.num_query_tokens, s.batch_size,
-                      s.pages_per_seq)
+    size = lambda s: (s.num_tokens, s.batch_size, s.pages_per_seq)
     largest: dict[str, StepShape] = {}
     for shape in shapes:
         if shape.kind not in largest or size(shape) > size(largest[shape.kind]):

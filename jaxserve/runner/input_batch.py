@@ -37,6 +37,11 @@ class StepShape:
         return (1, self.num_query_tokens) if self.ragged else (self.batch_size, self.num_query_tokens)
 
     @property
+    def num_tokens(self) -> int:
+        """Query tokens of the step, padding included (its input's size)."""
+        return self.batch_size * self.num_query_tokens if not self.ragged else self.num_query_tokens
+
+    @property
     def sample_shape(self) -> SampleShape:
         return SampleShape(self.batch_size, self.num_sample_positions, self.num_speculative_tokens)
 

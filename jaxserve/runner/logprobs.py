@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxserve.attention.metadata import TokenLayout
+from jaxserve.math_utils import cdiv, round_up
 from jaxserve.reductions import count_true
 
 PROMPT_LOGPROBS_CHUNK = 32  # prompt positions whose logits exist at once
@@ -74,7 +75,7 @@ class PromptPositions:
     @classmethod
     def abstract(cls, max_step_tokens: int, hidden_size: int, dtype, hidden_sharding=None,
                  targets_sharding=None) -> PromptPositions:
-        n = -(-max_step_tokens // PROMPT_LOGPROBS_CHUNK) * PROMPT_LOGPROBS_CHUNK
+        n = round_up(max_step_tokens, PROMPT_LOGPROBS_CHUNK)
         return cls(jax.ShapeDtypeStruct((n, hidden_size), dtype, sharding=hidden_sharding),
                    jax.ShapeDtypeStruct((n,), jnp.int32, sharding=targets_sharding))
 
@@ -103,5 +104,4 @@ def prompt_logprobs(
         found = token_logprobs(logits_fn(hidden), targets, k)
         return jax.tree.map(lambda o, f: jax.lax.dynamic_update_slice_in_dim(o, f, start, 0), out, found)
 
-    num_chunks = (num_tokens + chunk - 1) // chunk
-    return jax.lax.fori_loop(0, num_chunks, one_chunk, TokenLogprobs.zeros((n,), k))
+    return jax.lax.fori_loop(0, cdiv(num_tokens, chunk), one_chunk, TokenLogprobs.zeros((n,), k))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import threading
 import time
 from typing import Protocol
@@ -236,7 +235,7 @@ class ModelRunner:
             num_blocks=grid.num_blocks if num_blocks is None else num_blocks, max_rows=grid.max_batch_size,
             attention_backend=config.attention_backend, mesh=mesh, abstract=abstract, platform=platform,
             num_sampler_slots=grid.max_num_seqs, num_logprobs=config.max_logprobs, kv_cache_dtype=config.kv_cache_dtype,
-            max_step_tokens=max(math.prod(step_shape(b, grid.block_size).input_shape) for b in grid.buckets),
+            max_step_tokens=max(bucket.num_tokens for bucket in grid.buckets),
         )
 
     def _abstract_pool(self) -> tuple:
@@ -510,8 +509,7 @@ class ModelRunner:
             return None
         if self.prompt_positions is None:
             raise ValueError("this runner computes no prompt logprobs (max_step_tokens=0)")
-        num_tokens = np.int32(math.prod(shape.input_shape))
-        return self.compile_prompt_logprobs()(self.params, self.prompt_positions, num_tokens)
+        return self.compile_prompt_logprobs()(self.params, self.prompt_positions, np.int32(shape.num_tokens))
 
     def resample(self, output: StepOutput, sampling: SamplingTensors) -> StepOutput:
         """A dispatched step's output with its rows sampled again under ``sampling`` (its S rows) from its

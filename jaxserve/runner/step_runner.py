@@ -18,7 +18,6 @@ the step costs the scheduler's budget learns from.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Protocol
 
@@ -191,8 +190,8 @@ class StepRunner:
         logprobs = host_logprobs(output.logprobs) if np.any(step.flags & FLAG_LOGPROBS) else None
         prompt = None
         if output.prompt_logprobs is not None:  # flat over the step's positions: back in its input's shape
-            input_shape = step_shape(step.bucket, self.block_size).input_shape
-            prompt = tuple(x[: math.prod(input_shape)].reshape(*input_shape, *x.shape[1:])
+            shape = step_shape(step.bucket, self.block_size)
+            prompt = tuple(x[: shape.num_tokens].reshape(*shape.input_shape, *x.shape[1:])
                            for x in host_logprobs(output.prompt_logprobs))
         num_accepted = None if output.num_accepted is None else np.asarray(output.num_accepted)
         if self.timer is not None:
