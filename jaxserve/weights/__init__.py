@@ -77,11 +77,10 @@ def load_config(path: Path) -> ModelConfig:
     if is_orbax_dir(path):
         return read_orbax_config(path)
     if path.suffix == ".gguf":
-        import gguf
+        from jaxserve.weights.converted_cache import cached_config
+        from jaxserve.weights.gguf_file import read_gguf_hf_config
 
-        from jaxserve.weights.gguf_file import read_gguf_config
-
-        return read_gguf_config(gguf.GGUFReader(str(path)))
+        return ModelConfig.from_hf(cached_config(path, read_gguf_hf_config))
     from jaxserve.weights.safetensors_dir import read_hf_config
 
     return read_hf_config(path)

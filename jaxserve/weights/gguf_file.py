@@ -125,8 +125,11 @@ def gguf_architecture(reader) -> str:
     return arch
 
 
-def read_gguf_config(reader) -> ModelConfig:
-    return ModelConfig.from_hf(gguf_hf_config(reader))
+def read_gguf_hf_config(path: Path) -> dict:
+    """The Hugging Face config dict of the GGUF file ``path`` (`gguf_hf_config`)."""
+    import gguf
+
+    return gguf_hf_config(gguf.GGUFReader(str(path)))
 
 
 def gguf_model_config(hf_config: dict, quantization: str | None = None) -> ModelConfig:

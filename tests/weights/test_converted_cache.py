@@ -16,7 +16,7 @@ from flax.traverse_util import flatten_dict
 from jaxserve.config.quantization_config import parse_quantization
 from jaxserve.testing.tiny_gguf import QUANTIZED_LAYER_TYPES, make_tiny_gguf
 from jaxserve.testing.tiny_models import make_tiny_model
-from jaxserve.weights import converted_cache, load_model
+from jaxserve.weights import converted_cache, load_config, load_model
 from jaxserve.weights.converted_cache import (
     ENTRY_FILE,
     WEIGHTS_CACHE_ENV,
@@ -90,6 +90,22 @@ def test_the_second_load_maps_the_converted_tree_without_parsing_the_file(gguf_p
     assert {leaf.dtype for leaf in leaves.values()} == {np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)}
     assert all(type(leaf) is np.ndarray and not leaf.flags.writeable for leaf in leaves.values())
     assert second.tokenizer("Hello").input_ids == first.tokenizer("Hello").input_ids
+
+
+def test_a_gguf_config_is_read_once_then_from_the_cache_and_a_changed_file_is_read_again(gguf_path, cache_dir,
+                                                                                         tmp_path, monkeypatch):
+    path = tmp_path / "copy.gguf"
+    path.write_bytes(gguf_path.read_bytes())
+    expected = gguf_model_config(load_gguf(path, "float32")[0])
+    assert load_config(path) == expected
+    key = converted_cache.file_cache_name(path, converted_cache.conversion_code_hash())
+    assert [p.name for p in cache_dir.iterdir()] == [f"{key}.config.json"]
+    forbid_gguf_parse(monkeypatch)
+    assert load_config(path) == expected
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(AssertionError, match="the GGUF file was parsed"):
+        load_config(path)
 
 
 def test_bfloat16_leaves_are_stored_as_their_bytes(gguf_path, cache_dir):
