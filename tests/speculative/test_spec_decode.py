@@ -22,7 +22,7 @@ from jaxserve.speculative.proposer import Proposer
 from jaxserve.testing.tiny_models import make_tiny_model
 from tests.generation_fixtures import BUCKETS, llm_on_buckets, record_planned_ahead, tokens_prompt
 
-MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [16, 32]\n"
+MIXED = "[mixed]\nbatch_sizes = [4, 8]\ntoken_counts = [32]\n"
 K = 3
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 REPETITIVE = [[5, 6, 7, 8, 9] * 4, [20, 21, 22] * 6 + [20], [40 + (j % 7) for j in range(45)], [3, 4]]
