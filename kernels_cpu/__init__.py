@@ -20,6 +20,9 @@ shift), float8 ones (a 256-entry table) and int8 rows (a conversion, times the r
 loads them, and computes in float32. With `logit_softcap` c (Gemma 2's
 attn_logit_softcapping) each scaled score s becomes c * tanh(s / c) before masking and the softmax; without
 it the kernel runs a variant compiled with no trace of the cap.
+The sliding window is an operand, not an attribute (0: none): a model whose layers differ in window (Gemma 2
+and 3, gpt-oss) passes each layer's own from inside its layer scan, and every layer attends once, reading only
+the pages its window reaches.
 
 `write_kv_rows` (`kv_write.cc`) is the cpu backend's K/V write (`jaxserve.attention.kv_cache.write_kv`, "native"):
 it copies each new token's rows into its slot of one layer, in place (its results alias the pools). XLA's scatter
@@ -167,6 +170,17 @@ def _softcap_attribute(logit_softcap: float | None) -> np.float32:
     return np.float32(logit_softcap or 0.0)
 
 
+def _window_operand(sliding_window: int | jax.Array | None) -> jax.Array:
+    """The kernel's window operand, i32[1]: 0 for no window (None or 0), else W. A Python int is checked here; a
+    traced one (a layer's entry of the model's per-layer windows, inside the step) by the kernel, which refuses
+    a negative one."""
+    if sliding_window is None:
+        return jnp.zeros((1,), jnp.int32)
+    if isinstance(sliding_window, (bool, float)) or (isinstance(sliding_window, int) and sliding_window < 0):
+        raise ValueError(f"sliding_window must be an int >= 1 (None or 0: no window), got {sliding_window!r}")
+    return jnp.asarray(sliding_window, jnp.int32).reshape(1)
+
+
 def paged_attention(
     q: jax.Array,  # f32[T, Hq, D]: every row's query tokens, back to back (other float dtypes are cast to f32)
     k_pool: jax.Array,  # f32, bf16, u16 (bf16 bits), u8 (e4m3 bits) or i8 [L, Hkv, num_blocks, block_size, D]
@@ -179,28 +193,30 @@ def paged_attention(
     lengths: jax.Array,  # i32[S]: tokens of row s's sequence it may see (those of its own tokens included)
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,  # W, or 0 / None for none; may be traced (i32[])
     logit_softcap: float | None = None,
     k_scales: jax.Array | None = None,  # f32[L, Hkv, num_blocks, block_size]: with an int8 pool only
     v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Token i of row s, at position ``positions[s] + i``, attends causally over its sequence's cached tokens
-    up to itself (the last ``sliding_window`` of them if set); tokens at or past ``lengths[s]``, and tokens of q
+    up to itself (the last ``sliding_window`` of them if set, a Python int or a traced i32 scalar, 0 for none:
+    the window is an operand, so one compiled call serves a step's sliding and full layers alike); tokens at or
+    past ``lengths[s]``, and tokens of q
     that belong to no row, give zeros. With ``logit_softcap`` c, each score s = (q . k) * sm_scale becomes
     c * tanh(s / c) before masking and the softmax. An int8 pool's cached token t of block b, kv head h, holds
     ``k_pool[layer, h, b, t] * k_scales[layer, h, b, t]`` (and so V with ``v_scales``); the kernel reads the
     scales in place, only those of the tokens it reads. Returns f32[T, Hq, D], computed in float32 whatever the
     pool dtype. Raises ValueError for a pool dtype not in `POOL_DTYPES` (or two different ones), for scales
-    missing, alone, of the wrong shape or dtype or with another pool than int8, and for a negative, infinite or
-    NaN ``logit_softcap``. Call `load()` first."""
+    missing, alone, of the wrong shape or dtype or with another pool than int8, for a negative Python
+    ``sliding_window`` and for a negative, infinite or NaN ``logit_softcap``. Call `load()` first."""
     _check_pool_dtypes(k_pool, v_pool)
     scales = _pool_scales(k_pool, k_scales, v_scales)
     softcap = _softcap_attribute(logit_softcap)
     call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     rows = [jnp.asarray(x).astype(jnp.int32) for x in (block_tables, query_starts, query_lens, positions, lengths)]
     return call(
-        q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1), *rows, *scales,
-        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0), logit_softcap=softcap,
+        q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1), *rows,
+        _window_operand(sliding_window), *scales, sm_scale=np.float32(sm_scale), logit_softcap=softcap,
     )
 
 
@@ -214,7 +230,7 @@ def padded_paged_attention(
     lengths: jax.Array,  # i32[S]: tokens of the sequence after this step; query tokens at or past it are padding
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logit_softcap: float | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,

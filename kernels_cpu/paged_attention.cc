@@ -54,7 +54,7 @@ struct Problem {
   const int32_t* lengths;       // [S]: tokens of the sequence visible to row s (its cached context)
   float* out;                   // [T, Hq, D]
   int64_t layer, num_tokens, num_q_heads, num_kv_heads, num_blocks, block_size, head_dim, pages_per_seq;
-  int64_t sliding_window;  // 0: none
+  int64_t sliding_window;  // 0: none (an operand: a step's layers may differ)
   float sm_scale;
   float logit_softcap;  // 0: none
 };
@@ -426,9 +426,9 @@ ffi::Error CheckScales(ffi::DataType dtype, ffi::AnyBuffer::Dimensions pool_dims
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
                               ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> query_starts, ffi::Buffer<ffi::S32> query_lens,
-                              ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> lengths, Scales k_scales,
-                              Scales v_scales, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
-                              int64_t sliding_window, float logit_softcap) {
+                              ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> lengths,
+                              ffi::Buffer<ffi::S32> sliding_window, Scales k_scales, Scales v_scales,
+                              ffi::ResultBuffer<ffi::F32> out, float sm_scale, float logit_softcap) {
   auto q_dims = q.dimensions(), pool_dims = k_pool.dimensions(), table_dims = block_tables.dimensions();
   if (q_dims.size() != 3 || pool_dims.size() != 5 || table_dims.size() != 2 ||
       v_pool.dimensions().size() != 5 || !std::equal(pool_dims.begin(), pool_dims.end(), v_pool.dimensions().begin())) {
@@ -446,11 +446,15 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
         "the KV pools must both be float32, bfloat16 (or its uint16 bits), float8 e4m3 bits (uint8) or int8");
   }
   if (ffi::Error error = CheckScales(dtype, pool_dims, k_scales, v_scales); error.failure()) return error;
+  if (sliding_window.element_count() != 1 || sliding_window.typed_data()[0] < 0) {
+    return ffi::Error::InvalidArgument("sliding_window must be one int32 >= 0 (0: no window)");
+  }
   Problem p{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(),
             k_scales ? k_scales->typed_data() : nullptr, v_scales ? v_scales->typed_data() : nullptr,
             block_tables.typed_data(), query_starts.typed_data(), query_lens.typed_data(), positions.typed_data(),
             lengths.typed_data(), out->typed_data(), layer.typed_data()[0], q_dims[0], q_dims[1], pool_dims[1],
-            pool_dims[2], pool_dims[3], pool_dims[4], table_dims[1], sliding_window, sm_scale, logit_softcap};
+            pool_dims[2], pool_dims[3], pool_dims[4], table_dims[1], sliding_window.typed_data()[0], sm_scale,
+            logit_softcap};
   if (p.num_kv_heads == 0 || p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > kMaxGroup ||
       p.head_dim > kMaxHeadDim || q_dims[2] != p.head_dim) {
     return ffi::Error::InvalidArgument("unsupported head layout for the CPU paged attention");
@@ -492,9 +496,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sliding_window [1]: 0 for none (traced per layer)
                                   .OptionalArg<ffi::Buffer<ffi::F32>>()  // k_scales: with an S8 pool only
                                   .OptionalArg<ffi::Buffer<ffi::F32>>()  // v_scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<float>("sm_scale")
-                                  .Attr<int64_t>("sliding_window")
                                   .Attr<float>("logit_softcap"));  // 0: none

@@ -20,6 +20,7 @@ Nothing here launches a kernel; ``paged_attention.py``, ``prefill_attention.py``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -324,9 +325,80 @@ def default_scale(sm_scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
 
 
-def check_window_and_softcap(sliding_window: int | None, logit_softcap: float | None):
-    """Validates the optional attention variants; returns them as (int | None, float | None), 0 meaning
-    "off" like None (as in ``kernels_cpu``): an int window >= 1 and a finite cap > 0 are the on values."""
+class TracedWindow:
+    """The static stand-in for a traced sliding window: the kernels read it from their layer operand
+    (``window_in_layer``, ``kernel_window``)."""
+
+    def __repr__(self) -> str:
+        return "TRACED"
+
+
+TRACED = TracedWindow()
+# a traced window of 0 (no window: a full layer of a model that mixes them) becomes this one: every key a query
+# can have lies in it, so a kernel masks and skips nothing, with no branch on it
+NO_WINDOW = 1 << 30
+
+
+def jit_with_window(static_argnames: tuple[str, ...]):
+    """``jax.jit`` of a kernel's public function with ``static_argnames``, where ``sliding_window`` is static
+    when it is None or a Python int (a kernel without a window compiles as if windows did not exist) and traced
+    when it is an array (or, to ``trace``, a ShapeDtypeStruct): a model whose layers differ in window passes each
+    layer's own from inside its layer scan, and one compiled call serves them all."""
+    return functools.partial(WindowJit, static_argnames=static_argnames)
+
+
+class WindowJit:
+    """`jit_with_window`'s function: two jits of it, picked per call by the kind of ``sliding_window``."""
+
+    def __init__(self, fn, static_argnames: tuple[str, ...]):
+        functools.update_wrapper(self, fn)
+        self.static = jax.jit(fn, static_argnames=static_argnames)
+        self.traced = jax.jit(fn, static_argnames=tuple(name for name in static_argnames if name != "sliding_window"))
+
+    def _jitted(self, kwargs: dict):
+        traced = isinstance(kwargs.get("sliding_window"), (jax.Array, jax.ShapeDtypeStruct))
+        return self.traced if traced else self.static
+
+    def __call__(self, *args, **kwargs):
+        return self._jitted(kwargs)(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        return self._jitted(kwargs).trace(*args, **kwargs)
+
+
+def window_in_layer(sliding_window, layer_index: jax.Array):
+    """(the kernels' static window, their layer operand): a static window (int or None) and i32[1] [layer] as
+    they are; a traced one as `TRACED` and i32[2] [layer, W], W = NO_WINDOW for 0 (no window)."""
+    if not isinstance(sliding_window, jax.Array):
+        return sliding_window, layer_index
+    window = jnp.where(sliding_window > 0, sliding_window, NO_WINDOW).astype(jnp.int32).reshape(1)
+    return TRACED, jnp.concatenate([layer_index.astype(jnp.int32), window])
+
+
+def per_row_meta(columns: list[jax.Array], layer_index: jax.Array) -> jax.Array:
+    """i32[rows, len(columns) + len(layer_index)]: the GPU kernels' per-row scalars, each row's columns then the
+    layer operand (`window_in_layer`: the layer, and a traced window) repeated."""
+    rows = columns[0].shape[0]
+    layer = jnp.broadcast_to(layer_index.astype(jnp.int32), (rows, layer_index.shape[0]))
+    return jnp.concatenate([jnp.stack(columns, axis=1).astype(jnp.int32), layer], axis=1)
+
+
+def kernel_window(sliding_window, layer_ref, index: int = 1):
+    """Inside a kernel: its window, read from its layer operand (at ``index``) where it is `TRACED`."""
+    return layer_ref[index] if sliding_window is TRACED else sliding_window
+
+
+def check_window_and_softcap(sliding_window, logit_softcap: float | None):
+    """Validates the optional attention variants; returns them as (int | None | i32[], float | None), 0 meaning
+    "off" like None (as in ``kernels_cpu``): an int window >= 1 and a finite cap > 0 are the on values. A traced
+    window (an integer scalar array; 0: none) is the layer's own, passed as is (`window_in_layer`)."""
+    if isinstance(sliding_window, jax.Array):
+        if sliding_window.shape != () or not jnp.issubdtype(sliding_window.dtype, jnp.integer):
+            raise ValueError(f"a traced sliding_window must be an integer scalar, got {sliding_window.dtype}"
+                             f"{list(sliding_window.shape)}")
+        sliding_window, window = None, sliding_window
+    else:
+        window = None
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)) or sliding_window < 0:
             raise ValueError(f"sliding_window must be an int >= 1 (None or 0: no window), got {sliding_window!r}")
@@ -337,7 +409,7 @@ def check_window_and_softcap(sliding_window: int | None, logit_softcap: float | 
         ):
             raise ValueError(f"logit_softcap must be finite and > 0 (None or 0: no soft-cap), got {logit_softcap!r}")
         logit_softcap = float(logit_softcap) or None
-    return sliding_window, logit_softcap
+    return (sliding_window if window is None else window), logit_softcap
 
 
 def softcap(s: jax.Array, logit_softcap: float | None) -> jax.Array:

@@ -23,8 +23,9 @@ weights. The TPU variant gets the scales of its block tables' pages gathered by 
 each compute block's window of them with the block's pages (``_tpu_paging``); the GPU variant reads them by
 page offset like the pages.
 
-Optional variants (static): ``sliding_window`` W limits the query (at position length - 1) to the last W
-keys, positions length - W .. length - 1; the TPU variant starts its page walk at the page holding
+Optional variants: ``sliding_window`` W (static, or traced: the layer's own, carried in the layer operand)
+limits the query (at position length - 1) to the last W keys, positions length - W .. length - 1; the TPU
+variant starts its page walk at the page holding
 position length - W, the GPU variant each split's walk at the compute block holding that page (so at most
 pages_per_compute_block - 1 pages before it are read; masking makes both exact). ``logit_softcap`` c
 replaces the scaled scores s by c * tanh(s / c) before masking and the softmax (Gemma 2).
@@ -92,7 +93,7 @@ def _decode_mask(key, length, sliding_window: int | None):
 def _tpu_kernel(
     lengths_ref,  # SMEM i32[num_seqs]
     table_ref,  # SMEM i32[num_seqs * pages_per_seq]
-    layer_ref,  # SMEM i32[1]
+    layer_ref,  # SMEM i32[1], or i32[2] [layer, window] with a traced window
     q_ref,  # VMEM [group, head_dim]
     *refs,  # the pool's (``_tpu_paging.open_stream``), o_ref VMEM [group, head_dim] among them
     sm_scale: float,
@@ -104,6 +105,7 @@ def _tpu_kernel(
 ):
     seq, head = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[seq]
+    sliding_window = cm.kernel_window(sliding_window, layer_ref)
     first_page = _window_first_page(length, sliding_window, page_size)
     stream, o_ref = open_stream(
         refs, quantized=quantized, table_ref=table_ref, table_row=seq, pages_per_seq=pages_per_seq,
@@ -170,7 +172,8 @@ def _gpu_kernel(
     k_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim], the stacked pool's pages
     v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
     # an int8 pool's scales f32[num_layers * num_kv_heads * total_pages, page_size] (k, v), then:
-    # table_ref i32[pages_per_split], this split's slice of the block table; length_ref, layer_ref i32[1];
+    # table_ref i32[pages_per_split], this split's slice of the block table; length_ref i32[1]; layer_ref i32[1]
+    # (i32[2] [layer, window] with a traced window);
     # o_ref f32[rows, head_dim], unnormalised partial output; m_ref, l_ref f32[rows, 1], running max and sum
     *refs,
     quantized: bool,
@@ -184,6 +187,7 @@ def _gpu_kernel(
     (ks_ref, vs_ref), (table_ref, length_ref, layer_ref, o_ref, m_ref, l_ref) = cm.split_scale_refs(refs, quantized)
     split = pl.program_id(2)
     first_of_head = cm.first_page_of(layer_ref[0], pl.program_id(1), num_kv_heads, total_pages)
+    sliding_window = cm.kernel_window(sliding_window, layer_ref)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     pages_per_split = table_ref.shape[0]
     block_tokens = pages_per_block * page_size
@@ -279,7 +283,7 @@ def _paged_attention_gpu(
             *pool_specs,
             pl.BlockSpec((None, None, pages_per_split), lambda s, h, k: (s, k, 0)),
             pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
-            pl.BlockSpec((1,), lambda s, h, k: (0,)),
+            pl.BlockSpec(layer.shape, lambda s, h, k: (0,)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
@@ -317,8 +321,7 @@ def _validate(q, k_pool, v_pool, lengths, page_indices, k_scales, v_scales) -> c
     return geometry
 
 
-@functools.partial(
-    jax.jit,
+@cm.jit_with_window(
     static_argnames=(
         "sm_scale",
         "backend",
@@ -346,7 +349,7 @@ def paged_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logit_softcap: float | None = None,
     k_scales: jax.Array | None = None,  # f32[L, Hkv, total_pages, page_size] ([Hkv, ...] for one layer): int8 pool
     v_scales: jax.Array | None = None,  # like k_scales
@@ -370,6 +373,8 @@ def paged_attention(
       num_splits: GPU only, flash-decoding splits of the context; default fills ~264 programs.
       num_warps, num_stages: GPU only, Triton launch parameters.
       sliding_window: attend only the last ``sliding_window`` keys (the query's own included); None or 0: all.
+        A Python int is static (compiled in); an i32 scalar array is traced (one compiled call serves every
+        layer's own window, 0 for none: ``_common.jit_with_window``).
       logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
       k_scales, v_scales: with an int8 pool (and only then), the float32 scale of every token's K / V row
         per kv head, token t of page p at [..., p, t] whatever the pool's lane layout: K = k_pages value *
@@ -378,6 +383,7 @@ def paged_attention(
     geometry = _validate(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales)
     variants = _variants(sliding_window, logit_softcap)
     k_pool, v_pool, k_scales, v_scales, layer_index = cm.stacked_kv(k_pages, v_pages, k_scales, v_scales, layer)
+    variants["sliding_window"], layer_index = cm.window_in_layer(variants["sliding_window"], layer_index)
     backend = cm.resolve_backend(backend, interpret)
     page_size, head_dim = geometry.page_size, geometry.head_dim
     knobs = cm.tuned_knobs(

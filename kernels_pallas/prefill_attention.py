@@ -9,7 +9,8 @@ Query row i of sequence s sits at position q_start[s] + i and attends keys j <= 
 j < lengths[s]. Rows with q_start[s] + i >= lengths[s] are padding and come out as zeros. Block-table
 entries past a sequence's length are never dereferenced (they may hold anything).
 
-Optional variants (static): ``sliding_window`` W further limits a query at position p to keys
+Optional variants: ``sliding_window`` W (static, or traced: the layer's own, carried in the layer
+operand) further limits a query at position p to keys
 p - W < j; a program starts its page walk at the page holding the window start of its block's first query
 (the GPU variant: at the compute block holding that page), and masking gives every row its own window.
 ``logit_softcap`` c replaces the scaled scores s by c * tanh(s / c) before masking and the softmax.
@@ -80,7 +81,7 @@ def _tpu_kernel(
     q_start_ref,  # SMEM i32[num_seqs]
     lengths_ref,  # SMEM i32[num_seqs]
     table_ref,  # SMEM i32[num_seqs * pages_per_seq]
-    layer_ref,  # SMEM i32[1]
+    layer_ref,  # SMEM i32[1], or i32[2] [layer, window] with a traced window
     q_ref,  # VMEM [group * block_q, head_dim]
     *refs,  # the pool's (``_tpu_paging.open_stream``), o_ref VMEM [group * block_q, head_dim] among them
     sm_scale: float,
@@ -93,6 +94,7 @@ def _tpu_kernel(
 ):
     seq, head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[seq]
+    sliding_window = cm.kernel_window(sliding_window, layer_ref)
     first_q = q_start_ref[seq] + q_block * block_q
     kv_end = _kv_end(first_q, length, block_q)
     rows, head_dim = q_ref.shape
@@ -161,7 +163,7 @@ def _gpu_kernel(
     v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
     # an int8 pool's scales f32[num_layers * num_kv_heads * total_pages, page_size] (k, v), then:
     # table_ref i32[padded_pages_per_seq], this sequence's block table; meta_ref i32[3]: q_start, length,
-    # layer; o_ref [group_p * block_q, head_dim]
+    # layer (i32[4]: and the window, a traced one); o_ref [group_p * block_q, head_dim]
     *refs,
     quantized: bool,
     sm_scale: float,
@@ -176,6 +178,7 @@ def _gpu_kernel(
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_tokens = pages_per_block * page_size
     length = meta_ref[1]
+    sliding_window = cm.kernel_window(sliding_window, meta_ref, index=3)
     first_q = meta_ref[0] + pl.program_id(2) * block_q
     kv_end = _kv_end(first_q, length, block_q)
     rows = q_ref.shape[0]
@@ -229,7 +232,7 @@ def _gpu_call(
     pages_per_seq = page_indices.shape[1]
     # Pad the table to whole compute blocks; the padding (page 0) lies past every length and is masked.
     table = jnp.pad(page_indices, ((0, 0), (0, -pages_per_seq % pages_per_block)))
-    meta = jnp.stack([q_start, lengths, jnp.broadcast_to(layer, q_start.shape)], axis=1)  # i32[num_seqs, 3]
+    meta = cm.per_row_meta([q_start, lengths], layer)  # i32[num_seqs, 3 (4: with a traced window)]
     q_spec = pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, b: (s, h, b, 0, 0))
     pool_specs, pool_arrays = cm.gpu_pool_operands(k_pool, v_pool, k_scales, v_scales)
     kernel = functools.partial(
@@ -244,7 +247,7 @@ def _gpu_call(
             q_spec,
             *pool_specs,
             pl.BlockSpec((None, table.shape[1]), lambda s, h, b: (s, 0)),
-            pl.BlockSpec((None, 3), lambda s, h, b: (s, 0)),
+            pl.BlockSpec((None, meta.shape[1]), lambda s, h, b: (s, 0)),
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
@@ -291,8 +294,7 @@ def _validate(q, k_pages, v_pages, page_indices, q_start, lengths, k_scales, v_s
     return geometry
 
 
-@functools.partial(
-    jax.jit,
+@cm.jit_with_window(
     static_argnames=(
         "sm_scale",
         "backend",
@@ -321,7 +323,7 @@ def prefill_attention(
     pages_per_compute_block: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logit_softcap: float | None = None,
     k_scales: jax.Array | None = None,  # f32[L, Hkv, total_pages, page_size] ([Hkv, ...] for one layer): int8 pool
     v_scales: jax.Array | None = None,  # like k_scales
@@ -340,12 +342,14 @@ def prefill_attention(
       pages_per_compute_block: pages per KV block (power of two); capped at the block table width.
       num_warps, num_stages: GPU only, Triton launch parameters.
       sliding_window: a query at position p attends only keys p - sliding_window < j <= p; None or 0: all.
+        Static (a Python int) or traced (an i32 scalar array, 0: none), as in ``paged_attention``.
       logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
       k_scales, v_scales: an int8 pool's scales per token and kv head (as in ``paged_attention``).
     """
     geometry = _validate(q, k_pages, v_pages, page_indices, q_start, lengths, k_scales, v_scales)
     sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
     k_pool, v_pool, k_scales, v_scales, layer_index = cm.stacked_kv(k_pages, v_pages, k_scales, v_scales, layer)
+    sliding_window, layer_index = cm.window_in_layer(sliding_window, layer_index)
     backend = cm.resolve_backend(backend, interpret)
     num_seqs, chunk_len, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = geometry.num_kv_heads, geometry.page_size

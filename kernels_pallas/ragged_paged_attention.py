@@ -13,7 +13,8 @@ past what a row sees are never dereferenced, and out-of-range entries below it a
 (as XLA clamps gather indices). The rows' query ranges must lie inside q and must not overlap (the CPU
 kernel raises otherwise; here tokens outside q are dropped, and a token in two rows gets one of them).
 
-Optional variants (static): ``sliding_window`` W further limits a token at position p to keys p - W < k;
+Optional variants: ``sliding_window`` W (static, or traced: the layer's own, carried in the layer
+operand) further limits a token at position p to keys p - W < k;
 ``logit_softcap`` c replaces the scaled scores s by c * tanh(s / c) before masking and the softmax.
 
 Over the int8 KV cache (``k_scales`` / ``v_scales``: a float32 scale per token and kv head, written by the
@@ -158,7 +159,7 @@ def _tpu_kernel(
     first_pos_ref,  # SMEM i32[items], position of each item's first token
     kv_end_ref,  # SMEM i32[items], exclusive key limit
     table_ref,  # SMEM i32[num_rows * pages_per_seq], flattened block tables
-    layer_ref,  # SMEM i32[1]
+    layer_ref,  # SMEM i32[1], or i32[2] [layer, window] with a traced window
     q_ref,  # VMEM [group * block_q, head_dim]
     *refs,  # the pool's (``_tpu_paging.open_stream``), o_ref VMEM [group * block_q, head_dim] among them
     sm_scale: float,
@@ -171,6 +172,7 @@ def _tpu_kernel(
 ):
     head, item = pl.program_id(0), pl.program_id(1)
     kv_end = kv_end_ref[item]
+    sliding_window = cm.kernel_window(sliding_window, layer_ref)
     rows, head_dim = q_ref.shape
     first_pos = first_pos_ref[item]
     row_pos = cm.row_positions(first_pos, rows, block_q)
@@ -235,7 +237,7 @@ def _gpu_kernel(
     v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
     # an int8 pool's scales f32[num_layers * num_kv_heads * total_pages, page_size] (k, v), then:
     # table_ref i32[padded_pages_per_seq], the item's row's block table; meta_ref i32[3]: the item's first
-    # position, kv_end, the layer; o_ref [group_p * block_q, head_dim]
+    # position, kv_end, the layer (i32[4]: and the window, a traced one); o_ref [group_p * block_q, head_dim]
     *refs,
     quantized: bool,
     sm_scale: float,
@@ -250,6 +252,7 @@ def _gpu_kernel(
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_tokens = pages_per_block * page_size
     kv_end = meta_ref[1]
+    sliding_window = cm.kernel_window(sliding_window, meta_ref, index=3)
     rows = q_ref.shape[0]
     first_pos = meta_ref[0]
     row_pos = cm.row_positions(first_pos, rows, block_q)
@@ -282,8 +285,7 @@ def _gpu_call(q_items, k_pool, v_pool, k_scales, v_scales, layer, block_tables, 
     pages_per_seq = block_tables.shape[1]
     # Each item's row's table, padded to whole compute blocks (page 0: past kv_end, never read).
     table = jnp.pad(block_tables[items.rows], ((0, 0), (0, -pages_per_seq % pages_per_block)))
-    layers = jnp.broadcast_to(layer, items.kv_end.shape)
-    meta = jnp.stack([items.first_pos, items.kv_end, layers], axis=1)  # i32[items, 3]
+    meta = cm.per_row_meta([items.first_pos, items.kv_end], layer)  # i32[items, 3 (4: with a traced window)]
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w: (w, h, 0, 0))
     pool_specs, pool_arrays = cm.gpu_pool_operands(k_pool, v_pool, k_scales, v_scales)
     kernel = functools.partial(
@@ -298,7 +300,7 @@ def _gpu_call(q_items, k_pool, v_pool, k_scales, v_scales, layer, block_tables, 
             q_spec,
             *pool_specs,
             pl.BlockSpec((None, table.shape[1]), lambda h, w: (w, 0)),
-            pl.BlockSpec((None, 3), lambda h, w: (w, 0)),
+            pl.BlockSpec((None, meta.shape[1]), lambda h, w: (w, 0)),
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
@@ -331,8 +333,7 @@ def _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, posit
     return geometry
 
 
-@functools.partial(
-    jax.jit,
+@cm.jit_with_window(
     static_argnames=(
         "sm_scale",
         "backend",
@@ -363,7 +364,7 @@ def ragged_paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     backend: str = "auto",
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logit_softcap: float | None = None,
     k_scales: jax.Array | None = None,  # f32[L, Hkv, num_blocks, block_size] ([Hkv, ...] for one layer): int8 pool
     v_scales: jax.Array | None = None,  # like k_scales
@@ -382,6 +383,7 @@ def ragged_paged_attention(
       num_warps, num_stages: GPU only, Triton launch parameters.
       backend: "tpu", "gpu" or "auto" (as in ``paged_attention``).
       sliding_window: a token at position p attends only keys p - sliding_window < k <= p; None or 0: all.
+        Static (a Python int) or traced (an i32 scalar array, 0: none), as in ``paged_attention``.
       logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
       k_scales, v_scales: an int8 pool's scales per token and kv head (as in ``paged_attention``).
     """
@@ -389,6 +391,7 @@ def ragged_paged_attention(
                          v_scales)
     sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
     k_pool, v_pool, k_scales, v_scales, layer_index = cm.stacked_kv(k_pages, v_pages, k_scales, v_scales, layer)
+    sliding_window, layer_index = cm.window_in_layer(sliding_window, layer_index)
     backend = cm.resolve_backend(backend, interpret)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, total_pages, page_size = geometry.num_kv_heads, geometry.total_pages, geometry.page_size

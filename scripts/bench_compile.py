@@ -127,8 +127,8 @@ def compile_kinds(runner, buckets: dict) -> dict:
     return times
 
 
-def step_inputs(runner, kind: str, bucket):
-    """Inputs of a typical step: decode rows at 300 cached tokens, one 128-token prompt chunk, the mixed
+def step_inputs(runner, kind: str, bucket, cached: int = 300):
+    """Inputs of a typical step: decode rows at ``cached`` tokens, one 128-token prompt chunk, the mixed
     probe's rows (`runner/step_costs.py`)."""
     import numpy as np
 
@@ -140,7 +140,7 @@ def step_inputs(runner, kind: str, bucket):
         return probe_inputs(runner, bucket)
     shape = step_shape(bucket, runner.block_size)
     s, q = shape.input_shape
-    cached = 300 if kind == "decode" else 0
+    cached = cached if kind == "decode" else 0
     lengths = np.full(s, cached + q, np.int32)
     sampling = SamplingTensors.from_rows([], s, runner.num_sampler_slots, runner.config.vocab_size)
     blocks = np.arange(s * shape.pages_per_seq, dtype=np.int32).reshape(s, shape.pages_per_seq) % runner.num_blocks

@@ -31,6 +31,13 @@ class PagedForward:
         hidden, pool = self.model.apply(params, ids, pool, meta)
         return self.model.apply(params, hidden, method=self.model.logits), pool
 
+    def lowered_decode_step(self, block_table: list[int], length: int) -> str:
+        """The StableHLO text of one decode step of one sequence at ``length`` tokens (lowered, not run)."""
+        meta = AttentionMetadata(block_tables=jnp.asarray([block_table], jnp.int32),
+                                 q_start=jnp.asarray([length - 1], jnp.int32), lengths=jnp.asarray([length], jnp.int32))
+        ids = jnp.zeros((1, 1), jnp.int32)
+        return self._apply.lower(self.params, self.pool, ids, meta).as_text()
+
     def run(self, token_ids: list[int], block_table: list[int], chunks: list[int]) -> np.ndarray:
         """Feeds `token_ids` in chunks of the given sizes; returns the logits of every token [T, V]."""
         assert sum(chunks) == len(token_ids)

@@ -39,9 +39,21 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         *,
         sm_scale: float,
-        sliding_window: int | None,
+        # a static W, None, or a traced i32 scalar (0: none): a model of sliding and full layers passes each
+        # layer's own window from inside its layer scan, and every layer attends once
+        sliding_window: int | jax.Array | None,
         logit_softcap: float | None = None,  # scores become cap * tanh(score / cap) before masking
     ) -> jax.Array: ...  # q's shape
+
+
+def window_mask(keys: jax.Array, rows: jax.Array, sliding_window: int | jax.Array | None) -> jax.Array | bool:
+    """Which keys a query at position ``rows`` sees in its sliding window (rows - W < key): True for all without
+    one (None, or a traced 0)."""
+    if sliding_window is None:
+        return True
+    if isinstance(sliding_window, int):
+        return keys > rows - sliding_window
+    return (sliding_window <= 0) | (keys > rows - sliding_window)
 
 
 class ReferenceBackend:
@@ -86,7 +98,8 @@ class ReferenceBackend:
 def chunked_paged_attention(
     q, k_pool, v_pool, layer, meta, *, chunk_pages, sm_scale, sliding_window=None, logit_softcap=None
 ):
-    """q [S, Q, Hq, D] attends causally over its sequence's pages (the last ``sliding_window`` tokens if set);
+    """q [S, Q, Hq, D] attends causally over its sequence's pages (the last ``sliding_window`` tokens if set,
+    static or traced: `window_mask`);
     with ``logit_softcap`` c, each score s = (q . k) * sm_scale becomes c * tanh(s / c) before masking. Returns
     [S, Q, Hq, D] (padding rows 0)."""
     num_seqs, num_q, num_q_heads, head_dim = q.shape
@@ -105,9 +118,7 @@ def chunked_paged_attention(
         k = gather_context(k_pool, layer, pages).astype(jnp.float32)  # [S, Hkv, T, D]
         v = gather_context(v_pool, layer, pages).astype(jnp.float32)
         keys = i * chunk_len + jnp.arange(chunk_len)[None, None, None, None, :]  # [1, 1, 1, 1, T]
-        mask = (keys <= rows) & (keys < lengths)
-        if sliding_window is not None:
-            mask &= keys > rows - sliding_window
+        mask = (keys <= rows) & (keys < lengths) & window_mask(keys, rows, sliding_window)
         scores = jnp.einsum("sqhgd,shtd->shgqt", qg, k) * sm_scale
         if logit_softcap:
             scores = logit_softcap * jnp.tanh(scores / logit_softcap)

@@ -132,8 +132,8 @@ def paged_attention(
     """Writes the step's k/v into the pool and attends; returns ([S, Q, Hq * D], updated pool).
 
     `sliding_window` applies to every layer when `slides` is None; otherwise `slides` (bool[], traced: the
-    layer's entry of the model's per-layer pattern) picks, in the step, the windowed or the full attention
-    (both are computed: see the comment in `local`).
+    layer's entry of the model's per-layer pattern) says whether this layer uses it: the layer attends once,
+    its window an operand of the attention (0: none), so a sliding layer reads only its window's pages.
 
     With a mesh, every device runs this on its own slice of the heads (q/k/v on axis 2, the pool on axis
     1): contiguous head slices keep each query head with its kv head, since Hq / tp = (Hq / Hkv) * Hkv / tp.
@@ -148,9 +148,9 @@ def paged_attention(
 
         if slides is None:
             return attend(sliding_window), k_pool, v_pool
-        # Both, then a select: under a lax.cond in the layer scan XLA:CPU copies the whole pool every layer
-        # (Gemma 3 270M: a decode step 60x slower). The kernels taking the window as an operand would attend once.
-        return jnp.where(slides, attend(sliding_window), attend(None)), k_pool, v_pool
+        # not a lax.cond between two attentions: under one in the layer scan XLA:CPU copies the whole pool every
+        # layer (Gemma 3 270M: a decode step 60x slower)
+        return attend(jnp.where(slides, sliding_window, 0)), k_pool, v_pool
 
     if mesh is not None:
         heads, pool = P(None, None, TP_AXIS, None), P(None, TP_AXIS)

@@ -59,11 +59,11 @@ def _decode_rows(lengths):
     return np.arange(len(lengths), dtype=np.int32), np.ones_like(lengths), lengths - 1, lengths
 
 
-def _call_handler(q, k_pool, v_pool, block_tables, lengths, *scales, logit_softcap=0.0):
+def _call_handler(q, k_pool, v_pool, block_tables, lengths, *scales, logit_softcap=0.0, window=0):
     """The FFI handler called directly on a decode step, around the wrapper's checks, run to completion."""
     call = jax.ffi.ffi_call(kernels_cpu.TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(q, k_pool, v_pool, np.array([LAYER], np.int32), block_tables, *_decode_rows(lengths), *scales,
-                sm_scale=np.float32(0.125), sliding_window=np.int64(0),
+    return call(q, k_pool, v_pool, np.array([LAYER], np.int32), block_tables, *_decode_rows(lengths),
+                np.array([window], np.int32), *scales, sm_scale=np.float32(0.125),
                 logit_softcap=np.float32(logit_softcap)).block_until_ready()
 
 
@@ -349,6 +349,36 @@ def test_soft_capped_cpu_and_plain_xla_backends_match_naive_attention(pool_dtype
             out = np.asarray(attend(jnp.asarray(q), k_pool, v_pool, meta)).reshape(flat_q.shape)
             np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6, err_msg=f"{backend.name} {q.shape}")
     _assert_the_cap_matters(expected, rows, flat_q, k_pool, v_pool, block_tables, 0.125, window)
+
+
+def test_a_traced_window_gives_one_compiled_call_each_layers_own_window():
+    """The window is an operand: one executable serves windows 5 and 20 and none (0), in the kernel and in the
+    plain-XLA backend alike, each equal to naive attention with that window."""
+    assert kernels_cpu.load() is not None, kernels_cpu.build_error()
+    rng = np.random.default_rng(23)
+    _, k_pool, v_pool, block_tables, lengths = _inputs(rng, 9, 3, 64, 16, 6, np.float32)
+    q, meta, rows = _step_layouts(rng, lengths, block_tables, 9, 64)[2]  # a ragged step of decode rows and chunks
+    flat_q = q.reshape(-1, *q.shape[2:])
+    for backend in (CpuBackend(), ReferenceBackend()):
+        attend = jax.jit(lambda q, k, v, meta, window, b=backend: b.attend(
+            q, k, v, jnp.int32(LAYER), meta, sm_scale=0.125, sliding_window=window))
+        outs = {}
+        for window in (5, 20, 0):
+            out = attend(jnp.asarray(q), k_pool, v_pool, meta, jnp.int32(window))
+            outs[window] = np.asarray(out).reshape(flat_q.shape)
+            expected = _naive_ragged(flat_q, k_pool, v_pool, block_tables, rows, 0.125, window or None)
+            np.testing.assert_allclose(outs[window], expected, rtol=2e-5, atol=2e-6, err_msg=f"{backend.name} {window}")
+        assert attend._cache_size() == 1
+        assert not np.allclose(outs[5], outs[0]) and not np.allclose(outs[20], outs[5])
+
+
+def test_a_negative_window_is_refused_by_the_wrapper_and_by_the_handler():
+    assert kernels_cpu.load() is not None, kernels_cpu.build_error()
+    q, k_pool, v_pool, block_tables, lengths = _inputs(np.random.default_rng(29), 4, 4, 32, 8, 5)
+    with pytest.raises(ValueError, match=r"sliding_window must be an int >= 1 \(None or 0: no window\), got -3"):
+        _decode(q, k_pool, v_pool, jnp.int32(LAYER), block_tables, lengths, sm_scale=0.125, sliding_window=-3)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"sliding_window must be one int32 >= 0 \(0: no window\)"):
+        _call_handler(q, k_pool, v_pool, block_tables, lengths, window=-3)
 
 
 def test_no_soft_cap_is_none_or_zero_and_a_bad_cap_is_refused():

@@ -216,7 +216,33 @@ def test_sliding_window_and_softcap_match_naive_attention(variant, rng, make_kv,
         assert np.abs(want - without_one).max() > 0.1
 
 
-@pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0}], ids=["plain", "window-cap"])
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_a_traced_window_gives_each_windows_result_from_one_program(backend, rng, make_kv, tol):
+    """The layer's own window as an operand (0: none), on a stacked pool read at a layer: what the static window
+    gives, and pages wholly before the window (before its block for the GPU variant) never read."""
+    lengths = edge_lengths(16, 6)
+    q, kv = make_inputs(rng, make_kv, jnp.float32, 16, 4, 1, 64, 6, lengths)
+    first_pages = [first_read_page(n - 1, 5, 16, backend, 2) for n in lengths]
+    (k_pool, layer), (v_pool, _) = (pool_at_layer(x, "stacked") for x in poison_pages_before(kv, first_pages))
+    (k_full, _), (v_full, _) = (pool_at_layer(x, "stacked") for x in (kv.k_pages, kv.v_pages))
+    run = jax.jit(lambda k, v, window: paged_attention(
+        q, k, v, kv.lengths, kv.page_indices, layer=layer, backend=backend, interpret=True,
+        pages_per_compute_block=2, sliding_window=window))
+    outs = {}
+    for window, k, v in ((5, k_pool, v_pool), (40, k_full, v_full), (0, k_full, v_full)):
+        outs[window] = run(k, v, jnp.int32(window))
+        want = paged_attention_reference(q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices,
+                                         sliding_window=window or None)
+        assert_close(outs[window], want, jnp.float32, tol)
+    assert run._cache_size() == 1
+    assert np.abs(np.asarray(outs[5]) - np.asarray(outs[0])).max() > 0.1
+
+
+TRACED_WINDOW = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+@pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0},
+                                      {"sliding_window": TRACED_WINDOW}], ids=["plain", "window-cap", "traced-window"])
 @pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
 @pytest.mark.parametrize("dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
                                               (jnp.bfloat16, jnp.float8_e4m3fn), (jnp.bfloat16, jnp.int8)],

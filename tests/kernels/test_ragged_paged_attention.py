@@ -210,7 +210,30 @@ def test_sliding_window_and_softcap_match_naive_attention(backend, dtype_name, w
         assert np.abs(expected - other).max() > 0.1
 
 
-@pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0}], ids=["plain", "window-cap"])
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_a_traced_window_gives_each_windows_result_from_one_program(backend):
+    """The layer's own window as an operand (0: none), on a stacked pool read at a layer: the naive attention
+    with that window, and pages wholly before a row's window (before its block for the GPU variant) never
+    read."""
+    first_read = lambda position: first_read_page(position, 20, PAGE_SIZE, backend, 2) * PAGE_SIZE
+    cases = {20: poisoned_case(13, VARIANT_ROWS, 4, 1, "f32", sliding_window=20, first_read=first_read),
+             0: poisoned_case(13, VARIANT_ROWS, 4, 1, "f32")}
+    q, _, _, *rest = cases[0][0]
+    run = jax.jit(lambda k, v, layer, window: ragged_paged_attention(
+        q, k, v, *rest, layer=layer, sm_scale=SM_SCALE, backend=backend, interpret=True, block_q=8,
+        pages_per_compute_block=2, sliding_window=window))
+    for window, (args, expected, real) in cases.items():
+        (k_pool, layer), (v_pool, _) = (pool_at_layer(x, "stacked") for x in args[1:3])
+        check(run(k_pool, v_pool, layer, jnp.int32(window)), expected, real, "f32")
+    assert run._cache_size() == 1
+    assert np.abs(cases[20][1] - cases[0][1]).max() > 0.1
+
+
+TRACED_WINDOW = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+@pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0},
+                                      {"sliding_window": TRACED_WINDOW}], ids=["plain", "window-cap", "traced-window"])
 @pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
 @pytest.mark.parametrize("dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
                                               (jnp.bfloat16, jnp.float8_e4m3fn), (jnp.bfloat16, jnp.int8)],

@@ -95,6 +95,22 @@ def test_unrolled_layers_match_transformers(name, tmp_path):
     np.testing.assert_allclose(got, hf_logits(path, TOKENS), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize(("backend", "marker", "per_step"), [
+    ("cpu", "jaxserve_paged_attention", 1),  # the kernel's custom call, in the layer scan's body
+    ("reference", "stablehlo.while", 2),  # the layer scan and the body's one loop over chunks of pages
+    ("pallas", "func.func private @paged_attention", 1),  # the decode kernel's function (interpreted on CPU)
+])
+def test_a_model_of_sliding_and_full_layers_attends_once_per_layer(backend, marker, per_step, tmp_path):
+    """Gemma 3's sliding and full layers share one scan body: its layer's window is an operand of the attention
+    (0 for a full layer), not two attentions and a select."""
+    family, overrides = FAMILIES["gemma3-local-rope"]
+    # head_dim 64 and pages of 16 tokens: a layout the Pallas kernels take
+    loaded = load_model(str(make_tiny_model(tmp_path, family, **overrides, head_dim=64)), "float32")
+    assert set(loaded.config.sliding_layers) == {True, False}
+    forward = PagedForward(loaded.config, loaded.params, backend=backend, block_size=16)
+    assert forward.lowered_decode_step([0, 1, 2, 3], 40).count(marker) == per_step
+
+
 def test_chunks_and_decode_steps_over_scattered_blocks_match_transformers(tiny):
     """On the cpu backend (the CPU default; the whole-prompt test above runs the reference backend)."""
     _, _, loaded, expected = tiny
