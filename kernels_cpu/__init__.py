@@ -23,6 +23,8 @@ it the kernel runs a variant compiled with no trace of the cap.
 The sliding window is an operand, not an attribute (0: none): a model whose layers differ in window (Gemma 2
 and 3, gpt-oss) passes each layer's own from inside its layer scan, and every layer attends once, reading only
 the pages its window reaches.
+Attention sinks (gpt-oss: a learned logit per query head, one more term of every softmax's denominator with
+no value) are an operand too, f32[Hq] or empty: a head's running softmax starts on its sink.
 
 `write_kv_rows` (`kv_write.cc`) is the cpu backend's K/V write (`jaxserve.attention.kv_cache.write_kv`, "native"):
 it copies each new token's rows into its slot of one layer, in place (its results alias the pools). XLA's scatter
@@ -181,6 +183,15 @@ def _window_operand(sliding_window: int | jax.Array | None) -> jax.Array:
     return jnp.asarray(sliding_window, jnp.int32).reshape(1)
 
 
+def _sinks_operand(sinks: jax.Array | None, num_q_heads: int) -> jax.Array:
+    """The kernel's sinks operand: f32[Hq], or f32[0] for none."""
+    if sinks is None:
+        return jnp.zeros((0,), jnp.float32)
+    if tuple(sinks.shape) != (num_q_heads,):
+        raise ValueError(f"sinks must be [{num_q_heads}] (one logit per query head), not {list(sinks.shape)}")
+    return sinks.astype(jnp.float32)
+
+
 def paged_attention(
     q: jax.Array,  # f32[T, Hq, D]: every row's query tokens, back to back (other float dtypes are cast to f32)
     k_pool: jax.Array,  # f32, bf16, u16 (bf16 bits), u8 (e4m3 bits) or i8 [L, Hkv, num_blocks, block_size, D]
@@ -195,20 +206,23 @@ def paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,  # W, or 0 / None for none; may be traced (i32[])
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]: a logit per query head in every softmax's denominator (gpt-oss)
     k_scales: jax.Array | None = None,  # f32[L, Hkv, num_blocks, block_size]: with an int8 pool only
     v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Token i of row s, at position ``positions[s] + i``, attends causally over its sequence's cached tokens
     up to itself (the last ``sliding_window`` of them if set, a Python int or a traced i32 scalar, 0 for none:
     the window is an operand, so one compiled call serves a step's sliding and full layers alike); tokens at or
-    past ``lengths[s]``, and tokens of q
-    that belong to no row, give zeros. With ``logit_softcap`` c, each score s = (q . k) * sm_scale becomes
-    c * tanh(s / c) before masking and the softmax. An int8 pool's cached token t of block b, kv head h, holds
+    past ``lengths[s]``, and tokens of q that belong to no row, give zeros. With ``logit_softcap`` c, each score
+    s = (q . k) * sm_scale becomes c * tanh(s / c) before masking and the softmax. With ``sinks``, query head
+    h's softmax has one more term, exp(sinks[h]), in its denominator and none in its sum of values (gpt-oss's
+    attention sinks). An int8 pool's cached token t of block b, kv head h, holds
     ``k_pool[layer, h, b, t] * k_scales[layer, h, b, t]`` (and so V with ``v_scales``); the kernel reads the
     scales in place, only those of the tokens it reads. Returns f32[T, Hq, D], computed in float32 whatever the
     pool dtype. Raises ValueError for a pool dtype not in `POOL_DTYPES` (or two different ones), for scales
     missing, alone, of the wrong shape or dtype or with another pool than int8, for a negative Python
-    ``sliding_window`` and for a negative, infinite or NaN ``logit_softcap``. Call `load()` first."""
+    ``sliding_window``, for sinks not of shape [Hq] and for a negative, infinite or NaN ``logit_softcap``. Call
+    `load()` first."""
     _check_pool_dtypes(k_pool, v_pool)
     scales = _pool_scales(k_pool, k_scales, v_scales)
     softcap = _softcap_attribute(logit_softcap)
@@ -216,7 +230,8 @@ def paged_attention(
     rows = [jnp.asarray(x).astype(jnp.int32) for x in (block_tables, query_starts, query_lens, positions, lengths)]
     return call(
         q.astype(jnp.float32), k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(1), *rows,
-        _window_operand(sliding_window), *scales, sm_scale=np.float32(sm_scale), logit_softcap=softcap,
+        _window_operand(sliding_window), _sinks_operand(sinks, q.shape[1]), *scales, sm_scale=np.float32(sm_scale),
+        logit_softcap=softcap,
     )
 
 
@@ -232,18 +247,19 @@ def padded_paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """`paged_attention` on the engine's padded layout (a decode step is Q = 1, q_start = lengths - 1), with
-    the same sliding window, logit soft-cap and int8 pool scales; returns f32[S, Q, Hq, D], zeros for padding
+    the same sliding window, logit soft-cap, sinks and int8 pool scales; returns f32[S, Q, Hq, D], zeros for padding
     tokens and rows."""
     num_rows, num_query = q.shape[:2]
     out = paged_attention(
         q.reshape(num_rows * num_query, *q.shape[2:]), k_pool, v_pool, layer, block_tables,
         jnp.arange(num_rows, dtype=jnp.int32) * num_query, jnp.full((num_rows,), num_query, jnp.int32),
         q_start, lengths, sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
-        k_scales=k_scales, v_scales=v_scales,
+        sinks=sinks, k_scales=k_scales, v_scales=v_scales,
     )
     return out.reshape(q.shape)
 

@@ -52,6 +52,7 @@ struct Problem {
   const int32_t* query_lens;    // [S]: row s's tokens in q
   const int32_t* positions;     // [S]: the position of row s's first token in its sequence
   const int32_t* lengths;       // [S]: tokens of the sequence visible to row s (its cached context)
+  const float* sinks;           // [Hq]: each query head's sink logit (gpt-oss), or null for none
   float* out;                   // [T, Hq, D]
   int64_t layer, num_tokens, num_q_heads, num_kv_heads, num_blocks, block_size, head_dim, pages_per_seq;
   int64_t sliding_window;  // 0: none (an operand: a step's layers may differ)
@@ -300,8 +301,9 @@ void AttendBlock(const Problem& p, int64_t s, int64_t first_query, int64_t h) {
       float* head_q = reinterpret_cast<float*>(head.q);
       for (int64_t d = 0; d < padded_dim; ++d) head_q[d] = d < dim ? q[g * dim + d] * q_scale : 0.0f;
       for (int64_t c = 0; c < chunks; ++c) head.acc[c] = Vec{};
-      head.max_score = -std::numeric_limits<float>::infinity();
-      head.denom = 0.0f;
+      // a sink is one more score in the softmax's denominator, with no value: the state starts on it
+      head.max_score = p.sinks ? p.sinks[h * group + g] : -std::numeric_limits<float>::infinity();
+      head.denom = p.sinks ? 1.0f : 0.0f;
     }
   }
 
@@ -427,7 +429,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> query_starts, ffi::Buffer<ffi::S32> query_lens,
                               ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> lengths,
-                              ffi::Buffer<ffi::S32> sliding_window, Scales k_scales, Scales v_scales,
+                              ffi::Buffer<ffi::S32> sliding_window, ffi::Buffer<ffi::F32> sinks,
+                              Scales k_scales, Scales v_scales,
                               ffi::ResultBuffer<ffi::F32> out, float sm_scale, float logit_softcap) {
   auto q_dims = q.dimensions(), pool_dims = k_pool.dimensions(), table_dims = block_tables.dimensions();
   if (q_dims.size() != 3 || pool_dims.size() != 5 || table_dims.size() != 2 ||
@@ -449,12 +452,15 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   if (sliding_window.element_count() != 1 || sliding_window.typed_data()[0] < 0) {
     return ffi::Error::InvalidArgument("sliding_window must be one int32 >= 0 (0: no window)");
   }
+  if (sinks.element_count() != 0 && sinks.element_count() != q_dims[1]) {
+    return ffi::Error::InvalidArgument("sinks must be float32 [Hq] (one per query head), or [0] for none");
+  }
   Problem p{q.typed_data(), k_pool.untyped_data(), v_pool.untyped_data(),
             k_scales ? k_scales->typed_data() : nullptr, v_scales ? v_scales->typed_data() : nullptr,
             block_tables.typed_data(), query_starts.typed_data(), query_lens.typed_data(), positions.typed_data(),
-            lengths.typed_data(), out->typed_data(), layer.typed_data()[0], q_dims[0], q_dims[1], pool_dims[1],
-            pool_dims[2], pool_dims[3], pool_dims[4], table_dims[1], sliding_window.typed_data()[0], sm_scale,
-            logit_softcap};
+            lengths.typed_data(), sinks.element_count() ? sinks.typed_data() : nullptr, out->typed_data(),
+            layer.typed_data()[0], q_dims[0], q_dims[1], pool_dims[1], pool_dims[2], pool_dims[3], pool_dims[4],
+            table_dims[1], sliding_window.typed_data()[0], sm_scale, logit_softcap};
   if (p.num_kv_heads == 0 || p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > kMaxGroup ||
       p.head_dim > kMaxHeadDim || q_dims[2] != p.head_dim) {
     return ffi::Error::InvalidArgument("unsupported head layout for the CPU paged attention");
@@ -497,6 +503,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
                                   .Arg<ffi::Buffer<ffi::S32>>()  // sliding_window [1]: 0 for none (traced per layer)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks [Hq], or [0] for none
                                   .OptionalArg<ffi::Buffer<ffi::F32>>()  // k_scales: with an S8 pool only
                                   .OptionalArg<ffi::Buffer<ffi::F32>>()  // v_scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out

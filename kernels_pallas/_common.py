@@ -560,13 +560,46 @@ def causal_block_step(
     return online_softmax_parts(state, parts)
 
 
-def init_softmax_state(rows: int, head_dim: int):
-    """(m f32[rows, 1], l f32[rows, 1], acc f32[rows, head_dim]) before the first KV block."""
-    return (
-        jnp.full((rows, 1), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows, 1), jnp.float32),
-        jnp.zeros((rows, head_dim), jnp.float32),
-    )
+def init_softmax_state(rows: int, head_dim: int, sinks_ref=None):
+    """(m f32[rows, 1], l f32[rows, 1], acc f32[rows, head_dim]) before the first KV block; with attention sinks
+    (``sinks_ref`` f32[rows, 1], each row's head's sink logit: ``sink_rows``) the softmax starts on its sink, one
+    more term of its denominator with no value."""
+    if sinks_ref is None:
+        m, denom = jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
+    else:
+        m, denom = sinks_ref[...].astype(jnp.float32), jnp.ones((rows, 1), jnp.float32)
+    return m, denom, jnp.zeros((rows, head_dim), jnp.float32)
+
+
+def check_sinks(sinks, num_q_heads: int):
+    """``sinks`` (None, or a float logit per query head) as f32[Hq]; a ValueError for another shape or dtype."""
+    if sinks is None:
+        return None
+    if tuple(sinks.shape) != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"sinks must be a float [{num_q_heads}] (one logit per query head), got {sinks.dtype}"
+                         f"{list(sinks.shape)}")
+    return sinks.astype(jnp.float32)
+
+
+def sink_rows(sinks: jax.Array, num_kv_heads: int, group_p: int, block_q: int) -> jax.Array:
+    """f32[Hkv, group_p * block_q, 1]: each kernel row's sink, rows head-major (``block_q`` rows per query head
+    of the kv head's group, padded to ``group_p`` heads whose rows are discarded)."""
+    heads = sinks.reshape(num_kv_heads, -1)
+    heads = jnp.pad(heads, ((0, 0), (0, group_p - heads.shape[1])), constant_values=MASK_VALUE)
+    return jnp.repeat(heads, block_q, axis=1)[..., None]
+
+
+def sink_operands(sinks, num_kv_heads: int, rows: int, block_q: int, index_map) -> tuple[list, list]:
+    """([BlockSpec], [f32[Hkv, rows, 1]]) of the sinks of each kernel row (``sink_rows``), or
+    ([], []) without sinks."""
+    if sinks is None:
+        return [], []
+    return [pl.BlockSpec((None, rows, 1), index_map)], [sink_rows(sinks, num_kv_heads, rows // block_q, block_q)]
+
+
+def split_sinks_ref(refs, has_sinks: bool):
+    """(the sinks' ref or None, the other refs) of a kernel whose inputs after q start with the sinks' block."""
+    return (refs[0], refs[1:]) if has_sinks else (None, refs)
 
 
 def online_softmax_step(state, s: jax.Array, mask: jax.Array, v: jax.Array, v_scale=None):

@@ -95,14 +95,16 @@ def _tpu_kernel(
     table_ref,  # SMEM i32[num_seqs * pages_per_seq]
     layer_ref,  # SMEM i32[1], or i32[2] [layer, window] with a traced window
     q_ref,  # VMEM [group, head_dim]
-    *refs,  # the pool's (``_tpu_paging.open_stream``), o_ref VMEM [group, head_dim] among them
+    *refs,  # with sinks their VMEM f32[group, 1] first; the pool's (``_tpu_paging.open_stream``), o_ref among them
     sm_scale: float,
     pages_per_seq: int,
     page_size: int,
     quantized: bool,
     sliding_window: int | None,
     logit_softcap: float | None,
+    has_sinks: bool,
 ):
+    sinks_ref, refs = cm.split_sinks_ref(refs, has_sinks)
     seq, head = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[seq]
     sliding_window = cm.kernel_window(sliding_window, layer_ref)
@@ -126,12 +128,12 @@ def _tpu_kernel(
         return step(state, q, k, v, first_key=first_key, scales=scales)
 
     num_blocks = cm.blocks_from(first_page, length, page_size, stream.pages_per_block)
-    state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(group, head_dim))
+    state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(group, head_dim, sinks_ref))
     o_ref[...] = cm.finalize(state).astype(o_ref.dtype)
 
 
 def _paged_attention_tpu(q, k_pool, v_pool, k_scales, v_scales, layer, lengths, page_indices, geometry, *, sm_scale,
-                         pages_per_block, sliding_window, logit_softcap, interpret):
+                         pages_per_block, sliding_window, logit_softcap, sinks, interpret):
     """Arrays as in ``paged_attention`` (validated, pools stacked, lengths clamped) -> [num_seqs, num_q_heads,
     head_dim]."""
     num_seqs, num_q_heads, head_dim = q.shape
@@ -143,16 +145,21 @@ def _paged_attention_tpu(q, k_pool, v_pool, k_scales, v_scales, layer, lengths, 
     kernel = functools.partial(
         _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size,
         quantized=k_scales is not None, sliding_window=sliding_window, logit_softcap=logit_softcap,
+        has_sinks=sinks is not None,
     )
     pool_specs, pool_arrays, scratch = stream_operands(
         k_pool, v_pool, k_scales, v_scales, layer, page_indices, g, pages_per_block
     )
+    sink_specs, sink_arrays = [], []
+    if sinks is not None:
+        sink_specs = [pl.BlockSpec((None, group, 1), lambda s, h, *_: (h, 0, 0))]
+        sink_arrays = [cm.sink_rows(sinks, g.num_kv_heads, group, 1)]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(num_seqs, g.num_kv_heads),
-            in_specs=[q_spec, *pool_specs],
+            in_specs=[q_spec, *sink_specs, *pool_specs],
             out_specs=q_spec,
             scratch_shapes=scratch,
         ),
@@ -160,7 +167,7 @@ def _paged_attention_tpu(q, k_pool, v_pool, k_scales, v_scales, layer, lengths, 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=cm.interpret_arg("tpu", interpret),
         name="paged_attention_tpu",
-    )(lengths, page_indices.reshape(-1), layer, q4, *pool_arrays)
+    )(lengths, page_indices.reshape(-1), layer, q4, *sink_arrays, *pool_arrays)
     return out.reshape(q.shape)
 
 
@@ -219,11 +226,16 @@ def _gpu_kernel(
     o_ref[...], m_ref[...], l_ref[...] = acc, m, denom
 
 
-def _combine_splits(o, m, denom):
-    """Merges split partials: o f32[..., splits, rows, d]; max m, sum denom f32[..., splits, rows, 1]."""
+def _combine_splits(o, m, denom, sinks=None):
+    """Merges split partials: o f32[..., splits, rows, d]; max m, sum denom f32[..., splits, rows, 1]; with
+    ``sinks`` (f32[..., rows, 1], each row's sink logit) one more term in each row's denominator."""
     m_all = jnp.max(m, axis=-3, keepdims=True)
+    if sinks is not None:
+        m_all = jnp.maximum(m_all, sinks[..., None, :, :])
     weight = jnp.exp(m - m_all)
     l_all = jnp.sum(weight * denom, axis=-3)
+    if sinks is not None:
+        l_all = l_all + jnp.exp(sinks - m_all[..., 0, :, :])
     acc = jnp.sum(weight * o, axis=-3)
     return acc / jnp.where(l_all == 0.0, 1.0, l_all)
 
@@ -252,10 +264,11 @@ def _paged_attention_gpu(
     num_stages,
     sliding_window,
     logit_softcap,
+    sinks,
     interpret,
 ):
     """Arrays as in ``paged_attention`` (validated, pools stacked, lengths clamped) -> [num_seqs, num_q_heads,
-    head_dim]."""
+    head_dim]; the sinks join the splits' partials as they are combined (in XLA)."""
     num_seqs, num_q_heads, head_dim = q.shape
     g = geometry
     pages_per_seq = page_indices.shape[1]
@@ -299,17 +312,18 @@ def _paged_attention_gpu(
         interpret=cm.interpret_arg("gpu", interpret),
         name="paged_attention_gpu",
     )(q4, *pool_arrays, table, lengths.reshape(num_seqs, 1), layer)
-    out = _combine_splits(o, m, denom)[:, :, :group]
+    sinks = None if sinks is None else cm.sink_rows(sinks, g.num_kv_heads, rows, 1)  # [Hkv, rows, 1]
+    out = _combine_splits(o, m, denom, sinks)[:, :, :group]
     return out.reshape(q.shape).astype(q.dtype)
 
 
 # ------------------------------------------------------------------------------------------ public
 
 
-def _variants(sliding_window, logit_softcap) -> dict:
+def _variants(sliding_window, logit_softcap, sinks, num_q_heads: int) -> dict:
     """The validated optional variants as keyword arguments of the kernel calls."""
     sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
-    return dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    return dict(sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=cm.check_sinks(sinks, num_q_heads))
 
 
 def _validate(q, k_pool, v_pool, lengths, page_indices, k_scales, v_scales) -> cm.PoolGeometry:
@@ -351,6 +365,7 @@ def paged_attention(
     num_stages: int | None = None,
     sliding_window: int | jax.Array | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_q_heads]: attention sinks (gpt-oss)
     k_scales: jax.Array | None = None,  # f32[L, Hkv, total_pages, page_size] ([Hkv, ...] for one layer): int8 pool
     v_scales: jax.Array | None = None,  # like k_scales
 ) -> jax.Array:  # [num_seqs, num_q_heads, head_dim], q.dtype
@@ -376,12 +391,14 @@ def paged_attention(
         A Python int is static (compiled in); an i32 scalar array is traced (one compiled call serves every
         layer's own window, 0 for none: ``_common.jit_with_window``).
       logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
+      sinks: a logit per query head, one more term of its softmax's denominator with no value (gpt-oss's
+        attention sinks); None: none.
       k_scales, v_scales: with an int8 pool (and only then), the float32 scale of every token's K / V row
         per kv head, token t of page p at [..., p, t] whatever the pool's lane layout: K = k_pages value *
         k_scales (``_common``). Scales of pages and tokens past a sequence's length may hold anything.
     """
     geometry = _validate(q, k_pages, v_pages, lengths, page_indices, k_scales, v_scales)
-    variants = _variants(sliding_window, logit_softcap)
+    variants = _variants(sliding_window, logit_softcap, sinks, q.shape[1])
     k_pool, v_pool, k_scales, v_scales, layer_index = cm.stacked_kv(k_pages, v_pages, k_scales, v_scales, layer)
     variants["sliding_window"], layer_index = cm.window_in_layer(variants["sliding_window"], layer_index)
     backend = cm.resolve_backend(backend, interpret)

@@ -83,7 +83,7 @@ def _tpu_kernel(
     table_ref,  # SMEM i32[num_seqs * pages_per_seq]
     layer_ref,  # SMEM i32[1], or i32[2] [layer, window] with a traced window
     q_ref,  # VMEM [group * block_q, head_dim]
-    *refs,  # the pool's (``_tpu_paging.open_stream``), o_ref VMEM [group * block_q, head_dim] among them
+    *refs,  # with sinks their VMEM f32[group * block_q, 1] first; the pool's (``_tpu_paging.open_stream``), o_ref
     sm_scale: float,
     pages_per_seq: int,
     page_size: int,
@@ -91,7 +91,9 @@ def _tpu_kernel(
     quantized: bool,
     sliding_window: int | None,
     logit_softcap: float | None,
+    has_sinks: bool,
 ):
+    sinks_ref, refs = cm.split_sinks_ref(refs, has_sinks)
     seq, head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[seq]
     sliding_window = cm.kernel_window(sliding_window, layer_ref)
@@ -116,14 +118,14 @@ def _tpu_kernel(
         return step(state, q, k, v, first_key=first_key, scales=scales)
 
     num_blocks = cm.blocks_from(first_page, kv_end, page_size, pages_per_block)
-    state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(rows, head_dim))
+    state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(rows, head_dim, sinks_ref))
     out = jnp.where(row_pos < length, cm.finalize(state), 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
 
 
 def _tpu_call(
     q5, k_pool, v_pool, k_scales, v_scales, layer, page_indices, q_start, lengths, geometry, *, block_q, sm_scale,
-    pages_per_block, sliding_window, logit_softcap, interpret
+    pages_per_block, sliding_window, logit_softcap, sinks, interpret
 ):
     """q5 [num_seqs, num_kv_heads, q_blocks, group_p * block_q, head_dim] from ``_to_row_blocks``; others
     as in ``prefill_attention`` (validated, pools stacked, lengths clamped). Returns an array shaped like q5."""
@@ -134,16 +136,18 @@ def _tpu_call(
     kernel = functools.partial(
         _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size, block_q=block_q,
         quantized=k_scales is not None, sliding_window=sliding_window, logit_softcap=logit_softcap,
+        has_sinks=sinks is not None,
     )
     pool_specs, pool_arrays, scratch = stream_operands(
         k_pool, v_pool, k_scales, v_scales, layer, page_indices, g, pages_per_block
     )
+    sink_specs, sink_arrays = cm.sink_operands(sinks, num_kv_heads, rows, block_q, lambda s, h, b, *_: (h, 0, 0))
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_seqs, num_kv_heads, num_q_blocks),
-            in_specs=[q_spec, *pool_specs],
+            in_specs=[q_spec, *sink_specs, *pool_specs],
             out_specs=q_spec,
             scratch_shapes=scratch,
         ),
@@ -151,7 +155,7 @@ def _tpu_call(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=cm.interpret_arg("tpu", interpret),
         name="prefill_attention_tpu",
-    )(q_start, lengths, page_indices.reshape(-1), layer, q5, *pool_arrays)
+    )(q_start, lengths, page_indices.reshape(-1), layer, q5, *sink_arrays, *pool_arrays)
 
 
 # --------------------------------------------------------------------------------------------- GPU
@@ -163,7 +167,8 @@ def _gpu_kernel(
     v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
     # an int8 pool's scales f32[num_layers * num_kv_heads * total_pages, page_size] (k, v), then:
     # table_ref i32[padded_pages_per_seq], this sequence's block table; meta_ref i32[3]: q_start, length,
-    # layer (i32[4]: and the window, a traced one); o_ref [group_p * block_q, head_dim]
+    # layer (i32[4]: and the window, a traced one); with sinks f32[group_p * block_q, 1]; o_ref [group_p *
+    # block_q, head_dim]
     *refs,
     quantized: bool,
     sm_scale: float,
@@ -173,8 +178,10 @@ def _gpu_kernel(
     total_pages: int,
     sliding_window: int | None,
     logit_softcap: float | None,
+    has_sinks: bool,
 ):
-    (ks_ref, vs_ref), (table_ref, meta_ref, o_ref) = cm.split_scale_refs(refs, quantized)
+    (ks_ref, vs_ref), (table_ref, meta_ref, *refs) = cm.split_scale_refs(refs, quantized)
+    sinks_ref, (o_ref,) = cm.split_sinks_ref(refs, has_sinks)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_tokens = pages_per_block * page_size
     length = meta_ref[1]
@@ -200,7 +207,7 @@ def _gpu_kernel(
         return step(state, q, k, v, first_key=block * block_tokens, scales=scales)
 
     num_blocks = pl.cdiv(kv_end, block_tokens)
-    state = jax.lax.fori_loop(first_block, num_blocks, body, cm.init_softmax_state(rows, head_dim))
+    state = jax.lax.fori_loop(first_block, num_blocks, body, cm.init_softmax_state(rows, head_dim, sinks_ref))
     out = jnp.where(row_pos < length, cm.finalize(state), 0.0)
     o_ref[...] = out.astype(o_ref.dtype)
 
@@ -224,6 +231,7 @@ def _gpu_call(
     num_stages,
     sliding_window,
     logit_softcap,
+    sinks,
     interpret,
 ):
     """q5 [num_seqs, num_kv_heads, q_blocks, group_p * block_q, head_dim] from ``_to_row_blocks``; others
@@ -238,8 +246,9 @@ def _gpu_call(
     kernel = functools.partial(
         _gpu_kernel, quantized=k_scales is not None, sm_scale=sm_scale, pages_per_block=pages_per_block,
         block_q=block_q, num_kv_heads=num_kv_heads, total_pages=geometry.total_pages, sliding_window=sliding_window,
-        logit_softcap=logit_softcap,
+        logit_softcap=logit_softcap, has_sinks=sinks is not None,
     )
+    sink_specs, sink_arrays = cm.sink_operands(sinks, num_kv_heads, rows, block_q, lambda s, h, b: (h, 0, 0))
     return pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, num_q_blocks),
@@ -248,13 +257,14 @@ def _gpu_call(
             *pool_specs,
             pl.BlockSpec((None, table.shape[1]), lambda s, h, b: (s, 0)),
             pl.BlockSpec((None, meta.shape[1]), lambda s, h, b: (s, 0)),
+            *sink_specs,
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q5.shape, q5.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=cm.interpret_arg("gpu", interpret),
         name="prefill_attention_gpu",
-    )(q5, *pool_arrays, table, meta)
+    )(q5, *pool_arrays, table, meta, *sink_arrays)
 
 
 # ------------------------------------------------------------------------------------------ public
@@ -325,6 +335,7 @@ def prefill_attention(
     num_stages: int | None = None,
     sliding_window: int | jax.Array | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[num_q_heads]: attention sinks (gpt-oss)
     k_scales: jax.Array | None = None,  # f32[L, Hkv, total_pages, page_size] ([Hkv, ...] for one layer): int8 pool
     v_scales: jax.Array | None = None,  # like k_scales
 ) -> jax.Array:  # [num_seqs, chunk_len, num_q_heads, head_dim], q.dtype; padding rows are zeros
@@ -344,10 +355,12 @@ def prefill_attention(
       sliding_window: a query at position p attends only keys p - sliding_window < j <= p; None or 0: all.
         Static (a Python int) or traced (an i32 scalar array, 0: none), as in ``paged_attention``.
       logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
+      sinks: a logit per query head in its softmax's denominator (as in ``paged_attention``); None: none.
       k_scales, v_scales: an int8 pool's scales per token and kv head (as in ``paged_attention``).
     """
     geometry = _validate(q, k_pages, v_pages, page_indices, q_start, lengths, k_scales, v_scales)
     sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
+    sinks = cm.check_sinks(sinks, q.shape[2])
     k_pool, v_pool, k_scales, v_scales, layer_index = cm.stacked_kv(k_pages, v_pages, k_scales, v_scales, layer)
     sliding_window, layer_index = cm.window_in_layer(sliding_window, layer_index)
     backend = cm.resolve_backend(backend, interpret)
@@ -372,6 +385,7 @@ def prefill_attention(
         pages_per_block=cm.fit_pages_per_block(knobs["pages_per_compute_block"], pages_per_seq),
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
+        sinks=sinks,
         interpret=interpret,
     )
     lengths = jnp.clip(lengths, 0, pages_per_seq * page_size)  # never walk past the block table

@@ -161,7 +161,7 @@ def _tpu_kernel(
     table_ref,  # SMEM i32[num_rows * pages_per_seq], flattened block tables
     layer_ref,  # SMEM i32[1], or i32[2] [layer, window] with a traced window
     q_ref,  # VMEM [group * block_q, head_dim]
-    *refs,  # the pool's (``_tpu_paging.open_stream``), o_ref VMEM [group * block_q, head_dim] among them
+    *refs,  # with sinks their VMEM f32[group * block_q, 1] first; the pool's (``_tpu_paging.open_stream``), o_ref
     sm_scale: float,
     pages_per_seq: int,
     page_size: int,
@@ -169,7 +169,9 @@ def _tpu_kernel(
     quantized: bool,
     sliding_window: int | None,
     logit_softcap: float | None,
+    has_sinks: bool,
 ):
+    sinks_ref, refs = cm.split_sinks_ref(refs, has_sinks)
     head, item = pl.program_id(0), pl.program_id(1)
     kv_end = kv_end_ref[item]
     sliding_window = cm.kernel_window(sliding_window, layer_ref)
@@ -194,12 +196,12 @@ def _tpu_kernel(
         return step(state, q, k, v, first_key=first_key, scales=scales)
 
     num_blocks = cm.blocks_from(first_page, kv_end, page_size, pages_per_block)
-    state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(rows, head_dim))
+    state = fold_pages(stream, num_blocks, body, cm.init_softmax_state(rows, head_dim, sinks_ref))
     o_ref[...] = jnp.where(real, cm.finalize(state), 0.0).astype(o_ref.dtype)
 
 
 def _tpu_call(q_items, k_pool, v_pool, k_scales, v_scales, layer, block_tables, items: _Items, geometry, *, block_q,
-              sm_scale, pages_per_block, sliding_window, logit_softcap, interpret):
+              sm_scale, pages_per_block, sliding_window, logit_softcap, sinks, interpret):
     """q_items [items, kvh, group * block_q, D] from ``_gather_items`` -> an array shaped like it."""
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     g = geometry
@@ -208,16 +210,18 @@ def _tpu_call(q_items, k_pool, v_pool, k_scales, v_scales, layer, block_tables, 
     kernel = functools.partial(
         _tpu_kernel, sm_scale=sm_scale, pages_per_seq=pages_per_seq, page_size=g.page_size, block_q=block_q,
         quantized=k_scales is not None, sliding_window=sliding_window, logit_softcap=logit_softcap,
+        has_sinks=sinks is not None,
     )
     pool_specs, pool_arrays, scratch = stream_operands(
         k_pool, v_pool, k_scales, v_scales, layer, block_tables, g, pages_per_block
     )
+    sink_specs, sink_arrays = cm.sink_operands(sinks, num_kv_heads, rows, block_q, lambda h, w, *_: (h, 0, 0))
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(num_kv_heads, num_items),
-            in_specs=[q_spec, *pool_specs],
+            in_specs=[q_spec, *sink_specs, *pool_specs],
             out_specs=q_spec,
             scratch_shapes=scratch,
         ),
@@ -225,7 +229,8 @@ def _tpu_call(q_items, k_pool, v_pool, k_scales, v_scales, layer, block_tables, 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=cm.interpret_arg("tpu", interpret),
         name="ragged_paged_attention_tpu",
-    )(items.rows, items.first_pos, items.kv_end, block_tables.reshape(-1), layer, q_items, *pool_arrays)
+    )(items.rows, items.first_pos, items.kv_end, block_tables.reshape(-1), layer, q_items, *sink_arrays,
+      *pool_arrays)
 
 
 # --------------------------------------------------------------------------------------------- GPU
@@ -237,7 +242,8 @@ def _gpu_kernel(
     v_ref,  # [num_layers * num_kv_heads * total_pages, page_size, head_dim]
     # an int8 pool's scales f32[num_layers * num_kv_heads * total_pages, page_size] (k, v), then:
     # table_ref i32[padded_pages_per_seq], the item's row's block table; meta_ref i32[3]: the item's first
-    # position, kv_end, the layer (i32[4]: and the window, a traced one); o_ref [group_p * block_q, head_dim]
+    # position, kv_end, the layer (i32[4]: and the window, a traced one); with sinks f32[group_p * block_q, 1];
+    # o_ref [group_p * block_q, head_dim]
     *refs,
     quantized: bool,
     sm_scale: float,
@@ -247,8 +253,10 @@ def _gpu_kernel(
     total_pages: int,
     sliding_window: int | None,
     logit_softcap: float | None,
+    has_sinks: bool,
 ):
-    (ks_ref, vs_ref), (table_ref, meta_ref, o_ref) = cm.split_scale_refs(refs, quantized)
+    (ks_ref, vs_ref), (table_ref, meta_ref, *refs) = cm.split_scale_refs(refs, quantized)
+    sinks_ref, (o_ref,) = cm.split_sinks_ref(refs, has_sinks)
     page_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     block_tokens = pages_per_block * page_size
     kv_end = meta_ref[1]
@@ -274,12 +282,12 @@ def _gpu_kernel(
         return step(state, q, k, v, first_key=block * block_tokens, scales=scales)
 
     num_blocks = pl.cdiv(kv_end, block_tokens)
-    state = jax.lax.fori_loop(first_block, num_blocks, body, cm.init_softmax_state(rows, head_dim))
+    state = jax.lax.fori_loop(first_block, num_blocks, body, cm.init_softmax_state(rows, head_dim, sinks_ref))
     o_ref[...] = jnp.where(real, cm.finalize(state), 0.0).astype(o_ref.dtype)
 
 
 def _gpu_call(q_items, k_pool, v_pool, k_scales, v_scales, layer, block_tables, items: _Items, geometry, *, block_q,
-              sm_scale, pages_per_block, num_warps, num_stages, sliding_window, logit_softcap, interpret):
+              sm_scale, pages_per_block, num_warps, num_stages, sliding_window, logit_softcap, sinks, interpret):
     """q_items [items, kvh, group_p * block_q, D] from ``_gather_items`` -> an array shaped like it."""
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     pages_per_seq = block_tables.shape[1]
@@ -291,8 +299,9 @@ def _gpu_call(q_items, k_pool, v_pool, k_scales, v_scales, layer, block_tables, 
     kernel = functools.partial(
         _gpu_kernel, quantized=k_scales is not None, sm_scale=sm_scale, pages_per_block=pages_per_block,
         block_q=block_q, num_kv_heads=num_kv_heads, total_pages=geometry.total_pages, sliding_window=sliding_window,
-        logit_softcap=logit_softcap,
+        logit_softcap=logit_softcap, has_sinks=sinks is not None,
     )
+    sink_specs, sink_arrays = cm.sink_operands(sinks, num_kv_heads, rows, block_q, lambda h, w: (h, 0, 0))
     return pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_items),
@@ -301,13 +310,14 @@ def _gpu_call(q_items, k_pool, v_pool, k_scales, v_scales, layer, block_tables, 
             *pool_specs,
             pl.BlockSpec((None, table.shape[1]), lambda h, w: (w, 0)),
             pl.BlockSpec((None, meta.shape[1]), lambda h, w: (w, 0)),
+            *sink_specs,
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q_items.shape, q_items.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=cm.interpret_arg("gpu", interpret),
         name="ragged_paged_attention_gpu",
-    )(q_items, *pool_arrays, table, meta)
+    )(q_items, *pool_arrays, table, meta, *sink_arrays)
 
 
 # ------------------------------------------------------------------------------------------ public
@@ -366,6 +376,7 @@ def ragged_paged_attention(
     backend: str = "auto",
     sliding_window: int | jax.Array | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]: attention sinks (gpt-oss)
     k_scales: jax.Array | None = None,  # f32[L, Hkv, num_blocks, block_size] ([Hkv, ...] for one layer): int8 pool
     v_scales: jax.Array | None = None,  # like k_scales
 ) -> jax.Array:  # [T, Hq, D], q.dtype; zeros for tokens in no row and tokens outside [0, length)
@@ -385,11 +396,13 @@ def ragged_paged_attention(
       sliding_window: a token at position p attends only keys p - sliding_window < k <= p; None or 0: all.
         Static (a Python int) or traced (an i32 scalar array, 0: none), as in ``paged_attention``.
       logit_softcap: soft-cap c of the scaled scores, c * tanh(s / c) (Gemma 2: 50.0); None or 0: no cap.
+      sinks: a logit per query head in its softmax's denominator (as in ``paged_attention``); None: none.
       k_scales, v_scales: an int8 pool's scales per token and kv head (as in ``paged_attention``).
     """
     geometry = _validate(q, k_pages, v_pages, block_tables, query_starts, query_lens, positions, lengths, k_scales,
                          v_scales)
     sliding_window, logit_softcap = cm.check_window_and_softcap(sliding_window, logit_softcap)
+    sinks = cm.check_sinks(sinks, q.shape[1])
     k_pool, v_pool, k_scales, v_scales, layer_index = cm.stacked_kv(k_pages, v_pages, k_scales, v_scales, layer)
     sliding_window, layer_index = cm.window_in_layer(sliding_window, layer_index)
     backend = cm.resolve_backend(backend, interpret)
@@ -423,6 +436,7 @@ def ragged_paged_attention(
         pages_per_block=cm.fit_pages_per_block(knobs["pages_per_compute_block"], pages_per_seq),
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
+        sinks=sinks,
         interpret=interpret,
     )
     group = num_q_heads // num_kv_heads

@@ -43,6 +43,7 @@ class AttentionBackend(Protocol):
         # layer's own window from inside its layer scan, and every layer attends once
         sliding_window: int | jax.Array | None,
         logit_softcap: float | None = None,  # scores become cap * tanh(score / cap) before masking
+        sinks: jax.Array | None = None,  # f32[Hq]: a logit per query head in each softmax's denominator (gpt-oss)
     ) -> jax.Array: ...  # q's shape
 
 
@@ -77,12 +78,13 @@ class ReferenceBackend:
     def tokens_per_row(self, block_size: int, head_dim: int) -> int:
         return 1
 
-    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None):
+    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None,
+               sinks=None):
         block_size = page_values(k_pool).shape[3]
         chunk_pages = max(1, min(self.chunk_tokens // block_size, meta.block_tables.shape[1]))
         attend_rows = lambda q, meta: chunked_paged_attention(
             q, k_pool, v_pool, layer, meta, chunk_pages=chunk_pages,
-            sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+            sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
         )
         if meta.is_ragged:  # every token as a decode row of its sequence (see per_token_rows)
             tokens = q.reshape(-1, 1, *q.shape[2:])
@@ -96,12 +98,13 @@ class ReferenceBackend:
 
 
 def chunked_paged_attention(
-    q, k_pool, v_pool, layer, meta, *, chunk_pages, sm_scale, sliding_window=None, logit_softcap=None
+    q, k_pool, v_pool, layer, meta, *, chunk_pages, sm_scale, sliding_window=None, logit_softcap=None, sinks=None
 ):
     """q [S, Q, Hq, D] attends causally over its sequence's pages (the last ``sliding_window`` tokens if set,
     static or traced: `window_mask`);
-    with ``logit_softcap`` c, each score s = (q . k) * sm_scale becomes c * tanh(s / c) before masking. Returns
-    [S, Q, Hq, D] (padding rows 0)."""
+    with ``logit_softcap`` c, each score s = (q . k) * sm_scale becomes c * tanh(s / c) before masking; with
+    ``sinks``, head h's running softmax starts on its sink (max sinks[h], denominator 1). Returns [S, Q, Hq, D]
+    (padding rows 0)."""
     num_seqs, num_q, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = page_values(k_pool).shape
     chunk_len = chunk_pages * block_size
@@ -132,9 +135,15 @@ def chunked_paged_attention(
         return m_new, denom * scale + p.sum(axis=-1), acc
 
     group = num_q_heads // num_kv_heads
+    state_shape = (num_seqs, num_kv_heads, group, num_q)
+    if sinks is None:
+        m0, denom0 = jnp.full(state_shape, -jnp.inf, jnp.float32), jnp.zeros(state_shape, jnp.float32)
+    else:
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1), state_shape)
+        denom0 = jnp.ones(state_shape, jnp.float32)
     init = (
-        jnp.full((num_seqs, num_kv_heads, group, num_q), -jnp.inf, jnp.float32),
-        jnp.zeros((num_seqs, num_kv_heads, group, num_q), jnp.float32),
+        m0,
+        denom0,
         jnp.zeros((num_seqs, num_kv_heads, group, num_q, head_dim), jnp.float32),
     )
     num_chunks = cdiv(jnp.max(meta.lengths), chunk_len)
@@ -169,11 +178,13 @@ class PallasBackend:
 
         return lane_dense_tokens_per_row(block_size, head_dim)
 
-    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None):
+    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None,
+               sinks=None):
         import kernels_pallas
 
         common = dict(layer=layer, sm_scale=sm_scale, interpret=self.interpret, backend=self.kernel_variant,
-                      sliding_window=sliding_window, logit_softcap=logit_softcap, **pool_scales(k_pool, v_pool))
+                      sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
+                      **pool_scales(k_pool, v_pool))
         # uint16 pools (bfloat16 bits) exist only on XLA:CPU, where the kernels run interpreted
         k_pool, v_pool = pool_values(page_values(k_pool)), pool_values(page_values(v_pool))
         # the kernels take q in the pool's dtype, or as it is over a float8 or int8 pool (they widen its pages)
@@ -209,10 +220,11 @@ class CpuBackend(ReferenceBackend):
         super().__init__(**chunking)
         kernels_cpu.require("the cpu attention backend's kernel")  # builds and registers it (once per process)
 
-    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None):
+    def attend(self, q, k_pool, v_pool, layer, meta, *, sm_scale, sliding_window=None, logit_softcap=None,
+               sinks=None):
         import kernels_cpu
 
-        options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap)
+        options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
         pool_dtype = page_values(k_pool).dtype
         if pool_dtype not in kernels_cpu.POOL_DTYPES or page_values(v_pool).dtype != pool_dtype:
             return super().attend(q, k_pool, v_pool, layer, meta, **options)

@@ -75,8 +75,9 @@ def naive_scores(keys, q, sm_scale, logit_softcap=None):
     return s if logit_softcap is None else logit_softcap * np.tanh(s / logit_softcap)
 
 
-def naive_attention(q_rows, k, v, positions, sm_scale, sliding_window=None, logit_softcap=None):
-    """Dense causal softmax attention in float64 for one sequence (optionally windowed and soft-capped).
+def naive_attention(q_rows, k, v, positions, sm_scale, sliding_window=None, logit_softcap=None, sinks=None):
+    """Dense causal softmax attention in float64 for one sequence (optionally windowed, soft-capped and with a
+    sink logit per query head in its softmax's denominator).
 
     q_rows f64[n, num_q_heads, d] at token positions[n]; k, v f64[length, num_kv_heads, d].
     """
@@ -87,8 +88,10 @@ def naive_attention(q_rows, k, v, positions, sm_scale, sliding_window=None, logi
         keys = window_keys(pos, sliding_window)
         for h in range(num_q_heads):
             s = naive_scores(k[keys, h // group], q_rows[i, h], sm_scale, logit_softcap)
-            p = np.exp(s - s.max())
-            out[i, h] = p @ v[keys, h // group] / p.sum()
+            top = s.max() if sinks is None else max(s.max(), sinks[h])
+            p = np.exp(s - top)
+            sink = 0.0 if sinks is None else np.exp(sinks[h] - top)
+            out[i, h] = p @ v[keys, h // group] / (p.sum() + sink)
     return out
 
 

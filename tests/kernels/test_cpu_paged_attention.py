@@ -63,7 +63,7 @@ def _call_handler(q, k_pool, v_pool, block_tables, lengths, *scales, logit_softc
     """The FFI handler called directly on a decode step, around the wrapper's checks, run to completion."""
     call = jax.ffi.ffi_call(kernels_cpu.TARGET_NAME, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(q, k_pool, v_pool, np.array([LAYER], np.int32), block_tables, *_decode_rows(lengths),
-                np.array([window], np.int32), *scales, sm_scale=np.float32(0.125),
+                np.array([window], np.int32), np.zeros((0,), np.float32), *scales, sm_scale=np.float32(0.125),
                 logit_softcap=np.float32(logit_softcap)).block_until_ready()
 
 
@@ -90,9 +90,10 @@ def _ragged_inputs(rng, num_q_heads, num_kv_heads, head_dim, block_size, pool_dt
     return q, k_pool, v_pool, block_tables, (query_starts, query_lens, positions, lengths)
 
 
-def _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window=None, softcap=None):
+def _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window=None, softcap=None, sinks=None):
     """Token i of row s at position positions[s] + i sees positions (position - window, position]; with
-    ``softcap`` c its scores s become c * tanh(s / c)."""
+    ``softcap`` c its scores s become c * tanh(s / c); with ``sinks``, head h's softmax has exp(sinks[h]) more in
+    its denominator."""
     num_kv_heads, block_size = k_pool.shape[1], k_pool.shape[3]
     group = q.shape[1] // num_kv_heads
     out = np.zeros_like(q, dtype=np.float64)
@@ -109,8 +110,10 @@ def _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window=None, 
                 scores = keys @ q[start + i, h] * sm_scale
                 if softcap:
                     scores = softcap * np.tanh(scores / softcap)
-                weights = np.exp(scores - scores.max())
-                out[start + i, h] = weights @ values / weights.sum()
+                top = scores.max() if sinks is None else max(scores.max(), sinks[h])
+                weights = np.exp(scores - top)
+                sink = 0.0 if sinks is None else np.exp(sinks[h] - top)
+                out[start + i, h] = weights @ values / (weights.sum() + sink)
     return out
 
 
@@ -370,6 +373,45 @@ def test_a_traced_window_gives_one_compiled_call_each_layers_own_window():
             np.testing.assert_allclose(outs[window], expected, rtol=2e-5, atol=2e-6, err_msg=f"{backend.name} {window}")
         assert attend._cache_size() == 1
         assert not np.allclose(outs[5], outs[0]) and not np.allclose(outs[20], outs[5])
+
+
+@pytest.mark.parametrize(("pool_dtype", "window", "softcap"), [(np.float32, None, None), (jnp.bfloat16, 5, SOFTCAP)],
+                         ids=["f32", "bf16-window5-cap"])
+def test_sinks_add_a_logit_per_head_to_each_softmax_denominator(pool_dtype, window, softcap):
+    """gpt-oss's attention sinks, traced (a layer's own), on ragged rows of decode tokens and prefill chunks: the
+    naive softmax with exp(sink) more in each head's denominator; sinks near the scores change the output."""
+    assert kernels_cpu.load() is not None, kernels_cpu.build_error()
+    rng = np.random.default_rng(31)
+    q, k_pool, v_pool, block_tables, rows = _ragged_inputs(rng, 9, 3, 64, 16, pool_dtype)
+    _poison_unseen(k_pool, v_pool, block_tables, rows, window)
+    sinks = rng.normal(1.0, 1.0, 9).astype(np.float32)
+    run = jax.jit(lambda *args, sinks=None: kernels_cpu.paged_attention(
+        *args, sm_scale=0.125, sliding_window=window, logit_softcap=softcap, sinks=sinks))
+    out = run(q, k_pool, v_pool, jnp.int32(LAYER), block_tables, *rows, sinks=jnp.asarray(sinks))
+    expected = _naive_ragged(q, k_pool, v_pool, block_tables, rows, 0.125, window, softcap, sinks)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-6)
+    without = _naive_ragged(q, k_pool, v_pool, block_tables, rows, 0.125, window, softcap)
+    assert np.abs(expected - without).max() > 0.05
+    with pytest.raises(ValueError, match=r"sinks must be \[9\] \(one logit per query head\), not \[3\]"):
+        run(q, k_pool, v_pool, jnp.int32(LAYER), block_tables, *rows, sinks=jnp.zeros(3))
+
+
+def test_the_cpu_and_plain_xla_backends_take_sinks_on_every_step_layout():
+    """Decode, padded prefill and ragged steps through both backends' `attend` with sinks and a window: the naive
+    softmax with exp(sink) more in each head's denominator."""
+    rng = np.random.default_rng(37)
+    _, k_pool, v_pool, block_tables, lengths = _inputs(rng, 9, 3, 64, 16, 6, np.float32)
+    layouts = _step_layouts(rng, lengths, block_tables, 9, 64)
+    sinks = rng.normal(0.0, 1.0, 9).astype(np.float32)
+    for backend in (CpuBackend(), ReferenceBackend()):
+        attend = jax.jit(lambda q, k, v, meta, sinks, b=backend: b.attend(
+            q, k, v, jnp.int32(LAYER), meta, sm_scale=0.125 / SOFTCAP_Q_SCALE, sliding_window=20, sinks=sinks))
+        for q, meta, rows in layouts:
+            flat_q = q.reshape(-1, *q.shape[2:])
+            expected = _naive_ragged(flat_q, k_pool, v_pool, block_tables, rows, 0.125 / SOFTCAP_Q_SCALE, 20,
+                                     sinks=sinks)
+            out = np.asarray(attend(jnp.asarray(q), k_pool, v_pool, meta, jnp.asarray(sinks))).reshape(flat_q.shape)
+            np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6, err_msg=f"{backend.name} {q.shape}")
 
 
 def test_a_negative_window_is_refused_by_the_wrapper_and_by_the_handler():

@@ -238,11 +238,35 @@ def test_a_traced_window_gives_each_windows_result_from_one_program(backend, rng
     assert np.abs(np.asarray(outs[5]) - np.asarray(outs[0])).max() > 0.1
 
 
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_sinks_add_a_logit_per_head_to_each_softmax_denominator(backend, rng, make_kv, naive, tol):
+    """gpt-oss's attention sinks (GQA 9:3, so each kv head's group has its own three), with a window: the naive
+    softmax with exp(sink) more in each head's denominator (the GPU variant over 2 splits adds them as it
+    combines the splits)."""
+    lengths = edge_lengths(16, 6)
+    q, kv = make_inputs(rng, make_kv, jnp.float32, 16, 9, 3, 64, 6, lengths)
+    sinks = rng.normal(0.0, 1.0, 9).astype(np.float32)
+    knobs = {"pages_per_compute_block": 2} | ({"num_splits": 2} if backend == "gpu" else {})
+    out = paged_attention(q, kv.k_pages, kv.v_pages, kv.lengths, kv.page_indices, backend=backend, interpret=True,
+                          sm_scale=0.125, sliding_window=40, sinks=jnp.asarray(sinks), **knobs)
+    q64 = np.asarray(q, np.float64)
+
+    def naive_decode(sinks):
+        return np.stack([naive(q64[s][None], kv.k_dense[s], kv.v_dense[s], [n - 1], 0.125, 40, None, sinks)[0]
+                         for s, n in enumerate(lengths)])
+
+    want = naive_decode(sinks)
+    assert_close(out, want, jnp.float32, tol)
+    assert np.abs(want - naive_decode(None)).max() > 0.05
+
+
 TRACED_WINDOW = jax.ShapeDtypeStruct((), jnp.int32)
+SINKS = jax.ShapeDtypeStruct((9,), jnp.float32)
 
 
 @pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0},
-                                      {"sliding_window": TRACED_WINDOW}], ids=["plain", "window-cap", "traced-window"])
+                                      {"sliding_window": TRACED_WINDOW, "sinks": SINKS}],
+                         ids=["plain", "window-cap", "traced-window-sinks"])
 @pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
 @pytest.mark.parametrize("dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
                                               (jnp.bfloat16, jnp.float8_e4m3fn), (jnp.bfloat16, jnp.int8)],

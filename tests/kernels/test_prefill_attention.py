@@ -206,11 +206,36 @@ def test_a_traced_window_gives_each_windows_result_from_one_program(backend, rng
     assert np.abs(np.asarray(outs[20]) - np.asarray(outs[0])).max() > 0.1
 
 
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_sinks_add_a_logit_per_head_to_each_softmax_denominator(backend, rng, make_kv, naive, tol):
+    """gpt-oss's attention sinks (GQA 9:3: a group of 3 heads, padded to 4 on the GPU), with a window: the naive
+    softmax with exp(sink) more in each head's denominator."""
+    q, kv, q_start = make_inputs(rng, make_kv, jnp.float32, 16, 9, 3, 64, 6, 20)
+    sinks = rng.normal(0.0, 1.0, 9).astype(np.float32)
+    out = prefill_attention(q, kv.k_pages, kv.v_pages, kv.page_indices, q_start, kv.lengths, backend=backend,
+                            interpret=True, block_q=16, pages_per_compute_block=2, sm_scale=0.125, sliding_window=20,
+                            sinks=jnp.asarray(sinks))
+    q64 = np.asarray(q, np.float64)
+
+    def naive_chunks(sinks):
+        want = np.zeros(q.shape)
+        for s, n in enumerate(real_rows(q_start, kv.lengths)):
+            positions = int(q_start[s]) + np.arange(n)
+            want[s, :n] = naive(q64[s, :n], kv.k_dense[s], kv.v_dense[s], positions, 0.125, 20, None, sinks)
+        return want
+
+    want = naive_chunks(sinks)
+    assert_close_on_real_rows(out, want, q_start, kv.lengths, tol(jnp.float32))
+    assert np.abs(want - naive_chunks(None)).max() > 0.05
+
+
 TRACED_WINDOW = jax.ShapeDtypeStruct((), jnp.int32)
+SINKS = jax.ShapeDtypeStruct((9,), jnp.float32)
 
 
 @pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0},
-                                      {"sliding_window": TRACED_WINDOW}], ids=["plain", "window-cap", "traced-window"])
+                                      {"sliding_window": TRACED_WINDOW, "sinks": SINKS}],
+                         ids=["plain", "window-cap", "traced-window-sinks"])
 @pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
 @pytest.mark.parametrize("dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
                                               (jnp.bfloat16, jnp.float8_e4m3fn), (jnp.bfloat16, jnp.int8)],

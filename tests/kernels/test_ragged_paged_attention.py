@@ -99,9 +99,11 @@ def poison(q, k_pages, v_pages, block_tables, row_arrays, first_read=lambda posi
     q[~real_tokens(len(q), row_arrays)] = np.nan
 
 
-def naive_ragged(q, k_pages, v_pages, block_tables, row_arrays, sm_scale, sliding_window=None, logit_softcap=None):
+def naive_ragged(q, k_pages, v_pages, block_tables, row_arrays, sm_scale, sliding_window=None, logit_softcap=None,
+                 sinks=None):
     """Float64, token by token: token i of row s at position positions[s] + i sees positions 0..itself (the
-    last ``sliding_window`` of them), scores soft-capped by ``logit_softcap``."""
+    last ``sliding_window`` of them), scores soft-capped by ``logit_softcap``, exp(sinks[h]) more in head h's
+    softmax denominator."""
     group = q.shape[1] // k_pages.shape[0]
     out = np.zeros(q.shape)
     for s, (start, count, first, length) in enumerate(zip(*row_arrays, strict=True)):
@@ -115,19 +117,22 @@ def naive_ragged(q, k_pages, v_pages, block_tables, row_arrays, sm_scale, slidin
                 k = k_pages[h // group, pages, slots].astype(np.float64)
                 v = v_pages[h // group, pages, slots].astype(np.float64)
                 scores = naive_scores(k, q[start + i, h].astype(np.float64), sm_scale, logit_softcap)
-                weights = np.exp(scores - scores.max())
-                out[start + i, h] = weights @ v / weights.sum()
+                top = scores.max() if sinks is None else max(scores.max(), sinks[h])
+                weights = np.exp(scores - top)
+                sink = 0.0 if sinks is None else np.exp(sinks[h] - top)
+                out[start + i, h] = weights @ v / (weights.sum() + sink)
     return out
 
 
 def poisoned_case(seed, rows, num_q_heads, num_kv_heads, dtype_name, *, sm_scale=SM_SCALE, sliding_window=None,
-                  logit_softcap=None, first_read=lambda position: 0):
+                  logit_softcap=None, first_read=lambda position: 0, sinks=None):
     """(kernel args, naive output, real tokens) of a ``ragged_batch``, poisoned (``poison``)."""
     dtype = DTYPES[dtype_name]
     q, k_pages, v_pages, block_tables, row_arrays = ragged_batch(
         np.random.default_rng(seed), rows, num_q_heads, num_kv_heads, dtype
     )
-    expected = naive_ragged(q, k_pages, v_pages, block_tables, row_arrays, sm_scale, sliding_window, logit_softcap)
+    expected = naive_ragged(q, k_pages, v_pages, block_tables, row_arrays, sm_scale, sliding_window, logit_softcap,
+                            sinks)
     poison(q, k_pages, v_pages, block_tables, row_arrays, first_read)
     args = (
         jnp.asarray(q, dtype),
@@ -229,11 +234,26 @@ def test_a_traced_window_gives_each_windows_result_from_one_program(backend):
     assert np.abs(cases[20][1] - cases[0][1]).max() > 0.1
 
 
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_sinks_add_a_logit_per_head_to_each_softmax_denominator(backend):
+    """gpt-oss's attention sinks (GQA 9:3: a group of 3 heads, padded to 4 on the GPU), with a window, on every
+    kind of row: the naive softmax with exp(sink) more in each head's denominator."""
+    sinks = np.random.default_rng(17).normal(0.0, 1.0, 9).astype(np.float32)
+    args, expected, real = poisoned_case(17, VARIANT_ROWS, 9, 3, "f32", sliding_window=20, sinks=sinks)
+    out = ragged_paged_attention(*args, sm_scale=SM_SCALE, backend=backend, interpret=True, block_q=8,
+                                 pages_per_compute_block=2, sliding_window=20, sinks=jnp.asarray(sinks))
+    check(out, expected, real, "f32")
+    _, without, _ = poisoned_case(17, VARIANT_ROWS, 9, 3, "f32", sliding_window=20)
+    assert np.abs(expected - without).max() > 0.05
+
+
 TRACED_WINDOW = jax.ShapeDtypeStruct((), jnp.int32)
+SINKS = jax.ShapeDtypeStruct((8,), jnp.float32)
 
 
 @pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0},
-                                      {"sliding_window": TRACED_WINDOW}], ids=["plain", "window-cap", "traced-window"])
+                                      {"sliding_window": TRACED_WINDOW, "sinks": SINKS}],
+                         ids=["plain", "window-cap", "traced-window-sinks"])
 @pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
 @pytest.mark.parametrize("dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
                                               (jnp.bfloat16, jnp.float8_e4m3fn), (jnp.bfloat16, jnp.int8)],
