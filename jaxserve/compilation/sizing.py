@@ -1,20 +1,20 @@
 """The bucket grid and KV pool an engine runs on: its block size, limits and number of KV blocks.
 
-Place in the data flow: `engine_bucket_grid` is called at engine start, by `jaxserve precompile` and by
-target compiles, so that all of them build the same executables. It reads the bucket file, takes the
-engine's limits, and sizes the KV pool: on CPU a fixed default (or `num_kv_blocks`); on a TPU or GPU
-what the device's memory holds once the weights, the sampler state and the largest steps' own needs are
-counted. `memory_budget` gives the device's usable bytes and a provisional pool is sized from them less
-the weights and the sampler state. A step needs more while it runs: temporaries (activations, attention
-scratch), outputs that are not donated buffers (logits) and its code; for a 16 x 2048-token prefill of
-Llama-3-8B at tensor parallel 4 that is about 2 GB per chip, more than v5e had left. `blocks_over_budget`
-compiles the largest step of each kind (prefill, decode, mixed), the sampler of the most rows (it runs after a
-step, beside the weights and the pool, on the step's logits) and the prompt logprobs' program (beside them too),
-and reads their `memory_analysis()`; the grid then gives back as many blocks as the largest of them overshoots
-the budget by. That is vLLM's profiling run, measured on the compiled executables instead of on a forward pass. The
-probe compiles against a small pool (a step that does not fit cannot even be compiled for TPU: "HLO
-temporaries exceed available HBM") and adds the provisional pool's remaining blocks: a step's pool bytes
-are its argument (donated, updated in place), and its temporaries do not grow with the pool.
+Place in the data flow: `engine_bucket_grid` is called at engine start, by `jaxserve precompile` and by target
+compiles, so that all of them build the same executables. It reads the bucket file, takes the engine's limits, and
+sizes the KV pool: `num_kv_blocks`, or the blocks `kv_cache_memory_bytes` holds per device (vLLM's), else on CPU a
+fixed default and on a TPU or GPU what the device's memory holds once the weights, the sampler state and the
+largest steps' own needs are counted. `memory_budget` gives the device's usable bytes and a provisional pool is
+sized from them less the weights and the sampler state. A step needs more while it runs: temporaries (activations,
+attention scratch), outputs that are not donated buffers (logits) and its code; for a 16 x 2048-token prefill of
+Llama-3-8B at tensor parallel 4 that is about 2 GB per chip, more than v5e had left. `blocks_over_budget` compiles
+the largest step of each kind (prefill, decode, mixed), the sampler of the most rows (it runs after a step, beside
+the weights and the pool, on the step's logits) and the prompt logprobs' program (beside them too), and reads
+their `memory_analysis()`; the grid then gives back as many blocks as the largest of them overshoots the budget
+by. That is vLLM's profiling run, measured on the compiled executables instead of on a forward pass. The probe
+compiles against a small pool (a step that does not fit cannot even be compiled for TPU: "HLO temporaries exceed
+available HBM") and adds the provisional pool's remaining blocks: a step's pool bytes are its argument (donated,
+updated in place), and its temporaries do not grow with the pool.
 tests/compilation/test_targets.py checks the result against the final executables.
 """
 
@@ -63,7 +63,7 @@ def engine_bucket_grid(
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, max(spec.context_lengths))
     budget = weights_bytes = None
     models = [(model_config, params)] if draft is None else [(model_config, params), draft]
-    if platform != "cpu" and config.num_kv_blocks is None:
+    if platform != "cpu" and config.num_kv_blocks is None and config.kv_cache_memory_bytes is None:
         weights_bytes = sum(per_device_bytes(p, mesh) for _, p in models)
         budget = memory_budget(config.gpu_memory_utilization, params, weights_bytes, device_memory_bytes)
     # the engine's pool keeps K/V as kv_cache_dtype says; a draft model's pool is in the model dtype
@@ -73,7 +73,8 @@ def engine_bucket_grid(
     pool_budget = None if budget is None else budget.pool_bytes(
         weights_bytes, slot_state_bytes(num_slots, model_config.vocab_size))
     num_blocks = num_blocks_from_budget(block_bytes, num_kv_blocks=config.num_kv_blocks,
-                                        memory_budget_bytes=pool_budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS)
+                                        memory_budget_bytes=pool_budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS,
+                                        kv_cache_memory_bytes=config.kv_cache_memory_bytes)
     grid = _grid(spec, config, block_size, max_model_len, num_blocks)
     if budget is not None and fit_to_steps:
         over = _blocks_over_budget(grid, config, model_config, params, mesh, budget, block_bytes, draft)
@@ -124,6 +125,15 @@ def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: Mo
     return over
 
 
+def kv_cache_summary(grid: BucketGrid) -> str:
+    """vLLM's two start-up lines about the KV cache: its size in tokens and how many requests of max_model_len
+    tokens it holds at once (each layer keeps every token of a request: one block per block_size tokens)."""
+    tokens = grid.num_blocks * grid.block_size
+    concurrency = grid.num_blocks / cdiv(grid.max_model_len, grid.block_size)
+    return (f"KV cache size: {tokens:,} tokens\n"
+            f"Maximum concurrency for {grid.max_model_len:,} tokens per request: {concurrency:.2f}x")
+
+
 def kv_bytes_per_block(
     *, num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype_bytes: int, scale_bytes: int = 0
 ) -> int:
@@ -138,12 +148,14 @@ def num_blocks_from_budget(
     num_kv_blocks: int | None,
     memory_budget_bytes: int | None,
     default_cpu_blocks: int,
+    kv_cache_memory_bytes: int | None = None,
 ) -> int:
     """Size of the KV pool in blocks.
 
-    An explicit ``num_kv_blocks`` wins; else ``memory_budget_bytes // bytes_per_block`` (GPU/TPU: the
-    caller passes gpu_memory_utilization * device memory - weights - activations); else
-    ``default_cpu_blocks``. Raises ValueError when the result would be zero blocks.
+    An explicit ``num_kv_blocks`` wins; else ``kv_cache_memory_bytes // bytes_per_block`` (vLLM's option: the
+    pool's bytes per device); else ``memory_budget_bytes // bytes_per_block`` (GPU/TPU: the caller passes
+    gpu_memory_utilization * device memory - weights - activations); else ``default_cpu_blocks``. Raises
+    ValueError when the result would be zero blocks.
     """
     if bytes_per_block < 1:
         raise ValueError(f"bytes_per_block must be >= 1, got {bytes_per_block}")
@@ -151,6 +163,11 @@ def num_blocks_from_budget(
         if num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
         return num_kv_blocks
+    if kv_cache_memory_bytes is not None:
+        if kv_cache_memory_bytes < bytes_per_block:
+            raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} holds no KV block: one needs "
+                             f"{bytes_per_block} bytes per device ({bytes_per_block / 2**20:.2f} MiB)")
+        return kv_cache_memory_bytes // bytes_per_block
     if memory_budget_bytes is not None:
         num_blocks = memory_budget_bytes // bytes_per_block
         if num_blocks < 1:

@@ -48,6 +48,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
     num_kv_blocks: int | None = None
+    # vLLM's: the KV cache's bytes per device, instead of the share of memory left (no probe of the steps' needs)
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     buckets: str | None = None
     seed: int = 0
@@ -108,10 +110,13 @@ class EngineConfig:
 
     def _check_grid_sizes(self) -> None:
         """The grid and pool sizes: None (derived) or a positive integer."""
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                     "kv_cache_memory_bytes"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_memory_bytes, not both: each sets the KV pool's size")
 
     def _check_limits(self) -> None:
         """The per-request logprobs limit, the latency target and the memory share."""

@@ -27,7 +27,7 @@ from jaxserve.compilation.compile_cache import (
     resolve_cache_dir,
     use_persistent_cache,
 )
-from jaxserve.compilation.sizing import engine_bucket_grid
+from jaxserve.compilation.sizing import engine_bucket_grid, kv_cache_summary
 from jaxserve.compilation.warm_up import WarmUpReport, compile_bucket, compile_buckets, use_compile_cache
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.kv_events_config import KVEventsConfig
@@ -91,6 +91,8 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
         draft = load_draft_model(spec.model, loaded.config, config.dtype, mesh)
     grid = engine_bucket_grid(config, loaded.config, loaded.params, jax.default_backend(), mesh,
                               draft=None if draft is None else (draft.config, draft.params))
+    for line in kv_cache_summary(grid).splitlines():
+        logger.info("%s", line)
     block_manager = BlockManager(grid.num_blocks, grid.block_size, enable_prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(
         block_manager, grid, max_num_seqs=grid.max_num_seqs, max_num_batched_tokens=grid.max_num_batched_tokens,

@@ -35,7 +35,10 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
                    f"{SERVER_MAX_ITL_MS:g} for the server and precompile, none offline (mixed steps up to the bucket "
                    "file's [mixed] token_budget, and no larger mixed buckets compiled)"),
     "block_size": (int, "tokens per KV cache block (default: the bucket file's)"),
-    "num_kv_blocks": (int, "KV cache blocks (default: from the memory budget; 1024 on CPU)"),
+    "num_kv_blocks": (int, "KV cache blocks (default: from the memory budget; 2048 on CPU)"),
+    "kv_cache_memory_bytes": (int, "the KV cache's bytes per device instead of the memory budget's share (vLLM's): "
+                              "an integer or with a suffix, k/m/g/t for powers of 1000 and K/M/G/T of 1024 "
+                              "(e.g. 4G); not with --num-kv-blocks"),
     "gpu_memory_utilization": (float, "fraction of accelerator memory for weights and KV cache"),
     "buckets": (str, "bucket file path or name (cpu, gpu, tpu; default: the platform's)"),
     "seed": (int, "seed of requests that give none"),
@@ -106,6 +109,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
             kwargs["action"] = argparse.BooleanOptionalAction
         elif name == "max_itl_ms":
             kwargs["type"] = _milliseconds_or_none
+        elif name == "kv_cache_memory_bytes":
+            kwargs["type"] = human_readable_int
         else:
             kwargs["type"] = kind
         if name == "dtype":
@@ -119,6 +124,25 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
         elif name == "attention_backend":
             kwargs["choices"] = ["auto", "reference", "pallas", "cpu"]
         parser.add_argument("--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, []), **kwargs)
+
+
+# vLLM's suffixes of human-readable integers: lowercase decimal, uppercase binary
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """An integer, or a number with a suffix: "1.5g" = 1,500,000,000, "4G" = 4 * 2**30 (vLLM's rule)."""
+    text = text.strip()
+    scale = _DECIMAL_SUFFIXES.get(text[-1:]) or _BINARY_SUFFIXES.get(text[-1:])
+    try:
+        if scale is None:
+            return int(text)
+        return int(float(text[:-1]) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer, optionally with a suffix k/m/g/t (powers of 1000) or K/M/G/T (of 1024), got "
+            f"{text!r}") from None
 
 
 def _milliseconds_or_none(text: str) -> float | None:

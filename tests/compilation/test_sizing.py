@@ -16,6 +16,7 @@ from jaxserve.compilation.sizing import (
     MemoryBudget,
     blocks_over_budget,
     kv_bytes_per_block,
+    kv_cache_summary,
     largest_samplers,
     memory_budget,
     num_blocks_from_budget,
@@ -147,3 +148,48 @@ def test_num_blocks_from_budget():
         size(num_kv_blocks=0)
     with pytest.raises(ValueError, match="bytes_per_block must be >= 1"):
         size(bytes_per_block=0)
+
+
+def test_kv_cache_memory_bytes_sizes_the_pool_before_the_budget_and_the_cpu_default():
+    def size(**kwargs):
+        options = dict(num_kv_blocks=None, memory_budget_bytes=10**9, default_cpu_blocks=3) | kwargs
+        return num_blocks_from_budget(1000, **options)
+
+    assert size(kv_cache_memory_bytes=12_999) == 12  # vLLM's option: the budget's share is not used
+    assert size(kv_cache_memory_bytes=12_999, memory_budget_bytes=None) == 12  # nor the CPU default
+    assert size(kv_cache_memory_bytes=12_999, num_kv_blocks=5) == 5
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_bytes=999 holds no KV block: one needs 1000 bytes per "
+                                         r"device \(0.00 MiB\)$"):
+        size(kv_cache_memory_bytes=999)
+
+
+def test_the_engine_config_takes_one_of_num_kv_blocks_and_kv_cache_memory_bytes():
+    from jaxserve.config.engine_config import EngineConfig
+
+    assert EngineConfig(kv_cache_memory_bytes=2**30).kv_cache_memory_bytes == 2**30
+    with pytest.raises(ValueError, match=r"^give num_kv_blocks or kv_cache_memory_bytes, not both"):
+        EngineConfig(num_kv_blocks=8, kv_cache_memory_bytes=2**30)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"^kv_cache_memory_bytes must be a positive integer, got {bad!r}$"):
+            EngineConfig(kv_cache_memory_bytes=bad)
+
+
+def test_the_cli_reads_vllms_human_readable_bytes():
+    import argparse
+
+    from jaxserve.entrypoints.args import add_engine_args, engine_config_from_args, human_readable_int
+
+    assert [human_readable_int(x) for x in ("4096", "4k", "4K", "1.5g", "2G", "1T")] == [
+        4096, 4000, 4096, 1_500_000_000, 2 * 2**30, 2**40]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected an integer, optionally with a suffix .* got '4x'"):
+        human_readable_int("4x")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(["--kv-cache-memory-bytes", "3M"])).kv_cache_memory_bytes == (
+        3 * 2**20)
+
+
+def test_the_summary_gives_the_cache_in_tokens_and_the_requests_of_max_model_len_it_holds():
+    grid = types.SimpleNamespace(num_blocks=2053, block_size=16, max_model_len=8192)
+    assert kv_cache_summary(grid).splitlines() == [
+        "KV cache size: 32,848 tokens", "Maximum concurrency for 8,192 tokens per request: 4.01x"]

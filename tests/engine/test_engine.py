@@ -4,12 +4,14 @@ next iteration, preemption loses nothing, every block comes back, and nothing co
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.compilation.compile_cache import num_backend_compiles
+from jaxserve.compilation.sizing import kv_bytes_per_block
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.engine.engine_builder import resolve_async_scheduling
 from jaxserve.testing.small_buckets import small_bucket_file
@@ -155,12 +157,19 @@ def test_request_arriving_while_others_decode_joins_next_iteration(llm):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_preemption_under_a_tiny_pool_keeps_every_token(model_dir, llm, tmp_path):
+def test_preemption_under_a_tiny_pool_keeps_every_token(model_dir, llm, tmp_path, caplog):
+    """The pool sized by vLLM's kv_cache_memory_bytes: 12 blocks and a few bytes, so 12 blocks."""
     requests = [(list(range(10 + i, 40 + i)), 50) for i in range(6)]  # 80 tokens each: 5 blocks of 16
     expected = _generate_alone(llm, requests)
+    cfg = llm.llm_engine.model_config
+    block_bytes = kv_bytes_per_block(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, block_size=16,
+                                     head_dim=cfg.head_dim, dtype_bytes=4)
     # only the buckets these requests select (2 executables)
-    small = LLM(str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=12,
-                buckets=small_bucket_file(tmp_path, decode_batch_sizes=(1, 2, 4, 8)))
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine.engine_builder"):
+        small = LLM(str(model_dir), dtype="float32", max_model_len=128, kv_cache_memory_bytes=12 * block_bytes + 100,
+                    buckets=small_bucket_file(tmp_path, decode_batch_sizes=(1, 2, 4, 8)))
+    assert small.llm_engine.block_manager.num_blocks == 12
+    assert "Maximum concurrency for 128 tokens per request: 1.50x" in caplog.messages
     outputs = small.generate([{"prompt_token_ids": p} for p, _ in requests], _greedy(50), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert small.llm_engine.stats.num_preemptions > 0
