@@ -26,20 +26,22 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "GptOssForCausalLM": "gpt_oss",
     "OPTForCausalLM": "opt",
     "GPT2LMHeadModel": "gpt2",
 }
 LEARNED_POSITION_FAMILIES = ("opt", "gpt2")  # absolute position tables instead of rotary embeddings
 GEMMA_FAMILIES = ("gemma2", "gemma3")  # (1 + weight) norms, norms around attention and MLP, scaled embeddings
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3")  # an RMSNorm over each head of q and k before rotary
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")  # sparse mixture-of-experts MLPs
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")  # sparse mixture-of-experts MLPs
+ATTENTION_LAYER_TYPES = (SLIDING_LAYER, "full_attention")  # transformers' layer_types the engine serves
 SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder: the rotary families (Llama 2/3, Mistral, Qwen2/3, SmolLM2, Phi-3, Gemma 2/3,
-    and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE), OPT or GPT-2.
+    and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss), OPT or GPT-2.
 
     Rotary families share one decoder (`jaxserve.models.llama`, Gemma's in `jaxserve.models.gemma`); the
     fields after `hidden_act` switch on what a family adds. `layer_types` lists transformers' per-layer
@@ -76,6 +78,10 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # Qwen-MoE: every this-many-th layer is sparse ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
     shared_expert_intermediate_size: int | None = None  # Qwen2-MoE: a gated dense expert every token takes
+    attention_out_bias: bool = False  # gpt-oss: o_proj has a bias too
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax's denominator
+    expert_bias: bool = False  # gpt-oss: the router and the experts' projections have biases
+    swiglu: tuple[float, float] | None = None  # gpt-oss: the experts' clamped SwiGLU (alpha, limit)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     layer_norm_eps: float = 1e-5
@@ -105,6 +111,9 @@ class ModelConfig:
             raise ValueError(f"the rotary dimension must be even, got {self.rotary_dim} (head_dim {self.head_dim})")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}")
+        unknown = sorted(set(self.layer_types or ()) - set(ATTENTION_LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unsupported layer types {unknown}: the engine serves {', '.join(ATTENTION_LAYER_TYPES)}")
         for name in ROPE_FACTOR_FIELDS:
             factors = getattr(self.rope, name)
             if factors is not None and len(factors) != self.rotary_dim // 2:
@@ -194,6 +203,8 @@ class ModelConfig:
             fields.update(_gemma_fields(hf, family))
         if family in MOE_FAMILIES:
             fields.update(_moe_fields(hf, family))
+        if family == "gpt_oss":
+            fields.update(_gpt_oss_fields(hf))
         return cls(architecture=arch, **fields)
 
 
@@ -261,6 +272,14 @@ def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
         mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
         shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") if family == "qwen2_moe" else None,
     )
+
+
+def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: biases on every attention projection, the router and the experts; attention sinks; the experts'
+    clamped SwiGLU. Its top-k weights are a softmax over the k chosen logits: the renormalised top k of a softmax
+    over all of them."""
+    return dict(attention_out_bias=True, attention_sinks=True, expert_bias=True, norm_topk_prob=True,
+                swiglu=(float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))))
 
 
 def _eos_ids(eos: int | list[int] | None) -> tuple[int, ...]:

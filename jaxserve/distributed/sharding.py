@@ -104,8 +104,11 @@ def param_spec(path: tuple[str, ...], ndim: int) -> P:
     module, leaf = path[-2], path[-1]
     if module == EXPERTS and leaf in EXPERT_PARALLEL:
         return P(*([None] * (ndim - 3)), TP_AXIS, None, None)
-    if module == EXPERTS and leaf.removesuffix("_scale") in EXPERT_PARALLEL:  # quantized experts' [..., E, out]
+    # quantized experts' scales and gpt-oss's experts' biases, [..., E, out]
+    if module == EXPERTS and leaf.removesuffix("_scale").removesuffix("_bias") in EXPERT_PARALLEL:
         return P(*([None] * (ndim - 2)), TP_AXIS, None)
+    if leaf == "sinks":  # gpt-oss's attention sinks [..., Hq]: with their heads
+        return P(*([None] * (ndim - 1)), TP_AXIS)
     if module in COLUMN_PARALLEL:
         return P(*([None] * (ndim - 1)), TP_AXIS)
     if module in ROW_PARALLEL and leaf in ROW_SPLIT_LEAVES:

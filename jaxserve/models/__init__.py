@@ -16,6 +16,7 @@ MODEL_REGISTRY = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "GptOssForCausalLM": LlamaForCausalLM,  # attention sinks and biases, biased experts: ModelConfig switches
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,

@@ -127,6 +127,7 @@ def paged_attention(
     sliding_window: int | None = None,
     slides: jax.Array | None = None,
     logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Writes the step's k/v into the pool and attends; returns ([S, Q, Hq * D], updated pool).
@@ -134,17 +135,18 @@ def paged_attention(
     `sliding_window` applies to every layer when `slides` is None; otherwise `slides` (bool[], traced: the
     layer's entry of the model's per-layer pattern) says whether this layer uses it: the layer attends once,
     its window an operand of the attention (0: none), so a sliding layer reads only its window's pages.
+    `sinks` (gpt-oss): the layer's logit per query head in each softmax's denominator.
 
     With a mesh, every device runs this on its own slice of the heads (q/k/v on axis 2, the pool on axis
     1): contiguous head slices keep each query head with its kv head, since Hq / tp = (Hq / Hkv) * Hkv / tp.
     """
 
-    def local(q, k, v, k_pool, v_pool, layer, meta, slides):
+    def local(q, k, v, k_pool, v_pool, layer, meta, slides, sinks):
         k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, meta, writes=backend.kv_writes)
 
         def attend(window):
             return backend.attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=window,
-                                  logit_softcap=logit_softcap)
+                                  logit_softcap=logit_softcap, sinks=sinks)
 
         if slides is None:
             return attend(sliding_window), k_pool, v_pool
@@ -155,10 +157,10 @@ def paged_attention(
     if mesh is not None:
         heads, pool = P(None, None, TP_AXIS, None), P(None, TP_AXIS)
         local = jax.shard_map(
-            local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, P(), P(), P()),
+            local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, P(), P(), P(), P(TP_AXIS)),
             out_specs=(heads, pool, pool), check_vma=False,
         )
-    out, k_pool, v_pool = local(q, k, v, *kv_pool, layer, meta, slides)
+    out, k_pool, v_pool = local(q, k, v, *kv_pool, layer, meta, slides, sinks)
     num_seqs, num_q = q.shape[:2]
     return out.reshape(num_seqs, num_q, -1), (k_pool, v_pool)
 
@@ -214,9 +216,13 @@ class Attention(nn.Module):
             k_scale, v_scale = (weight(self, name, nn.initializers.ones, (), jnp.float32) for name in KV_SCALE_NAMES)
             q, k, v = q * k_scale.astype(q.dtype), k / k_scale.astype(k.dtype), v / v_scale.astype(v.dtype)
         sliding_window, slides = layer_window(cfg, layer)
+        sinks = None
+        if cfg.attention_sinks:
+            sinks = weight(self, "sinks", nn.initializers.zeros, (cfg.num_heads,), self.dtype).astype(jnp.float32)
         out, kv_pool = paged_attention(
             q, k, v, kv_pool, layer, meta, self.backend, sm_scale=attention_scale(cfg),
-            sliding_window=sliding_window, slides=slides, logit_softcap=cfg.attn_logit_softcap, mesh=self.mesh,
+            sliding_window=sliding_window, slides=slides, logit_softcap=cfg.attn_logit_softcap, sinks=sinks,
+            mesh=self.mesh,
         )
         if cfg.kv_cache_scales:
             out = out * v_scale.astype(out.dtype)

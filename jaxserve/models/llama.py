@@ -1,6 +1,7 @@
-"""The rotary decoder in Flax: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norms), SmolLM2 (tied
-embeddings), Phi-3 (its fused projections split at load; partial rotary), and the mixture-of-experts Mixtral,
-Qwen2-MoE and Qwen3-MoE (`moe.SparseMoeBlock` in place of the MLP). Gemma 2 and 3 extend it (`gemma.py`).
+"""The rotary decoder in Flax: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norms), SmolLM2 (tied embeddings),
+Phi-3 (its fused projections split at load; partial rotary), and the mixture-of-experts Mixtral, Qwen2-MoE,
+Qwen3-MoE and gpt-oss (attention sinks and biases; `moe.SparseMoeBlock` in place of the MLP). Gemma 2 and 3 extend
+it (`gemma.py`).
 
 Place in the data flow: the model runner calls `LlamaForCausalLM.apply` inside a jitted step with a
 batch of token ids (`[S, Q]` padded or `[1, T]` ragged), the stacked KV pool and the step's
@@ -38,7 +39,7 @@ def feed_forward(cfg: ModelConfig, dtype, mesh: Mesh | None, sparse: bool | None
     return SparseMoeBlock(
         cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.hidden_act,
         dtype, mesh, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-        quantization=cfg.quantization, name="mlp",
+        quantization=cfg.quantization, bias=cfg.expert_bias, swiglu=cfg.swiglu, name="mlp",
     )
 
 
@@ -67,7 +68,7 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         hidden, kv_pool = carry
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        attn = Attention(cfg, self.dtype, self.backend, self.mesh, name="self_attn")
+        attn = Attention(cfg, self.dtype, self.backend, self.mesh, out_bias=cfg.attention_out_bias, name="self_attn")
         attn_out, kv_pool = attn(normed, kv_pool, layer, meta, layer_rotary(cfg, layer, rotary))
         hidden = hidden + attn_out
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)

@@ -32,6 +32,7 @@ def tiny_hf_config(family: str, **overrides):
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
+        "gpt_oss": transformers.GptOssConfig,
     }
     config = classes[family](**{**common, **FAMILY_DEFAULTS.get(family, {}), **overrides})
     config._attn_implementation = "eager"
@@ -54,6 +55,12 @@ FAMILY_DEFAULTS = {
     "qwen3_moe": dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True),
     "qwen2_moe": dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=48,
                       shared_expert_intermediate_size=96),
+    # a SwiGLU limit of 1 so that the tiny weights' gates and ups reach the clamps
+    "gpt_oss": dict(head_dim=24, intermediate_size=48, num_local_experts=5, num_experts_per_tok=2, sliding_window=5,
+                    layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.0,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 128,
+                                     "rope_theta": 150000.0}),
 }
 
 
@@ -81,6 +88,7 @@ TINY_FAMILIES = {
     # dense and MoE layers mixed: layers 0 and 2 dense by mlp_only_layers; every other layer by decoder_sparse_step
     "qwen3-moe-mlp-only-layers": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [0, 2]}),
     "qwen2-moe-sparse-step": ("qwen2_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2}),
+    "gpt-oss": ("gpt_oss", {}),
 }
 
 

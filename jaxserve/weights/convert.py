@@ -86,9 +86,11 @@ def llama_sources(config: ModelConfig) -> list[ParamSource]:
         sources += _phi3_fused_sources(config, layer)
     else:
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            bias = config.attention_bias and proj != "o_proj"
+            bias = config.attention_bias and (proj != "o_proj" or config.attention_out_bias)
             sources += _linear(("layers", "self_attn", proj), f"{layer}.self_attn.{proj}", bias)
         sources += _mlp_sources(config, layer)
+    if config.attention_sinks:
+        sources.append(ParamSource(("layers", "self_attn", "sinks"), f"{layer}.self_attn.sinks"))
     if config.kv_cache_scales:
         sources += [ParamSource(("layers", "self_attn", name), f"{layer}.self_attn.{name}", _scalar)
                     for name in KV_SCALE_NAMES]
@@ -128,6 +130,8 @@ def _mlp_sources(config: ModelConfig, layer: str) -> list[ParamSource]:
 
 def _moe_sources(config: ModelConfig, layer: str) -> list[ParamSource]:
     """The sparse MoE block: router `[H, E]`, experts stacked `[E, in, out]`, Qwen2-MoE's shared expert."""
+    if config.family == "gpt_oss":
+        return _gpt_oss_moe_sources(f"{layer}.mlp")
     if config.family == "mixtral":
         block, expert_names = f"{layer}.block_sparse_moe", ("w1", "w3", "w2")
     else:
@@ -140,6 +144,26 @@ def _moe_sources(config: ModelConfig, layer: str) -> list[ParamSource]:
         sources += _gated_mlp(("layers", "mlp", "shared_expert"), f"{block}.shared_expert")
         sources += _linear(("layers", "mlp", "shared_expert_gate"), f"{block}.shared_expert_gate", False)
     return sources
+
+
+def _every_other(first: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Columns first, first + 2, ... of the last axis: gpt-oss interleaves gate and up in one `gate_up_proj`."""
+    return lambda x: x[..., first::2]
+
+
+def _gpt_oss_moe_sources(block: str) -> list[ParamSource]:
+    """gpt-oss's router (with bias) and its experts, stored stacked `[E, in, out]` already (gate and up
+    interleaved in `gate_up_proj`), each projection with a bias `[E, out]`."""
+    experts = f"{block}.experts"
+    return [
+        *_linear(("layers", "mlp", "router"), f"{block}.router", True),
+        ParamSource(("layers", "mlp", "experts", "gate_proj"), f"{experts}.gate_up_proj", _every_other(0)),
+        ParamSource(("layers", "mlp", "experts", "up_proj"), f"{experts}.gate_up_proj", _every_other(1)),
+        ParamSource(("layers", "mlp", "experts", "down_proj"), f"{experts}.down_proj"),
+        ParamSource(("layers", "mlp", "experts", "gate_proj_bias"), f"{experts}.gate_up_proj_bias", _every_other(0)),
+        ParamSource(("layers", "mlp", "experts", "up_proj_bias"), f"{experts}.gate_up_proj_bias", _every_other(1)),
+        ParamSource(("layers", "mlp", "experts", "down_proj_bias"), f"{experts}.down_proj_bias"),
+    ]
 
 
 def _rows(start: int, stop: int) -> Callable[[np.ndarray], np.ndarray]:

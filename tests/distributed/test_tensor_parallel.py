@@ -4,7 +4,8 @@ starts; this process keeps its single device) and requires every one of its test
 
 What the checks cover: tensor_parallel_size 1, 2 and 4 give identical greedy tokens and logits within
 2e-5 on a tiny 8-head GQA Llama, and identical n > 1 samples, penalties, logit_bias, beams, prefix cache
-hits and prompt logprobs (their positions split over the hidden axis); the KV
+hits and prompt logprobs (their positions split over the hidden axis); gpt-oss (sinks and biased experts) under
+tp 2; the KV
 pool's per-device bytes shrink by the mesh size; weights are split column- and row-parallel; executables
 keep their warm-up shardings and nothing compiles while serving; the compiled steps communicate only the
 two row-parallel all-reduces per layer and update the pool and the sampler state in place; the Pallas
@@ -21,7 +22,7 @@ from __future__ import annotations
 from tests.paths import REPO_ROOT, assert_checks_pass_on_cpu_devices
 
 CHECKS = REPO_ROOT / "tests" / "distributed" / "check_tensor_parallel.py"
-NUM_CHECKS = 20
+NUM_CHECKS = 21
 
 
 def test_tensor_parallel_checks_pass_on_8_cpu_devices():

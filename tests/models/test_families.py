@@ -34,6 +34,7 @@ EXPECTED_CONFIG = {
     "qwen2-moe-shared-expert": ("qwen2_moe", 16, 16, (False,) * 2, False, 0.25, (None, None), (5, 2, False)),
     "qwen3-moe-mlp-only-layers": ("qwen3_moe", 16, 16, (False,) * 4, True, 0.25, (None, None), (7, 3, True)),
     "qwen2-moe-sparse-step": ("qwen2_moe", 16, 16, (False,) * 3, False, 0.25, (None, None), (5, 2, False)),
+    "gpt-oss": ("gpt_oss", 24, 24, (True, False), False, 24**-0.5, (None, None), (5, 2, True)),
 }
 MIXED_MLP_LAYERS = {  # which layers are sparse
     "qwen3-moe-mlp-only-layers": (False, True, False, True),
@@ -60,6 +61,19 @@ def test_config_reads_family_features(tiny):
     assert got[:5] == expected[:5] and got[6:] == expected[6:]
     assert got[5] == pytest.approx(expected[5])
     assert cfg.mixes_mlp_kinds is (name in MIXED_MLP_LAYERS)
+
+
+def test_a_config_of_layer_types_the_engine_cannot_serve_is_refused_at_load(tmp_path):
+    """Qwen3.5's linear-attention layers (not served yet) are not taken for full attention."""
+    import json
+
+    path = make_tiny_model(tmp_path, "qwen3", layer_types=["full_attention", "full_attention"])
+    config = json.loads((path / "config.json").read_text())
+    config["layer_types"] = ["linear_attention", "full_attention"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^unsupported layer types \['linear_attention'\]: the engine serves "
+                                         r"sliding_attention, full_attention$"):
+        load_model(str(path), "float32")
 
 
 @pytest.mark.parametrize("name", sorted(MIXED_MLP_LAYERS))
