@@ -14,7 +14,7 @@ from jaxserve.entrypoints.cli import chat_prompt_ids
 from tests.embedded_reference import NEW_TOKENS, chats, hf_greedy_references
 from tests.paths import SHARED_WORKLOADS
 
-BATCHING_TOKENS = 8  # outputs of the batching test are capped so that 32 requests also run alone quickly
+BATCHING_TOKENS = 8  # outputs of the batching test are capped so that its requests also run alone quickly
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,8 @@ def _text_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
 
 
 def test_continuous_batching_changes_no_token(llm):
-    rows = [json.loads(line) for line in (SHARED_WORKLOADS / "mixed_lengths.jsonl").read_text().splitlines()[:32]]
+    """16 requests of the mixed-lengths workload, alone and all at once (the chats above take turns: 32 rows)."""
+    rows = [json.loads(line) for line in (SHARED_WORKLOADS / "mixed_lengths.jsonl").read_text().splitlines()[:16]]
     prompts = _text_prompts(llm.get_tokenizer(), [r["prompt_len"] for r in rows])
     assert [len(p) for p in prompts] == [r["prompt_len"] for r in rows]
     params = [SamplingParams(temperature=0.0, max_tokens=min(r["output_len"], BATCHING_TOKENS), ignore_eos=True)

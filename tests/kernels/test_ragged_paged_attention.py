@@ -167,19 +167,25 @@ def test_tpu_kernel_and_reference_match_naive_attention_on_a_mixed_batch(heads, 
     check(ragged_paged_attention_reference(*args, sm_scale=SM_SCALE), expected, real, dtype_name)
 
 
+# a single token per item: one item per token, so the rows of one to nine tokens, padding and empty rows only
+SINGLE_TOKEN_ROWS = [ROWS[i] for i in (0, 1, 2, 4, 5, 6, 12, 13)]
+
+
 @pytest.mark.parametrize(
-    "backend,dtype_name,heads,knobs",
+    "backend,dtype_name,heads,knobs,rows",
     [
-        ("tpu", "f32", (8, 2), {}),  # the tuned defaults: query blocks of 16, 8 pages per KV block (capped: 2)
-        ("tpu", "bf16", (9, 3), {"block_q": 16, "pages_per_compute_block": 1}),
-        ("tpu", "f32", (4, 4), {"block_q": 1, "pages_per_compute_block": 4}),  # a single token per item
-        ("gpu", "f32", (9, 3), {"block_q": 8, "pages_per_compute_block": 2}),  # a group of 3 padded to 4 heads
-        ("gpu", "f32", (4, 4), {"block_q": 4}),  # a group of 1 padded to 4 heads: Triton's 16 rows
-        ("gpu", "bf16", (8, 2), {}),
+        ("tpu", "f32", (8, 2), {}, ROWS),  # the tuned defaults: query blocks of 16, 8 pages per KV block (capped: 2)
+        ("tpu", "bf16", (9, 3), {"block_q": 16, "pages_per_compute_block": 1}, ROWS),
+        ("tpu", "f32", (4, 4), {"block_q": 1, "pages_per_compute_block": 4}, SINGLE_TOKEN_ROWS),
+        ("gpu", "f32", (9, 3), {"block_q": 8, "pages_per_compute_block": 2}, ROWS),  # a group of 3 padded to 4 heads
+        ("gpu", "f32", (4, 4), {"block_q": 4}, ROWS),  # a group of 1 padded to 4 heads: Triton's 16 rows
+        ("gpu", "bf16", (8, 2), {}, ROWS),
     ],
+    ids=["tpu-defaults", "tpu-bf16-one-page-blocks", "tpu-single-token-items", "gpu-group-of-3", "gpu-group-of-1",
+         "gpu-bf16-defaults"],
 )
-def test_kernel_knobs_and_the_gpu_variant(backend, dtype_name, heads, knobs):
-    args, expected, real = poisoned_case(7, ROWS, *heads, dtype_name)
+def test_kernel_knobs_and_the_gpu_variant(backend, dtype_name, heads, knobs, rows):
+    args, expected, real = poisoned_case(7, rows, *heads, dtype_name)
     out = ragged_paged_attention(*args, sm_scale=SM_SCALE, backend=backend, interpret=True, **knobs)
     check(out, expected, real, dtype_name)
 

@@ -1,8 +1,8 @@
 """The engine serves every family: greedy tokens equal transformers' `generate` on tiny random models, with
 prompts longer than the sliding windows, mixed steps and prefix caching on (the second round of prompts
-shares the first's prefixes and must hit the cache), on the cpu backend (the CPU default), and Gemma 3's
-per-layer windows and gpt-oss's windows and sinks on the Pallas kernels (interpreted; head_dim 64, a layout the
-TPU kernels take; their soft-cap is in tests/kernels; a MoE block is the same on every attention backend)."""
+shares the first's prefixes and must hit the cache), on the cpu backend (the CPU default), and gpt-oss's per-layer
+windows and sinks on the Pallas kernels (interpreted; head_dim 64, a layout the TPU kernels take; their soft-cap
+is in tests/kernels; a MoE block is the same on every attention backend)."""
 
 from __future__ import annotations
 
@@ -38,9 +38,8 @@ CASES = {
     "gemma3": ("gemma3", {}, "cpu"),
     "qwen3-moe-dense-first-layer": ("qwen3_moe", {"mlp_only_layers": [0]}, "cpu"),  # layers mixing MLP kinds
     "mixtral": ("mixtral", {"sliding_window": 6}, "cpu"),
-    "gemma3-pallas": ("gemma3", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
-                                 "head_dim": 64, "query_pre_attn_scalar": 64}, "pallas"),
-    # attention sinks and alternating windows through the Pallas kernels, biased experts with clamped SwiGLU
+    # attention sinks and per-layer windows (Gemma 3's too: the same traced window) through the Pallas kernels,
+    # biased experts with clamped SwiGLU
     "gpt-oss-pallas": ("gpt_oss", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
                                    "head_dim": 64}, "pallas"),
 }
