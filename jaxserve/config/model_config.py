@@ -34,6 +34,8 @@ LEARNED_POSITION_FAMILIES = ("opt", "gpt2")  # absolute position tables instead 
 GEMMA_FAMILIES = ("gemma2", "gemma3")  # (1 + weight) norms, norms around attention and MLP, scaled embeddings
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3")  # an RMSNorm over each head of q and k before rotary
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")  # sparse mixture-of-experts MLPs
+# families whose o_proj has a bias when attention_bias is set (transformers'; Qwen2's and Mistral's never has one)
+OUT_BIAS_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss")
 ATTENTION_LAYER_TYPES = (SLIDING_LAYER, "full_attention")  # transformers' layer_types the engine serves
 SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh")
 
@@ -78,7 +80,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # Qwen-MoE: every this-many-th layer is sparse ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
     shared_expert_intermediate_size: int | None = None  # Qwen2-MoE: a gated dense expert every token takes
-    attention_out_bias: bool = False  # gpt-oss: o_proj has a bias too
+    attention_out_bias: bool = False  # o_proj has a bias too (attention_bias in OUT_BIAS_FAMILIES)
     attention_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax's denominator
     expert_bias: bool = False  # gpt-oss: the router and the experts' projections have biases
     swiglu: tuple[float, float] | None = None  # gpt-oss: the experts' clamped SwiGLU (alpha, limit)
@@ -212,6 +214,7 @@ def _rotary_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """The fields every rotary family reads (transformers' defaults where a key is absent)."""
     num_heads = hf["num_attention_heads"]
     rope_parameters = hf.get("rope_parameters") or {}
+    attention_bias = bool(hf.get("attention_bias", hf.get("qkv_bias", family in ("qwen2", "qwen2_moe"))))
     return dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -224,7 +227,8 @@ def _rotary_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
         rope=RopeConfig.from_hf(hf),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", family in ("qwen2", "qwen2_moe")))),
+        attention_bias=attention_bias,
+        attention_out_bias=attention_bias and family in OUT_BIAS_FAMILIES,
         sliding_window=_sliding_window(hf, family),
         hidden_act=hf.get("hidden_activation") or hf.get("hidden_act", "silu"),
         layer_types=tuple(hf["layer_types"]) if hf.get("layer_types") else None,
@@ -275,10 +279,10 @@ def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
 
 
 def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """gpt-oss: biases on every attention projection, the router and the experts; attention sinks; the experts'
-    clamped SwiGLU. Its top-k weights are a softmax over the k chosen logits: the renormalised top k of a softmax
-    over all of them."""
-    return dict(attention_out_bias=True, attention_sinks=True, expert_bias=True, norm_topk_prob=True,
+    """gpt-oss: biases on the router and the experts (its attention_bias covers every attention projection);
+    attention sinks; the experts' clamped SwiGLU. Its top-k weights are a softmax over the k chosen logits: the
+    renormalised top k of a softmax over all of them."""
+    return dict(attention_sinks=True, expert_bias=True, norm_topk_prob=True,
                 swiglu=(float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))))
 
 

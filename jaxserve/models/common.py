@@ -188,7 +188,8 @@ def norm_offset(cfg: ModelConfig) -> float:
 
 class Attention(nn.Module):
     """Self-attention over the paged pool. `rotary` is (cos, sin) for rotary families, None for learned
-    positions; `out_bias` says whether o_proj has a bias (OPT and GPT-2 do, the Llama family does not).
+    positions; `out_bias` says whether o_proj has a bias (OPT and GPT-2 do; None: the config's
+    `attention_out_bias`, the rotary families').
     Qwen3 and Gemma 3 normalise every head of q and k (`q_norm`, `k_norm`) before the rotary embedding.
 
     A checkpoint's float8 K/V scales (`k_scale`, `v_scale`: one per layer, `ModelConfig.kv_cache_scales`) are
@@ -199,7 +200,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     backend: AttentionBackend
     mesh: Mesh | None = None
-    out_bias: bool = False
+    out_bias: bool | None = None
 
     @nn.compact
     def __call__(self, x, kv_pool, layer, meta: AttentionMetadata, rotary=None):
@@ -226,7 +227,8 @@ class Attention(nn.Module):
         )
         if cfg.kv_cache_scales:
             out = out * v_scale.astype(out.dtype)
-        return dense(cfg.hidden_size, "o_proj", self.dtype, self.out_bias, cfg.quantization)(out), kv_pool
+        out_bias = cfg.attention_out_bias if self.out_bias is None else self.out_bias
+        return dense(cfg.hidden_size, "o_proj", self.dtype, out_bias, cfg.quantization)(out), kv_pool
 
     def _project_qkv(self, x):
         cfg = self.config

@@ -68,7 +68,7 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         hidden, kv_pool = carry
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        attn = Attention(cfg, self.dtype, self.backend, self.mesh, out_bias=cfg.attention_out_bias, name="self_attn")
+        attn = Attention(cfg, self.dtype, self.backend, self.mesh, name="self_attn")
         attn_out, kv_pool = attn(normed, kv_pool, layer, meta, layer_rotary(cfg, layer, rotary))
         hidden = hidden + attn_out
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)

@@ -89,6 +89,7 @@ TINY_FAMILIES = {
     "qwen3-moe-mlp-only-layers": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [0, 2]}),
     "qwen2-moe-sparse-step": ("qwen2_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2}),
     "gpt-oss": ("gpt_oss", {}),
+    "llama-attention-bias": ("llama", {"attention_bias": True}),  # q/k/v and o_proj biases (Qwen2 has no o bias)
 }
 
 

@@ -35,6 +35,7 @@ EXPECTED_CONFIG = {
     "qwen3-moe-mlp-only-layers": ("qwen3_moe", 16, 16, (False,) * 4, True, 0.25, (None, None), (7, 3, True)),
     "qwen2-moe-sparse-step": ("qwen2_moe", 16, 16, (False,) * 3, False, 0.25, (None, None), (5, 2, False)),
     "gpt-oss": ("gpt_oss", 24, 24, (True, False), False, 24**-0.5, (None, None), (5, 2, True)),
+    "llama-attention-bias": ("llama", 16, 16, (False,) * 2, False, 0.25, (None, None), (None, 0, True)),
 }
 MIXED_MLP_LAYERS = {  # which layers are sparse
     "qwen3-moe-mlp-only-layers": (False, True, False, True),
