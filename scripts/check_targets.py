@@ -1,14 +1,15 @@
 """Compile every bucket of the default TPU grid for TPU topologies, and lower the GPU grid for CUDA, on this host.
 
 The checks `jaxserve precompile --target` runs, over the configurations docs/benchmarks/targets.md reports: the
-embedded SmolLM2-135M, a Llama-3-8B-shaped and a Qwen3-30B-A3B-shaped (mixture of experts: 48 layers, 128
-experts, top-8) config (abstract weights: only its config.json is written)
+embedded SmolLM2-135M, a Llama-3-8B-shaped, a Qwen3-30B-A3B-shaped (mixture of experts: 48 layers, 128
+experts, top-8) and a gpt-oss-20b-shaped config (abstract weights: only its config.json is written)
 on each topology, tensor parallel over as many chips as the heads divide. Prints each target's table
 (compile seconds, memory per device against HBM) and exits 1 if any program fails or does not fit.
 
     python scripts/check_targets.py                                # v5e:2x2 and v6e:2x2, both models, and cuda
     python scripts/check_targets.py --targets v5e:2x2 --models embedded --out /tmp/tables.md
     python scripts/check_targets.py --targets v6e:2x2 --models qwen3-30b-a3b --largest-only
+    python scripts/check_targets.py --targets v6e:2x2 --models gpt-oss-20b --max-model-len 8192
     python scripts/check_targets.py --targets v5e:2x2 --models llama3-8b --tensor-parallel-size 1 --quantization int8
     python scripts/check_targets.py --targets v5e:2x2 --models llama3-8b --tensor-parallel-size 1 --quantization int8 \
         --kv-cache-dtype fp8                                       # and a float8 KV cache: twice the tokens
@@ -46,7 +47,19 @@ QWEN3_30B_A3B = {
     "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
     "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
-SHAPED_CONFIGS = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+# gpt-oss-20b's config.json (its experts served dequantized from mxfp4 to bfloat16): sinks, alternating sliding
+# (128) and full layers, 32 biased experts, top-4
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "vocab_size": 201088,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "attention_bias": True, "swiglu_limit": 7.0,
+    "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16", "eos_token_id": 200002,
+}
+SHAPED_CONFIGS = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B}
 
 
 def model_path(name: str, workdir: Path) -> str | None:
@@ -64,7 +77,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", default="v5e:2x2,v6e:2x2,cuda")
     parser.add_argument("--models", default="embedded,llama3-8b",
-                        help="embedded, llama3-8b, qwen3-30b-a3b, or model paths")
+                        help="embedded, llama3-8b, qwen3-30b-a3b, gpt-oss-20b, or model paths")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's, up to the grid's")
     parser.add_argument("--out", type=Path, default=None, help="also append the tables to this file")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
