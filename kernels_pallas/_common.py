@@ -392,24 +392,30 @@ def check_window_and_softcap(sliding_window, logit_softcap: float | None):
     """Validates the optional attention variants; returns them as (int | None | i32[], float | None), 0 meaning
     "off" like None (as in ``kernels_cpu``): an int window >= 1 and a finite cap > 0 are the on values. A traced
     window (an integer scalar array; 0: none) is the layer's own, passed as is (`window_in_layer`)."""
+    return _check_window(sliding_window), _check_softcap(logit_softcap)
+
+
+def _check_window(sliding_window):
     if isinstance(sliding_window, jax.Array):
         if sliding_window.shape != () or not jnp.issubdtype(sliding_window.dtype, jnp.integer):
             raise ValueError(f"a traced sliding_window must be an integer scalar, got {sliding_window.dtype}"
                              f"{list(sliding_window.shape)}")
-        sliding_window, window = None, sliding_window
-    else:
-        window = None
-    if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)) or sliding_window < 0:
-            raise ValueError(f"sliding_window must be an int >= 1 (None or 0: no window), got {sliding_window!r}")
-        sliding_window = int(sliding_window) or None
-    if logit_softcap is not None:
-        if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float, np.number)) or not (
-            0.0 <= logit_softcap < math.inf
-        ):
-            raise ValueError(f"logit_softcap must be finite and > 0 (None or 0: no soft-cap), got {logit_softcap!r}")
-        logit_softcap = float(logit_softcap) or None
-    return (sliding_window if window is None else window), logit_softcap
+        return sliding_window
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)) or sliding_window < 0:
+        raise ValueError(f"sliding_window must be an int >= 1 (None or 0: no window), got {sliding_window!r}")
+    return int(sliding_window) or None
+
+
+def _check_softcap(logit_softcap: float | None) -> float | None:
+    if logit_softcap is None:
+        return None
+    if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float, np.number)) or not (
+        0.0 <= logit_softcap < math.inf
+    ):
+        raise ValueError(f"logit_softcap must be finite and > 0 (None or 0: no soft-cap), got {logit_softcap!r}")
+    return float(logit_softcap) or None
 
 
 def softcap(s: jax.Array, logit_softcap: float | None) -> jax.Array:

@@ -381,3 +381,9 @@ def test_zero_window_and_cap_are_off(backend):
     )(*valid_args().values()))
     assert program(sliding_window=0, logit_softcap=0.0) == program()
     assert program(sliding_window=8) != program()
+
+
+def test_a_traced_window_must_be_an_integer_scalar():
+    for window in (jnp.float32(8.0), jnp.array([8, 8], jnp.int32)):
+        with pytest.raises(ValueError, match=r"^a traced sliding_window must be an integer scalar, got "):
+            paged_attention(**valid_args(), backend="tpu", interpret=True, sliding_window=window)
