@@ -88,11 +88,17 @@ def naive_attention(q_rows, k, v, positions, sm_scale, sliding_window=None, logi
         keys = window_keys(pos, sliding_window)
         for h in range(num_q_heads):
             s = naive_scores(k[keys, h // group], q_rows[i, h], sm_scale, logit_softcap)
-            top = s.max() if sinks is None else max(s.max(), sinks[h])
-            p = np.exp(s - top)
-            sink = 0.0 if sinks is None else np.exp(sinks[h] - top)
-            out[i, h] = p @ v[keys, h // group] / (p.sum() + sink)
+            out[i, h] = naive_softmax(s, v[keys, h // group], None if sinks is None else sinks[h])
     return out
+
+
+def naive_softmax(scores, values, sink=None):
+    """softmax(scores) @ values in float64; with a ``sink`` logit, exp(sink) more in the denominator (gpt-oss's
+    attention sinks: a term with no value)."""
+    top = scores.max() if sink is None else max(scores.max(), sink)
+    weights = np.exp(scores - top)
+    extra = 0.0 if sink is None else np.exp(sink - top)
+    return weights @ values / (weights.sum() + extra)
 
 
 def first_read_page(first_pos: int, sliding_window: int | None, page_size: int, backend: str,

@@ -25,6 +25,7 @@ import pytest
 import kernels_cpu
 from jaxserve.attention.backends import CpuBackend, ReferenceBackend, get_attention_backend
 from jaxserve.attention.metadata import AttentionMetadata
+from tests.kernels.conftest import naive_softmax
 
 POOL_DTYPES = pytest.mark.parametrize("pool_dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
 
@@ -110,10 +111,7 @@ def _naive_ragged(q, k_pool, v_pool, block_tables, rows, sm_scale, window=None, 
                 scores = keys @ q[start + i, h] * sm_scale
                 if softcap:
                     scores = softcap * np.tanh(scores / softcap)
-                top = scores.max() if sinks is None else max(scores.max(), sinks[h])
-                weights = np.exp(scores - top)
-                sink = 0.0 if sinks is None else np.exp(sinks[h] - top)
-                out[start + i, h] = weights @ values / (weights.sum() + sink)
+                out[start + i, h] = naive_softmax(scores, values, None if sinks is None else sinks[h])
     return out
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from kernels_pallas import ragged_paged_attention, ragged_paged_attention_reference
 from kernels_pallas.ragged_paged_attention import _Items
-from tests.kernels.conftest import first_read_page, naive_scores, pool_at_layer, window_keys
+from tests.kernels.conftest import first_read_page, naive_scores, naive_softmax, pool_at_layer, window_keys
 
 PAGE_SIZE, HEAD_DIM = 16, 64
 SM_SCALE = HEAD_DIM**-0.5
@@ -117,10 +117,7 @@ def naive_ragged(q, k_pages, v_pages, block_tables, row_arrays, sm_scale, slidin
                 k = k_pages[h // group, pages, slots].astype(np.float64)
                 v = v_pages[h // group, pages, slots].astype(np.float64)
                 scores = naive_scores(k, q[start + i, h].astype(np.float64), sm_scale, logit_softcap)
-                top = scores.max() if sinks is None else max(scores.max(), sinks[h])
-                weights = np.exp(scores - top)
-                sink = 0.0 if sinks is None else np.exp(sinks[h] - top)
-                out[start + i, h] = weights @ v / (weights.sum() + sink)
+                out[start + i, h] = naive_softmax(scores, v, None if sinks is None else sinks[h])
     return out
 
 
