@@ -143,16 +143,12 @@ def paged_attention(
 
     def local(q, k, v, k_pool, v_pool, layer, meta, slides, sinks):
         k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, meta, writes=backend.kv_writes)
-
-        def attend(window):
-            return backend.attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=window,
-                                  logit_softcap=logit_softcap, sinks=sinks)
-
-        if slides is None:
-            return attend(sliding_window), k_pool, v_pool
-        # not a lax.cond between two attentions: under one in the layer scan XLA:CPU copies the whole pool every
-        # layer (Gemma 3 270M: a decode step 60x slower)
-        return attend(jnp.where(slides, sliding_window, 0)), k_pool, v_pool
+        # the layer's window as an operand, not a lax.cond between two attentions: under one in the layer scan
+        # XLA:CPU copies the whole pool every layer (Gemma 3 270M: a decode step 60x slower)
+        window = sliding_window if slides is None else jnp.where(slides, sliding_window, 0)
+        out = backend.attend(q, k_pool, v_pool, layer, meta, sm_scale=sm_scale, sliding_window=window,
+                             logit_softcap=logit_softcap, sinks=sinks)
+        return out, k_pool, v_pool
 
     if mesh is not None:
         heads, pool = P(None, None, TP_AXIS, None), P(None, TP_AXIS)
