@@ -150,10 +150,7 @@ def _paged_attention_tpu(q, k_pool, v_pool, k_scales, v_scales, layer, lengths, 
     pool_specs, pool_arrays, scratch = stream_operands(
         k_pool, v_pool, k_scales, v_scales, layer, page_indices, g, pages_per_block
     )
-    sink_specs, sink_arrays = [], []
-    if sinks is not None:
-        sink_specs = [pl.BlockSpec((None, group, 1), lambda s, h, *_: (h, 0, 0))]
-        sink_arrays = [cm.sink_rows(sinks, g.num_kv_heads, group, 1)]
+    sink_specs, sink_arrays = cm.sink_operands(sinks, g.num_kv_heads, group, 1, lambda s, h, *_: (h, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
