@@ -1,5 +1,6 @@
 """Builders for paged KV test cases (one-layer or stacked pools), a naive numpy attention (with the optional
-sliding window and logit soft-cap) and the pages a windowed kernel must skip, shared by the kernel tests.
+sliding window, logit soft-cap and sinks) and the pages a windowed kernel must skip, and the platforms, dtypes and
+variants every kernel is lowered with for real hardware, shared by the kernel tests.
 
 Every pool page that no sequence uses below its length, and every token slot past a sequence's length in
 its last page, holds NaN; block-table entries past a sequence's length point at a NaN page. A kernel that
@@ -11,11 +12,28 @@ from __future__ import annotations
 import dataclasses
 import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 TOLERANCES = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+# Each kernel's lowering for real hardware (Mosaic, Triton): on both platforms, over every query and pool dtype
+LOWERING_PLATFORMS = pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
+LOWERING_DTYPES = pytest.mark.parametrize(
+    "dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
+                         (jnp.bfloat16, jnp.float8_e4m3fn), (jnp.bfloat16, jnp.int8)],
+    ids=["f32", "bf16", "bf16-fp8-pool", "bf16-int8-pool"])
+
+
+def lowering_variants(num_q_heads: int):
+    """The variants each kernel is lowered with: none, a static window and soft-cap, and a traced window with
+    sinks (ShapeDtypeStructs: traced, never run)."""
+    traced = {"sliding_window": jax.ShapeDtypeStruct((), jnp.int32),
+              "sinks": jax.ShapeDtypeStruct((num_q_heads,), jnp.float32)}
+    return pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0}, traced],
+                                   ids=["plain", "window-cap", "traced-window-sinks"])
 
 
 @dataclasses.dataclass

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from kernels_pallas.prefill_attention import prefill_attention, prefill_attention_reference
-from tests.kernels.conftest import first_read_page, poison_pages_before, pool_at_layer
+from tests.kernels.conftest import (
+    LOWERING_DTYPES,
+    LOWERING_PLATFORMS,
+    first_read_page,
+    lowering_variants,
+    poison_pages_before,
+    pool_at_layer,
+)
 
 # (dtype, page_size, num_q_heads, num_kv_heads, head_dim, pages_per_seq, chunk_len)
 CASES = [
@@ -229,17 +236,9 @@ def test_sinks_add_a_logit_per_head_to_each_softmax_denominator(backend, rng, ma
     assert np.abs(want - naive_chunks(None)).max() > 0.05
 
 
-TRACED_WINDOW = jax.ShapeDtypeStruct((), jnp.int32)
-SINKS = jax.ShapeDtypeStruct((9,), jnp.float32)
-
-
-@pytest.mark.parametrize("variants", [{}, {"sliding_window": 40, "logit_softcap": 50.0},
-                                      {"sliding_window": TRACED_WINDOW, "sinks": SINKS}],
-                         ids=["plain", "window-cap", "traced-window-sinks"])
-@pytest.mark.parametrize("kernel_backend,platform", [("tpu", "tpu"), ("gpu", "cuda")])
-@pytest.mark.parametrize("dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
-                                              (jnp.bfloat16, jnp.float8_e4m3fn), (jnp.bfloat16, jnp.int8)],
-                         ids=["f32", "bf16", "bf16-fp8-pool", "bf16-int8-pool"])
+@lowering_variants(num_q_heads=9)
+@LOWERING_PLATFORMS
+@LOWERING_DTYPES
 def test_lowers_for_real_hardware(kernel_backend, platform, dtype, pool_dtype, variants):
     """Runs the Mosaic / Triton lowering (no device needed) so unsupported ops fail here, not on hardware; a
     float8 pool (the float8 KV cache) and an int8 pool with its scales (the int8 KV cache) under a bfloat16
