@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from jaxserve import LLM
-from jaxserve.runner.input_batch import StepInputs, step_shape
+from jaxserve.runner.input_batch import StepInputs, step_shape, tables_of_every_group
 from jaxserve.runner.sampler import SamplingTensors
 from jaxserve.runner.step_costs import median_step_seconds, probe_inputs
 
@@ -31,7 +31,8 @@ def decode_inputs(runner, bucket):
     s = shape.batch_size
     z = np.zeros(s, np.int32)
     lengths = np.full(s, 300, np.int32)
-    return StepInputs(np.zeros((s, 1), np.int32), np.zeros((s, shape.pages_per_seq), np.int32), lengths - 1, lengths,
+    tables = tables_of_every_group(np.zeros((s, shape.pages_per_seq), np.int32), runner.num_kv_groups)
+    return StepInputs(np.zeros((s, 1), np.int32), tables, lengths - 1, lengths,
                       z, SamplingTensors.from_rows([], s, runner.num_sampler_slots, runner.config.vocab_size))
 
 

@@ -21,7 +21,10 @@ class PagedForward:
         self.model = get_model_class(config.architecture)(
             config, jnp.dtype(dtype), get_attention_backend(backend), scan_layers=scan_layers
         )
-        shape = (config.num_layers, config.num_kv_heads, num_blocks, block_size, config.head_dim)
+        # a model with several KV cache groups (sliding-window layers) gets each group's blocks in a part of its own
+        self.num_groups, self.num_blocks = config.kv_cache_layout.num_groups, num_blocks
+        rows = config.kv_cache_layout.layers_per_group
+        shape = (rows, config.num_kv_heads, num_blocks * self.num_groups, block_size, config.head_dim)
         nan = jnp.full(shape, jnp.nan, jnp.dtype(dtype))  # unwritten slots are NaN: a stray read shows
         self.pool = (nan, nan)
         # the engine's XLA options for a program in this dtype (its runner's steps compile with them too)
@@ -31,9 +34,17 @@ class PagedForward:
         hidden, pool = self.model.apply(params, ids, pool, meta)
         return self.model.apply(params, hidden, method=self.model.logits), pool
 
+    def tables(self, block_table: list[int]) -> jax.Array:
+        """One sequence's block tables: ``block_table``, or with G groups ``[G, 1, P]``, group g's blocks in the
+        g-th part of the pool."""
+        if self.num_groups == 1:
+            return jnp.asarray([block_table], jnp.int32)
+        return jnp.asarray([[[g * self.num_blocks + b for b in block_table]] for g in range(self.num_groups)],
+                           jnp.int32)
+
     def lowered_decode_step(self, block_table: list[int], length: int) -> str:
         """The StableHLO text of one decode step of one sequence at ``length`` tokens (lowered, not run)."""
-        meta = AttentionMetadata(block_tables=jnp.asarray([block_table], jnp.int32),
+        meta = AttentionMetadata(block_tables=self.tables(block_table),
                                  q_start=jnp.asarray([length - 1], jnp.int32), lengths=jnp.asarray([length], jnp.int32))
         ids = jnp.zeros((1, 1), jnp.int32)
         return self._apply.lower(self.params, self.pool, ids, meta).as_text()
@@ -42,7 +53,7 @@ class PagedForward:
         """Feeds `token_ids` in chunks of the given sizes; returns the logits of every token [T, V]."""
         assert sum(chunks) == len(token_ids)
         out, start = [], 0
-        table = jnp.asarray([block_table], jnp.int32)
+        table = self.tables(block_table)
         for size in chunks:
             ids = jnp.asarray([token_ids[start : start + size]], jnp.int32)
             meta = AttentionMetadata(

@@ -19,6 +19,9 @@ from jaxserve.reductions import count_true
 class AttentionMetadata:
     """Per-step batch layout, passed into the jitted step as an explicit pytree.
 
+    A model with several KV cache groups (`core/kv_cache_groups.py`) gets the tables of every group; each layer
+    attends with its group's (`for_kv_group`).
+
     Padded layout (``query_starts`` None): a batch of `S` rows with `Q` query tokens each (Q == 1 for
     decode), the model's input `[S, Q]`. Query token `i` of row `s` sits at position `q_start[s] + i`;
     tokens at positions `>= lengths[s]` are padding (not written to the pool, their outputs are garbage).
@@ -29,10 +32,17 @@ class AttentionMetadata:
     onwards. Flat tokens past every row are padding.
     """
 
-    block_tables: jax.Array  # i32[S, pages_per_seq]
+    block_tables: jax.Array  # i32[S, pages_per_seq], or i32[G, S, pages_per_seq]: one per KV cache group
     q_start: jax.Array  # i32[S], position of each sequence's first query token
     lengths: jax.Array  # i32[S], context length after this step (q_start + real query tokens)
     query_starts: jax.Array | None = None  # i32[S], ragged layout only: flat index of each row's first token
+
+    def for_kv_group(self, group) -> AttentionMetadata:
+        """The metadata of a layer of KV cache group ``group`` (an int or i32[]): its group's block tables. A
+        step of a model with one group carries `[S, P]` tables, every layer's."""
+        if self.block_tables.ndim == 2:
+            return self
+        return self.replace(block_tables=self.block_tables[group])
 
     @property
     def is_ragged(self) -> bool:

@@ -73,7 +73,7 @@ def abstract_draft(config: EngineConfig, target_config: ModelConfig) -> tuple[Mo
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    draft_config = load_config(resolve_model_path(spec.model))
+    draft_config = dataclasses.replace(load_config(resolve_model_path(spec.model)), hybrid_kv_cache=False)
     check_draft_vocabulary(spec.model, draft_config, target_config)
     return draft_config, abstract_params(draft_config, config.dtype)
 
@@ -128,6 +128,7 @@ def precompile(
     model_config = load_config(model_path)
     model_config, params = apply_quantization(model_config, abstract_params(model_config, config.dtype),
                                               config.quantization)
+    model_config = config.kv_cache_model_config(model_config)
     draft = abstract_draft(config, model_config)
     grid = engine_bucket_grid(config, model_config, params, jax.default_backend(), mesh, draft=draft)
     runner = ModelRunner.for_engine(model_config, params, config, grid, mesh, abstract=True)

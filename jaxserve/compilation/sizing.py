@@ -30,6 +30,7 @@ from jaxserve.attention.kv_cache import kv_scale_bytes, kv_value_dtype
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid, load_bucket_spec
+from jaxserve.core.kv_cache_groups import KVCacheLayout
 from jaxserve.distributed.sharding import per_device_bytes
 from jaxserve.logger import init_logger
 from jaxserve.math_utils import cdiv
@@ -81,14 +82,16 @@ def engine_bucket_grid(
         if over:
             grid = _grid(spec, config, block_size, max_model_len, num_blocks - over)
     grid.check_max_model_len(max_model_len)
+    check_request_fits(grid, model_config.kv_cache_layout)
     return grid
 
 
 def _block_bytes(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh) -> int:
     """Bytes of one block of ``model_config``'s pool of K/V in ``dtype`` per device (the pool is split over the
-    heads), an int8 pool's scales included."""
+    heads), an int8 pool's scales included: a block holds the layers of one KV cache group."""
     return kv_bytes_per_block(
-        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, block_size=block_size,
+        num_layers=model_config.kv_cache_layout.layers_per_group, num_kv_heads=model_config.num_kv_heads,
+        block_size=block_size,
         head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize, scale_bytes=kv_scale_bytes(dtype),
     ) // mesh.size
 
@@ -125,13 +128,27 @@ def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: Mo
     return over
 
 
-def kv_cache_summary(grid: BucketGrid) -> str:
-    """vLLM's two start-up lines about the KV cache: its size in tokens and how many requests of max_model_len
-    tokens it holds at once (each layer keeps every token of a request: one block per block_size tokens)."""
-    tokens = grid.num_blocks * grid.block_size
-    concurrency = grid.num_blocks / cdiv(grid.max_model_len, grid.block_size)
+def kv_cache_summary(grid: BucketGrid, layout: KVCacheLayout | None = None) -> str:
+    """vLLM's two start-up lines about the KV cache: its size in tokens (each group's share of the blocks) and how
+    many requests of max_model_len tokens it holds at once (a full group keeps every token of a request, a sliding
+    group its window and a step's chunk: `KVCacheLayout.blocks_per_request`). ``layout`` None: one group."""
+    num_groups = 1 if layout is None else layout.num_groups
+    tokens = grid.num_blocks // num_groups * grid.block_size
+    per_request = cdiv(grid.max_model_len, grid.block_size) if layout is None else layout.blocks_per_request(
+        grid.max_model_len, grid.block_size, grid.max_num_batched_tokens)
+    concurrency = grid.num_blocks / per_request
     return (f"KV cache size: {tokens:,} tokens\n"
             f"Maximum concurrency for {grid.max_model_len:,} tokens per request: {concurrency:.2f}x")
+
+
+def check_request_fits(grid: BucketGrid, layout: KVCacheLayout) -> None:
+    """ValueError unless one request of max_model_len tokens fits the pool with every KV cache group's blocks."""
+    needed = layout.blocks_per_request(grid.max_model_len, grid.block_size, grid.max_num_batched_tokens)
+    if needed > grid.num_blocks:
+        raise ValueError(
+            f"max_model_len {grid.max_model_len} needs up to {needed} KV cache blocks of {grid.block_size} tokens "
+            f"over the model's {layout.num_groups} KV cache groups, and the pool has {grid.num_blocks}: raise "
+            "num_kv_blocks (or the memory for the KV cache) or lower max_model_len")
 
 
 def kv_bytes_per_block(

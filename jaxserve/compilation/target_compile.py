@@ -177,6 +177,7 @@ def target_engine(config: EngineConfig, target_name: str, tensor_parallel_size: 
     config = dataclasses.replace(target_dtype(config, target), tensor_parallel_size=tensor_parallel_size)
     model_config, params = apply_quantization(model_config, abstract_params(model_config, config.dtype),
                                               config.quantization)
+    model_config = config.kv_cache_model_config(model_config)
     draft = abstract_draft(config, model_config)
     grid = engine_bucket_grid(config, model_config, params, target.platform, mesh, target.hbm_bytes_per_device,
                               fit_to_steps=fit_to_steps and not target.lower_only, draft=draft)

@@ -13,6 +13,7 @@ import dataclasses
 import os
 
 from jaxserve.config.kv_events_config import KVEventsConfig
+from jaxserve.config.model_config import ModelConfig
 from jaxserve.config.quantization_config import KV_CACHE_DTYPE_CHOICES, parse_quantization
 from jaxserve.config.speculative_config import SpeculativeConfig
 from jaxserve.config.structured_outputs_config import StructuredOutputsConfig
@@ -51,6 +52,8 @@ class EngineConfig:
     # vLLM's: the KV cache's bytes per device, instead of the share of memory left (no probe of the steps' needs)
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    # vLLM's: every layer keeps every token, sliding-window layers too (no KV cache groups, `core/kv_cache_groups.py`)
+    disable_hybrid_kv_cache_manager: bool = False
     buckets: str | None = None
     seed: int = 0
     attention_backend: str = "auto"
@@ -136,7 +139,8 @@ class EngineConfig:
         object.__setattr__(self, "compile_cache_dir", os.fspath(self.compile_cache_dir))
 
     def _check_switches(self) -> None:
-        for name in ("strict_no_compile", "background_compile", "enable_prefix_caching", "disable_log_stats"):
+        for name in ("strict_no_compile", "background_compile", "enable_prefix_caching", "disable_log_stats",
+                     "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -161,6 +165,16 @@ class EngineConfig:
     def _check_async_scheduling(self) -> None:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
+
+    def kv_cache_model_config(self, model_config: ModelConfig) -> ModelConfig:
+        """``model_config`` with the KV cache groups this engine keeps: sliding-window layers in groups of their own
+        (`core/kv_cache_groups.py`) unless `disable_hybrid_kv_cache_manager`, or a draft model's pool follows the
+        first group's block tables and the model has no full-attention layer to give that group every token."""
+        spec = self.speculative_config
+        all_sliding = model_config.sliding_window is not None and all(model_config.sliding_layers)
+        draft_follows = spec is not None and spec.method == "draft_model" and all_sliding
+        hybrid = not (self.disable_hybrid_kv_cache_manager or draft_follows)
+        return dataclasses.replace(model_config, hybrid_kv_cache=hybrid)
 
     @property
     def speculative_grid(self) -> tuple[int, int] | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from jaxserve.config.quantization_config import QuantScheme
 from jaxserve.config.rope_config import ROPE_FACTOR_FIELDS, SLIDING_LAYER, RopeConfig
+from jaxserve.core.kv_cache_groups import KVCacheLayout, layout_for
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -99,6 +100,9 @@ class ModelConfig:
     # the checkpoint gives each layer a float8 scale for K and one for V (`self_attn.k_scale` / `v_scale`,
     # compressed-tensors' kv_cache_scheme): K/V are stored divided by them (`models.common.Attention`)
     kv_cache_scales: bool = False
+    # sliding-window layers in KV cache groups of their own, which keep only their window
+    # (`core/kv_cache_groups.py`); set by the engine from EngineConfig.disable_hybrid_kv_cache_manager
+    hybrid_kv_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -158,6 +162,11 @@ class ModelConfig:
         if self.layer_types is None:
             return (True,) * self.num_layers
         return tuple(kind == SLIDING_LAYER for kind in self.layer_types)
+
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """The KV cache groups of this model's layers: which block table and pool row each layer uses."""
+        return layout_for(self.sliding_layers, self.sliding_window, hybrid=self.hybrid_kv_cache)
 
     @property
     def sparse_layers(self) -> tuple[bool, ...]:

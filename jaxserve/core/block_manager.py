@@ -1,17 +1,22 @@
 """KV block allocator (host side, numpy only, no JAX).
 
 The KV cache on the device is one pool of ``num_blocks`` pages of ``block_size`` token slots per
-layer. This module only does the bookkeeping: which pages are free, how many sequences share each
-page (reference counts, for n > 1 and beam search), and each sequence's ``block_table``. The
+pool row. This module only does the bookkeeping: which pages are free, how many sequences share each
+page (reference counts, for n > 1 and beam search), and each sequence's block tables, one per KV cache group
+(`kv_cache_groups.py`; one group unless the model mixes sliding-window and full-attention layers). The
 ``Scheduler`` asks ``can_allocate`` / ``allocate`` before it schedules a chunk or a decode token, and
 the step's inputs carry the rows' block tables as padded int32 arrays (``runner/input_batch.py``).
 
-Token ``i`` of a sequence lives in slot ``i % block_size`` of page ``block_table[i // block_size]``.
+Token ``i`` of a sequence lives in slot ``i % block_size`` of page ``table[i // block_size]`` of each group's
+table. A sliding-window group gives back the blocks no future query of the sequence reaches
+(``release_out_of_window``, `kv_cache_groups.first_kept_token`): their entries become ``NULL_BLOCK``, which
+the step reads as block 0, masked out by the window.
 
 With prefix caching (``enable_prefix_caching``) full computed blocks are also addressed by content
-(``prefix_cache.py``): a block whose count drops to zero stays cached (evictable) instead of free, a new
-request starts on the longest cached prefix of its blocks (``cached_prefix`` / ``allocate_prefix``), and
-a cached block is evicted only when a fresh block is needed and no never-cached block is free.
+(``prefix_cache.py``), per group: a block whose count drops to zero stays cached (evictable) instead of free, a
+new request starts on the longest cached prefix of its blocks (``cached_prefix`` / ``allocate_prefix``), and
+a cached block is evicted only when a fresh block is needed and no never-cached block is free. A prefix hits
+where every full group caches all its blocks and every sliding group the blocks its window reaches (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from jaxserve.core.kv_cache_groups import NULL_BLOCK, first_kept_token
 from jaxserve.core.prefix_cache import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -32,15 +38,21 @@ from jaxserve.core.prefix_cache import (
 from jaxserve.core.sequence import Sequence
 from jaxserve.math_utils import cdiv
 
+CachedPrefix = list[list[int]]  # per KV cache group, the blocks of a cached prefix (NULL_BLOCK: out of a window)
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
+                 group_windows: tuple[int | None, ...] = (None,)) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not group_windows:
+            raise ValueError("a block manager needs at least one KV cache group")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.group_windows = tuple(group_windows)  # per KV cache group: its sliding window (None: full attention)
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # never cached (or evicted): fresh first
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
@@ -48,6 +60,23 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), see take_pending_copies
         # blocks that entered and left the prefix cache since `take_cache_events` (None: not recorded)
         self.cache_events: list[BlocksStored | BlocksRemoved | AllBlocksCleared] | None = None
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
+    def has_sliding_groups(self) -> bool:
+        return any(window is not None for window in self.group_windows)
+
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """``seq``'s block tables, one per group (a sequence without blocks gets empty ones)."""
+        if len(seq.block_tables) != self.num_groups:
+            if any(seq.block_tables):
+                raise ValueError(f"seq {seq.seq_id}: {len(seq.block_tables)} block tables, the pool has "
+                                 f"{self.num_groups} KV cache groups")
+            seq.block_tables = [[] for _ in self.group_windows]
+        return seq.block_tables
 
     # -- pool state ---------------------------------------------------------------------------------
 
@@ -70,63 +99,89 @@ class BlockManager:
         return self.num_used_blocks / self.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
+        """Entries of each group's table for ``num_tokens`` tokens."""
         return cdiv(num_tokens, self.block_size)
 
     # -- allocation ---------------------------------------------------------------------------------
 
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks ``seq`` still needs to write ``num_new_tokens`` more tokens: new ones to hold
-        ``num_computed_tokens + num_new_tokens`` tokens, plus a private copy of every block it will
-        write that a fork shares (copy-on-write)."""
+        """Blocks ``seq`` still needs, over all groups, to write ``num_new_tokens`` more tokens: new ones to hold
+        ``num_computed_tokens + num_new_tokens`` tokens, plus a private copy of every block it will write that a
+        fork shares (copy-on-write)."""
         needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return max(0, needed - len(seq.block_table)) + len(self._shared_write_blocks(seq, num_new_tokens))
+        return sum(max(0, needed - len(table)) + len(self._shared_write_blocks(table, seq, num_new_tokens))
+                   for table in self.tables(seq))
 
-    def _shared_write_blocks(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        """Indices in ``seq.block_table`` of the blocks the next tokens go to that another sequence holds."""
+    def _shared_write_blocks(self, table: list[int], seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Indices in ``table`` (one of ``seq``'s) of the blocks the next tokens go to that another sequence holds."""
         if num_new_tokens < 1:
             return []
         first = seq.num_computed_tokens // self.block_size
-        last = min((seq.num_computed_tokens + num_new_tokens - 1) // self.block_size, len(seq.block_table) - 1)
-        return [i for i in range(first, last + 1) if self.ref_counts[seq.block_table[i]] > 1]
+        last = min((seq.num_computed_tokens + num_new_tokens - 1) // self.block_size, len(table) - 1)
+        return [i for i in range(first, last + 1) if table[i] != NULL_BLOCK and self.ref_counts[table[i]] > 1]
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, *, reserve: int = 0) -> bool:
         """Whether ``allocate`` would succeed and still leave ``reserve`` blocks free."""
         return self.num_new_blocks(seq, num_new_tokens) + reserve <= self.num_free_blocks
 
-    def can_allocate_with_prefix(self, seq: Sequence, prefix: list[int], *, reserve: int = 0) -> bool:
+    def can_allocate_with_prefix(self, seq: Sequence, prefix: CachedPrefix, *, reserve: int = 0) -> bool:
         """Whether a new ``seq`` fits whole on the cached blocks ``prefix`` plus fresh ones, leaving ``reserve``
         free. A hit on a block nobody holds takes it out of the free count too."""
-        num_fresh = self.num_blocks_for(seq.num_tokens) - len(prefix)
-        num_revived = sum(1 for block_id in prefix if self.ref_counts[block_id] == 0)
+        needed = self.num_blocks_for(seq.num_tokens)
+        num_fresh = sum(needed - len(table) for table in prefix)
+        num_revived = sum(1 for table in prefix for block_id in table
+                          if block_id != NULL_BLOCK and self.ref_counts[block_id] == 0)
         return num_fresh + num_revived + reserve <= self.num_free_blocks
 
     def num_allocatable_tokens(self, seq: Sequence) -> int:
-        """The most new tokens ``seq`` could get right now (its table's slack plus every free block)."""
-        capacity = (len(seq.block_table) + self.num_free_blocks) * self.block_size
+        """The most new tokens ``seq`` could get right now (its tables' slack plus the free blocks, a block per
+        group for each block of tokens)."""
+        capacity = (len(seq.block_table) + self.num_free_blocks // self.num_groups) * self.block_size
         return max(0, capacity - seq.num_computed_tokens)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Grow ``seq.block_table`` to hold ``num_computed_tokens + num_new_tokens`` tokens, and give
-        ``seq`` a private copy of every shared block those tokens go to (queued in ``pending_copies``)."""
+        """Grow ``seq``'s tables to hold ``num_computed_tokens + num_new_tokens`` tokens (after giving back what its
+        sliding groups no longer reach), and give ``seq`` a private copy of every shared block those tokens go to
+        (queued in ``pending_copies``)."""
+        self.release_out_of_window(seq)
         n = self.num_new_blocks(seq, num_new_tokens)
         if n > self.num_free_blocks:
             raise RuntimeError(
                 f"seq {seq.seq_id}: needs {n} new KV blocks, only {self.num_free_blocks} free "
                 "(call can_allocate first)"
             )
-        for index in self._shared_write_blocks(seq, num_new_tokens):
-            self.pending_copies.append(self._copy_block(seq, index))
-        n = max(0, self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
-        for _ in range(n):
-            seq.block_table.append(self._take_fresh_block())
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        for table in self.tables(seq):
+            for index in self._shared_write_blocks(table, seq, num_new_tokens):
+                self.pending_copies.append(self._copy_block(table, index))
+            table.extend(self._take_fresh_block() for _ in range(needed - len(table)))
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Gives back the blocks of ``seq``'s sliding groups that no future query reaches (their entries become
+        NULL_BLOCK); the number of entries dropped. The engine calls it as sequences advance (the scheduler, every
+        step); blocks a fork shares stay with the fork."""
+        if not self.has_sliding_groups:
+            return 0
+        dropped = []
+        for window, table in zip(self.group_windows, self.tables(seq), strict=True):
+            if window is None:
+                continue
+            index = min(first_kept_token(window, seq.num_computed_tokens, self.block_size) // self.block_size,
+                        len(table)) - 1
+            while index >= 0 and table[index] != NULL_BLOCK:
+                dropped.append(table[index])
+                table[index] = NULL_BLOCK
+                index -= 1
+        self._decref(dropped)
+        return len(dropped)
 
     def _take_fresh_block(self) -> int:
         """A block for new K/V, held once: a never-cached free block, else the least recently used cached one."""
         if self.free_block_ids:
             block_id = self.free_block_ids.popleft()
         else:
-            block_id, block_hash = self.prefix_cache.evict()
-            if self.cache_events is not None:
+            block_id, group, block_hash = self.prefix_cache.evict()
+            if self.cache_events is not None and group == 0:
                 self.cache_events.append(BlocksRemoved([block_hash]))
         self.ref_counts[block_id] = 1
         return block_id
@@ -136,38 +191,77 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Drops every cached block nobody holds (their hashes leave the cache, the blocks become free); blocks that
         running sequences hold stay cached. The number dropped. Recorded as one `AllBlocksCleared` when nothing
-        stays cached (vLLM's event for a reset), else as the dropped blocks' `BlocksRemoved`."""
+        stays cached (vLLM's event for a reset), else as the dropped blocks' `BlocksRemoved` (the first group's:
+        the events name a prefix by its blocks' hashes, which every group shares)."""
         if self.prefix_cache is None:
             return 0
-        dropped = []
+        dropped, dropped_hashes = 0, []
         while self.prefix_cache.num_evictable:
-            block_id, block_hash = self.prefix_cache.evict()
+            block_id, group, block_hash = self.prefix_cache.evict()
             self.free_block_ids.append(block_id)
-            dropped.append(block_hash)
+            dropped += 1
+            if group == 0:
+                dropped_hashes.append(block_hash)
         if self.cache_events is not None and dropped:
             cleared = self.prefix_cache.num_cached_blocks == 0
-            self.cache_events.append(AllBlocksCleared() if cleared else BlocksRemoved(dropped))
-        return len(dropped)
+            self.cache_events.append(AllBlocksCleared() if cleared else BlocksRemoved(dropped_hashes))
+        return dropped
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks of the longest prefix of ``seq``'s full blocks, never its last token's block
-        (at least one token is computed, for its logits); empty without prefix caching."""
+    def cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """Per group, the cached blocks of the longest prefix of ``seq``'s full blocks that every group can serve,
+        never its last token's block (at least one token is computed, for its logits); empty tables without
+        prefix caching. A full group needs all the prefix's blocks, a sliding group those its window reaches
+        from the prefix's end (NULL_BLOCK before them)."""
         if self.prefix_cache is None or not seq.use_prefix_cache:
-            return []
+            return [[] for _ in self.group_windows]
         num_hashed = hash_full_blocks(seq, self.block_size, seq.num_tokens - 1)
-        return self.prefix_cache.longest_prefix(seq.block_hashes, num_hashed)
+        hashes = seq.block_hashes[:num_hashed]
+        length = num_hashed
+        for group, window in enumerate(self.group_windows):
+            if window is None:
+                length = len(self.prefix_cache.longest_prefix(hashes, length, group))
+        shorter = True
+        while shorter:  # a full group's hit stays a hit when shortened; a sliding group's may not
+            shorter = False
+            for group, window in enumerate(self.group_windows):
+                reach = length if window is None else self._sliding_hit(hashes, length, group, window)
+                shorter, length = shorter or reach < length, min(length, reach)
+        return [self._prefix_table(hashes[:length], group, window)
+                for group, window in enumerate(self.group_windows)]
 
-    def allocate_prefix(self, seq: Sequence, prefix: list[int]) -> None:
-        """Start a new ``seq`` on the cached blocks ``prefix``: they join its table and count as computed.
+    def _sliding_hit(self, hashes: list[bytes], length: int, group: int, window: int) -> int:
+        """The longest prefix of at most ``length`` blocks whose last blocks, those a sliding ``group`` keeps at its
+        end (`first_kept_token`), that group caches."""
+        run = 0  # cached blocks of the group ending at the current one
+        runs = []
+        for block_hash in hashes[:length]:
+            run = run + 1 if self.prefix_cache.cached_block(block_hash, group) is not None else 0
+            runs.append(run)
+        for end in range(length, 0, -1):
+            first = first_kept_token(window, end * self.block_size, self.block_size) // self.block_size
+            if runs[end - 1] >= end - first:
+                return end
+        return 0
+
+    def _prefix_table(self, hashes: list[bytes], group: int, window: int | None) -> list[int]:
+        first = 0 if window is None else first_kept_token(window, len(hashes) * self.block_size,
+                                                          self.block_size) // self.block_size
+        return [NULL_BLOCK if index < first else self.prefix_cache.cached_block(block_hash, group)
+                for index, block_hash in enumerate(hashes)]
+
+    def allocate_prefix(self, seq: Sequence, prefix: CachedPrefix) -> None:
+        """Start a new ``seq`` on the cached blocks ``prefix``: they join its tables and count as computed.
         Records the lookup (vLLM's prefix_cache_queries / hits, in tokens) and the request's cached tokens."""
-        if seq.block_table or seq.num_computed_tokens:
+        if any(self.tables(seq)) or seq.num_computed_tokens:
             raise ValueError(f"seq {seq.seq_id}: a cached prefix is taken by a sequence without blocks")
-        for block_id in prefix:
+        if len(prefix) != self.num_groups:
+            raise ValueError(f"a cached prefix of {len(prefix)} groups, the pool has {self.num_groups}")
+        for block_id in (block_id for table in prefix for block_id in table if block_id != NULL_BLOCK):
             self.prefix_cache.touch(block_id)
             self.ref_counts[block_id] += 1
-        seq.block_table = list(prefix)
-        seq.num_computed_tokens = len(prefix) * self.block_size
-        seq.num_registered_blocks = len(prefix)
+        seq.block_tables = [list(table) for table in prefix]
+        seq.num_computed_tokens = len(prefix[0]) * self.block_size
+        seq.num_registered_blocks = len(prefix[0])
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed_tokens
         if self.prefix_cache is not None and seq.use_prefix_cache:
@@ -175,15 +269,18 @@ class BlockManager:
             self.prefix_cache_stats.hits += seq.num_computed_tokens
 
     def cache_blocks(self, seq: Sequence) -> None:
-        """Register ``seq``'s full blocks whose K/V are computed (or in a dispatched step) in the cache."""
+        """Register ``seq``'s full blocks whose K/V are computed (or in a dispatched step) in the cache, in every
+        group that still holds them."""
         if self.prefix_cache is None:
             return
         num_hashed = hash_full_blocks(seq, self.block_size, seq.num_computed_tokens)
-        stored = [index for index in range(seq.num_registered_blocks, num_hashed)
-                  if self.prefix_cache.insert(seq.block_table[index], seq.block_hashes[index])]
+        first = seq.num_registered_blocks
+        for group, table in enumerate(self.tables(seq)):
+            stored = [index for index in range(first, num_hashed) if table[index] != NULL_BLOCK
+                      and self.prefix_cache.insert(table[index], seq.block_hashes[index], group)]
+            if group == 0 and self.cache_events is not None and stored:
+                self._record_stored(seq, stored)
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_hashed)
-        if self.cache_events is not None and stored:
-            self._record_stored(seq, stored)
 
     def _record_stored(self, seq: Sequence, indices: list[int]) -> None:
         """One `BlocksStored` per run of consecutive blocks of ``seq`` that entered the cache (vLLM's grouping)."""
@@ -209,37 +306,40 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks nobody else holds go back to the free list."""
-        self._decref(seq.block_table)
-        seq.block_table = []
+        self._decref([block_id for table in self.tables(seq) for block_id in table])
+        seq.block_tables = [[] for _ in self.group_windows]
         seq.num_registered_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share every block of ``parent`` (reference count + 1 each)."""
-        if child.block_table:
+        if any(child.block_tables):
             raise ValueError(f"seq {child.seq_id}: cannot fork into a sequence that already has blocks")
-        self._check_owned(parent.block_table)
-        child.block_table = list(parent.block_table)
-        np.add.at(self.ref_counts, child.block_table, 1)
+        tables = self.tables(parent)
+        held = [block_id for table in tables for block_id in table if block_id != NULL_BLOCK]
+        self._check_owned(held)
+        child.block_tables = [list(table) for table in tables]
+        np.add.at(self.ref_counts, held, 1)
 
-    def copy_on_write(self, seq: Sequence) -> tuple[int, int] | None:
-        """Before writing into a block shared with a fork: give ``seq`` a private copy of it.
+    def copy_on_write(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Before writing into a block shared with a fork: give ``seq`` a private copy of it in every group.
 
-        Checks the block that will receive token ``num_computed_tokens``. Returns ``(src, dst)``
-        block ids for the model runner to copy on the device, or None when nothing must be copied.
-        ``allocate`` does this itself for every block it is about to write.
+        Checks the blocks that will receive token ``num_computed_tokens``. Returns the ``(src, dst)`` block ids
+        for the model runner to copy on the device (none when nothing must be copied). ``allocate`` does this
+        itself for every block it is about to write.
         """
-        index = seq.num_computed_tokens // self.block_size
-        if index >= len(seq.block_table) or self.ref_counts[seq.block_table[index]] == 1:
-            return None
-        if not self.num_free_blocks:
-            raise RuntimeError(f"seq {seq.seq_id}: no free KV block for copy-on-write")
-        return self._copy_block(seq, index)
+        copies = []
+        for table in self.tables(seq):
+            for index in self._shared_write_blocks(table, seq, 1):
+                if not self.num_free_blocks:
+                    raise RuntimeError(f"seq {seq.seq_id}: no free KV block for copy-on-write")
+                copies.append(self._copy_block(table, index))
+        return copies
 
-    def _copy_block(self, seq: Sequence, index: int) -> tuple[int, int]:
-        src = seq.block_table[index]
+    def _copy_block(self, table: list[int], index: int) -> tuple[int, int]:
+        src = table[index]
         dst = self._take_fresh_block()
         self.ref_counts[src] -= 1
-        seq.block_table[index] = dst
+        table[index] = dst
         return src, dst
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -256,14 +356,16 @@ class BlockManager:
     def kv_waste(self, seqs: Iterable[Sequence]) -> float:
         """(allocated slots - used slots) / allocated slots over ``seqs``; 0.0 when nothing is allocated.
 
-        Used slots are the tokens whose K/V are in the cache (``num_computed_tokens``). A block shared
-        by several sequences counts once per sequence holding it.
+        Used slots are the tokens whose K/V are in the cache (``num_computed_tokens``) in the blocks held. A block
+        shared by several sequences counts once per sequence holding it.
         """
         allocated = used = 0
+        size = self.block_size
         for seq in seqs:
-            capacity = len(seq.block_table) * self.block_size
-            allocated += capacity
-            used += min(seq.num_computed_tokens, capacity)
+            for table in self.tables(seq):
+                held = [index for index, block_id in enumerate(table) if block_id != NULL_BLOCK]
+                allocated += len(held) * size
+                used += sum(min(size, max(0, seq.num_computed_tokens - index * size)) for index in held)
         return (allocated - used) / allocated if allocated else 0.0
 
     # -- internals ----------------------------------------------------------------------------------
@@ -278,7 +380,9 @@ class BlockManager:
             raise ValueError(f"double free of KV block {int(over[0])}: it is not allocated that many times")
 
     def _decref(self, block_ids: list[int]) -> None:
-        """With prefix caching, last blocks first: a cached prefix's tail is evicted before its head (vLLM's order)."""
+        """With prefix caching, last blocks first: a cached prefix's tail is evicted before its head (vLLM's order).
+        NULL_BLOCK entries are skipped."""
+        block_ids = [block_id for block_id in block_ids if block_id != NULL_BLOCK]
         self._check_owned(block_ids)  # validate everything first: a failed free changes nothing
         for block_id in reversed(block_ids) if self.prefix_cache is not None else block_ids:
             self.ref_counts[block_id] -= 1
@@ -288,5 +392,3 @@ class BlockManager:
                 self.prefix_cache.release(block_id)
             else:
                 self.free_block_ids.append(block_id)
-
-

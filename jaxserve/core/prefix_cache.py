@@ -80,42 +80,48 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """Hash -> block table, and the LRU list of cached blocks that no sequence holds (evictable)."""
+    """(KV cache group, hash) -> block table, and the LRU list of cached blocks that no sequence holds (evictable).
+    Each group caches its own blocks of a prefix (`kv_cache_groups.py`): one block id per group and hash."""
 
     def __init__(self) -> None:
-        self.block_of: dict[BlockHash, int] = {}
-        self.hash_of: dict[int, BlockHash] = {}
+        self.block_of: dict[tuple[int, BlockHash], int] = {}
+        self.key_of: dict[int, tuple[int, BlockHash]] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self.hash_of)
+        return len(self.key_of)
 
     @property
     def num_evictable(self) -> int:
         return len(self.evictable)
 
-    def longest_prefix(self, hashes: list[BlockHash], num_blocks: int) -> list[int]:
-        """Block ids of the cached blocks of ``hashes[:num_blocks]``, from the first, up to the first miss."""
+    def cached_block(self, block_hash: BlockHash, group: int = 0) -> int | None:
+        """The block of ``group`` that caches ``block_hash``, if any."""
+        return self.block_of.get((group, block_hash))
+
+    def longest_prefix(self, hashes: list[BlockHash], num_blocks: int, group: int = 0) -> list[int]:
+        """Block ids of ``group``'s cached blocks of ``hashes[:num_blocks]``, from the first, up to the first miss."""
         blocks = []
         for block_hash in hashes[:num_blocks]:
-            block_id = self.block_of.get(block_hash)
+            block_id = self.block_of.get((group, block_hash))
             if block_id is None:
                 break
             blocks.append(block_id)
         return blocks
 
-    def insert(self, block_id: int, block_hash: BlockHash) -> bool:
+    def insert(self, block_id: int, block_hash: BlockHash, group: int = 0) -> bool:
         """Register a held block whose K/V are computed; whether it entered the cache. A block already cached, or
-        content another block already caches (two requests computed the same prefix at once), changes nothing."""
-        if block_id in self.hash_of or block_hash in self.block_of:
+        content another block of its group already caches (two requests computed the same prefix at once),
+        changes nothing."""
+        if block_id in self.key_of or (group, block_hash) in self.block_of:
             return False
-        self.block_of[block_hash] = block_id
-        self.hash_of[block_id] = block_hash
+        self.block_of[group, block_hash] = block_id
+        self.key_of[block_id] = (group, block_hash)
         return True
 
     def is_cached(self, block_id: int) -> bool:
-        return block_id in self.hash_of
+        return block_id in self.key_of
 
     def release(self, block_id: int) -> None:
         """A cached block nobody holds any more: most recently used end of the LRU list."""
@@ -125,9 +131,10 @@ class PrefixCache:
         """A hit on a block nobody held: it leaves the LRU list (no-op for a held block)."""
         self.evictable.pop(block_id, None)
 
-    def evict(self) -> tuple[int, BlockHash]:
-        """The least recently used evictable block, its hash dropped: a fresh block, and the hash it had."""
+    def evict(self) -> tuple[int, int, BlockHash]:
+        """The least recently used evictable block, its hash dropped: a fresh block, the group it cached for and the
+        hash it had."""
         block_id, _ = self.evictable.popitem(last=False)
-        block_hash = self.hash_of.pop(block_id)
-        del self.block_of[block_hash]
-        return block_id, block_hash
+        group, block_hash = self.key_of.pop(block_id)
+        del self.block_of[group, block_hash]
+        return block_id, group, block_hash

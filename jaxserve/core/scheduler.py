@@ -221,6 +221,9 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         sched = Schedule()
+        if self.block_manager.has_sliding_groups:  # what the sliding windows passed since the last step goes back
+            for seq in self.running:
+                self.block_manager.release_out_of_window(seq)
         partial, decoding = self._classify_running(sched)
         if self.bucket_grid.has_mixed and decoding:
             self._schedule_decode(sched, decoding)
@@ -361,7 +364,7 @@ class Scheduler:
             if mixed and not self._mixed_row_free(sched):
                 break
             prefix = self.block_manager.cached_prefix(seq)  # prefix caching: its longest cached full blocks
-            start = len(prefix) * self.block_manager.block_size
+            start = len(prefix[0]) * self.block_manager.block_size
             if mixed:
                 n = self._mixed_chunk_len(seq, budget, sched, start)
             else:

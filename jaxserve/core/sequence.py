@@ -66,7 +66,8 @@ class Sequence:
         self.priority = 0  # the scheduler's priority policy: lower values are scheduled first
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        # one block table per KV cache group (`kv_cache_groups.py`); a sliding group's freed blocks are NULL_BLOCK
+        self.block_tables: list[list[int]] = [[]]
         self.num_preemptions = 0
         # Sequences still to be forked from this one (n > 1, beam search): the scheduler admits it only
         # when max_num_seqs leaves room for them too.
@@ -87,6 +88,16 @@ class Sequence:
             f"tokens={self.num_prompt_tokens}+{self.num_output_tokens}, computed={self.num_computed_tokens}, "
             f"blocks={self.block_table})"
         )
+
+    @property
+    def block_table(self) -> list[int]:
+        """The block table of the first KV cache group (the only one of a model whose layers are alike; a full
+        group of a hybrid model): block i holds tokens [i * block_size, (i + 1) * block_size)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables = [table]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -131,7 +142,7 @@ class Sequence:
 
     def reset_for_recompute(self) -> None:
         """Recompute preemption; the caller has already freed ``block_table``. Outputs are kept."""
-        if self.block_table:
+        if any(self.block_tables):
             raise RuntimeError(f"seq {self.seq_id}: free its blocks before resetting it for recompute")
         self.num_computed_tokens = 0
         self.spec_token_ids = []

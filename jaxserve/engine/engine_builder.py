@@ -84,16 +84,17 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     config = resolve_engine_dtype(config, mesh.devices.flat[0])
     loaded = loaded or load_model(config.model, config.dtype, mesh=mesh, quantization=config.quantization)
     model_config, params = apply_quantization(loaded.config, loaded.params, config.quantization)
-    loaded = dataclasses.replace(loaded, config=model_config, params=params)
+    loaded = dataclasses.replace(loaded, config=config.kv_cache_model_config(model_config), params=params)
     spec = config.speculative_config
     draft = None
     if spec is not None and spec.method == "draft_model":
         draft = load_draft_model(spec.model, loaded.config, config.dtype, mesh)
     grid = engine_bucket_grid(config, loaded.config, loaded.params, jax.default_backend(), mesh,
                               draft=None if draft is None else (draft.config, draft.params))
-    for line in kv_cache_summary(grid).splitlines():
+    for line in kv_cache_summary(grid, loaded.config.kv_cache_layout).splitlines():
         logger.info("%s", line)
-    block_manager = BlockManager(grid.num_blocks, grid.block_size, enable_prefix_caching=config.enable_prefix_caching)
+    block_manager = BlockManager(grid.num_blocks, grid.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                 group_windows=loaded.config.kv_cache_layout.windows)
     scheduler = Scheduler(
         block_manager, grid, max_num_seqs=grid.max_num_seqs, max_num_batched_tokens=grid.max_num_batched_tokens,
         policy=config.scheduling_policy,

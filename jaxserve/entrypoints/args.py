@@ -40,6 +40,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
                               "an integer or with a suffix, k/m/g/t for powers of 1000 and K/M/G/T of 1024 "
                               "(e.g. 4G); not with --num-kv-blocks"),
     "gpu_memory_utilization": (float, "fraction of accelerator memory for weights and KV cache"),
+    "disable_hybrid_kv_cache_manager": (bool, "keep every token of every layer, sliding-window layers too, in one "
+                                        "KV cache group (vLLM's); by default sliding-window layers keep only "
+                                        "their window"),
     "buckets": (str, "bucket file path or name (cpu, gpu, tpu; default: the platform's)"),
     "seed": (int, "seed of requests that give none"),
     "attention_backend": (str, "auto, reference, pallas or cpu"),

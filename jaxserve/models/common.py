@@ -118,8 +118,8 @@ def paged_attention(
     q: jax.Array,  # [S, Q, Hq, D]
     k: jax.Array,  # [S, Q, Hkv, D]
     v: jax.Array,  # [S, Q, Hkv, D]
-    kv_pool: tuple[jax.Array, jax.Array],  # each [L, Hkv, num_blocks, block_size, D]
-    layer: jax.Array,  # i32[]
+    kv_pool: tuple[jax.Array, jax.Array],  # each [layers_per_group, Hkv, num_blocks, block_size, D]
+    layer: jax.Array,  # i32[], the layer's row of the pool (`kv_cache_place`)
     meta: AttentionMetadata,
     backend: AttentionBackend,
     *,
@@ -166,6 +166,17 @@ def attention_scale(cfg: ModelConfig) -> float:
     if cfg.query_pre_attn_scalar is not None:
         return cfg.query_pre_attn_scalar**-0.5
     return 1.0 / math.sqrt(cfg.head_dim) if cfg.scale_attn_weights else 1.0
+
+
+def kv_cache_place(cfg: ModelConfig, layer) -> tuple:
+    """(KV cache group, pool row) of `layer` (an int, or i32[] in the layers' scan): the layer itself in group 0
+    when the model has one group, else looked up in its layout (`core/kv_cache_groups.py`)."""
+    layout = cfg.kv_cache_layout
+    if layout.num_groups == 1:
+        return 0, layer
+    if isinstance(layer, int):
+        return layout.group_of[layer], layout.slot_of[layer]
+    return jnp.asarray(layout.group_of, jnp.int32)[layer], jnp.asarray(layout.slot_of, jnp.int32)[layer]
 
 
 def layer_window(cfg: ModelConfig, layer: jax.Array) -> tuple[int | None, jax.Array | None]:
@@ -216,8 +227,9 @@ class Attention(nn.Module):
         sinks = None
         if cfg.attention_sinks:
             sinks = weight(self, "sinks", nn.initializers.zeros, (cfg.num_heads,), self.dtype).astype(jnp.float32)
+        group, pool_row = kv_cache_place(cfg, layer)
         out, kv_pool = paged_attention(
-            q, k, v, kv_pool, layer, meta, self.backend, sm_scale=attention_scale(cfg),
+            q, k, v, kv_pool, pool_row, meta.for_kv_group(group), self.backend, sm_scale=attention_scale(cfg),
             sliding_window=sliding_window, slides=slides, logit_softcap=cfg.attn_logit_softcap, sinks=sinks,
             mesh=self.mesh,
         )

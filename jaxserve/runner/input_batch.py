@@ -78,7 +78,7 @@ class StepInputs:
     """Host-side, already padded to the bucket's shape. Columns count from a row's first query token."""
 
     input_ids: np.ndarray  # i32[S, Q] (ragged: i32[1, T])
-    block_tables: np.ndarray  # i32[S, P]
+    block_tables: np.ndarray  # i32[S, P], or i32[G, S, P] with G KV cache groups
     q_start: np.ndarray  # i32[S]
     lengths: np.ndarray  # i32[S]
     sample_index: np.ndarray  # i32[S], the column of the query token whose logits are sampled
@@ -93,13 +93,15 @@ Row = tuple[Sequence, int, int]  # (sequence, first position, number of tokens):
 
 
 def prepare_step_inputs(rows: list[Row], shape: StepShape, sampling_rows: list[SamplingRow],
-                        previous_rows: dict[int, int], no_slot: int, vocab_size: int) -> StepInputs:
+                        previous_rows: dict[int, int], no_slot: int, vocab_size: int,
+                        num_kv_groups: int = 1) -> StepInputs:
     """The padded inputs of a step of ``rows`` on an executable of ``shape``; ``sampling_rows`` are the rows'
     sampling values. A row whose last token is a placeholder takes it from the previous step's output, at that
-    sequence's row there (``previous_rows``: seq_id -> row)."""
+    sequence's row there (``previous_rows``: seq_id -> row). With several KV cache groups the block tables are
+    ``[num_kv_groups, S, P]``."""
     s, p = shape.batch_size, shape.pages_per_seq
     input_ids = np.zeros(shape.input_shape, np.int32)
-    block_tables = np.zeros((s, p), np.int32)
+    block_tables = np.zeros((num_kv_groups, s, p), np.int32)
     q_start, lengths, sample_index, feed_rows = (np.zeros(s, np.int32) for _ in range(4))
     feed_cols = np.full(s, -1, np.int32)
     # ragged: row i's tokens start where row i-1's end; padding rows start past the last token
@@ -115,8 +117,10 @@ def prepare_step_inputs(rows: list[Row], shape: StepShape, sampling_rows: list[S
         if flat[offset + num_tokens - 1] == PLACEHOLDER_TOKEN:  # only ever a sequence's last token
             feed_rows[i], feed_cols[i] = previous_rows[seq.seq_id], num_tokens - 1
         offset += num_tokens
-        table = seq.block_table[:p]  # blocks past this step's context (reserved ahead) are not read
-        block_tables[i, : len(table)] = table
+        tables = seq.block_tables if num_kv_groups > 1 else [seq.block_table]
+        for group, table in enumerate(tables):
+            table = table[:p]  # blocks past this step's context (reserved ahead) are not read
+            block_tables[group, i, : len(table)] = table
         q_start[i], lengths[i], sample_index[i] = start, start + num_tokens, num_tokens - 1
     sampling = SamplingTensors.from_rows(sampling_rows, s, no_slot, vocab_size)
     verify = None
@@ -124,8 +128,17 @@ def prepare_step_inputs(rows: list[Row], shape: StepShape, sampling_rows: list[S
         drafts = [row_drafts(seq, start, num_tokens) for seq, start, num_tokens in rows]
         verify = VerifyInputs.from_rows(list(query_starts[: len(rows)]), [n for _, _, n in rows], drafts,
                                         shape.num_sample_positions, s, shape.num_speculative_tokens)
+    block_tables = np.maximum(block_tables, 0)  # a sliding group's NULL_BLOCK: read as block 0, masked out
+    if num_kv_groups == 1:
+        block_tables = block_tables[0]
     return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling, feed_rows, feed_cols,
                       query_starts, verify)
+
+
+def tables_of_every_group(tables: np.ndarray, num_kv_groups: int) -> np.ndarray:
+    """Block tables ``[S, P]`` as a step of a model with ``num_kv_groups`` KV cache groups takes them, every group
+    on the same blocks (cost probes and benchmarks, whose values do not matter)."""
+    return tables if num_kv_groups == 1 else np.broadcast_to(tables, (num_kv_groups, *tables.shape)).copy()
 
 
 def row_drafts(seq: Sequence, start: int, num_tokens: int) -> list[int]:

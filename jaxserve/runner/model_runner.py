@@ -174,6 +174,7 @@ class ModelRunner:
                 config, quantization=config.quantization.for_platform(platform, capability))
         check_tensor_parallel(config, self.mesh.size)
         model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
+        self.num_kv_groups = config.kv_cache_layout.num_groups  # block tables per row (`core/kv_cache_groups.py`)
         self.kv_storage_dtype = kv_storage_dtype(kv_value_dtype(kv_cache_dtype, self.dtype), platform)
         # XLA:CPU keeps bf16 matmuls on its fast path only with one weight array per layer and with
         # untransposed weights (common.layer_stack, common.untie_lm_head); in float32 the scan is as fast and
@@ -243,7 +244,7 @@ class ModelRunner:
         cfg = self.config
         tokens_per_row = self.backend.tokens_per_row(self.block_size, cfg.head_dim)
         page = pool_page_shape(self.block_size, cfg.head_dim, tokens_per_row)
-        blocks = (cfg.num_layers, cfg.num_kv_heads, self.num_blocks)
+        blocks = (cfg.kv_cache_layout.layers_per_group, cfg.num_kv_heads, self.num_blocks)
         struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=kv_pool_sharding(self.mesh))
         pool = struct((*blocks, *page), self.kv_storage_dtype)
         if self.kv_storage_dtype == INT8_KV_DTYPE:
@@ -367,7 +368,8 @@ class ModelRunner:
         rep = replicated(self.mesh)
         i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32, sharding=rep)
         query_starts = i32(s) if shape.ragged else None
-        meta = AttentionMetadata(block_tables=i32(s, p), q_start=i32(s), lengths=i32(s), query_starts=query_starts)
+        tables = i32(s, p) if self.num_kv_groups == 1 else i32(self.num_kv_groups, s, p)
+        meta = AttentionMetadata(block_tables=tables, q_start=i32(s), lengths=i32(s), query_starts=query_starts)
         verify = None
         if shape.num_sample_positions:
             verify = VerifyInputs.abstract(shape.num_sample_positions, s, shape.num_speculative_tokens, rep)

@@ -23,7 +23,7 @@ import numpy as np
 from jaxserve.core.buckets import MixedBucket
 from jaxserve.core.cost_model import StepCosts
 from jaxserve.logger import init_logger
-from jaxserve.runner.input_batch import StepInputs, step_shape
+from jaxserve.runner.input_batch import StepInputs, step_shape, tables_of_every_group
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.sampler import SamplingTensors
 from jaxserve.runner.spec_verify import VerifyInputs
@@ -93,7 +93,8 @@ def probe_inputs(runner: ModelRunner, bucket: MixedBucket) -> StepInputs:
                                         shape.batch_size, shape.num_speculative_tokens)
     return StepInputs(
         input_ids=np.zeros(shape.input_shape, np.int32),
-        block_tables=np.zeros((shape.batch_size, shape.pages_per_seq), np.int32),
+        block_tables=tables_of_every_group(np.zeros((shape.batch_size, shape.pages_per_seq), np.int32),
+                                           runner.num_kv_groups),
         q_start=q_start, lengths=lengths, sample_index=sample_index, sampling=sampling, query_starts=query_starts,
         verify=verify,
     )

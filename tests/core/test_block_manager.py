@@ -114,10 +114,10 @@ def test_fork_into_a_sequence_with_blocks_raises():
 def test_copy_on_write_of_a_shared_last_block():
     bm, parent, child = forked_six_token_prompt()
     # the next token (index 6) goes into block 1, shared: the child gets a private copy
-    assert bm.copy_on_write(child) == (1, 2)
+    assert bm.copy_on_write(child) == [(1, 2)]
     assert child.block_table == [0, 2] and parent.block_table == [0, 1]
     assert bm.ref_counts.tolist() == [2, 1, 1, 0, 0, 0]
-    assert bm.copy_on_write(parent) is None  # block 1 is the parent's alone now
+    assert bm.copy_on_write(parent) == []  # block 1 is the parent's alone now
 
 
 def test_allocate_copies_a_shared_block_before_it_is_written():

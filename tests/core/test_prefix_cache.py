@@ -53,8 +53,8 @@ def test_a_hit_reuses_the_blocks_and_counts_queries_and_hits_in_tokens():
     first = computed(bm, list(range(10)), "a")  # blocks 0, 1 full; block 2 holds tokens 8-9
     assert first.block_table == [0, 1, 2] and first.num_cached_tokens == 0
     second = seq_of(list(range(8)) + [50, 51, 52], "b")
-    assert bm.cached_prefix(second) == [0, 1]
-    bm.allocate_prefix(second, [0, 1])
+    assert bm.cached_prefix(second) == [[0, 1]]
+    bm.allocate_prefix(second, [[0, 1]])
     bm.allocate(second, second.num_uncomputed_tokens)
     assert (second.block_table, second.num_computed_tokens, second.num_cached_tokens) == ([0, 1, 3], 8, 8)
     assert bm.ref_counts.tolist() == [2, 2, 1, 1, 0, 0, 0, 0]
@@ -64,9 +64,9 @@ def test_a_hit_reuses_the_blocks_and_counts_queries_and_hits_in_tokens():
 def test_the_last_token_is_always_computed():
     bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True)
     computed(bm, list(range(12)))
-    assert bm.cached_prefix(seq_of(list(range(12)))) == [0, 1]  # not block 2: its last token gives the logits
-    assert bm.cached_prefix(seq_of(list(range(13)))) == [0, 1, 2]
-    assert bm.cached_prefix(seq_of([9] + list(range(1, 13)))) == []  # a different first token: no prefix
+    assert bm.cached_prefix(seq_of(list(range(12)))) == [[0, 1]]  # not block 2: its last token gives the logits
+    assert bm.cached_prefix(seq_of(list(range(13)))) == [[0, 1, 2]]
+    assert bm.cached_prefix(seq_of([9] + list(range(1, 13)))) == [[]]  # a different first token: no prefix
 
 
 def test_released_blocks_stay_cached_until_a_fresh_block_is_needed_tail_first():
@@ -81,8 +81,8 @@ def test_released_blocks_stay_cached_until_a_fresh_block_is_needed_tail_first():
     other = seq_of(list(range(200, 208)), "other")
     bm.allocate(other, 8)  # two fresh blocks: the least recently used cached ones, old's tail
     assert other.block_table == [2, 1]
-    assert bm.cached_prefix(seq_of(list(range(13)))) == [0]  # old's blocks 1 and 2 are gone from the table
-    assert bm.cached_prefix(seq_of(list(range(100, 113)))) == [3, 4, 5]
+    assert bm.cached_prefix(seq_of(list(range(13)))) == [[0]]  # old's blocks 1 and 2 are gone from the table
+    assert bm.cached_prefix(seq_of(list(range(100, 113)))) == [[3, 4, 5]]
 
 
 def test_a_block_reused_after_eviction_never_serves_its_old_content():
@@ -90,8 +90,8 @@ def test_a_block_reused_after_eviction_never_serves_its_old_content():
     bm.free(computed(bm, list(range(8)) + [99], "a"))  # blocks 0, 1 cached, block 2 never full
     b = computed(bm, list(range(50, 66)), "b")  # needs 4 blocks: takes the free ones, then evicts 1 and 0
     assert b.block_table == [3, 2, 1, 0]
-    assert bm.cached_prefix(seq_of(list(range(9)))) == []
-    assert bm.cached_prefix(seq_of(list(range(50, 63)))) == [3, 2, 1]  # b's content now
+    assert bm.cached_prefix(seq_of(list(range(9)))) == [[]]
+    assert bm.cached_prefix(seq_of(list(range(50, 63)))) == [[3, 2, 1]]  # b's content now
 
 
 def test_allocation_counts_a_hit_on_an_evictable_block_as_taken():
@@ -99,7 +99,7 @@ def test_allocation_counts_a_hit_on_an_evictable_block_as_taken():
     bm.free(computed(bm, list(range(8)) + [99]))  # blocks 0, 1 evictable; 2, 3 free
     seq = seq_of(list(range(8)) + list(range(60, 72)))  # 20 tokens: 5 blocks, 2 of them cached
     prefix = bm.cached_prefix(seq)
-    assert prefix == [0, 1] and bm.num_free_blocks == 4
+    assert prefix == [[0, 1]] and bm.num_free_blocks == 4
     assert not bm.can_allocate_with_prefix(seq, prefix)  # 3 fresh + 2 revived > 4
     shorter = seq_of(list(range(8)) + list(range(60, 66)))  # 14 tokens: 4 blocks, 2 cached
     assert bm.can_allocate_with_prefix(shorter, prefix) and not bm.can_allocate_with_prefix(shorter, prefix, reserve=1)
@@ -124,7 +124,7 @@ def test_without_prefix_caching_nothing_is_cached_or_counted():
     bm = BlockManager(num_blocks=4, block_size=BS)
     seq = computed(bm, list(range(9)))
     bm.free(seq)
-    assert bm.cached_prefix(seq_of(list(range(9)))) == [] and bm.prefix_cache is None
+    assert bm.cached_prefix(seq_of(list(range(9)))) == [[]] and bm.prefix_cache is None
     assert (bm.prefix_cache_stats.queries, bm.prefix_cache_stats.hits, seq.num_cached_tokens) == (0, 0, 0)
     assert list(bm.free_block_ids) == [3, 0, 1, 2]
 
@@ -134,7 +134,7 @@ def test_a_sequence_that_asks_for_prompt_logprobs_computes_its_whole_prompt():
     computed(bm, list(range(9)))
     seq = seq_of(list(range(9)))
     seq.use_prefix_cache = False
-    assert bm.cached_prefix(seq) == []
+    assert bm.cached_prefix(seq) == [[]]
 
 
 def test_the_scheduler_starts_the_first_chunk_after_the_cached_prefix():
@@ -163,7 +163,7 @@ def test_preemption_keeps_the_computed_blocks_cached(cached):
     seq = computed(bm, list(range(10)))
     bm.free(seq)
     seq.reset_for_recompute()
-    assert bm.cached_prefix(seq) == ([0, 1] if cached else [])
+    assert bm.cached_prefix(seq) == [[0, 1] if cached else []]
     assert seq.num_cached_tokens == 0  # the first admission's count stays the request's
 
 
@@ -211,8 +211,8 @@ def test_a_reset_drops_every_cached_block_nobody_holds():
     assert bm.reset_prefix_cache() == 2  # a's two full blocks; b still holds its own
     assert bm.take_cache_events() == [BlocksRemoved([a.block_hashes[1], a.block_hashes[0]])]  # LRU: tail first
     assert len(bm.free_block_ids) == free_before + 2 and bm.num_free_blocks == free_before + 2
-    assert bm.cached_prefix(seq_of(list(range(8)) + [99], "again")) == []
-    assert bm.cached_prefix(seq_of(list(range(20, 28)) + [99], "b again")) == b.block_table[:2]
+    assert bm.cached_prefix(seq_of(list(range(8)) + [99], "again")) == [[]]
+    assert bm.cached_prefix(seq_of(list(range(20, 28)) + [99], "b again")) == [b.block_table[:2]]
     bm.free(b)
     assert bm.reset_prefix_cache() == 2
     assert bm.take_cache_events() == [AllBlocksCleared()]

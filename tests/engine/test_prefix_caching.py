@@ -144,11 +144,11 @@ def test_eviction_under_a_tiny_pool_drops_the_least_recently_used_tail_first(sma
     params = _greedy(8)
     assert _tokens(small, [a], params) == _tokens(off, [a], params)  # a: 5 full blocks cached, 13 never-cached free
     cache = small.llm_engine.block_manager.prefix_cache
-    a_blocks = [cache.block_of[h] for h in _hashes(small, a)]
+    a_blocks = [cache.block_of[0, h] for h in _hashes(small, a)]
     assert _tokens(small, [b], _greedy(10)) == _tokens(off, [b], _greedy(10))  # 15 blocks: 2 of a's are evicted
-    assert [h in cache.block_of for h in _hashes(small, a)] == [True, True, True, False, False]
+    assert [(0, h) in cache.block_of for h in _hashes(small, a)] == [True, True, True, False, False]
     a_tail = _hashes(small, a)[3:]
-    assert all(cache.hash_of.get(block) not in a_tail for block in a_blocks[3:])  # they held b's K/V since
+    assert all(cache.key_of.get(block, (0, None))[1] not in a_tail for block in a_blocks[3:])  # they held b's K/V since
     again = small.generate([tokens_prompt(a)], params, use_tqdm=False)[0]
     assert again.num_cached_tokens == 24  # a's head only: its tail's blocks never serve b's K/V as a's
     assert again.outputs[0].token_ids == _tokens(off, [a], params)[0]

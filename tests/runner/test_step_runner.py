@@ -25,6 +25,8 @@ SLOT, FLAGS = INT_COLUMNS.index("slot"), INT_COLUMNS.index("flags")
 class RecordingModel:
     """Takes the ModelRunner's device calls and records them; a step's tokens are 100 + its row."""
 
+    num_kv_groups = 1
+
     def __init__(self):
         self.calls = []
 

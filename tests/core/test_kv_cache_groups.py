@@ -1,0 +1,142 @@
+"""KV cache groups on the host: the layout of a model's layers in groups, and the block manager keeping one table per
+group, a sliding group giving back what its window no longer reaches through growth, forks, copy-on-write and
+prefix caching (vLLM's hybrid rule)."""
+
+import pytest
+
+from jaxserve.core.block_manager import BlockManager
+from jaxserve.core.kv_cache_groups import NULL_BLOCK, first_kept_token, layout_for
+from jaxserve.core.prefix_cache import hash_full_blocks
+from jaxserve.core.sequence import Sequence
+
+N = NULL_BLOCK
+BS, WINDOW = 4, 4  # a sliding group keeps the tokens from first_kept_token = computed - 7 on
+
+
+def seq_of(num_tokens: int, first: int = 0) -> Sequence:
+    return Sequence("r", list(range(first, first + num_tokens)), arrival_time=0.0)
+
+
+def hybrid(num_blocks: int = 40, **kwargs) -> BlockManager:
+    """A full group and a sliding one, as Gemma 2's or gpt-oss's alternating layers."""
+    return BlockManager(num_blocks, BS, group_windows=(None, WINDOW), **kwargs)
+
+
+def test_gemma3_270m_is_one_full_group_and_five_sliding_groups_of_three_layers():
+    layout = layout_for(tuple(layer % 6 != 5 for layer in range(18)), 512)
+    assert (layout.num_groups, layout.layers_per_group) == (6, 3)
+    assert layout.windows == (None, 512, 512, 512, 512, 512)
+    assert [group.layers for group in layout.groups[:3]] == [(5, 11, 17), (0, 1, 2), (3, 4, 6)]
+    assert [(layout.group_of[layer], layout.slot_of[layer]) for layer in (5, 11, 17, 0, 2, 3, 6, 16)] == [
+        (0, 0), (0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 2), (5, 2)]
+    # a request of 8,192 tokens, chunks of 2,048: every token in the full group; in each other the window, the block
+    # kept for rollbacks and the chunk, one block more where they straddle blocks: (512 + 16 + 2048) / 16 + 1
+    assert layout.blocks_per_request(8192, 16, 2048) == 512 + 5 * 162
+
+
+def test_alternating_layers_are_two_groups_and_alike_layers_one():
+    gpt_oss = layout_for(tuple(layer % 2 == 0 for layer in range(24)), 128)
+    assert (gpt_oss.num_groups, gpt_oss.layers_per_group, gpt_oss.windows) == (2, 12, (None, 128))
+    assert gpt_oss.groups[1].layers == tuple(range(0, 24, 2))
+    assert layout_for((False,) * 4, None).windows == (None,)
+    assert layout_for((True,) * 4, 4096).windows == (4096,)  # every layer slides (Mistral): one sliding group
+    assert layout_for((True, False) * 2, 64, hybrid=False).windows == (None,)  # vLLM's disable_hybrid_kv_cache_manager
+    uneven = layout_for((False,) * 2 + (True,) * 5, 8)  # 2 full, 5 sliding: groups of 2, the last one short
+    assert [group.layers for group in uneven.groups] == [(0, 1), (2, 3), (4, 5), (6,)]
+    assert uneven.layers_per_group == 2
+
+
+def test_a_sliding_group_gives_back_the_blocks_its_window_left_as_the_sequence_grows():
+    bm = hybrid(num_blocks=12)
+    seq = seq_of(10)
+    assert bm.num_new_blocks(seq, 10) == 6  # three blocks in each group
+    bm.allocate(seq, 10)
+    assert seq.block_tables == [[0, 1, 2], [3, 4, 5]]
+    seq.num_computed_tokens = 10
+    assert first_kept_token(WINDOW, 10, BS) == 3 and bm.release_out_of_window(seq) == 0
+    for token in range(10, 17):  # decode to 17 computed tokens; allocate gives back first
+        seq.append_token(token)
+        bm.allocate(seq, 1)
+        seq.num_computed_tokens += 1
+    # the allocations at 13 and 16 computed (tokens from 6, then 9 on kept) gave back sliding blocks 3 and 4
+    assert seq.block_tables == [[0, 1, 2, 6, 8], [N, N, 5, 7, 9]]
+    assert bm.num_free_blocks == 12 - 8 and list(bm.free_block_ids) == [10, 11, 3, 4]  # block 3 went at 13
+    assert bm.release_out_of_window(seq) == 0  # at 17 computed: tokens from 10 on, block 2 on
+    assert bm.kv_waste([seq]) == pytest.approx(6 / 32)  # tokens 17-19 of each group's last block, of 32 slots held
+    bm.free(seq)
+    assert seq.block_tables == [[], []] and bm.num_free_blocks == 12
+
+
+def test_the_scheduler_frees_what_the_windows_left_before_it_plans_a_step():
+    from jaxserve.core.buckets import BucketGrid
+    from jaxserve.core.scheduler import Scheduler
+    from tests.core.test_scheduler import SPEC, advance
+
+    bm = hybrid(num_blocks=64)
+    grid = BucketGrid(SPEC, block_size=BS, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                      num_blocks=64)
+    scheduler = Scheduler(bm, grid, max_num_seqs=4, max_num_batched_tokens=16)
+    seq = seq_of(12)
+    scheduler.add(seq)
+    for step in range(7):  # the prompt, then decode steps up to 17 computed tokens
+        advance(scheduler.schedule(), [100 + step])
+    held = [[block for block in table if block != N] for table in seq.block_tables]
+    assert seq.num_computed_tokens == 17 and [len(held[0]), len(held[1])] == [5, 3]
+    assert seq.block_tables[1][:2] == [N, N]
+
+
+def test_a_fork_keeps_the_blocks_its_parent_gives_back_and_both_copy_on_write_per_group():
+    bm = hybrid(num_blocks=16)
+    parent = seq_of(6)
+    bm.allocate(parent, 6)
+    parent.num_computed_tokens = 6
+    child = parent.fork()
+    bm.fork(parent, child)
+    assert child.block_tables == [[0, 1], [2, 3]] and bm.ref_counts[:4].tolist() == [2, 2, 2, 2]
+    child.append_token(7)
+    bm.allocate(child, 1)  # token 6 goes to the shared last block of each group: a private copy of both
+    assert child.block_tables == [[0, 4], [2, 5]] and bm.take_pending_copies() == [(1, 4), (3, 5)]
+    parent.num_computed_tokens = 12
+    assert bm.release_out_of_window(parent) == 1  # its sliding block 0, which the child still holds
+    assert parent.block_tables[1] == [N, 3] and bm.ref_counts[2] == 1 and 2 not in bm.free_block_ids
+    bm.free(child)
+    assert 2 in bm.free_block_ids
+
+
+def test_a_prefix_hits_where_the_full_group_has_every_block_and_the_sliding_group_its_window():
+    bm = hybrid(num_blocks=40, enable_prefix_caching=True)
+    first = seq_of(25)
+    bm.allocate(first, 25)
+    first.num_computed_tokens = 25
+    bm.cache_blocks(first)
+    bm.release_out_of_window(first)  # blocks of the sliding group before token 18 stay cached, evictable
+    bm.free(first)
+    again = seq_of(25)
+    prefix = bm.cached_prefix(again)  # six blocks: the next query (token 24) reads tokens 21-24; 17 on are kept
+    assert prefix == [first_full := list(range(7))[:6], [N, N, N, N, 11, 12]] and first_full == [0, 1, 2, 3, 4, 5]
+    assert bm.can_allocate_with_prefix(again, prefix)
+    bm.allocate_prefix(again, prefix)
+    assert again.num_computed_tokens == 24 and bm.prefix_cache_stats.hits == 24
+
+
+def test_a_sliding_group_missing_a_block_of_its_window_shortens_the_hit():
+    bm = hybrid(num_blocks=40, enable_prefix_caching=True)
+    seq = seq_of(25)
+    hashes = seq.block_hashes[: hash_full_blocks(seq, BS, 24)]
+    for index, block_hash in enumerate(hashes):  # the full group caches all six blocks, the sliding one 0-3
+        bm.prefix_cache.insert(index, block_hash, 0)
+        if index < 4:
+            bm.prefix_cache.insert(10 + index, block_hash, 1)
+    # 6 blocks need sliding blocks 4-5, 5 blocks need 3-4: the longest hit is 4 blocks (sliding 2-3)
+    assert bm.cached_prefix(seq) == [[0, 1, 2, 3], [N, N, 12, 13]]
+    assert bm.cached_prefix(seq_of(25, first=1)) == [[], []]  # other tokens: nothing
+
+
+def test_a_sequence_keeps_its_tables_group_count():
+    bm = hybrid()
+    seq = seq_of(4)
+    seq.block_table = [7]  # a one-group table on a two-group pool
+    with pytest.raises(ValueError, match="1 block tables, the pool has 2 KV cache groups"):
+        bm.allocate(seq, 4)
+    with pytest.raises(ValueError, match="a cached prefix of 1 groups, the pool has 2"):
+        bm.allocate_prefix(seq_of(4), [[]])
