@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from jaxserve.core.kv_cache_groups import NULL_BLOCK, first_kept_token
+from jaxserve.core.kv_cache_groups import NULL_BLOCK, blocks_per_request, first_kept_token
 from jaxserve.core.prefix_cache import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -104,13 +104,21 @@ class BlockManager:
 
     # -- allocation ---------------------------------------------------------------------------------
 
-    def num_new_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int, num_sliding_tokens: int | None = None) -> int:
         """Blocks ``seq`` still needs, over all groups, to write ``num_new_tokens`` more tokens: new ones to hold
-        ``num_computed_tokens + num_new_tokens`` tokens, plus a private copy of every block it will write that a
-        fork shares (copy-on-write)."""
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        ``num_computed_tokens + num_new_tokens`` tokens (``num_sliding_tokens`` of them in sliding groups, see
+        `allocate`), plus a private copy of every block it will write that a fork shares (copy-on-write)."""
         return sum(max(0, needed - len(table)) + len(self._shared_write_blocks(table, seq, num_new_tokens))
-                   for table in self.tables(seq))
+                   for table, needed in zip(self.tables(seq), self._table_lengths(seq, num_new_tokens,
+                                                                                   num_sliding_tokens), strict=True))
+
+    def _table_lengths(self, seq: Sequence, num_new_tokens: int, num_sliding_tokens: int | None) -> list[int]:
+        """Per group, the entries ``seq``'s table needs for ``num_new_tokens`` more tokens."""
+        full = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        if num_sliding_tokens is None:
+            return [full] * self.num_groups
+        sliding = self.num_blocks_for(seq.num_computed_tokens + min(num_new_tokens, num_sliding_tokens))
+        return [full if window is None else sliding for window in self.group_windows]
 
     def _shared_write_blocks(self, table: list[int], seq: Sequence, num_new_tokens: int) -> list[int]:
         """Indices in ``table`` (one of ``seq``'s) of the blocks the next tokens go to that another sequence holds."""
@@ -124,11 +132,17 @@ class BlockManager:
         """Whether ``allocate`` would succeed and still leave ``reserve`` blocks free."""
         return self.num_new_blocks(seq, num_new_tokens) + reserve <= self.num_free_blocks
 
-    def can_allocate_with_prefix(self, seq: Sequence, prefix: CachedPrefix, *, reserve: int = 0) -> bool:
+    def can_allocate_with_prefix(self, seq: Sequence, prefix: CachedPrefix, *, reserve: int = 0,
+                                 max_chunk_tokens: int | None = None) -> bool:
         """Whether a new ``seq`` fits whole on the cached blocks ``prefix`` plus fresh ones, leaving ``reserve``
-        free. A hit on a block nobody holds takes it out of the free count too."""
-        needed = self.num_blocks_for(seq.num_tokens)
-        num_fresh = sum(needed - len(table) for table in prefix)
+        free: every block of its tokens in a full group, and in a sliding group the most it holds at once when its
+        prompt goes in chunks of at most ``max_chunk_tokens`` (None: in one). A hit on a block nobody holds takes it
+        out of the free count too."""
+        num_fresh = 0
+        for table, window in zip(prefix, self.group_windows, strict=True):
+            chunk = seq.num_tokens if max_chunk_tokens is None else max_chunk_tokens
+            peak = blocks_per_request(window, seq.num_tokens, self.block_size, chunk)
+            num_fresh += max(0, peak - sum(block_id != NULL_BLOCK for block_id in table))
         num_revived = sum(1 for table in prefix for block_id in table
                           if block_id != NULL_BLOCK and self.ref_counts[block_id] == 0)
         return num_fresh + num_revived + reserve <= self.num_free_blocks
@@ -139,19 +153,21 @@ class BlockManager:
         capacity = (len(seq.block_table) + self.num_free_blocks // self.num_groups) * self.block_size
         return max(0, capacity - seq.num_computed_tokens)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, num_sliding_tokens: int | None = None) -> None:
         """Grow ``seq``'s tables to hold ``num_computed_tokens + num_new_tokens`` tokens (after giving back what its
         sliding groups no longer reach), and give ``seq`` a private copy of every shared block those tokens go to
-        (queued in ``pending_copies``)."""
+        (queued in ``pending_copies``). ``num_sliding_tokens``: sliding groups get blocks for only that many of the
+        new tokens (a prompt admitted whole but computed in chunks: its first chunk's), since they give blocks back
+        as the prompt goes on."""
         self.release_out_of_window(seq)
-        n = self.num_new_blocks(seq, num_new_tokens)
+        n = self.num_new_blocks(seq, num_new_tokens, num_sliding_tokens)
         if n > self.num_free_blocks:
             raise RuntimeError(
                 f"seq {seq.seq_id}: needs {n} new KV blocks, only {self.num_free_blocks} free "
                 "(call can_allocate first)"
             )
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
-        for table in self.tables(seq):
+        lengths = self._table_lengths(seq, num_new_tokens, num_sliding_tokens)
+        for table, needed in zip(self.tables(seq), lengths, strict=True):
             for index in self._shared_write_blocks(table, seq, num_new_tokens):
                 self.pending_copies.append(self._copy_block(table, index))
             table.extend(self._take_fresh_block() for _ in range(needed - len(table)))

@@ -371,11 +371,13 @@ class Scheduler:
                 n = self._chunk_len(seq, budget, sched.prefill_chunks, start)
             # Take the blocks of the whole prefill now: a sequence admitted with its first chunk's
             # blocks only could stall mid-prefill, preempt itself and be re-admitted, forever.
-            if n == 0 or not self.block_manager.can_allocate_with_prefix(seq, prefix, reserve=reserve):
+            # (a sliding-window group only the blocks of its first chunk: it gives blocks back as the prompt goes on)
+            if n == 0 or not self.block_manager.can_allocate_with_prefix(
+                    seq, prefix, reserve=reserve, max_chunk_tokens=self.max_num_batched_tokens):
                 break
             self.waiting.popleft()
             self.block_manager.allocate_prefix(seq, prefix)
-            self.block_manager.allocate(seq, seq.num_uncomputed_tokens)
+            self.block_manager.allocate(seq, seq.num_uncomputed_tokens, num_sliding_tokens=n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             sched.prefill_chunks.append(PrefillChunk(seq, start, n))

@@ -15,12 +15,16 @@ import pytest
 from jaxserve.compilation.sizing import (
     MemoryBudget,
     blocks_over_budget,
+    check_request_fits,
     kv_bytes_per_block,
     kv_cache_summary,
     largest_samplers,
     memory_budget,
     num_blocks_from_budget,
 )
+from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.core.kv_cache_groups import layout_for
 from jaxserve.runner.input_batch import SampleShape, StepShape
 
 
@@ -193,3 +197,34 @@ def test_the_summary_gives_the_cache_in_tokens_and_the_requests_of_max_model_len
     grid = types.SimpleNamespace(num_blocks=2053, block_size=16, max_model_len=8192)
     assert kv_cache_summary(grid).splitlines() == [
         "KV cache size: 32,848 tokens", "Maximum concurrency for 8,192 tokens per request: 4.01x"]
+
+
+def test_the_summary_counts_a_request_over_every_kv_cache_group():
+    """Gemma 3 270M's six groups: a request of 8,192 tokens holds 512 blocks in the full group and, in chunks of
+    2,048 tokens, at most 162 in each sliding one (window 512); the tokens are one group's share of the blocks."""
+    layout = layout_for(tuple(layer % 6 != 5 for layer in range(18)), 512)
+    grid = types.SimpleNamespace(num_blocks=87_378, block_size=16, max_model_len=8192, max_num_batched_tokens=2048)
+    assert kv_cache_summary(grid, layout).splitlines() == [
+        "KV cache size: 233,008 tokens", "Maximum concurrency for 8,192 tokens per request: 66.10x"]
+    check_request_fits(grid, layout)
+    small = types.SimpleNamespace(**{**vars(grid), "num_blocks": 1321})
+    with pytest.raises(ValueError, match=r"^max_model_len 8192 needs up to 1322 KV cache blocks of 16 tokens over the "
+                       r"model's 6 KV cache groups, and the pool has 1321: raise num_kv_blocks"):
+        check_request_fits(small, layout)
+
+
+def test_the_cli_turns_the_kv_cache_groups_off_as_vllm_does():
+    import argparse
+
+    from jaxserve.entrypoints.args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert not engine_config_from_args(parser.parse_args([])).disable_hybrid_kv_cache_manager
+    config = engine_config_from_args(parser.parse_args(["--disable-hybrid-kv-cache-manager"]))
+    gemma = ModelConfig("Gemma3ForCausalLM", 64, 16, 32, 4, 2, 1, 8, sliding_window=8,
+                        layer_types=("sliding_attention", "full_attention") * 2)
+    assert config.kv_cache_model_config(gemma).kv_cache_layout.windows == (None,)
+    assert EngineConfig().kv_cache_model_config(gemma).kv_cache_layout.windows == (None, 8)
+    with pytest.raises(ValueError, match=r"^disable_hybrid_kv_cache_manager must be True or False, got 1$"):
+        EngineConfig(disable_hybrid_kv_cache_manager=1)

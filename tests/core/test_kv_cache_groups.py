@@ -67,6 +67,25 @@ def test_a_sliding_group_gives_back_the_blocks_its_window_left_as_the_sequence_g
     assert seq.block_tables == [[], []] and bm.num_free_blocks == 12
 
 
+def test_a_prompt_in_chunks_holds_its_whole_length_in_the_full_group_and_its_chunk_in_the_sliding_one():
+    bm = hybrid(num_blocks=16)
+    seq = seq_of(40)
+    # admitted whole, computed in chunks of 8: at most window + margin + chunk (4 + 4 + 8 tokens, 5 blocks) in the
+    # sliding group, all 10 blocks in the full one; in one chunk, 10 in each
+    assert bm.can_allocate_with_prefix(seq, [[], []], max_chunk_tokens=8)
+    assert not bm.can_allocate_with_prefix(seq, [[], []])
+    assert not BlockManager(14, BS, group_windows=(None, WINDOW)).can_allocate_with_prefix(seq, [[], []],
+                                                                                          max_chunk_tokens=8)
+    bm.allocate(seq, 40, num_sliding_tokens=8)
+    assert seq.block_tables == [list(range(10)), [10, 11]]
+    seq.num_computed_tokens = 8
+    bm.allocate(seq, 8)
+    assert seq.block_tables[1] == [10, 11, 12, 13]
+    seq.num_computed_tokens = 16
+    bm.allocate(seq, 8)  # tokens from 9 on kept: blocks 10 and 11 go back first
+    assert seq.block_tables == [list(range(10)), [N, N, 12, 13, 14, 15]] and list(bm.free_block_ids) == [11, 10]
+
+
 def test_the_scheduler_frees_what_the_windows_left_before_it_plans_a_step():
     from jaxserve.core.buckets import BucketGrid
     from jaxserve.core.scheduler import Scheduler
