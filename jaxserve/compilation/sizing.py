@@ -30,7 +30,7 @@ from jaxserve.attention.kv_cache import kv_scale_bytes, kv_value_dtype
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid, load_bucket_spec
-from jaxserve.core.kv_cache_groups import KVCacheLayout
+from jaxserve.core.kv_cache_groups import KVCacheLayout, layout_for
 from jaxserve.distributed.sharding import per_device_bytes
 from jaxserve.logger import init_logger
 from jaxserve.math_utils import cdiv
@@ -130,13 +130,12 @@ def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: Mo
 
 def kv_cache_summary(grid: BucketGrid, layout: KVCacheLayout | None = None) -> str:
     """vLLM's two start-up lines about the KV cache: its size in tokens (each group's share of the blocks) and how
-    many requests of max_model_len tokens it holds at once (a full group keeps every token of a request, a sliding
-    group its window and a step's chunk: `KVCacheLayout.blocks_per_request`). ``layout`` None: one group."""
-    num_groups = 1 if layout is None else layout.num_groups
-    tokens = grid.num_blocks // num_groups * grid.block_size
-    per_request = cdiv(grid.max_model_len, grid.block_size) if layout is None else layout.blocks_per_request(
-        grid.max_model_len, grid.block_size, grid.max_num_batched_tokens)
-    concurrency = grid.num_blocks / per_request
+    many requests of max_model_len tokens it holds at once (`KVCacheLayout.max_concurrency`: every token in a full
+    group, the window in a sliding one). ``layout`` None: one full-attention group."""
+    layout = layout or layout_for((False,), None)
+    tokens = grid.num_blocks // layout.num_groups * grid.block_size
+    concurrency = layout.max_concurrency(grid.num_blocks, grid.max_model_len, grid.block_size,
+                                         grid.max_num_batched_tokens)
     return (f"KV cache size: {tokens:,} tokens\n"
             f"Maximum concurrency for {grid.max_model_len:,} tokens per request: {concurrency:.2f}x")
 

@@ -71,6 +71,14 @@ class KVCacheLayout:
         return sum(blocks_per_request(group.sliding_window, num_tokens, block_size, max_chunk_tokens)
                    for group in self.groups)
 
+    def max_concurrency(self, num_blocks: int, num_tokens: int, block_size: int, max_chunk_tokens: int) -> float:
+        """How many requests of ``num_tokens`` tokens a pool of ``num_blocks`` holds at once: each keeps all its
+        blocks in a full group and its window in a sliding one; a step's prompt chunks (``max_chunk_tokens`` over
+        all its rows) hold more of each sliding group once, not per request."""
+        per_request = self.blocks_per_request(num_tokens, block_size, 0)
+        in_flight = sum(cdiv(max_chunk_tokens, block_size) + 1 for window in self.windows if window is not None)
+        return max(0, num_blocks - in_flight) / per_request
+
 
 def blocks_per_request(sliding_window: int | None, num_tokens: int, block_size: int, max_chunk_tokens: int) -> int:
     """One group's share of `KVCacheLayout.blocks_per_request`."""

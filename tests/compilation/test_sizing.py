@@ -194,19 +194,23 @@ def test_the_cli_reads_vllms_human_readable_bytes():
 
 
 def test_the_summary_gives_the_cache_in_tokens_and_the_requests_of_max_model_len_it_holds():
-    grid = types.SimpleNamespace(num_blocks=2053, block_size=16, max_model_len=8192)
+    grid = types.SimpleNamespace(num_blocks=2053, block_size=16, max_model_len=8192, max_num_batched_tokens=512)
     assert kv_cache_summary(grid).splitlines() == [
         "KV cache size: 32,848 tokens", "Maximum concurrency for 8,192 tokens per request: 4.01x"]
 
 
 def test_the_summary_counts_a_request_over_every_kv_cache_group():
-    """Gemma 3 270M's six groups: a request of 8,192 tokens holds 512 blocks in the full group and, in chunks of
-    2,048 tokens, at most 162 in each sliding one (window 512); the tokens are one group's share of the blocks."""
+    """Gemma 3 270M's six groups in 4 GiB of bfloat16 (87,378 blocks of 3 layers): a request of 8,192 tokens holds
+    512 blocks in the full group and 34 in each sliding one (window 512 and a block for rollbacks); a step's chunks
+    of 2,048 tokens take 129 more of each sliding group once. In one group, 14,563 blocks: 28.44x."""
     layout = layout_for(tuple(layer % 6 != 5 for layer in range(18)), 512)
     grid = types.SimpleNamespace(num_blocks=87_378, block_size=16, max_model_len=8192, max_num_batched_tokens=2048)
     assert kv_cache_summary(grid, layout).splitlines() == [
-        "KV cache size: 233,008 tokens", "Maximum concurrency for 8,192 tokens per request: 66.10x"]
-    check_request_fits(grid, layout)
+        "KV cache size: 233,008 tokens", "Maximum concurrency for 8,192 tokens per request: 127.17x"]
+    assert f"{(87_378 - 5 * 129) / (512 + 5 * 34):.2f}" == "127.17"
+    one_group = types.SimpleNamespace(**{**vars(grid), "num_blocks": 14_563})
+    assert kv_cache_summary(one_group).splitlines()[1] == "Maximum concurrency for 8,192 tokens per request: 28.44x"
+    check_request_fits(grid, layout)  # one request alone: 512 + 5 * 162 blocks (its first chunk in every group)
     small = types.SimpleNamespace(**{**vars(grid), "num_blocks": 1321})
     with pytest.raises(ValueError, match=r"^max_model_len 8192 needs up to 1322 KV cache blocks of 16 tokens over the "
                        r"model's 6 KV cache groups, and the pool has 1321: raise num_kv_blocks"):
