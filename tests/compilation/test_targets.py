@@ -25,6 +25,7 @@ from jaxserve.compilation.targets import auto_tensor_parallel_size, resolve_targ
 from jaxserve.config.engine_config import EngineConfig
 from jaxserve.entrypoints.cli import main
 from jaxserve.runner.input_batch import StepShape
+from jaxserve.runner.model_runner import executable_name
 from tests.paths import load_script
 
 LLAMA3_8B = load_script("check_targets").LLAMA3_8B  # the same config the full-grid check compiles
@@ -246,3 +247,18 @@ def test_program_list_counts_each_kind_in_order():
         "  sample-s1            sampler",
         "  draft step-s1-q1-p8  draft decode step",
     ]
+
+
+def test_a_target_sizes_and_builds_kv_cache_groups_as_the_engine_does(tmp_path):
+    """gpt-oss-20b's 12 sliding and 12 full layers on v6e:2x2 (planned, nothing compiled): two groups of 12 layers,
+    so a block holds half the bytes and the same memory twice the blocks of one group; the steps take both tables."""
+    (tmp_path / "config.json").write_text(json.dumps(load_script("check_targets").GPT_OSS_20B))
+    groups, one_group = (
+        plan_for_target(EngineConfig(model=str(tmp_path), max_model_len=8192, disable_hybrid_kv_cache_manager=off),
+                        "v6e:2x2", fit_to_steps=False) for off in (False, True))
+    assert groups.runner.kv_pool[0].shape[:2] == (12, 8) and one_group.runner.kv_pool[0].shape[:2] == (24, 8)
+    assert groups.built.grid.num_blocks // 2 == one_group.built.grid.num_blocks
+    decode = next(shape for shape in groups.shapes if shape.kind == "decode")
+    _, step_args = groups.runner.programs([decode], forks=False)[executable_name(decode)]
+    meta = step_args[5]
+    assert meta.block_tables.shape == (2, decode.batch_size, decode.pages_per_seq)
