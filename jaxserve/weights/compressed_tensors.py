@@ -35,6 +35,7 @@ from jaxserve.quantization.weights import (
     dequantize_kernel,
     quantize_kernel,
 )
+from jaxserve.weights.mxfp4 import QUANT_METHOD as MXFP4_METHOD
 
 QUANT_METHOD = "compressed-tensors"
 FORMATS = {"int-quantized": "int", "float-quantized": "float"}  # format -> the weights' number type
@@ -52,6 +53,8 @@ def checkpoint_scheme(hf_config: dict[str, Any]) -> QuantScheme | None:
     if config is None:
         return None
     method = config.get("quant_method")
+    if method == MXFP4_METHOD:  # gpt-oss's experts: dequantized at load (`mxfp4.py`), served as float weights
+        return None
     if method != QUANT_METHOD:
         raise ValueError(f"unsupported quantization_config quant_method {method!r}: jaxserve reads "
                          f"{QUANT_METHOD} checkpoints ({SUPPORTED})")

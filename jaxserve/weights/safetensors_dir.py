@@ -1,4 +1,5 @@
-"""Loads a Hugging Face model directory: config.json, sharded `*.safetensors` (with or without an index)."""
+"""Loads a Hugging Face model directory: config.json, sharded `*.safetensors` (with or without an index); gpt-oss's
+mxfp4 experts are dequantized as they are read (`mxfp4.py`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.weights.compressed_tensors import CheckpointTensors, checkpoint_scheme, has_kv_cache_scales
 from jaxserve.weights.convert import hf_name_alternatives, hf_param_names, params_from_hf
+from jaxserve.weights.mxfp4 import dequantize_mxfp4, packed_names
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -51,13 +53,16 @@ def load_safetensors_dir(model_dir: Path, config: ModelConfig, dtype: str) -> di
     files = _tensor_files(model_dir)
     stored = {}  # our Hugging Face name -> the name in the files (hub checkpoints may omit a prefix)
     for name in hf_param_names(config):
-        stored[name] = next((n for n in hf_name_alternatives(name, config) if n in files), None)
+        stored[name] = next((n for n in hf_name_alternatives(name, config)
+                             if n in files or all(p in files for p in packed_names(n))), None)
     missing = [name for name, found in stored.items() if found is None]
     if missing:
         raise ValueError(f"model directory {model_dir} lacks tensors: {', '.join(missing[:5])}")
     handles = {}
 
-    def read(name: str) -> np.ndarray:  # by the name in the files
+    def read(name: str) -> np.ndarray:  # by the name in the files; gpt-oss's mxfp4 experts dequantized
+        if name not in files:
+            return dequantize_mxfp4(*(read(packed) for packed in packed_names(name)))
         file = files[name]
         if file not in handles:
             handles[file] = safe_open(file, framework="numpy")
