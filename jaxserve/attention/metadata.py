@@ -19,7 +19,7 @@ from jaxserve.reductions import count_true
 class AttentionMetadata:
     """Per-step batch layout, passed into the jitted step as an explicit pytree.
 
-    A model with several KV cache groups (`core/kv_cache_groups.py`) gets the tables of every group; each layer
+    A model with several KV cache groups (`config/kv_cache_groups.py`) gets the tables of every group; each layer
     attends with its group's (`for_kv_group`).
 
     Padded layout (``query_starts`` None): a batch of `S` rows with `Q` query tokens each (Q == 1 for

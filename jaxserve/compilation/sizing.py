@@ -28,9 +28,9 @@ from jax.sharding import Mesh
 
 from jaxserve.attention.kv_cache import kv_scale_bytes, kv_value_dtype
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.kv_cache_groups import KVCacheLayout, layout_for
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid, load_bucket_spec
-from jaxserve.core.kv_cache_groups import KVCacheLayout, layout_for
 from jaxserve.distributed.sharding import per_device_bytes
 from jaxserve.logger import init_logger
 from jaxserve.math_utils import cdiv

@@ -5,6 +5,8 @@ Where each topic lives (modules of this repository import from these, the packag
 - `model_config.py`: `ModelConfig`, the network a checkpoint holds, read from a Hugging Face `config.json`;
   the supported architectures and the family tuples.
 - `rope_config.py`: `RopeConfig`, a model's rotary embeddings and their scaling.
+- `kv_cache_groups.py`: `KVCacheLayout`, a model's layers in KV cache groups (which block table and pool row each
+  layer uses), and how many blocks a request holds in them.
 - `quantization_config.py`: `QuantScheme` and `parse_quantization` (the quantization schemes), the KV cache
   dtypes, `has_fp8_matrix_unit` (which platforms multiply float8).
 - `engine_config.py`: `EngineConfig`, every option `LLM(...)` and `jaxserve serve` take; the `dtype` choices.

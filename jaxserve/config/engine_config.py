@@ -52,7 +52,7 @@ class EngineConfig:
     # vLLM's: the KV cache's bytes per device, instead of the share of memory left (no probe of the steps' needs)
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    # vLLM's: every layer keeps every token, sliding-window layers too (no KV cache groups, `core/kv_cache_groups.py`)
+    # vLLM's: every layer keeps every token, sliding-window layers too (no KV cache groups, `config/kv_cache_groups.py`)
     disable_hybrid_kv_cache_manager: bool = False
     buckets: str | None = None
     seed: int = 0
@@ -168,7 +168,7 @@ class EngineConfig:
 
     def kv_cache_model_config(self, model_config: ModelConfig) -> ModelConfig:
         """``model_config`` with the KV cache groups this engine keeps: sliding-window layers in groups of their own
-        (`core/kv_cache_groups.py`) unless `disable_hybrid_kv_cache_manager`, or a draft model's pool follows the
+        (`config/kv_cache_groups.py`) unless `disable_hybrid_kv_cache_manager`, or a draft model's pool follows the
         first group's block tables and the model has no full-attention layer to give that group every token."""
         spec = self.speculative_config
         all_sliding = model_config.sliding_window is not None and all(model_config.sliding_layers)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxserve.config.kv_cache_groups import KVCacheLayout, layout_for
 from jaxserve.config.quantization_config import QuantScheme
 from jaxserve.config.rope_config import ROPE_FACTOR_FIELDS, SLIDING_LAYER, RopeConfig
-from jaxserve.core.kv_cache_groups import KVCacheLayout, layout_for
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -101,7 +101,7 @@ class ModelConfig:
     # compressed-tensors' kv_cache_scheme): K/V are stored divided by them (`models.common.Attention`)
     kv_cache_scales: bool = False
     # sliding-window layers in KV cache groups of their own, which keep only their window
-    # (`core/kv_cache_groups.py`); set by the engine from EngineConfig.disable_hybrid_kv_cache_manager
+    # (`config/kv_cache_groups.py`); set by the engine from EngineConfig.disable_hybrid_kv_cache_manager
     hybrid_kv_cache: bool = True
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@
 The KV cache on the device is one pool of ``num_blocks`` pages of ``block_size`` token slots per
 pool row. This module only does the bookkeeping: which pages are free, how many sequences share each
 page (reference counts, for n > 1 and beam search), and each sequence's block tables, one per KV cache group
-(`kv_cache_groups.py`; one group unless the model mixes sliding-window and full-attention layers). The
+(`config/kv_cache_groups.py`; one group unless the model mixes sliding-window and full-attention layers). The
 ``Scheduler`` asks ``can_allocate`` / ``allocate`` before it schedules a chunk or a decode token, and
 the step's inputs carry the rows' block tables as padded int32 arrays (``runner/input_batch.py``).
 
@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from jaxserve.core.kv_cache_groups import NULL_BLOCK, blocks_per_request, first_kept_token
+from jaxserve.config.kv_cache_groups import NULL_BLOCK, blocks_per_request, first_kept_token
 from jaxserve.core.prefix_cache import (
     AllBlocksCleared,
     BlocksRemoved,

@@ -81,7 +81,7 @@ class PrefixCacheStats:
 
 class PrefixCache:
     """(KV cache group, hash) -> block table, and the LRU list of cached blocks that no sequence holds (evictable).
-    Each group caches its own blocks of a prefix (`kv_cache_groups.py`): one block id per group and hash."""
+    Each group caches its own blocks of a prefix (`config/kv_cache_groups.py`): one block id per group and hash."""
 
     def __init__(self) -> None:
         self.block_of: dict[tuple[int, BlockHash], int] = {}

@@ -66,7 +66,7 @@ class Sequence:
         self.priority = 0  # the scheduler's priority policy: lower values are scheduled first
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        # one block table per KV cache group (`kv_cache_groups.py`); a sliding group's freed blocks are NULL_BLOCK
+        # one block table per KV cache group (`config/kv_cache_groups.py`); a sliding group's freed entries: NULL_BLOCK
         self.block_tables: list[list[int]] = [[]]
         self.num_preemptions = 0
         # Sequences still to be forked from this one (n > 1, beam search): the scheduler admits it only

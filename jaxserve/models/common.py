@@ -170,7 +170,7 @@ def attention_scale(cfg: ModelConfig) -> float:
 
 def kv_cache_place(cfg: ModelConfig, layer) -> tuple:
     """(KV cache group, pool row) of `layer` (an int, or i32[] in the layers' scan): the layer itself in group 0
-    when the model has one group, else looked up in its layout (`core/kv_cache_groups.py`)."""
+    when the model has one group, else looked up in its layout (`config/kv_cache_groups.py`)."""
     layout = cfg.kv_cache_layout
     if layout.num_groups == 1:
         return 0, layer

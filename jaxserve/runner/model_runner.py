@@ -174,7 +174,7 @@ class ModelRunner:
                 config, quantization=config.quantization.for_platform(platform, capability))
         check_tensor_parallel(config, self.mesh.size)
         model_mesh = self.mesh if self.mesh.size > 1 else None  # one device: no per-head shard_map
-        self.num_kv_groups = config.kv_cache_layout.num_groups  # block tables per row (`core/kv_cache_groups.py`)
+        self.num_kv_groups = config.kv_cache_layout.num_groups  # block tables per row (`config/kv_cache_groups.py`)
         self.kv_storage_dtype = kv_storage_dtype(kv_value_dtype(kv_cache_dtype, self.dtype), platform)
         # XLA:CPU keeps bf16 matmuls on its fast path only with one weight array per layer and with
         # untransposed weights (common.layer_stack, common.untie_lm_head); in float32 the scan is as fast and

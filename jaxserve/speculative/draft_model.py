@@ -196,7 +196,7 @@ def _common_prefix(a, b) -> int:
 
 def load_draft_model(path: str, target_config: ModelConfig, dtype: str, mesh) -> LoadedModel:
     """The draft model at ``path`` in the engine's dtype; ValueError unless its vocabulary is the target's. Its
-    pool follows the target's first block table, so it keeps one KV cache group (`core/kv_cache_groups.py`)."""
+    pool follows the target's first block table, so it keeps one KV cache group (`config/kv_cache_groups.py`)."""
     draft = load_model(path, dtype, mesh=mesh)
     check_draft_vocabulary(path, draft.config, target_config)
     return dataclasses.replace(draft, config=dataclasses.replace(draft.config, hybrid_kv_cache=False))

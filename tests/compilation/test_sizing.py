@@ -23,8 +23,8 @@ from jaxserve.compilation.sizing import (
     num_blocks_from_budget,
 )
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.kv_cache_groups import layout_for
 from jaxserve.config.model_config import ModelConfig
-from jaxserve.core.kv_cache_groups import layout_for
 from jaxserve.runner.input_batch import SampleShape, StepShape
 
 

@@ -4,8 +4,8 @@ prefix caching (vLLM's hybrid rule)."""
 
 import pytest
 
+from jaxserve.config.kv_cache_groups import NULL_BLOCK, first_kept_token, layout_for
 from jaxserve.core.block_manager import BlockManager
-from jaxserve.core.kv_cache_groups import NULL_BLOCK, first_kept_token, layout_for
 from jaxserve.core.prefix_cache import hash_full_blocks
 from jaxserve.core.sequence import Sequence
 

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.core.kv_cache_groups import NULL_BLOCK, first_kept_token
+from jaxserve.config.kv_cache_groups import NULL_BLOCK, first_kept_token
 from jaxserve.sampling_params import BeamSearchParams
 from jaxserve.testing.hf_reference import hf_greedy
 from jaxserve.testing.tiny_models import make_tiny_model

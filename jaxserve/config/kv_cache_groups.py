@@ -1,4 +1,4 @@
-"""KV cache groups: which layers share a block table, and how many blocks a request holds (host side, no JAX).
+"""KV cache groups: which layers share a block table, and how many blocks a request holds (no JAX).
 
 vLLM V1's hybrid layout. Layers are grouped by what their cache keeps: full-attention layers every token,
 sliding-window layers only the tokens their window still reaches. All groups have the same number of layers
@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jaxserve.math_utils import cdiv
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @dataclasses.dataclass(frozen=True)
