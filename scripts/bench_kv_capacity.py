@@ -61,12 +61,14 @@ def concurrency(summary: str) -> float:
 def peak_running(model: str, context: int, num_requests: int, groups: bool) -> tuple[int, float]:
     """(the most requests running at once, seconds) for ``num_requests`` requests of ``context`` tokens."""
     from jaxserve import LLM, SamplingParams
+    from jaxserve.weights import load_config
 
     buckets = Path(tempfile.mkdtemp()) / "buckets.toml"
     batch = 1 << (num_requests - 1).bit_length()
     buckets.write_text(f"block_size = 16\n[decode]\nbatch_sizes = [{batch}]\n[prefill]\nbatch_sizes = [1]\n"
                        f"lengths = [512]\n[context]\nlengths = [{context}]\n")
-    kv_bytes = 2 * context * 18 * 2 * 3 * 64 * 2  # two requests, every layer: K and V of 3 kv heads of 64, bf16
+    cfg = load_config(Path(model))
+    kv_bytes = 2 * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # two requests, bf16 K and V
     llm = LLM(model, dtype="bfloat16", buckets=str(buckets), max_model_len=context, max_num_seqs=num_requests,
               kv_cache_memory_bytes=kv_bytes, disable_hybrid_kv_cache_manager=not groups, enable_prefix_caching=False)
     engine = llm.llm_engine
