@@ -117,6 +117,9 @@ class ModelConfig:
             raise ValueError(f"the rotary dimension must be even, got {self.rotary_dim} (head_dim {self.head_dim})")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers, the model has {self.num_layers}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {window!r}")
         unknown = sorted(set(self.layer_types or ()) - set(ATTENTION_LAYER_TYPES))
         if unknown:
             raise ValueError(f"unsupported layer types {unknown}: the engine serves {', '.join(ATTENTION_LAYER_TYPES)}")

@@ -65,7 +65,8 @@ def test_config_reads_family_features(tiny):
 
 
 def test_a_config_of_layer_types_the_engine_cannot_serve_is_refused_at_load(tmp_path):
-    """Qwen3.5's linear-attention layers (not served yet) are not taken for full attention."""
+    """Qwen3.5's linear-attention layers (not served yet) are not taken for full attention; a window that is not a
+    positive number of tokens is refused."""
     import json
 
     path = make_tiny_model(tmp_path, "qwen3", layer_types=["full_attention", "full_attention"])
@@ -75,6 +76,12 @@ def test_a_config_of_layer_types_the_engine_cannot_serve_is_refused_at_load(tmp_
     with pytest.raises(ValueError, match=r"^unsupported layer types \['linear_attention'\]: the engine serves "
                                          r"sliding_attention, full_attention$"):
         load_model(str(path), "float32")
+    config.update(layer_types=["sliding_attention", "full_attention"], use_sliding_window=True)
+    for window in (0, -4, 2.5):
+        config["sliding_window"] = window
+        (path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=rf"^sliding_window must be a positive number of tokens, got {window}$"):
+            load_model(str(path), "float32")
 
 
 @pytest.mark.parametrize("name", sorted(MIXED_MLP_LAYERS))
