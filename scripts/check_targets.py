@@ -89,6 +89,8 @@ def main() -> int:
                         help="quantized weights (int8, int8_w8a8, fp8, gguf): e.g. Llama-3-8B in int8 on one v5e chip")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                         help="what the KV cache stores: the model's dtype (auto) or float8 e4m3 (fp8)")
+    parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                        help="every layer keeps every token, sliding-window layers too (no KV cache groups)")
     parser.add_argument("--largest-only", action="store_true",
                         help="only the largest prefill, decode and mixed step of the grid (a quick worst case)")
     args = parser.parse_args()
@@ -100,7 +102,8 @@ def main() -> int:
                     "gpu_memory_utilization": args.gpu_memory_utilization}
                 config = EngineConfig(model=model_path(model, Path(tmp)), max_model_len=args.max_model_len,
                                       compile_cache_dir="", quantization=args.quantization,
-                                      kv_cache_dtype=args.kv_cache_dtype, **limits)
+                                      kv_cache_dtype=args.kv_cache_dtype,
+                                      disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager, **limits)
                 start = time.perf_counter()
                 report = compile_for_target(config, target, largest_only=args.largest_only,
                                             tensor_parallel_size=args.tensor_parallel_size)
@@ -108,6 +111,7 @@ def main() -> int:
                 scope = ", largest step of each kind" if args.largest_only else ""
                 scope += f", {args.quantization} weights" if args.quantization else ""
                 scope += f", {args.kv_cache_dtype} KV cache" if args.kv_cache_dtype != "auto" else ""
+                scope += ", one KV cache group" if args.disable_hybrid_kv_cache_manager else ""
                 text = f"## {model} on {target}{scope} ({seconds:.0f} s)\n\n```\n{report.format_table()}\n```\n"
                 print(text, flush=True)
                 if args.out:
