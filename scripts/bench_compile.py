@@ -132,7 +132,7 @@ def step_inputs(runner, kind: str, bucket, cached: int = 300):
     probe's rows (`runner/step_costs.py`)."""
     import numpy as np
 
-    from jaxserve.runner.input_batch import StepInputs, step_shape, tables_of_every_group
+    from jaxserve.runner.input_batch import StepInputs, step_shape
     from jaxserve.runner.sampler import SamplingTensors
     from jaxserve.runner.step_costs import probe_inputs
 
@@ -144,7 +144,9 @@ def step_inputs(runner, kind: str, bucket, cached: int = 300):
     lengths = np.full(s, cached + q, np.int32)
     sampling = SamplingTensors.from_rows([], s, runner.num_sampler_slots, runner.config.vocab_size)
     blocks = np.arange(s * shape.pages_per_seq, dtype=np.int32).reshape(s, shape.pages_per_seq) % runner.num_blocks
-    blocks = tables_of_every_group(blocks, runner.num_kv_groups)
+    num_groups = getattr(runner, "num_kv_groups", 1)  # KV cache groups (a baseline tree's runner may predate them)
+    if num_groups > 1:  # every group on the same blocks: the time does not depend on which
+        blocks = np.broadcast_to(blocks, (num_groups, *blocks.shape)).copy()
     return StepInputs(np.ones((s, q), np.int32), blocks, np.full(s, cached, np.int32), lengths,
                       np.full(s, q - 1, np.int32), sampling)
 
