@@ -15,19 +15,8 @@ from jaxserve.config.kv_cache_groups import NULL_BLOCK, first_kept_token
 from jaxserve.sampling_params import BeamSearchParams
 from jaxserve.testing.hf_reference import hf_greedy
 from jaxserve.testing.tiny_models import make_tiny_model
+from tests.models.test_family_engines import BUCKETS
 
-BUCKETS = """block_size = 4
-[decode]
-batch_sizes = [4]
-[prefill]
-batch_sizes = [1]
-lengths = [16]
-[mixed]
-batch_sizes = [4]
-token_counts = [16]
-[context]
-lengths = [64]
-"""
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = [[5, 6, 7, 8, 9] * 5, [20, 21, 22] * 7, list(range(40, 63)), [3, 4, 5]]  # repetitive: n-gram drafts
 MAX_TOKENS = 24
@@ -44,7 +33,7 @@ def llms(model_dir, tmp_path_factory):
     """(the engine with KV cache groups, the same engine without), n-gram drafts and prefix caching on, both with
     the KV memory of 48 blocks of every layer."""
     buckets = tmp_path_factory.mktemp("buckets") / "buckets.toml"
-    buckets.write_text(BUCKETS)
+    buckets.write_text(BUCKETS.format(block_size=4))  # 4-token blocks: the windows of 5 span few
     config = json.loads((model_dir / "config.json").read_text())
     token_bytes = 2 * config["num_key_value_heads"] * config["head_dim"] * 4  # K and V of a layer, float32
     common = dict(dtype="float32", buckets=str(buckets), max_model_len=64, max_num_seqs=4, speculative_config=NGRAM,
