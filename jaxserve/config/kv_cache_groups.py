@@ -68,8 +68,8 @@ class KVCacheLayout:
 
     def blocks_per_request(self, num_tokens: int, block_size: int, max_chunk_tokens: int) -> int:
         """The most blocks one request of ``num_tokens`` tokens holds at once, over every group: all of its
-        blocks in a full group; in a sliding group its window, the chunk it computes and the block kept for
-        rollbacks (`first_kept_token`) at most."""
+        blocks in a full group; in a sliding group what it keeps (`first_kept_token`) and the chunk it computes, at
+        most."""
         return sum(blocks_per_request(group.sliding_window, num_tokens, block_size, max_chunk_tokens)
                    for group in self.groups)
 
@@ -87,16 +87,16 @@ def blocks_per_request(sliding_window: int | None, num_tokens: int, block_size: 
     full = cdiv(num_tokens, block_size)
     if sliding_window is None:
         return full
-    reach = sliding_window + block_size + max_chunk_tokens  # kept window and margin, plus the chunk being written
+    reach = sliding_window + 1 + max_chunk_tokens  # the kept tokens (`first_kept_token`) and the chunk being written
     return min(full, cdiv(reach, block_size) + 1)
 
 
-def first_kept_token(sliding_window: int, num_computed_tokens: int, block_size: int) -> int:
+def first_kept_token(sliding_window: int, num_computed_tokens: int) -> int:
     """The first token a sliding group must keep for a sequence with ``num_computed_tokens`` computed: its next
-    query (at position ``num_computed_tokens``) reads the ``sliding_window`` tokens up to itself; one block more
-    is kept, since a query may go back a token (a beam that missed a step, a fork re-decoding the last prompt
-    token while its parent has moved on)."""
-    return max(0, num_computed_tokens - sliding_window - block_size + 1)
+    query (at position ``num_computed_tokens``) reads the ``sliding_window`` tokens up to itself, and two tokens
+    more are kept, since a query may go back a token (a beam that missed a step) and a fork re-decodes its parent's
+    last prompt token while the parent may be a step ahead (async scheduling). Blocks wholly before it go back."""
+    return max(0, num_computed_tokens - sliding_window - 1)
 
 
 @functools.cache

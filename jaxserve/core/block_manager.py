@@ -182,7 +182,7 @@ class BlockManager:
         for window, table in zip(self.group_windows, self.tables(seq), strict=True):
             if window is None:
                 continue
-            index = min(first_kept_token(window, seq.num_computed_tokens, self.block_size) // self.block_size,
+            index = min(first_kept_token(window, seq.num_computed_tokens) // self.block_size,
                         len(table)) - 1
             while index >= 0 and table[index] != NULL_BLOCK:
                 dropped.append(table[index])
@@ -254,14 +254,13 @@ class BlockManager:
             run = run + 1 if self.prefix_cache.cached_block(block_hash, group) is not None else 0
             runs.append(run)
         for end in range(length, 0, -1):
-            first = first_kept_token(window, end * self.block_size, self.block_size) // self.block_size
+            first = first_kept_token(window, end * self.block_size) // self.block_size
             if runs[end - 1] >= end - first:
                 return end
         return 0
 
     def _prefix_table(self, hashes: list[bytes], group: int, window: int | None) -> list[int]:
-        first = 0 if window is None else first_kept_token(window, len(hashes) * self.block_size,
-                                                          self.block_size) // self.block_size
+        first = 0 if window is None else first_kept_token(window, len(hashes) * self.block_size) // self.block_size
         return [NULL_BLOCK if index < first else self.prefix_cache.cached_block(block_hash, group)
                 for index, block_hash in enumerate(hashes)]
 

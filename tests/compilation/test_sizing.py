@@ -201,7 +201,7 @@ def test_the_summary_gives_the_cache_in_tokens_and_the_requests_of_max_model_len
 
 def test_the_summary_counts_a_request_over_every_kv_cache_group():
     """Gemma 3 270M's six groups in 4 GiB of bfloat16 (87,378 blocks of 3 layers): a request of 8,192 tokens holds
-    512 blocks in the full group and 34 in each sliding one (window 512 and a block for rollbacks); a step's chunks
+    512 blocks in the full group and 34 in each sliding one (window 512 and one token); a step's chunks
     of 2,048 tokens take 129 more of each sliding group once. In one group, 14,563 blocks: 28.44x."""
     layout = layout_for(tuple(layer % 6 != 5 for layer in range(18)), 512)
     grid = types.SimpleNamespace(num_blocks=87_378, block_size=16, max_model_len=8192, max_num_batched_tokens=2048)

@@ -2,6 +2,9 @@
 group, a sliding group giving back what its window no longer reaches through growth, forks, copy-on-write and
 prefix caching (vLLM's hybrid rule)."""
 
+import collections
+import random
+
 import pytest
 
 from jaxserve.config.kv_cache_groups import NULL_BLOCK, first_kept_token, layout_for
@@ -10,7 +13,7 @@ from jaxserve.core.prefix_cache import hash_full_blocks
 from jaxserve.core.sequence import Sequence
 
 N = NULL_BLOCK
-BS, WINDOW = 4, 4  # a sliding group keeps the tokens from first_kept_token = computed - 7 on
+BS, WINDOW = 4, 4  # a sliding group keeps the tokens from first_kept_token = computed - 5 on
 
 
 def seq_of(num_tokens: int, first: int = 0) -> Sequence:
@@ -30,7 +33,7 @@ def test_gemma3_270m_is_one_full_group_and_five_sliding_groups_of_three_layers()
     assert [(layout.group_of[layer], layout.slot_of[layer]) for layer in (5, 11, 17, 0, 2, 3, 6, 16)] == [
         (0, 0), (0, 1), (0, 2), (1, 0), (1, 2), (2, 0), (2, 2), (5, 2)]
     # a request of 8,192 tokens, chunks of 2,048: every token in the full group; in each other the window, the block
-    # kept for rollbacks and the chunk, one block more where they straddle blocks: (512 + 16 + 2048) / 16 + 1
+    # two tokens before it and the chunk, one block more where they straddle blocks: (512 + 1 + 2048) / 16 + 1
     assert layout.blocks_per_request(8192, 16, 2048) == 512 + 5 * 162
 
 
@@ -53,16 +56,21 @@ def test_a_sliding_group_gives_back_the_blocks_its_window_left_as_the_sequence_g
     bm.allocate(seq, 10)
     assert seq.block_tables == [[0, 1, 2], [3, 4, 5]]
     seq.num_computed_tokens = 10
-    assert first_kept_token(WINDOW, 10, BS) == 3 and bm.release_out_of_window(seq) == 0
+    # the next query (token 10) reads tokens 7-10; tokens from 5 on are kept: sliding block 0 (tokens 0-3) goes back
+    assert first_kept_token(WINDOW, 10) == 5 and bm.release_out_of_window(seq) == 1
+    assert seq.block_tables == [[0, 1, 2], [N, 4, 5]] and list(bm.free_block_ids) == [6, 7, 8, 9, 10, 11, 3]
     for token in range(10, 17):  # decode to 17 computed tokens; allocate gives back first
         seq.append_token(token)
         bm.allocate(seq, 1)
         seq.num_computed_tokens += 1
-    # the allocations at 13 and 16 computed (tokens from 6, then 9 on kept) gave back sliding blocks 3 and 4
+    # at 12 computed both groups took a block; at 13 (tokens from 8 on kept) sliding block 4 went back; at 16 both
+    # groups took another
     assert seq.block_tables == [[0, 1, 2, 6, 8], [N, N, 5, 7, 9]]
-    assert bm.num_free_blocks == 12 - 8 and list(bm.free_block_ids) == [10, 11, 3, 4]  # block 3 went at 13
-    assert bm.release_out_of_window(seq) == 0  # at 17 computed: tokens from 10 on, block 2 on
-    assert bm.kv_waste([seq]) == pytest.approx(6 / 32)  # tokens 17-19 of each group's last block, of 32 slots held
+    assert bm.num_free_blocks == 12 - 8 and list(bm.free_block_ids) == [10, 11, 3, 4]
+    assert bm.release_out_of_window(seq) == 1  # at 17 computed: tokens from 12 on, sliding block 5 (tokens 8-11) goes
+    assert seq.block_tables[1] == [N, N, N, 7, 9]
+    # held: 5 full blocks (17 of 20 slots used), 2 sliding ones (tokens 12-16: 5 of 8)
+    assert bm.kv_waste([seq]) == pytest.approx(6 / 28)
     bm.free(seq)
     assert seq.block_tables == [[], []] and bm.num_free_blocks == 12
 
@@ -159,3 +167,75 @@ def test_a_sequence_keeps_its_tables_group_count():
         bm.allocate(seq, 4)
     with pytest.raises(ValueError, match="a cached prefix of 1 groups, the pool has 2"):
         bm.allocate_prefix(seq_of(4), [[]])
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_random_admissions_steps_forks_and_frees_keep_the_books(trial):
+    """Seeded random operations on pools of one to three groups: every held block is counted once per table that
+    holds it, in one group only; free, evictable and held blocks partition the pool; each sliding table keeps every
+    block a query up to two tokens back reads."""
+    rng = random.Random(trial)
+    block_size = rng.choice([1, 2, 4])
+    windows = [(None,), (None, 3), (None, 5, 5), (4,), (None, 2, 7)][trial % 5]
+    bm = BlockManager(rng.randint(20, 80), block_size, enable_prefix_caching=trial % 3 > 0, group_windows=windows)
+    seqs: list[Sequence] = []
+    for _ in range(150):
+        _random_operation(bm, seqs, rng)
+        _check_books(bm, seqs)
+
+
+def _random_operation(bm: BlockManager, seqs: list[Sequence], rng: random.Random) -> None:
+    op = rng.random()
+    if op < 0.25 and len(seqs) < 8:  # admit a prompt (on its cached prefix), its first chunk in the sliding groups
+        seq = Sequence("r", [rng.randrange(3) for _ in range(rng.randint(1, 20))], arrival_time=0.0)
+        prefix, chunk = bm.cached_prefix(seq), rng.randint(1, 8)
+        if bm.can_allocate_with_prefix(seq, prefix, max_chunk_tokens=chunk):
+            bm.allocate_prefix(seq, prefix)
+            if bm.can_allocate(seq, seq.num_uncomputed_tokens):
+                bm.allocate(seq, seq.num_uncomputed_tokens, num_sliding_tokens=chunk)
+                seqs.append(seq)
+            else:
+                bm.free(seq)
+    elif op < 0.6 and seqs:  # a step: the next chunk of the prompt, or a decode token
+        seq = rng.choice(seqs)
+        n = min(seq.num_uncomputed_tokens, rng.randint(1, 8))
+        if not bm.can_allocate(seq, n):
+            bm.free(seq)
+            seqs.remove(seq)
+            return
+        bm.allocate(seq, n)
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.append_token(rng.randrange(3))
+        bm.cache_blocks(seq)
+    elif op < 0.7 and seqs and len(seqs) < 8:
+        parent = rng.choice(seqs)
+        child = parent.fork()
+        bm.fork(parent, child)
+        seqs.append(child)
+    elif op < 0.85 and seqs:
+        seq = rng.choice(seqs)
+        bm.free(seq)
+        seqs.remove(seq)
+    elif op < 0.9:
+        for seq in seqs:
+            bm.release_out_of_window(seq)
+    else:
+        bm.reset_prefix_cache()
+
+
+def _check_books(bm: BlockManager, seqs: list[Sequence]) -> None:
+    refs, group_of = collections.Counter(), {}
+    for seq in seqs:
+        for group, (window, table) in enumerate(zip(bm.group_windows, bm.tables(seq), strict=True)):
+            held = [block for block in table if block != N]
+            refs.update(held)
+            assert all(group_of.setdefault(block, group) == group for block in held)
+            # a query two tokens back (a fork re-decoding the last prompt token of a parent a step ahead) reads from
+            # computed - 2 - window + 1 on: those blocks are all held
+            needed = 0 if window is None else max(0, seq.num_computed_tokens - window - 1)
+            assert N not in table[needed // bm.block_size : -(-seq.num_computed_tokens // bm.block_size)]
+    assert bm.ref_counts.tolist() == [refs[block] for block in range(bm.num_blocks)]
+    free, evictable = set(bm.free_block_ids), set(bm.prefix_cache.evictable if bm.prefix_cache else ())
+    assert not free & evictable and not (free | evictable) & set(refs)
+    assert len(free) + len(evictable) + len(refs) == bm.num_blocks

@@ -79,7 +79,7 @@ def test_sliding_groups_keep_only_what_their_window_reaches(llms):
         engine.step()
         for seq in engine.scheduler.running:
             full, *sliding = seq.block_tables
-            kept = first_kept_token(5, seq.num_computed_tokens, 4) // 4
+            kept = first_kept_token(5, seq.num_computed_tokens) // 4
             assert NULL_BLOCK not in full
             # what the window left is given back as the next step is planned: until then at most the blocks the last
             # step's tokens moved past (two after the first 16-token chunk, one after a decode row and its 3 drafts)
