@@ -108,9 +108,9 @@ class BlockManager:
         """Blocks ``seq`` still needs, over all groups, to write ``num_new_tokens`` more tokens: new ones to hold
         ``num_computed_tokens + num_new_tokens`` tokens (``num_sliding_tokens`` of them in sliding groups, see
         `allocate`), plus a private copy of every block it will write that a fork shares (copy-on-write)."""
+        lengths = self._table_lengths(seq, num_new_tokens, num_sliding_tokens)
         return sum(max(0, needed - len(table)) + len(self._shared_write_blocks(table, seq, num_new_tokens))
-                   for table, needed in zip(self.tables(seq), self._table_lengths(seq, num_new_tokens,
-                                                                                   num_sliding_tokens), strict=True))
+                   for table, needed in zip(self.tables(seq), lengths, strict=True))
 
     def _table_lengths(self, seq: Sequence, num_new_tokens: int, num_sliding_tokens: int | None) -> list[int]:
         """Per group, the entries ``seq``'s table needs for ``num_new_tokens`` more tokens."""
@@ -138,9 +138,8 @@ class BlockManager:
         free: every block of its tokens in a full group, and in a sliding group the most it holds at once when its
         prompt goes in chunks of at most ``max_chunk_tokens`` (None: in one). A hit on a block nobody holds takes it
         out of the free count too."""
-        num_fresh = 0
+        num_fresh, chunk = 0, seq.num_tokens if max_chunk_tokens is None else max_chunk_tokens
         for table, window in zip(prefix, self.group_windows, strict=True):
-            chunk = seq.num_tokens if max_chunk_tokens is None else max_chunk_tokens
             peak = blocks_per_request(window, seq.num_tokens, self.block_size, chunk)
             num_fresh += max(0, peak - sum(block_id != NULL_BLOCK for block_id in table))
         num_revived = sum(1 for table in prefix for block_id in table
