@@ -41,7 +41,7 @@ from jaxserve.runner.sampler_state import slot_state_bytes
 logger = init_logger(__name__)
 
 
-DEFAULT_CPU_KV_BLOCKS = 2048
+DEFAULT_CPU_KV_BLOCKS = 2048  # blocks of every layer: a model in KV cache groups gets as many bytes (`cpu_kv_blocks`)
 
 
 def engine_bucket_grid(
@@ -74,7 +74,7 @@ def engine_bucket_grid(
     pool_budget = None if budget is None else budget.pool_bytes(
         weights_bytes, slot_state_bytes(num_slots, model_config.vocab_size))
     num_blocks = num_blocks_from_budget(block_bytes, num_kv_blocks=config.num_kv_blocks,
-                                        memory_budget_bytes=pool_budget, default_cpu_blocks=DEFAULT_CPU_KV_BLOCKS,
+                                        memory_budget_bytes=pool_budget, default_cpu_blocks=cpu_kv_blocks(model_config),
                                         kv_cache_memory_bytes=config.kv_cache_memory_bytes)
     grid = _grid(spec, config, block_size, max_model_len, num_blocks)
     if budget is not None and fit_to_steps:
@@ -84,6 +84,12 @@ def engine_bucket_grid(
     grid.check_max_model_len(max_model_len)
     check_request_fits(grid, model_config.kv_cache_layout)
     return grid
+
+
+def cpu_kv_blocks(model_config: ModelConfig) -> int:
+    """The CPU pool's default size: the bytes of DEFAULT_CPU_KV_BLOCKS blocks of every layer, so a model in KV cache
+    groups (a block of `layers_per_group` layers) gets as many tokens of its full-attention layers as before."""
+    return DEFAULT_CPU_KV_BLOCKS * model_config.num_layers // model_config.kv_cache_layout.layers_per_group
 
 
 def _block_bytes(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh) -> int:

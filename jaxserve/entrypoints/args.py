@@ -35,7 +35,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
                    f"{SERVER_MAX_ITL_MS:g} for the server and precompile, none offline (mixed steps up to the bucket "
                    "file's [mixed] token_budget, and no larger mixed buckets compiled)"),
     "block_size": (int, "tokens per KV cache block (default: the bucket file's)"),
-    "num_kv_blocks": (int, "KV cache blocks (default: from the memory budget; 2048 on CPU)"),
+    "num_kv_blocks": (int, "KV cache blocks (default: from the memory budget; on CPU the bytes of 2048 blocks of "
+                      "every layer)"),
     "kv_cache_memory_bytes": (int, "the KV cache's bytes per device instead of the memory budget's share (vLLM's): "
                               "an integer or with a suffix, k/m/g/t for powers of 1000 and K/M/G/T of 1024 "
                               "(e.g. 4G); not with --num-kv-blocks"),

@@ -16,6 +16,7 @@ from jaxserve.compilation.sizing import (
     MemoryBudget,
     blocks_over_budget,
     check_request_fits,
+    cpu_kv_blocks,
     kv_bytes_per_block,
     kv_cache_summary,
     largest_samplers,
@@ -232,3 +233,11 @@ def test_the_cli_turns_the_kv_cache_groups_off_as_vllm_does():
     assert EngineConfig().kv_cache_model_config(gemma).kv_cache_layout.windows == (None, 8)
     with pytest.raises(ValueError, match=r"^disable_hybrid_kv_cache_manager must be True or False, got 1$"):
         EngineConfig(disable_hybrid_kv_cache_manager=1)
+
+
+def test_the_cpu_pool_default_is_the_same_bytes_with_kv_cache_groups():
+    """2048 blocks of every layer: 4 layers in two groups of 2 get 4096 blocks of 2 layers."""
+    gemma = ModelConfig("Gemma3ForCausalLM", 64, 16, 32, 4, 2, 1, 8, sliding_window=8,
+                        layer_types=("sliding_attention", "full_attention") * 2)
+    assert cpu_kv_blocks(gemma) == 4096
+    assert cpu_kv_blocks(EngineConfig(disable_hybrid_kv_cache_manager=True).kv_cache_model_config(gemma)) == 2048
