@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from jaxserve.attention.kv_cache import kv_scale_bytes, kv_value_dtype
 from jaxserve.config.engine_config import EngineConfig
-from jaxserve.config.kv_cache_groups import KVCacheLayout, layout_for
+from jaxserve.config.kv_cache_groups import KVCacheLayout
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid, load_bucket_spec
 from jaxserve.distributed.sharding import per_device_bytes
@@ -97,8 +97,8 @@ def _block_bytes(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh) 
     heads), an int8 pool's scales included: a block holds the layers of one KV cache group."""
     return kv_bytes_per_block(
         num_layers=model_config.kv_cache_layout.layers_per_group, num_kv_heads=model_config.num_kv_heads,
-        block_size=block_size,
-        head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize, scale_bytes=kv_scale_bytes(dtype),
+        block_size=block_size, head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize,
+        scale_bytes=kv_scale_bytes(dtype),
     ) // mesh.size
 
 
@@ -134,11 +134,10 @@ def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: Mo
     return over
 
 
-def kv_cache_summary(grid: BucketGrid, layout: KVCacheLayout | None = None) -> str:
+def kv_cache_summary(grid: BucketGrid, layout: KVCacheLayout) -> str:
     """vLLM's two start-up lines about the KV cache: its size in tokens (each group's share of the blocks) and how
     many requests of max_model_len tokens it holds at once (`KVCacheLayout.max_concurrency`: every token in a full
-    group, the window in a sliding one). ``layout`` None: one full-attention group."""
-    layout = layout or layout_for((False,), None)
+    group, the window in a sliding one)."""
     tokens = grid.num_blocks // layout.num_groups * grid.block_size
     concurrency = layout.max_concurrency(grid.num_blocks, grid.max_model_len, grid.block_size,
                                          grid.max_num_batched_tokens)

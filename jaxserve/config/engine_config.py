@@ -171,8 +171,7 @@ class EngineConfig:
         (`config/kv_cache_groups.py`) unless `disable_hybrid_kv_cache_manager`, or a draft model's pool follows the
         first group's block tables and the model has no full-attention layer to give that group every token."""
         spec = self.speculative_config
-        all_sliding = model_config.sliding_window is not None and all(model_config.sliding_layers)
-        draft_follows = spec is not None and spec.method == "draft_model" and all_sliding
+        draft_follows = spec is not None and spec.method == "draft_model" and all(model_config.sliding_layers)
         hybrid = not (self.disable_hybrid_kv_cache_manager or draft_follows)
         return dataclasses.replace(model_config, hybrid_kv_cache=hybrid)
 

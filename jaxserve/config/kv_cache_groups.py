@@ -22,6 +22,8 @@ import functools
 
 
 def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)``: `jaxserve.math_utils.cdiv`, which this leaf of the layers cannot import (a group of its own
+    layer)."""
     return -(-a // b)
 
 

@@ -28,6 +28,8 @@ from jaxserve.config.kv_cache_groups import layout_for
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.runner.input_batch import SampleShape, StepShape
 
+ONE_GROUP = layout_for((False,) * 18, None)  # every layer keeps every token
+
 
 @pytest.fixture
 def device_with_300_of_1000_bytes_in_use(monkeypatch):
@@ -196,7 +198,7 @@ def test_the_cli_reads_vllms_human_readable_bytes():
 
 def test_the_summary_gives_the_cache_in_tokens_and_the_requests_of_max_model_len_it_holds():
     grid = types.SimpleNamespace(num_blocks=2053, block_size=16, max_model_len=8192, max_num_batched_tokens=512)
-    assert kv_cache_summary(grid).splitlines() == [
+    assert kv_cache_summary(grid, ONE_GROUP).splitlines() == [
         "KV cache size: 32,848 tokens", "Maximum concurrency for 8,192 tokens per request: 4.01x"]
 
 
@@ -210,7 +212,8 @@ def test_the_summary_counts_a_request_over_every_kv_cache_group():
         "KV cache size: 233,008 tokens", "Maximum concurrency for 8,192 tokens per request: 127.17x"]
     assert f"{(87_378 - 5 * 129) / (512 + 5 * 34):.2f}" == "127.17"
     one_group = types.SimpleNamespace(**{**vars(grid), "num_blocks": 14_563})
-    assert kv_cache_summary(one_group).splitlines()[1] == "Maximum concurrency for 8,192 tokens per request: 28.44x"
+    assert kv_cache_summary(one_group, ONE_GROUP).splitlines()[1] == (
+        "Maximum concurrency for 8,192 tokens per request: 28.44x")
     check_request_fits(grid, layout)  # one request alone: 512 + 5 * 162 blocks (its first chunk in every group)
     small = types.SimpleNamespace(**{**vars(grid), "num_blocks": 1321})
     with pytest.raises(ValueError, match=r"^max_model_len 8192 needs up to 1322 KV cache blocks of 16 tokens over the "
