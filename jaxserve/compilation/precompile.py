@@ -54,7 +54,8 @@ def abstract_params(model_config: ModelConfig, dtype: str) -> dict:
         model_config, jnp.dtype(dtype), get_attention_backend("reference")
     )
     cfg = model_config
-    pool = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, 1, 1, cfg.head_dim), jnp.dtype(dtype))
+    kind = lambda heads, head_dim: jax.ShapeDtypeStruct((cfg.num_layers, heads, 1, 1, head_dim), jnp.dtype(dtype))
+    pairs = tuple((kind(*shape), kind(*shape)) for shape in cfg.kv_page_shapes)  # a (K, V) pair per page shape
     i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
     meta = AttentionMetadata(block_tables=i32(1, 1), q_start=i32(1), lengths=i32(1))
 
@@ -64,7 +65,7 @@ def abstract_params(model_config: ModelConfig, dtype: str) -> dict:
 
     init = lambda rng, ids, kv_pool, meta: model.init(rng, ids, kv_pool, meta, method=forward_and_logits)
     raw_key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # abstract too: nothing runs, nothing compiles
-    return _plain_dicts(jax.eval_shape(init, raw_key, i32(1, 1), (pool, pool), meta))
+    return _plain_dicts(jax.eval_shape(init, raw_key, i32(1, 1), pairs[0] if len(pairs) == 1 else pairs, meta))
 
 
 def abstract_draft(config: EngineConfig, target_config: ModelConfig) -> tuple[ModelConfig, dict] | None:

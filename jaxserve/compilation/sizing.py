@@ -88,18 +88,21 @@ def engine_bucket_grid(
 
 def cpu_kv_blocks(model_config: ModelConfig) -> int:
     """The CPU pool's default size: the bytes of DEFAULT_CPU_KV_BLOCKS blocks of every layer, so a model in KV cache
-    groups (a block of `layers_per_group` layers) gets as many tokens of its full-attention layers as before."""
-    return DEFAULT_CPU_KV_BLOCKS * model_config.num_layers // model_config.kv_cache_layout.layers_per_group
+    groups (a block of `layers_per_group` layers, in each kind's pool) gets as many tokens of its full-attention
+    layers as before."""
+    layout = model_config.kv_cache_layout
+    return DEFAULT_CPU_KV_BLOCKS * model_config.num_layers // (layout.layers_per_group * layout.num_kinds)
 
 
 def _block_bytes(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh) -> int:
     """Bytes of one block of ``model_config``'s pool of K/V in ``dtype`` per device (the pool is split over the
-    heads), an int8 pool's scales included: a block holds the layers of one KV cache group."""
-    return kv_bytes_per_block(
-        num_layers=model_config.kv_cache_layout.layers_per_group, num_kv_heads=model_config.num_kv_heads,
-        block_size=block_size, head_dim=model_config.head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize,
+    heads), an int8 pool's scales included: a block holds the layers of one KV cache group, in every kind's pool
+    (Gemma 4's pages of two shapes: `config/kv_cache_groups.py`)."""
+    return sum(kv_bytes_per_block(
+        num_layers=model_config.kv_cache_layout.layers_per_group, num_kv_heads=num_kv_heads,
+        block_size=block_size, head_dim=head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize,
         scale_bytes=kv_scale_bytes(dtype),
-    ) // mesh.size
+    ) for num_kv_heads, head_dim in model_config.kv_page_shapes) // mesh.size
 
 
 def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_blocks: int) -> BucketGrid:

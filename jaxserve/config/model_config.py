@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxserve.config.gemma4_config import Gemma4Layers, gemma4_fields
 from jaxserve.config.kv_cache_groups import KVCacheLayout, layout_for
 from jaxserve.config.quantization_config import QuantScheme
 from jaxserve.config.rope_config import ROPE_FACTOR_FIELDS, SLIDING_LAYER, RopeConfig
@@ -24,6 +25,8 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",  # its text decoder (`model.language_model.`)
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
@@ -100,6 +103,7 @@ class ModelConfig:
     # the checkpoint gives each layer a float8 scale for K and one for V (`self_attn.k_scale` / `v_scale`,
     # compressed-tensors' kv_cache_scheme): K/V are stored divided by them (`models.common.Attention`)
     kv_cache_scales: bool = False
+    gemma4: Gemma4Layers | None = None  # Gemma 4's per-layer shapes, KV sharing, PLE and MoE block
     # sliding-window layers in KV cache groups of their own, which keep only their window
     # (`config/kv_cache_groups.py`); set by the engine from EngineConfig.disable_hybrid_kv_cache_manager
     hybrid_kv_cache: bool = True
@@ -169,7 +173,15 @@ class ModelConfig:
     @property
     def kv_cache_layout(self) -> KVCacheLayout:
         """The KV cache groups of this model's layers: which block table and pool row each layer uses."""
-        return layout_for(self.sliding_layers, self.sliding_window, hybrid=self.hybrid_kv_cache)
+        if self.gemma4 is None:
+            return layout_for(self.sliding_layers, self.sliding_window, hybrid=self.hybrid_kv_cache)
+        return layout_for(self.sliding_layers, self.sliding_window, hybrid=self.hybrid_kv_cache,
+                          layer_kinds=self.gemma4.layer_kinds, readers=self.gemma4.readers)
+
+    @property
+    def kv_page_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(kv heads, head_dim) of each kind of the pool (`KVCacheLayout.layer_kinds`): one, but for Gemma 4."""
+        return self.gemma4.page_shapes if self.gemma4 is not None else ((self.num_kv_heads, self.head_dim),)
 
     @property
     def sparse_layers(self) -> tuple[bool, ...]:
@@ -197,6 +209,12 @@ class ModelConfig:
         model's layers are unrolled, each with its own parameters (`common.layer_stack`)."""
         return len(set(self.sparse_layers)) > 1
 
+    @property
+    def unrolled_layers(self) -> bool:
+        """Whether the layers' weights cannot stack (`mixes_mlp_kinds`, Gemma 4's per-layer shapes): one subtree of
+        parameters per layer, the layers unrolled."""
+        return self.mixes_mlp_kinds or self.gemma4 is not None
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Builds the config from a Hugging Face `config.json` dict."""
@@ -212,9 +230,13 @@ class ModelConfig:
             return cls(architecture=arch, **_opt_fields(hf))
         if family == "gpt2":
             return cls(architecture=arch, **_gpt2_fields(hf))
+        if arch == "Gemma4ForConditionalGeneration":
+            hf = {**hf, **hf.get("text_config", {})}
         fields = _rotary_fields(hf, family)
         if family in GEMMA_FAMILIES:
             fields.update(_gemma_fields(hf, family))
+        if family == "gemma4":
+            fields.update(gemma4_fields(hf))
         if family in MOE_FAMILIES:
             fields.update(_moe_fields(hf, family))
         if family == "gpt_oss":
@@ -236,7 +258,8 @@ def _rotary_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-        rope=RopeConfig.from_hf(hf),
+        # Gemma 4's full layers' rotary embedding is `Gemma4Layers`'
+        rope=RopeConfig.from_hf(hf, SLIDING_LAYER if family == "gemma4" else "full_attention"),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,

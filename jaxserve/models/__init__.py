@@ -3,6 +3,7 @@ constructor is `(config, dtype, attention_backend, mesh, *, scan_layers=True, un
 layouts of `common.layer_stack` and `common.untie_lm_head`)."""
 
 from jaxserve.models.gemma import GemmaForCausalLM
+from jaxserve.models.gemma4 import Gemma4ForCausalLM
 from jaxserve.models.gpt2 import GPT2LMHeadModel
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.opt import OPTForCausalLM
@@ -19,6 +20,8 @@ MODEL_REGISTRY = {
     "GptOssForCausalLM": LlamaForCausalLM,  # attention sinks and biases, biased experts: ModelConfig switches
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # the text decoder only
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }

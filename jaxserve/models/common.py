@@ -162,7 +162,10 @@ def paged_attention(
 
 
 def attention_scale(cfg: ModelConfig) -> float:
-    """The softmax scale: 1/sqrt(head_dim), Gemma's 1/sqrt(query_pre_attn_scalar), 1 for unscaled GPT-2."""
+    """The softmax scale: 1/sqrt(head_dim), Gemma's 1/sqrt(query_pre_attn_scalar), 1 for unscaled GPT-2 and for
+    Gemma 4 (whose q and k are normed per head)."""
+    if cfg.family == "gemma4":
+        return 1.0
     if cfg.query_pre_attn_scalar is not None:
         return cfg.query_pre_attn_scalar**-0.5
     return 1.0 / math.sqrt(cfg.head_dim) if cfg.scale_attn_weights else 1.0

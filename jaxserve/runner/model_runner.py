@@ -240,11 +240,18 @@ class ModelRunner:
         )
 
     def _abstract_pool(self) -> tuple:
-        """(K, V) pool structs: pages, or for an int8 pool `ScaledPages` of pages and their scales."""
+        """(K, V) pool structs: pages, or for an int8 pool `ScaledPages` of pages and their scales; for a model whose
+        layers' pages differ in shape (Gemma 4), a tuple of such pairs, one per kind (`ModelConfig.kv_page_shapes`)."""
         cfg = self.config
-        tokens_per_row = self.backend.tokens_per_row(self.block_size, cfg.head_dim)
-        page = pool_page_shape(self.block_size, cfg.head_dim, tokens_per_row)
-        blocks = (cfg.kv_cache_layout.layers_per_group, cfg.num_kv_heads, self.num_blocks)
+        rows = cfg.kv_cache_layout.layers_per_group
+        pairs = tuple(self._abstract_kind_pool(rows, num_kv_heads, head_dim)
+                      for num_kv_heads, head_dim in cfg.kv_page_shapes)
+        return pairs[0] if len(pairs) == 1 else pairs
+
+    def _abstract_kind_pool(self, rows: int, num_kv_heads: int, head_dim: int) -> tuple:
+        tokens_per_row = self.backend.tokens_per_row(self.block_size, head_dim)
+        page = pool_page_shape(self.block_size, head_dim, tokens_per_row)
+        blocks = (rows, num_kv_heads, self.num_blocks)
         struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=kv_pool_sharding(self.mesh))
         pool = struct((*blocks, *page), self.kv_storage_dtype)
         if self.kv_storage_dtype == INT8_KV_DTYPE:
@@ -253,10 +260,9 @@ class ModelRunner:
 
     def _allocate_pool(self) -> tuple:
         """Zeroed K and V pools: one allocation program per array shape (K's and V's are the same), run for each."""
-        k_struct, v_struct = self._abstract_pool()
-        zeros = {spec: _zeros_program(spec) for spec in jax.tree.leaves(k_struct)}
-        allocate = lambda pool: jax.tree.map(lambda spec: zeros[spec](), pool)
-        return allocate(k_struct), allocate(v_struct)
+        structs = self._abstract_pool()
+        zeros = {spec: _zeros_program(spec) for spec in jax.tree.leaves(structs)}
+        return jax.tree.map(lambda spec: zeros[spec](), structs)
 
     def _no_tokens_struct(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=replicated(self.mesh))
@@ -282,7 +288,7 @@ class ModelRunner:
 
     def _allocation_programs(self) -> dict[str, tuple]:
         """The programs that allocate the pool, `no_tokens` and the sampler state, by name: (jitted, no args)."""
-        structs = [*jax.tree.leaves(self._abstract_pool()[0]), self._no_tokens_struct(),
+        structs = [*jax.tree.leaves(self._abstract_pool()), self._no_tokens_struct(),
                    *jax.tree.leaves(self._abstract_slot_state())]
         return {
             f"zeros-{'x'.join(map(str, spec.shape))}-{spec.dtype}": (_zeros_program(spec), ())

@@ -29,6 +29,7 @@ def tiny_hf_config(family: str, **overrides):
         "phi3": transformers.Phi3Config,
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "gemma4": transformers.Gemma4TextConfig,
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
@@ -51,6 +52,18 @@ FAMILY_DEFAULTS = {
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
                    pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # every Gemma 4 feature: full layers of another head_dim and kv heads whose V is K, the last three layers
+    # reading earlier layers' caches (with twice as wide MLPs), per-layer inputs, experts beside the MLP
+    "gemma4": dict(head_dim=24, global_head_dim=48, num_global_key_value_heads=1, attention_k_eq_v=True,
+                   num_hidden_layers=7, sliding_window=5, num_kv_shared_layers=3, use_double_wide_mlp=True,
+                   layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 3
+                   + ["full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                       "rope_theta": 10000.0}},
+                   hidden_size_per_layer_input=12, vocab_size_per_layer_input=VOCAB, enable_moe_block=True,
+                   num_experts=5, top_k_experts=2, moe_intermediate_size=40, final_logit_softcapping=30.0,
+                   tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "mixtral": dict(num_local_experts=5, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True),
     "qwen2_moe": dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -89,6 +102,11 @@ TINY_FAMILIES = {
     "qwen3-moe-mlp-only-layers": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [0, 2]}),
     "qwen2-moe-sparse-step": ("qwen2_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2}),
     "gpt-oss": ("gpt_oss", {}),
+    "gemma4": ("gemma4", {}),
+    # Gemma 4 without PLE, experts or KV sharing (the 31B's shape): V its own projection, one kind of kv heads
+    "gemma4-dense": ("gemma4", {"hidden_size_per_layer_input": 0, "enable_moe_block": False,
+                                "num_kv_shared_layers": 0, "attention_k_eq_v": False, "num_hidden_layers": 3,
+                                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
     "llama-attention-bias": ("llama", {"attention_bias": True}),  # q/k/v and o_proj biases (Qwen2 has no o bias)
 }
 
@@ -136,6 +154,9 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, **override
             param.normal_(0.0, 0.15 if param.dim() > 1 else 0.5)
             if param.dim() == 1 and param.shape[0] == config.hidden_size:
                 param.add_(1.0)
+        for name, buffer in model.named_buffers():  # Gemma 4's per-layer scale of the residual stream
+            if name.endswith("layer_scalar"):
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     byte_level_tokenizer().save_pretrained(path)
     return path

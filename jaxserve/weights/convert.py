@@ -245,7 +245,61 @@ def gpt2_sources(config: ModelConfig) -> list[ParamSource]:
     return sources
 
 
-FAMILY_SOURCES = {"opt": opt_sources, "gpt2": gpt2_sources}  # every other family: llama_sources
+def gemma4_sources(config: ModelConfig) -> list[ParamSource]:
+    """Gemma 4's text decoder (`models/gemma4.py`), one subtree per layer: only the layers with a cache of their own
+    have k_proj and k_norm (the KV-sharing ones' checkpoint keys are ignored, as transformers does), and only those
+    whose V is not their K a v_proj; the MoE block's router and experts sit beside the layer's MLP."""
+    layer, layers = f"model.layers.{LAYER}", config.gemma4
+    owners = tuple(i for i, source in enumerate(layers.kv_sources) if source == i)
+    with_v = tuple(i for i in owners if not layers.k_eq_v[i])
+    norms = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    sources = [
+        ParamSource(("embed_tokens", "embedding"), "model.embed_tokens.weight"),
+        ParamSource(("norm", "weight"), "model.norm.weight"),
+        ParamSource(("layers", "layer_scalar"), f"{layer}.layer_scalar"),
+        ParamSource(("layers", "self_attn", "q_norm", "weight"), f"{layer}.self_attn.q_norm.weight"),
+        ParamSource(("layers", "self_attn", "k_norm", "weight"), f"{layer}.self_attn.k_norm.weight", layers=owners),
+        *_linear(("layers", "self_attn", "q_proj"), f"{layer}.self_attn.q_proj", False),
+        *(dataclasses.replace(s, layers=owners) for s in _linear(("layers", "self_attn", "k_proj"),
+                                                                 f"{layer}.self_attn.k_proj", False)),
+        *(dataclasses.replace(s, layers=with_v) for s in _linear(("layers", "self_attn", "v_proj"),
+                                                                 f"{layer}.self_attn.v_proj", False)),
+        *_linear(("layers", "self_attn", "o_proj"), f"{layer}.self_attn.o_proj", False),
+        *_gated_mlp(("layers", "mlp"), f"{layer}.mlp"),
+    ]
+    if layers.num_experts:
+        norms += ["post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"]
+        sources += _gemma4_moe_sources(layer, layers.moe_intermediate_size)
+    if layers.per_layer_input_size:
+        norms.append("post_per_layer_input_norm")
+        sources += [
+            ParamSource(("embed_tokens_per_layer", "embedding"), "model.embed_tokens_per_layer.weight"),
+            *_linear(("per_layer_model_projection",), "model.per_layer_model_projection", False),
+            ParamSource(("per_layer_projection_norm", "weight"), "model.per_layer_projection_norm.weight"),
+            *_linear(("layers", "per_layer_input_gate"), f"{layer}.per_layer_input_gate", False),
+            *_linear(("layers", "per_layer_projection"), f"{layer}.per_layer_projection", False),
+        ]
+    sources += [ParamSource(("layers", norm, "weight"), f"{layer}.{norm}.weight") for norm in norms]
+    if not config.tie_word_embeddings:
+        sources += _linear(("lm_head",), "lm_head", False)
+    return sources
+
+
+def _gemma4_moe_sources(layer: str, intermediate: int) -> list[ParamSource]:
+    """Gemma 4's router (`proj` [E, H], `scale` [H], `per_expert_scale` [E]) and its experts stored stacked:
+    `gate_up_proj` [E, 2I, H] (gate rows first), `down_proj` [E, H, I]; as `moe.ExpertWeights`' [E, in, out]."""
+    gate_up = f"{layer}.experts.gate_up_proj"
+    return [
+        *_linear(("layers", "router", "proj"), f"{layer}.router.proj", False),
+        ParamSource(("layers", "router", "scale"), f"{layer}.router.scale"),
+        ParamSource(("layers", "router", "per_expert_scale"), f"{layer}.router.per_expert_scale"),
+        ParamSource(("layers", "experts", "gate_proj"), gate_up, lambda x: x[:, :intermediate].transpose(0, 2, 1)),
+        ParamSource(("layers", "experts", "up_proj"), gate_up, lambda x: x[:, intermediate:].transpose(0, 2, 1)),
+        ParamSource(("layers", "experts", "down_proj"), f"{layer}.experts.down_proj", lambda x: x.transpose(0, 2, 1)),
+    ]
+
+
+FAMILY_SOURCES = {"opt": opt_sources, "gpt2": gpt2_sources, "gemma4": gemma4_sources}  # others: llama_sources
 
 
 def param_sources(config: ModelConfig) -> list[ParamSource]:
@@ -281,6 +335,8 @@ def hf_param_names(config: ModelConfig) -> list[str]:
 
 def hf_name_alternatives(name: str, config: ModelConfig) -> list[str]:
     """`name` and, for families whose hub checkpoints omit it, `name` without the wrapper's prefix."""
+    if config.architecture == "Gemma4ForConditionalGeneration" and name.startswith("model."):
+        return [name.replace("model.", "model.language_model.", 1), name]
     prefix = BASE_MODEL_PREFIX.get(config.family)
     if prefix and name.startswith(prefix):
         return [name, name[len(prefix):]]
@@ -345,7 +401,7 @@ def _put_layers(params: dict, source: ParamSource, config: ModelConfig, layer_va
     scan, or one subtree per layer where a model mixes MLP kinds (module docstring)."""
     if not source.per_layer:
         _put(params, source.path, layer_values[0])
-    elif config.mixes_mlp_kinds:
+    elif config.unrolled_layers:
         for i, value in zip(_source_layers(source, config), layer_values, strict=True):
             _put(params, (source.path[0], str(i), *source.path[1:]), value)
     else:

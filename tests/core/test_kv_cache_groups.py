@@ -49,6 +49,26 @@ def test_alternating_layers_are_two_groups_and_alike_layers_one():
     assert uneven.layers_per_group == 2
 
 
+def test_gemma4_groups_hold_one_page_shape_and_its_kv_sharing_layers_read_their_sources_rows():
+    """Gemma 4 E2B-like: 12 layers, full every sixth and the last; the last 4 layers keep no cache and read the last
+    earlier layer of their type (7 sliding, 11 full -> 5); full layers' pages are of another shape (kind 1)."""
+    slides = tuple(layer not in (5, 11) for layer in range(12))
+    kinds = tuple(0 if s else 1 for s in slides)
+    readers = ((8, 7), (9, 7), (10, 7), (11, 5))
+    layout = layout_for(slides, 512, layer_kinds=kinds, readers=readers)
+    # owners: full 5 (kind 1), sliding 0-4, 6, 7: groups of one layer (the fewest of one kind)
+    assert [(group.layers, group.sliding_window) for group in layout.groups] == [
+        ((5,), None), ((0,), 512), ((1,), 512), ((2,), 512), ((3,), 512), ((4,), 512), ((6,), 512), ((7,), 512)]
+    assert (layout.num_kinds, layout.layers_per_group) == (2, 1)
+    assert [layout.kind_of(layer) for layer in (0, 5, 8, 11)] == [0, 1, 0, 1]
+    assert [(layout.group_of[layer], layout.slot_of[layer]) for layer in (7, 8, 9, 10, 11, 5)] == [
+        (7, 0), (7, 0), (7, 0), (7, 0), (0, 0), (0, 0)]
+    # without the hybrid manager: one group of every owner, each kind's rows counted apart (7 sliding, 1 full)
+    one = layout_for(slides, 512, hybrid=False, layer_kinds=kinds, readers=readers)
+    assert one.groups[0].layers == (0, 1, 2, 3, 4, 5, 6, 7) and one.layers_per_group == 7
+    assert [one.slot_of[layer] for layer in (0, 4, 5, 6, 7, 11)] == [0, 4, 0, 5, 6, 0]
+
+
 def test_a_sliding_group_gives_back_the_blocks_its_window_left_as_the_sequence_grows():
     bm = hybrid(num_blocks=12)
     seq = seq_of(10)

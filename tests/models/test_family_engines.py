@@ -38,6 +38,8 @@ CASES = {
     "gemma3": ("gemma3", {}, "cpu"),
     "qwen3-moe-dense-first-layer": ("qwen3_moe", {"mlp_only_layers": [0]}, "cpu"),  # layers mixing MLP kinds
     "mixtral": ("mixtral", {"sliding_window": 6}, "cpu"),
+    # pages of two shapes, KV sharing, per-layer inputs, experts beside the MLP
+    "gemma4": ("gemma4", {}, "cpu"),
     # attention sinks and per-layer windows (Gemma 3's too: the same traced window) through the Pallas kernels,
     # biased experts with clamped SwiGLU
     "gpt-oss-pallas": ("gpt_oss", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -54,7 +56,8 @@ def test_engine_greedy_tokens_equal_transformers_with_mixed_steps_and_prefix_cac
     buckets.write_text(BUCKETS.format(block_size=block_size))
     llm = LLM(str(path), dtype="float32", buckets=str(buckets), max_model_len=64, attention_backend=backend,
               enable_prefix_caching=True)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # `hf_greedy` generates with min_new_tokens: EOS is suppressed until the last token, so here too (min_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)
     prompts = PROMPTS + SHARED
     outputs = []
     for batch in (PROMPTS, SHARED):  # the second batch after the first finished: its prefixes are cached

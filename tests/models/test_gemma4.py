@@ -1,0 +1,116 @@
+"""Gemma 4 beyond the families' parity tests (tests/models/test_families.py, test_family_engines.py): its config in
+both of transformers' forms, the multimodal checkpoint's text decoder, what is refused, the pool's two page shapes
+(in the Pallas kernels' layouts too) and the KV-sharing layers' missing projections."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxserve.compilation.sizing import _block_bytes
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.distributed.sharding import check_tensor_parallel
+from jaxserve.testing.hf_reference import hf_logits
+from jaxserve.testing.tiny_models import FAMILY_TOKENS, TINY_FAMILIES, make_tiny_model, tiny_hf_config
+from jaxserve.weights import load_model
+from tests.forward import PagedForward
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    family, overrides = TINY_FAMILIES["gemma4"]
+    return make_tiny_model(tmp_path_factory.mktemp("gemma4"), family, **overrides)
+
+
+def saved_config(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def test_the_config_reads_per_layer_shapes_kv_sharing_and_the_extra_blocks(tiny):
+    cfg = ModelConfig.from_hf(saved_config(tiny))
+    layers = cfg.gemma4
+    assert (cfg.head_dim, cfg.num_kv_heads, cfg.sliding_window) == (24, 2, 5)
+    assert layers.head_dims == (24, 24, 48, 24, 24, 24, 48) and layers.kv_heads == (2, 2, 1, 2, 2, 2, 1)
+    assert layers.k_eq_v == (False, False, True, False, False, False, True)
+    assert layers.kv_sources == (0, 1, 2, 3, 3, 3, 2)  # the last three read the last earlier layer of their type
+    assert layers.intermediate_sizes == (128,) * 4 + (256,) * 3  # double-wide MLPs on the sharing layers
+    assert (layers.per_layer_input_size, layers.num_experts, layers.top_k_experts) == (12, 5, 2)
+    assert (layers.full_rope_theta, layers.full_partial_rotary_factor) == (10000.0, 0.25)
+    assert cfg.kv_page_shapes == ((2, 24), (1, 48))
+
+
+def test_the_arguments_transformers_turns_into_per_layer_config_read_the_same(tiny):
+    """A config written by hand (global_head_dim, num_global_key_value_heads) instead of a saved one."""
+    hf = saved_config(tiny)
+    del hf["per_layer_config"]
+    hf.update(global_head_dim=48, num_global_key_value_heads=1)
+    assert ModelConfig.from_hf(hf).gemma4 == ModelConfig.from_hf(saved_config(tiny)).gemma4
+    hf["attention_k_eq_v"] = False  # transformers applies the kv heads only with attention_k_eq_v
+    assert ModelConfig.from_hf(hf).gemma4.kv_heads == (2,) * 7
+
+
+def test_what_the_engine_cannot_serve_is_refused_with_the_reason(tiny):
+    hf = saved_config(tiny)
+    with pytest.raises(ValueError, match="use_bidirectional_attention='all' attends to later tokens"):
+        ModelConfig.from_hf({**hf, "use_bidirectional_attention": "all"})
+    with pytest.raises(ValueError, match=r"num_kv_shared_layers \(7\) leaves no layer computing K/V"):
+        ModelConfig.from_hf({**hf, "num_kv_shared_layers": 7})
+    only_sliding_first = {**hf, "num_kv_shared_layers": 5}  # layers 0-1 compute K/V: no full layer among them
+    with pytest.raises(ValueError, match=r"KV-shared layers of type \['full_attention'\] have no earlier layer"):
+        ModelConfig.from_hf(only_sliding_first)
+    with pytest.raises(ValueError, match="Gemma 4 is served on one device per replica"):
+        check_tensor_parallel(ModelConfig.from_hf(hf), 2)
+
+
+def test_the_multimodal_checkpoints_text_decoder_equals_transformers(tiny, tmp_path):
+    """`Gemma4ForConditionalGeneration` keeps the text weights under `model.language_model.` and the text config
+    in `text_config`: the same decoder, the same logits."""
+    for file in tiny.glob("tokenizer*"):
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(tiny / "model.safetensors")
+    save_file({name.replace("model.", "model.language_model.", 1): value for name, value in tensors.items()},
+              tmp_path / "model.safetensors")
+    text = saved_config(tiny)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+        "text_config": {key: value for key, value in text.items() if key != "architectures"},
+    }))
+    loaded = load_model(str(tmp_path), "float32")
+    got = PagedForward(loaded.config, loaded.params, backend="cpu").run(FAMILY_TOKENS, [3, 0, 5, 1], [7, 9])
+    np.testing.assert_allclose(got, hf_logits(tiny, FAMILY_TOKENS), atol=2e-5, rtol=0)
+
+
+def test_the_pool_has_a_page_of_each_shape_per_block_and_sharing_layers_no_projections(tiny):
+    loaded = load_model(str(tiny), "float32")
+    layers = loaded.params["params"]["layers"]
+    assert "k_proj" in layers["3"]["self_attn"] and "v_proj" in layers["3"]["self_attn"]
+    assert "k_proj" in layers["2"]["self_attn"] and "v_proj" not in layers["2"]["self_attn"]  # V is K
+    assert set(layers["4"]["self_attn"]) == {"q_proj", "q_norm", "o_proj"}  # reads layer 3's cache
+    mesh = type("OneDevice", (), {"size": 1})()
+    # a block: one layer (layers_per_group) of each kind, K and V, 16 tokens, float32
+    assert _block_bytes(loaded.config, 16, "float32", mesh) == 2 * 16 * 4 * (2 * 24 + 1 * 48)
+
+
+def test_a_gemma4_without_a_second_page_shape_has_one_pool(tmp_path):
+    """Full layers of the sliding layers' head_dim and kv heads: one kind, the plain (K, V) pool."""
+    config = tiny_hf_config("gemma4", global_head_dim=24, attention_k_eq_v=False)
+    cfg = ModelConfig.from_hf(config.to_dict() | {"architectures": ["Gemma4ForCausalLM"]})
+    assert cfg.kv_page_shapes == ((2, 24),) and cfg.kv_cache_layout.num_kinds == 1
+
+
+def test_the_pallas_kernels_serve_both_page_shapes(tmp_path):
+    """Sliding layers of head_dim 64 and full ones of 128 (layouts the TPU kernels take), interpreted: a prompt chunk
+    across the window, then decode steps; the sharing layers read their sources' pages through the same kernels.
+    Hidden size 128: transformers' own float32 sums differ by more than at 64, so the bound is relative."""
+    family, overrides = TINY_FAMILIES["gemma4"]
+    path = make_tiny_model(tmp_path / "m", family, **overrides, hidden_size=128, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=64, global_head_dim=128)
+    loaded = load_model(str(path), "float32")
+    got = PagedForward(loaded.config, loaded.params, block_size=16, num_blocks=4, backend="pallas").run(
+        FAMILY_TOKENS, [2, 0], [12, 1, 1, 1, 1])
+    expected = hf_logits(path, FAMILY_TOKENS)
+    assert np.abs(got - expected).max() < 5e-5 * np.abs(expected).max()
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
