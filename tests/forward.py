@@ -23,10 +23,11 @@ class PagedForward:
         )
         # a model with several KV cache groups (sliding-window layers) gets each group's blocks in a part of its own
         self.num_groups, self.num_blocks = config.kv_cache_layout.num_groups, num_blocks
-        rows = config.kv_cache_layout.layers_per_group
-        nan = lambda heads, head_dim: jnp.full((rows, heads, num_blocks * self.num_groups, block_size, head_dim),
-                                               jnp.nan, jnp.dtype(dtype))  # unwritten slots are NaN: stray reads show
-        pairs = tuple((nan(*shape), nan(*shape)) for shape in config.kv_page_shapes)  # one pair per page shape
+        layout = config.kv_cache_layout
+        nan = lambda rows, heads, head_dim: jnp.full((rows, heads, num_blocks * self.num_groups, block_size, head_dim),
+                                                     jnp.nan, jnp.dtype(dtype))  # unwritten slots are NaN: stray reads
+        pairs = tuple((nan(layout.rows_of_kind(kind), *shape), nan(layout.rows_of_kind(kind), *shape))
+                      for kind, shape in enumerate(config.kv_page_shapes))  # a (K, V) pair per page shape
         self.pool = pairs[0] if len(pairs) == 1 else pairs
         # the engine's XLA options for a program in this dtype (its runner's steps compile with them too)
         self._apply = jax.jit(self._forward, compiler_options=compiler_options(jax.default_backend(), dtype))

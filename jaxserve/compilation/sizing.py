@@ -69,13 +69,23 @@ def engine_bucket_grid(
         budget = memory_budget(config.gpu_memory_utilization, params, weights_bytes, device_memory_bytes)
     # the engine's pool keeps K/V as kv_cache_dtype says; a draft model's pool is in the model dtype
     kv_dtypes = [kv_value_dtype(config.kv_cache_dtype, config.dtype), config.dtype][:len(models)]
-    block_bytes = sum(_block_bytes(c, block_size, kv, mesh) for (c, _), kv in zip(models, kv_dtypes, strict=True))
+    block_bytes = sum(_block_bytes(c, block_size, kv, mesh, max_model_len)
+                      for (c, _), kv in zip(models, kv_dtypes, strict=True))
     num_slots = config.max_num_seqs or max(spec.decode_batch_sizes)
     pool_budget = None if budget is None else budget.pool_bytes(
         weights_bytes, slot_state_bytes(num_slots, model_config.vocab_size))
+    # pages of several shapes: the blocks set apart for a step's chunks are sized apart from the mean block
+    max_chunk_tokens = config.max_num_batched_tokens or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths)
+    fixed_blocks, fixed_bytes = _in_flight(model_config, block_size, kv_dtypes[0], mesh, max_chunk_tokens,
+                                           block_bytes - _block_bytes(model_config, block_size, kv_dtypes[0], mesh,
+                                                                      max_model_len))
+    less_fixed = lambda num_bytes: None if num_bytes is None else num_bytes - fixed_bytes
     num_blocks = num_blocks_from_budget(block_bytes, num_kv_blocks=config.num_kv_blocks,
-                                        memory_budget_bytes=pool_budget, default_cpu_blocks=cpu_kv_blocks(model_config),
-                                        kv_cache_memory_bytes=config.kv_cache_memory_bytes)
+                                        memory_budget_bytes=less_fixed(pool_budget),
+                                        default_cpu_blocks=cpu_kv_blocks(model_config),
+                                        kv_cache_memory_bytes=less_fixed(config.kv_cache_memory_bytes))
+    if config.num_kv_blocks is None and (pool_budget is not None or config.kv_cache_memory_bytes is not None):
+        num_blocks += fixed_blocks
     grid = _grid(spec, config, block_size, max_model_len, num_blocks)
     if budget is not None and fit_to_steps:
         over = _blocks_over_budget(grid, config, model_config, params, mesh, budget, block_bytes, draft)
@@ -88,21 +98,40 @@ def engine_bucket_grid(
 
 def cpu_kv_blocks(model_config: ModelConfig) -> int:
     """The CPU pool's default size: the bytes of DEFAULT_CPU_KV_BLOCKS blocks of every layer, so a model in KV cache
-    groups (a block of `layers_per_group` layers, in each kind's pool) gets as many tokens of its full-attention
-    layers as before."""
-    layout = model_config.kv_cache_layout
-    return DEFAULT_CPU_KV_BLOCKS * model_config.num_layers // (layout.layers_per_group * layout.num_kinds)
+    groups (a block of `layers_per_group` layers) gets as many tokens of its full-attention layers as before."""
+    return DEFAULT_CPU_KV_BLOCKS * model_config.num_layers // model_config.kv_cache_layout.layers_per_group
 
 
-def _block_bytes(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh) -> int:
+def _block_bytes(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh, max_model_len: int) -> int:
     """Bytes of one block of ``model_config``'s pool of K/V in ``dtype`` per device (the pool is split over the
-    heads), an int8 pool's scales included: a block holds the layers of one KV cache group, in every kind's pool
-    (Gemma 4's pages of two shapes: `config/kv_cache_groups.py`)."""
-    return sum(kv_bytes_per_block(
-        num_layers=model_config.kv_cache_layout.layers_per_group, num_kv_heads=num_kv_heads,
-        block_size=block_size, head_dim=head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize,
-        scale_bytes=kv_scale_bytes(dtype),
-    ) for num_kv_heads, head_dim in model_config.kv_page_shapes) // mesh.size
+    heads), an int8 pool's scales included: a block holds the layers of one KV cache group. With pages of several
+    shapes (Gemma 4), their mean over the blocks as `KVCacheLayout.blocks_of_kinds` shares them out."""
+    demand = model_config.kv_cache_layout.kind_demand(max_model_len, block_size)
+    page_bytes = _page_bytes(model_config, block_size, dtype)
+    return cdiv(sum(need * size for need, size in zip(demand, page_bytes, strict=True)), sum(demand) * mesh.size)
+
+
+def _page_bytes(model_config: ModelConfig, block_size: int, dtype) -> list[int]:
+    """Per kind of page, the bytes of one block of it (the layers of one of its groups)."""
+    layout = model_config.kv_cache_layout
+    return [kv_bytes_per_block(
+        num_layers=layout.rows_of_kind(kind), num_kv_heads=num_kv_heads, block_size=block_size,
+        head_dim=head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize, scale_bytes=kv_scale_bytes(dtype),
+    ) for kind, (num_kv_heads, head_dim) in enumerate(model_config.kv_page_shapes)]
+
+
+def _in_flight(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh, max_chunk_tokens: int,
+               other_block_bytes: int) -> tuple[int, int]:
+    """(blocks, bytes per device) that a pool of pages of several shapes sets apart for a step's prompt chunks
+    (`KVCacheLayout.blocks_of_kinds`), each block in its kind's bytes and ``other_block_bytes`` more (a draft model's
+    pool); (0, 0) for pages of one shape, whose blocks are all alike."""
+    layout = model_config.kv_cache_layout
+    if layout.num_kinds == 1:
+        return 0, 0
+    flight = layout.in_flight_blocks(block_size, max_chunk_tokens)
+    page_bytes = _page_bytes(model_config, block_size, dtype)
+    num_bytes = sum(blocks * size for blocks, size in zip(flight, page_bytes, strict=True)) // mesh.size
+    return sum(flight), num_bytes + sum(flight) * other_block_bytes
 
 
 def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_blocks: int) -> BucketGrid:
@@ -130,7 +159,7 @@ def _blocks_over_budget(grid: BucketGrid, config: EngineConfig, model_config: Mo
     if draft is not None:
         draft_config, draft_params = draft
         beside = per_device_bytes(draft_params, mesh) + probe.num_blocks * _block_bytes(
-            draft_config, grid.block_size, config.dtype, mesh)
+            draft_config, grid.block_size, config.dtype, mesh, grid.max_model_len)
     over, need = blocks_over_budget(probe, shapes, budget, block_bytes, grid.num_blocks, beside_bytes=beside)
     logger.info("KV pool: %d blocks fill the memory budget (%.0f MB per device); with them the largest step needs "
                 "%.0f MB: %d blocks given back", grid.num_blocks, budget.usable_bytes / 1e6, need / 1e6, over)
@@ -141,7 +170,9 @@ def kv_cache_summary(grid: BucketGrid, layout: KVCacheLayout) -> str:
     """vLLM's two start-up lines about the KV cache: its size in tokens (each group's share of the blocks) and how
     many requests of max_model_len tokens it holds at once (`KVCacheLayout.max_concurrency`: every token in a full
     group, the window in a sliding one)."""
-    tokens = grid.num_blocks // layout.num_groups * grid.block_size
+    pools = layout.blocks_of_kinds(grid.num_blocks, grid.max_model_len, grid.block_size, grid.max_num_batched_tokens)
+    groups_of_kind = [layout.group_kinds.count(kind) for kind in range(layout.num_kinds)]
+    tokens = min(blocks // groups for blocks, groups in zip(pools, groups_of_kind, strict=True)) * grid.block_size
     concurrency = layout.max_concurrency(grid.num_blocks, grid.max_model_len, grid.block_size,
                                          grid.max_num_batched_tokens)
     return (f"KV cache size: {tokens:,} tokens\n"
@@ -151,7 +182,8 @@ def kv_cache_summary(grid: BucketGrid, layout: KVCacheLayout) -> str:
 def check_request_fits(grid: BucketGrid, layout: KVCacheLayout) -> None:
     """ValueError unless one request of max_model_len tokens fits the pool with every KV cache group's blocks."""
     needed = layout.blocks_per_request(grid.max_model_len, grid.block_size, grid.max_num_batched_tokens)
-    if needed > grid.num_blocks:
+    if not layout.fits_one_request(grid.num_blocks, grid.max_model_len, grid.block_size,
+                                   grid.max_num_batched_tokens, grid.max_model_len):
         raise ValueError(
             f"max_model_len {grid.max_model_len} needs up to {needed} KV cache blocks of {grid.block_size} tokens "
             f"over the model's {layout.num_groups} KV cache groups, and the pool has {grid.num_blocks}: raise "

@@ -8,10 +8,12 @@ block id belongs to one group at a time. Layer ``l`` reads and writes pool row `
 table of group ``group_of[l]``; a group shorter than the others leaves its last rows unused.
 
 Gemma 4's layers differ in page shape (its full layers' head_dim and kv heads are not its sliding layers'): the
-pool is then one array per shape ("kind", `ModelConfig.kv_page_shapes`), each ``[layers_per_group, Hkv_k,
-num_blocks, ...]``, and a group holds layers of one kind. A block id has a page in every kind's array (one free
-list), so a block of one kind's group leaves the other kinds' page of that id unused. Its KV-sharing layers keep
-no cache: they read the layer they share with (``readers``).
+pool is then one array per shape ("kind", `ModelConfig.kv_page_shapes`), each ``[rows_of_kind(k), Hkv_k,
+blocks_k, ...]``, and a group holds layers of one kind (without the hybrid layout too: a full group per kind). The
+block ids are shared out among the kinds (`blocks_of_kinds`: the blocks a step's chunks hold in the sliding groups,
+the rest in proportion to what a request of max_model_len tokens holds in each), each kind with its own free list;
+kind k's ids follow kind k - 1's, and a step reads its groups' tables less their kind's first id. Its KV-sharing
+layers keep no cache: they read the layer they share with (``readers``).
 
 Gemma 3 270M (3 full, 15 sliding layers of 18) is 6 groups of 3 layers: one full group and five sliding ones, so
 a request of 8,192 tokens holds 512 blocks of 16 in the full group and about 35 in each sliding group instead of
@@ -62,8 +64,12 @@ class KVCacheLayout:
 
     @property
     def layers_per_group(self) -> int:
-        """Rows of each kind's pool: the most layers of one kind in one group."""
-        return max(self._rows_of_kind(group, kind) for group in self.groups for kind in range(self.num_kinds))
+        """Rows of the pool: the most layers of one group."""
+        return max(len(group.layers) for group in self.groups)
+
+    def rows_of_kind(self, kind: int) -> int:
+        """Rows of one kind's pool: the most layers of one of its groups."""
+        return max(len(group.layers) for group, k in zip(self.groups, self.group_kinds, strict=True) if k == kind)
 
     def kind_of(self, layer: int) -> int:
         """The page shape (pool) of ``layer``'s cache."""
@@ -73,8 +79,41 @@ class KVCacheLayout:
         """The layer whose cache ``layer`` reads: itself, or for a reader its source."""
         return dict(self.readers).get(layer, layer)
 
-    def _rows_of_kind(self, group: KVCacheGroup, kind: int) -> int:
-        return sum(self.kind_of(layer) == kind for layer in group.layers)
+    @property
+    def group_kinds(self) -> tuple[int, ...]:
+        """Per group: the kind of its layers (a group holds one kind)."""
+        return tuple(self.kind_of(group.layers[0]) for group in self.groups)
+
+    def kind_demand(self, num_tokens: int, block_size: int, max_chunk_tokens: int = 0) -> tuple[int, ...]:
+        """Per kind: the blocks one request of ``num_tokens`` tokens holds at once in that kind's groups."""
+        demand = [0] * self.num_kinds
+        for group, kind in zip(self.groups, self.group_kinds, strict=True):
+            demand[kind] += blocks_per_request(group.sliding_window, num_tokens, block_size, max_chunk_tokens)
+        return tuple(demand)
+
+    def in_flight_blocks(self, block_size: int, max_chunk_tokens: int) -> tuple[int, ...]:
+        """Per kind: the blocks a step's prompt chunks (``max_chunk_tokens`` over all its rows) hold in its sliding
+        groups beyond what the requests keep (once per step, not per request)."""
+        flight = [0] * self.num_kinds
+        for window, kind in zip(self.windows, self.group_kinds, strict=True):
+            flight[kind] += 0 if window is None else cdiv(max_chunk_tokens, block_size) + 1
+        return tuple(flight)
+
+    def blocks_of_kinds(self, num_blocks: int, max_model_len: int, block_size: int,
+                        max_chunk_tokens: int = 0) -> tuple[int, ...]:
+        """``num_blocks`` shared out among the kinds' pools so that they hold the most requests of ``max_model_len``
+        tokens at once (`max_concurrency`): each kind its blocks in flight, the rest in proportion to what a request
+        holds in each (each kind at least one block). One kind: all of them."""
+        if self.num_kinds == 1:
+            return (num_blocks,)
+        demand, flight = self.kind_demand(max_model_len, block_size), self.in_flight_blocks(block_size,
+                                                                                           max_chunk_tokens)
+        rest = num_blocks - sum(flight)
+        if rest < sum(demand):  # not even one request beside the chunks: in proportion to the requests alone
+            flight, rest = (0,) * self.num_kinds, num_blocks
+        shares = [held + max(1, rest * need // sum(demand)) for held, need in zip(flight, demand, strict=True)]
+        shares[shares.index(max(shares))] += num_blocks - sum(shares)
+        return tuple(shares)
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -91,14 +130,9 @@ class KVCacheLayout:
         return self._per_layer(lambda _g, slot: slot)
 
     def _per_layer(self, value) -> tuple[int, ...]:
-        """Per model layer, ``value(group, row)`` of its cache: its row is its index among its group's layers of its
-        kind; a reader gets its source's."""
-        place = {}
-        for g, group in enumerate(self.groups):
-            rows = [0] * self.num_kinds
-            for layer in group.layers:
-                place[layer] = value(g, rows[self.kind_of(layer)])
-                rows[self.kind_of(layer)] += 1
+        """Per model layer, ``value(group, row)`` of its cache; a reader gets its source's."""
+        place = {layer: value(g, slot)
+                 for g, group in enumerate(self.groups) for slot, layer in enumerate(group.layers)}
         place.update({reader: place[source] for reader, source in self.readers})
         return tuple(place[layer] for layer in range(len(place)))
 
@@ -112,10 +146,21 @@ class KVCacheLayout:
     def max_concurrency(self, num_blocks: int, num_tokens: int, block_size: int, max_chunk_tokens: int) -> float:
         """How many requests of ``num_tokens`` tokens a pool of ``num_blocks`` holds at once: each keeps all its
         blocks in a full group and its window in a sliding one; a step's prompt chunks (``max_chunk_tokens`` over
-        all its rows) hold more of each sliding group once, not per request."""
-        per_request = self.blocks_per_request(num_tokens, block_size, 0)
-        in_flight = sum(cdiv(max_chunk_tokens, block_size) + 1 for window in self.windows if window is not None)
-        return max(0, num_blocks - in_flight) / per_request
+        all its rows) hold more of each sliding group once, not per request. With pages of several kinds, the
+        fewest any kind's pool holds (`blocks_of_kinds`)."""
+        per_request = self.kind_demand(num_tokens, block_size)
+        in_flight = self.in_flight_blocks(block_size, max_chunk_tokens)
+        pools = self.blocks_of_kinds(num_blocks, num_tokens, block_size, max_chunk_tokens)
+        return min(max(0, blocks - flight) / need for blocks, flight, need
+                   in zip(pools, in_flight, per_request, strict=True))
+
+    def fits_one_request(self, num_blocks: int, num_tokens: int, block_size: int, max_chunk_tokens: int,
+                         max_model_len: int) -> bool:
+        """Whether every kind's pool (of a pool of ``num_blocks`` shared out for ``max_model_len``) holds one request
+        of ``num_tokens`` tokens computed in chunks of ``max_chunk_tokens``."""
+        pools = self.blocks_of_kinds(num_blocks, max_model_len, block_size, max_chunk_tokens)
+        need = self.kind_demand(num_tokens, block_size, max_chunk_tokens)
+        return all(blocks >= needed for blocks, needed in zip(pools, need, strict=True))
 
 
 def blocks_per_request(sliding_window: int | None, num_tokens: int, block_size: int, max_chunk_tokens: int) -> int:
@@ -144,9 +189,12 @@ def layout_for(sliding_layers: tuple[bool, ...], sliding_window: int | None, *, 
     ``hybrid`` (vLLM's `disable_hybrid_kv_cache_manager`): one group that keeps every token of every layer."""
     reading = {reader for reader, _ in readers}
     owners = tuple(layer for layer in range(len(sliding_layers)) if layer not in reading)
-    if not hybrid or sliding_window is None or not any(sliding_layers[layer] for layer in owners):
-        return KVCacheLayout((KVCacheGroup(owners),), layer_kinds, readers)
     kind = lambda layer: layer_kinds[layer] if layer_kinds else 0
+    if not hybrid or sliding_window is None or not any(sliding_layers[layer] for layer in owners):
+        by_kind = {}  # one full-attention group per kind
+        for layer in owners:
+            by_kind.setdefault(kind(layer), []).append(layer)
+        return KVCacheLayout(tuple(KVCacheGroup(tuple(by_kind[k])) for k in sorted(by_kind)), layer_kinds, readers)
     kinds_of_layers: dict[tuple[bool, int], list[int]] = {}
     for layer in owners:
         kinds_of_layers.setdefault((sliding_layers[layer], kind(layer)), []).append(layer)

@@ -21,6 +21,7 @@ where every full group caches all its blocks and every sliding group the blocks 
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterable
 
@@ -42,8 +43,13 @@ CachedPrefix = list[list[int]]  # per KV cache group, the blocks of a cached pre
 
 
 class BlockManager:
+    """``group_kinds``: per group, the kind of page its layers keep (Gemma 4's pages of two shapes); ``kind_blocks``:
+    the block ids of each kind (`KVCacheLayout.blocks_of_kinds`), kind k's after kind k - 1's, each kind with its own
+    free list. One kind by default: every id in one free list."""
+
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False,
-                 group_windows: tuple[int | None, ...] = (None,)) -> None:
+                 group_windows: tuple[int | None, ...] = (None,), group_kinds: tuple[int, ...] | None = None,
+                 kind_blocks: tuple[int, ...] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -53,9 +59,15 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.group_windows = tuple(group_windows)  # per KV cache group: its sliding window (None: full attention)
+        self.group_kinds = tuple(group_kinds) if group_kinds is not None else (0,) * len(self.group_windows)
+        self.kind_blocks = tuple(kind_blocks) if kind_blocks is not None else (num_blocks,)
+        _check_kinds(self.group_windows, self.group_kinds, self.kind_blocks, num_blocks)
+        self.kind_offsets = tuple(int(x) for x in np.cumsum((0, *self.kind_blocks[:-1])))  # each kind's first id
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
-        self.free_block_ids: deque[int] = deque(range(num_blocks))  # never cached (or evicted): fresh first
-        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        # per kind, never cached (or evicted) blocks: fresh first
+        kinds = zip(self.kind_offsets, self.kind_blocks, strict=True)
+        self.free_by_kind: list[deque[int]] = [deque(range(first, first + count)) for first, count in kinds]
+        self.prefix_cache = PrefixCache(self.kind_of, self.num_kinds) if enable_prefix_caching else None
         self.prefix_cache_stats = PrefixCacheStats()  # stays zero without prefix caching
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), see take_pending_copies
         # blocks that entered and left the prefix cache since `take_cache_events` (None: not recorded)
@@ -64,6 +76,19 @@ class BlockManager:
     @property
     def num_groups(self) -> int:
         return len(self.group_windows)
+
+    @property
+    def num_kinds(self) -> int:
+        return len(self.kind_blocks)
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        """The never-cached (or evicted) free blocks, each kind's in the order they are handed out."""
+        return [block_id for free in self.free_by_kind for block_id in free]
+
+    def kind_of(self, block_id: int) -> int:
+        """The kind of page ``block_id`` is."""
+        return bisect.bisect_right(self.kind_offsets, block_id) - 1
 
     @property
     def has_sliding_groups(self) -> bool:
@@ -82,12 +107,13 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks nobody holds: free ones and cached ones that may be evicted."""
-        return len(self.free_block_ids) + self._num_evictable
+        """Blocks nobody holds: free ones and cached ones that may be evicted (of every kind)."""
+        return sum(self.num_free_of(kind) for kind in range(self.num_kinds))
 
-    @property
-    def _num_evictable(self) -> int:
-        return self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+    def num_free_of(self, kind: int) -> int:
+        """Blocks of ``kind`` nobody holds."""
+        evictable = self.prefix_cache.num_evictable_of(kind) if self.prefix_cache is not None else 0
+        return len(self.free_by_kind[kind]) + evictable
 
     @property
     def num_used_blocks(self) -> int:
@@ -108,9 +134,22 @@ class BlockManager:
         """Blocks ``seq`` still needs, over all groups, to write ``num_new_tokens`` more tokens: new ones to hold
         ``num_computed_tokens + num_new_tokens`` tokens (``num_sliding_tokens`` of them in sliding groups, see
         `allocate`), plus a private copy of every block it will write that a fork shares (copy-on-write)."""
+        return sum(self.new_blocks_by_kind(seq, num_new_tokens, num_sliding_tokens))
+
+    def new_blocks_by_kind(self, seq: Sequence, num_new_tokens: int,
+                           num_sliding_tokens: int | None = None) -> list[int]:
+        """`num_new_blocks` per kind of page."""
         lengths = self._table_lengths(seq, num_new_tokens, num_sliding_tokens)
-        return sum(max(0, needed - len(table)) + len(self._shared_write_blocks(table, seq, num_new_tokens))
-                   for table, needed in zip(self.tables(seq), lengths, strict=True))
+        needed = [0] * self.num_kinds
+        for table, length, kind in zip(self.tables(seq), lengths, self.group_kinds, strict=True):
+            needed[kind] += max(0, length - len(table)) + len(self._shared_write_blocks(table, seq, num_new_tokens))
+        return needed
+
+    def _fit(self, needed: list[int], reserve: int | list[int]) -> bool:
+        """Whether every kind has ``needed`` blocks free beside ``reserve`` (a count per kind, or one for each)."""
+        reserve = [reserve] * self.num_kinds if isinstance(reserve, int) else reserve
+        return all(need + kept <= self.num_free_of(kind)
+                   for kind, (need, kept) in enumerate(zip(needed, reserve, strict=True)))
 
     def _table_lengths(self, seq: Sequence, num_new_tokens: int, num_sliding_tokens: int | None) -> list[int]:
         """Per group, the entries ``seq``'s table needs for ``num_new_tokens`` more tokens."""
@@ -128,29 +167,22 @@ class BlockManager:
         last = min((seq.num_computed_tokens + num_new_tokens - 1) // self.block_size, len(table) - 1)
         return [i for i in range(first, last + 1) if table[i] != NULL_BLOCK and self.ref_counts[table[i]] > 1]
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, *, reserve: int = 0) -> bool:
-        """Whether ``allocate`` would succeed and still leave ``reserve`` blocks free."""
-        return self.num_new_blocks(seq, num_new_tokens) + reserve <= self.num_free_blocks
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, *, reserve: int | list[int] = 0) -> bool:
+        """Whether ``allocate`` would succeed and still leave ``reserve`` blocks free (per kind, or in each)."""
+        return self._fit(self.new_blocks_by_kind(seq, num_new_tokens), reserve)
 
-    def can_allocate_with_prefix(self, seq: Sequence, prefix: CachedPrefix, *, reserve: int = 0,
+    def can_allocate_with_prefix(self, seq: Sequence, prefix: CachedPrefix, *, reserve: int | list[int] = 0,
                                  max_chunk_tokens: int | None = None) -> bool:
         """Whether a new ``seq`` fits whole on the cached blocks ``prefix`` plus fresh ones, leaving ``reserve``
         free: every block of its tokens in a full group, and in a sliding group the most it holds at once when its
         prompt goes in chunks of at most ``max_chunk_tokens`` (None: in one). A hit on a block nobody holds takes it
         out of the free count too."""
-        num_fresh, chunk = 0, seq.num_tokens if max_chunk_tokens is None else max_chunk_tokens
-        for table, window in zip(prefix, self.group_windows, strict=True):
+        needed, chunk = [0] * self.num_kinds, seq.num_tokens if max_chunk_tokens is None else max_chunk_tokens
+        for table, window, kind in zip(prefix, self.group_windows, self.group_kinds, strict=True):
             peak = blocks_per_request(window, seq.num_tokens, self.block_size, chunk)
-            num_fresh += max(0, peak - sum(block_id != NULL_BLOCK for block_id in table))
-        num_revived = sum(1 for table in prefix for block_id in table
-                          if block_id != NULL_BLOCK and self.ref_counts[block_id] == 0)
-        return num_fresh + num_revived + reserve <= self.num_free_blocks
-
-    def num_allocatable_tokens(self, seq: Sequence) -> int:
-        """The most new tokens ``seq`` could get right now (its tables' slack plus the free blocks, a block per
-        group for each block of tokens)."""
-        capacity = (len(seq.block_table) + self.num_free_blocks // self.num_groups) * self.block_size
-        return max(0, capacity - seq.num_computed_tokens)
+            needed[kind] += max(0, peak - sum(block_id != NULL_BLOCK for block_id in table))
+            needed[kind] += sum(1 for block_id in table if block_id != NULL_BLOCK and self.ref_counts[block_id] == 0)
+        return self._fit(needed, reserve)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, num_sliding_tokens: int | None = None) -> None:
         """Grow ``seq``'s tables to hold ``num_computed_tokens + num_new_tokens`` tokens (after giving back what its
@@ -159,17 +191,17 @@ class BlockManager:
         new tokens (a prompt admitted whole but computed in chunks: its first chunk's), since they give blocks back
         as the prompt goes on."""
         self.release_out_of_window(seq)
-        n = self.num_new_blocks(seq, num_new_tokens, num_sliding_tokens)
-        if n > self.num_free_blocks:
-            raise RuntimeError(
-                f"seq {seq.seq_id}: needs {n} new KV blocks, only {self.num_free_blocks} free "
-                "(call can_allocate first)"
-            )
+        needed = self.new_blocks_by_kind(seq, num_new_tokens, num_sliding_tokens)
+        if not self._fit(needed, 0):
+            free = [self.num_free_of(kind) for kind in range(self.num_kinds)]
+            per_kind = f" (per kind of page: needs {needed}, free {free})" if self.num_kinds > 1 else ""
+            raise RuntimeError(f"seq {seq.seq_id}: needs {sum(needed)} new KV blocks, only {sum(free)} free{per_kind} "
+                               "(call can_allocate first)")
         lengths = self._table_lengths(seq, num_new_tokens, num_sliding_tokens)
-        for table, needed in zip(self.tables(seq), lengths, strict=True):
+        for table, length, kind in zip(self.tables(seq), lengths, self.group_kinds, strict=True):
             for index in self._shared_write_blocks(table, seq, num_new_tokens):
-                self.pending_copies.append(self._copy_block(table, index))
-            table.extend(self._take_fresh_block() for _ in range(needed - len(table)))
+                self.pending_copies.append(self._copy_block(table, index, kind))
+            table.extend(self._take_fresh_block(kind) for _ in range(length - len(table)))
 
     def release_out_of_window(self, seq: Sequence) -> int:
         """Gives back the blocks of ``seq``'s sliding groups that no future query reaches (their entries become
@@ -190,12 +222,13 @@ class BlockManager:
         self._decref(dropped)
         return len(dropped)
 
-    def _take_fresh_block(self) -> int:
-        """A block for new K/V, held once: a never-cached free block, else the least recently used cached one."""
-        if self.free_block_ids:
-            block_id = self.free_block_ids.popleft()
+    def _take_fresh_block(self, kind: int) -> int:
+        """A block of ``kind`` for new K/V, held once: a never-cached free block, else the least recently used cached
+        one."""
+        if self.free_by_kind[kind]:
+            block_id = self.free_by_kind[kind].popleft()
         else:
-            block_id, group, block_hash = self.prefix_cache.evict()
+            block_id, group, block_hash = self.prefix_cache.evict(kind)
             if self.cache_events is not None and group == 0:
                 self.cache_events.append(BlocksRemoved([block_hash]))
         self.ref_counts[block_id] = 1
@@ -211,12 +244,13 @@ class BlockManager:
         if self.prefix_cache is None:
             return 0
         dropped, dropped_hashes = 0, []
-        while self.prefix_cache.num_evictable:
-            block_id, group, block_hash = self.prefix_cache.evict()
-            self.free_block_ids.append(block_id)
-            dropped += 1
-            if group == 0:
-                dropped_hashes.append(block_hash)
+        for kind in range(self.num_kinds):
+            while self.prefix_cache.num_evictable_of(kind):
+                block_id, group, block_hash = self.prefix_cache.evict(kind)
+                self.free_by_kind[kind].append(block_id)
+                dropped += 1
+                if group == 0:
+                    dropped_hashes.append(block_hash)
         if self.cache_events is not None and dropped:
             cleared = self.prefix_cache.num_cached_blocks == 0
             self.cache_events.append(AllBlocksCleared() if cleared else BlocksRemoved(dropped_hashes))
@@ -342,16 +376,16 @@ class BlockManager:
         itself for every block it is about to write.
         """
         copies = []
-        for table in self.tables(seq):
+        for table, kind in zip(self.tables(seq), self.group_kinds, strict=True):
             for index in self._shared_write_blocks(table, seq, 1):
-                if not self.num_free_blocks:
+                if not self.num_free_of(kind):
                     raise RuntimeError(f"seq {seq.seq_id}: no free KV block for copy-on-write")
-                copies.append(self._copy_block(table, index))
+                copies.append(self._copy_block(table, index, kind))
         return copies
 
-    def _copy_block(self, table: list[int], index: int) -> tuple[int, int]:
+    def _copy_block(self, table: list[int], index: int, kind: int) -> tuple[int, int]:
         src = table[index]
-        dst = self._take_fresh_block()
+        dst = self._take_fresh_block(kind)
         self.ref_counts[src] -= 1
         table[index] = dst
         return src, dst
@@ -405,4 +439,14 @@ class BlockManager:
             if self.prefix_cache is not None and self.prefix_cache.is_cached(block_id):
                 self.prefix_cache.release(block_id)
             else:
-                self.free_block_ids.append(block_id)
+                self.free_by_kind[self.kind_of(block_id)].append(block_id)
+
+
+def _check_kinds(group_windows: tuple, group_kinds: tuple[int, ...], kind_blocks: tuple[int, ...],
+                 num_blocks: int) -> None:
+    if len(group_kinds) != len(group_windows):
+        raise ValueError(f"{len(group_kinds)} group kinds for {len(group_windows)} KV cache groups")
+    if not kind_blocks or min(kind_blocks) < 1 or sum(kind_blocks) != num_blocks:
+        raise ValueError(f"kind_blocks {kind_blocks} must be positive and add up to num_blocks ({num_blocks})")
+    if any(not 0 <= kind < len(kind_blocks) for kind in group_kinds):
+        raise ValueError(f"group kinds {group_kinds}: the pool has {len(kind_blocks)} kinds")

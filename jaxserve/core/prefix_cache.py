@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,13 +81,15 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """(KV cache group, hash) -> block table, and the LRU list of cached blocks that no sequence holds (evictable).
-    Each group caches its own blocks of a prefix (`config/kv_cache_groups.py`): one block id per group and hash."""
+    """(KV cache group, hash) -> block table, and the LRU lists of cached blocks that no sequence holds (evictable),
+    one per kind of page (`kind_of` a block id; one kind unless the model's pages differ in shape). Each group
+    caches its own blocks of a prefix (`config/kv_cache_groups.py`): one block id per group and hash."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind_of: Callable[[int], int] = lambda block_id: 0, num_kinds: int = 1) -> None:
         self.block_of: dict[tuple[int, BlockHash], int] = {}
         self.key_of: dict[int, tuple[int, BlockHash]] = {}
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.kind_of = kind_of
+        self.evictable: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_kinds)]  # oldest first
 
     @property
     def num_cached_blocks(self) -> int:
@@ -94,7 +97,10 @@ class PrefixCache:
 
     @property
     def num_evictable(self) -> int:
-        return len(self.evictable)
+        return sum(len(blocks) for blocks in self.evictable)
+
+    def num_evictable_of(self, kind: int) -> int:
+        return len(self.evictable[kind])
 
     def cached_block(self, block_hash: BlockHash, group: int = 0) -> int | None:
         """The block of ``group`` that caches ``block_hash``, if any."""
@@ -125,16 +131,16 @@ class PrefixCache:
 
     def release(self, block_id: int) -> None:
         """A cached block nobody holds any more: most recently used end of the LRU list."""
-        self.evictable[block_id] = None
+        self.evictable[self.kind_of(block_id)][block_id] = None
 
     def touch(self, block_id: int) -> None:
         """A hit on a block nobody held: it leaves the LRU list (no-op for a held block)."""
-        self.evictable.pop(block_id, None)
+        self.evictable[self.kind_of(block_id)].pop(block_id, None)
 
-    def evict(self) -> tuple[int, int, BlockHash]:
-        """The least recently used evictable block, its hash dropped: a fresh block, the group it cached for and the
-        hash it had."""
-        block_id, _ = self.evictable.popitem(last=False)
+    def evict(self, kind: int = 0) -> tuple[int, int, BlockHash]:
+        """The least recently used evictable block of ``kind``, its hash dropped: a fresh block, the group it cached
+        for and the hash it had."""
+        block_id, _ = self.evictable[kind].popitem(last=False)
         group, block_hash = self.key_of.pop(block_id)
         del self.block_of[group, block_hash]
         return block_id, group, block_hash

@@ -352,7 +352,8 @@ class Scheduler:
 
     def _admit(self, sched: Schedule, budget: int, decoding: list[Sequence], *, mixed: bool = False) -> None:
         # keep free the blocks the decoders need for their next token (in a mixed step, this step's are taken)
-        reserve = sum(self.block_manager.num_new_blocks(s, 2 if mixed else 1) for s in decoding)
+        reserve = [sum(need) for need in zip(*(self.block_manager.new_blocks_by_kind(s, 2 if mixed else 1)
+                                               for s in decoding), strict=True)] or 0  # per kind of page
         admitted = False
         num_seqs = len(self.running) + sum(s.num_pending_forks for s in self.running)
         while self.waiting and num_seqs + 1 + self.waiting[0].num_pending_forks <= self.max_num_seqs:

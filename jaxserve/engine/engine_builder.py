@@ -93,8 +93,11 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
                               draft=None if draft is None else (draft.config, draft.params))
     for line in kv_cache_summary(grid, loaded.config.kv_cache_layout).splitlines():
         logger.info("%s", line)
+    layout = loaded.config.kv_cache_layout
     block_manager = BlockManager(grid.num_blocks, grid.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                                 group_windows=loaded.config.kv_cache_layout.windows)
+                                 group_windows=layout.windows, group_kinds=layout.group_kinds,
+                                 kind_blocks=layout.blocks_of_kinds(grid.num_blocks, grid.max_model_len,
+                                                                    grid.block_size, grid.max_num_batched_tokens))
     scheduler = Scheduler(
         block_manager, grid, max_num_seqs=grid.max_num_seqs, max_num_batched_tokens=grid.max_num_batched_tokens,
         policy=config.scheduling_policy,

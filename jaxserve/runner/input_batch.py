@@ -94,11 +94,12 @@ Row = tuple[Sequence, int, int]  # (sequence, first position, number of tokens):
 
 def prepare_step_inputs(rows: list[Row], shape: StepShape, sampling_rows: list[SamplingRow],
                         previous_rows: dict[int, int], no_slot: int, vocab_size: int,
-                        num_kv_groups: int = 1) -> StepInputs:
+                        num_kv_groups: int = 1, group_block_offsets: tuple[int, ...] | None = None) -> StepInputs:
     """The padded inputs of a step of ``rows`` on an executable of ``shape``; ``sampling_rows`` are the rows'
     sampling values. A row whose last token is a placeholder takes it from the previous step's output, at that
     sequence's row there (``previous_rows``: seq_id -> row). With several KV cache groups the block tables are
-    ``[num_kv_groups, S, P]``."""
+    ``[num_kv_groups, S, P]``; ``group_block_offsets``: per group, the first block id of its kind of page (a pool
+    of pages of several shapes, `config/kv_cache_groups.py`), which its table is read less."""
     s, p = shape.batch_size, shape.pages_per_seq
     input_ids = np.zeros(shape.input_shape, np.int32)
     block_tables = np.zeros((num_kv_groups, s, p), np.int32)
@@ -128,7 +129,9 @@ def prepare_step_inputs(rows: list[Row], shape: StepShape, sampling_rows: list[S
         drafts = [row_drafts(seq, start, num_tokens) for seq, start, num_tokens in rows]
         verify = VerifyInputs.from_rows(list(query_starts[: len(rows)]), [n for _, _, n in rows], drafts,
                                         shape.num_sample_positions, s, shape.num_speculative_tokens)
-    block_tables = np.maximum(block_tables, 0)  # a sliding group's NULL_BLOCK: read as block 0, masked out
+    first_ids = np.zeros(num_kv_groups, np.int32) if group_block_offsets is None else np.asarray(group_block_offsets)
+    # a sliding group's NULL_BLOCK: read as block 0, masked out
+    block_tables = np.where(block_tables >= 0, block_tables - first_ids[:, None, None].astype(np.int32), 0)
     if num_kv_groups == 1:
         block_tables = block_tables[0]
     return StepInputs(input_ids, block_tables, q_start, lengths, sample_index, sampling, feed_rows, feed_cols,

@@ -152,10 +152,13 @@ class ModelRunner:
         platform: str | None = None,
         kv_cache_dtype: str = "auto",
         max_step_tokens: int = 0,
+        kind_blocks: tuple[int, ...] | None = None,
     ):
         """``kv_cache_dtype``: what the KV pool keeps, the model's dtype ("auto"), float8 ("fp8") or int8 with a
         scale per token and kv head ("int8"; see `attention/kv_cache.py`). ``max_step_tokens``: the query tokens of
         the largest step, the size of the prompt logprobs' `PromptPositions` (0: none, a draft model's runner).
+        ``kind_blocks``: a pool of pages of several shapes, the blocks of each (`KVCacheLayout.blocks_of_kinds`;
+        default: shared out for the model's longest context).
         ``abstract=True``: ``params`` are
         ``ShapeDtypeStruct``s and no KV pool (nor sampler state) is allocated; such a runner only compiles
         (precompilation into the persistent cache needs no device memory). ``platform``: what the steps are built
@@ -165,6 +168,11 @@ class ModelRunner:
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        layout = config.kv_cache_layout
+        self.kind_blocks = kind_blocks or layout.blocks_of_kinds(num_blocks, config.max_position_embeddings, block_size)
+        kind_offsets = np.cumsum((0, *self.kind_blocks[:-1]))
+        # per group, the first block id of its kind: a step reads each group's table less it (`input_batch`)
+        self.group_block_offsets = tuple(int(kind_offsets[kind]) for kind in layout.group_kinds)
         self.mesh = mesh if mesh is not None else make_mesh(1)
         self.platform = platform = platform or self.mesh.devices.flat[0].platform
         self.backend = get_attention_backend(attention_backend, platform)
@@ -237,21 +245,25 @@ class ModelRunner:
             attention_backend=config.attention_backend, mesh=mesh, abstract=abstract, platform=platform,
             num_sampler_slots=grid.max_num_seqs, num_logprobs=config.max_logprobs, kv_cache_dtype=config.kv_cache_dtype,
             max_step_tokens=max(bucket.num_tokens for bucket in grid.buckets),
+            kind_blocks=model_config.kv_cache_layout.blocks_of_kinds(
+                grid.num_blocks if num_blocks is None else num_blocks, grid.max_model_len, grid.block_size,
+                grid.max_num_batched_tokens),
         )
 
     def _abstract_pool(self) -> tuple:
         """(K, V) pool structs: pages, or for an int8 pool `ScaledPages` of pages and their scales; for a model whose
         layers' pages differ in shape (Gemma 4), a tuple of such pairs, one per kind (`ModelConfig.kv_page_shapes`)."""
         cfg = self.config
-        rows = cfg.kv_cache_layout.layers_per_group
-        pairs = tuple(self._abstract_kind_pool(rows, num_kv_heads, head_dim)
-                      for num_kv_heads, head_dim in cfg.kv_page_shapes)
+        layout = cfg.kv_cache_layout
+        pairs = tuple(self._abstract_kind_pool(layout.rows_of_kind(kind), num_kv_heads, head_dim, num_blocks)
+                      for kind, ((num_kv_heads, head_dim), num_blocks)
+                      in enumerate(zip(cfg.kv_page_shapes, self.kind_blocks, strict=True)))
         return pairs[0] if len(pairs) == 1 else pairs
 
-    def _abstract_kind_pool(self, rows: int, num_kv_heads: int, head_dim: int) -> tuple:
+    def _abstract_kind_pool(self, rows: int, num_kv_heads: int, head_dim: int, num_blocks: int) -> tuple:
         tokens_per_row = self.backend.tokens_per_row(self.block_size, head_dim)
         page = pool_page_shape(self.block_size, head_dim, tokens_per_row)
-        blocks = (rows, num_kv_heads, self.num_blocks)
+        blocks = (rows, num_kv_heads, num_blocks)
         struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=kv_pool_sharding(self.mesh))
         pool = struct((*blocks, *page), self.kv_storage_dtype)
         if self.kv_storage_dtype == INT8_KV_DTYPE:
@@ -360,14 +372,21 @@ class ModelRunner:
         verify = VerifyInputs.abstract(shape.num_sample_positions, shape.batch_size, shape.num_speculative_tokens, rep)
         return jax.jit(self._verify, donate_argnums=(0,), out_shardings=(rep, rep)), (*args, verify)
 
-    @staticmethod
-    def _copy_blocks(kv_pool, slot_state, block_src, block_dst, slot_src, slot_dst):
+    def _copy_blocks(self, kv_pool, slot_state, block_src, block_dst, slot_src, slot_dst):
         """Copy-on-write: KV block dst[i] := block src[i] in every layer, slot dst[i] := slot src[i].
 
         Sources are read before anything is written; out-of-range dst entries (padding) are no-ops. An int8
-        pool's scales are copied with its pages."""
-        copy = lambda pool: pool.at[:, :, block_dst].set(pool[:, :, block_src], mode="drop")
-        return jax.tree.map(copy, kv_pool), copy_slots(slot_state, slot_src, slot_dst)
+        pool's scales are copied with its pages. A pool of several kinds of page copies each pair in the kind its
+        ids belong to (`config/kv_cache_groups.py`)."""
+        single = len(self.kind_blocks) == 1
+        copied = []
+        for pair, first, count in zip([kv_pool] if single else kv_pool, np.cumsum((0, *self.kind_blocks[:-1])),
+                                      self.kind_blocks, strict=True):
+            mine = (block_dst >= first) & (block_dst < first + count)
+            dst, src = jnp.where(mine, block_dst - first, count), jnp.where(mine, block_src - first, 0)
+            copied.append(jax.tree.map(lambda pool, dst=dst, src=src: pool.at[:, :, dst].set(pool[:, :, src],
+                                                                                              mode="drop"), pair))
+        return (copied[0] if single else tuple(copied)), copy_slots(slot_state, slot_src, slot_dst)
 
     def _abstract_inputs(self, shape: StepShape):
         s, p = shape.batch_size, shape.pages_per_seq
@@ -465,7 +484,7 @@ class ModelRunner:
         idx = sds((m,), jnp.int32)
         programs = {
             "copy_blocks": (
-                jax.jit(self._copy_blocks, donate_argnums=(0, 1), out_shardings=((pool, pool), rep)),
+                jax.jit(self._copy_blocks, donate_argnums=(0, 1), out_shardings=(pool, rep)),
                 (self._state_structs[1], self._state_structs[2], idx, idx, idx, idx),
             ),
             "write_slot": (

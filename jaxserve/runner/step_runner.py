@@ -204,7 +204,8 @@ class StepRunner:
                                              slot=self.slots.get(seq.seq_id))
                          for (seq, start, num_tokens), request in zip(rows, requests, strict=True)]
         return prepare_step_inputs(rows, step_shape(bucket, self.block_size), sampling_rows, self._fed_rows,
-                                   self.slots.no_slot, self.vocab_size, self.model.num_kv_groups)
+                                   self.slots.no_slot, self.vocab_size, self.model.num_kv_groups,
+                                   self.model.group_block_offsets)
 
     def _sync_device_state(self, rows: list[Row], requests: list[RowRequest],
                            block_copies: list[tuple[int, int]]) -> None:

@@ -65,7 +65,6 @@ def test_can_allocate_and_reserve():
     assert not bm.can_allocate(seq, 13)
     assert not bm.can_allocate(seq, 12, reserve=1)
     assert bm.can_allocate(seq, 8, reserve=1)
-    assert bm.num_allocatable_tokens(seq) == 12
     with pytest.raises(RuntimeError, match="needs 4 new KV blocks, only 3 free"):
         bm.allocate(seq, 13)
     assert seq.block_table == [] and bm.num_free_blocks == 3

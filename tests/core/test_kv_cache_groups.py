@@ -63,10 +63,17 @@ def test_gemma4_groups_hold_one_page_shape_and_its_kv_sharing_layers_read_their_
     assert [layout.kind_of(layer) for layer in (0, 5, 8, 11)] == [0, 1, 0, 1]
     assert [(layout.group_of[layer], layout.slot_of[layer]) for layer in (7, 8, 9, 10, 11, 5)] == [
         (7, 0), (7, 0), (7, 0), (7, 0), (0, 0), (0, 0)]
-    # without the hybrid manager: one group of every owner, each kind's rows counted apart (7 sliding, 1 full)
-    one = layout_for(slides, 512, hybrid=False, layer_kinds=kinds, readers=readers)
-    assert one.groups[0].layers == (0, 1, 2, 3, 4, 5, 6, 7) and one.layers_per_group == 7
-    assert [one.slot_of[layer] for layer in (0, 4, 5, 6, 7, 11)] == [0, 4, 0, 5, 6, 0]
+    assert layout.group_kinds == (1, 0, 0, 0, 0, 0, 0, 0)
+    # a request of 4,096 tokens holds 256 blocks of 16 in the full group, 34 in each sliding one; a step's chunks of
+    # 64 tokens hold 5 more blocks in each sliding group: those first, the rest of the ids in proportion 7 * 34 : 256
+    assert layout.kind_demand(4096, 16) == (7 * 34, 256) and layout.in_flight_blocks(16, 64) == (35, 0)
+    assert layout.blocks_of_kinds(1000, 4096, 16, 64) == (35 + 965 * 238 // 494, 965 * 256 // 494 + 1)
+    assert layout.max_concurrency(1000, 4096, 16, 64) == min((499 - 35) / 238, 501 / 256)
+    # without the hybrid manager: a full-attention group per kind (a table spans one kind's ids)
+    plain = layout_for(slides, 512, hybrid=False, layer_kinds=kinds, readers=readers)
+    assert [group.layers for group in plain.groups] == [(0, 1, 2, 3, 4, 6, 7), (5,)]
+    assert plain.windows == (None, None) and plain.group_kinds == (0, 1) and plain.layers_per_group == 7
+    assert [plain.slot_of[layer] for layer in (0, 4, 5, 6, 7, 11)] == [0, 4, 0, 5, 6, 0]
 
 
 def test_a_sliding_group_gives_back_the_blocks_its_window_left_as_the_sequence_grows():
@@ -256,6 +263,7 @@ def _check_books(bm: BlockManager, seqs: list[Sequence]) -> None:
             needed = 0 if window is None else max(0, seq.num_computed_tokens - window - 1)
             assert N not in table[needed // bm.block_size : -(-seq.num_computed_tokens // bm.block_size)]
     assert bm.ref_counts.tolist() == [refs[block] for block in range(bm.num_blocks)]
-    free, evictable = set(bm.free_block_ids), set(bm.prefix_cache.evictable if bm.prefix_cache else ())
+    free = set(bm.free_block_ids)
+    evictable = {block for blocks in bm.prefix_cache.evictable for block in blocks} if bm.prefix_cache else set()
     assert not free & evictable and not (free | evictable) & set(refs)
     assert len(free) + len(evictable) + len(refs) == bm.num_blocks

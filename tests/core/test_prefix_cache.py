@@ -74,7 +74,7 @@ def test_released_blocks_stay_cached_until_a_fresh_block_is_needed_tail_first():
     old = computed(bm, list(range(12)), "old")  # blocks 0, 1, 2, all full and cached
     bm.free(old)
     assert (bm.num_free_blocks, bm.num_used_blocks, bm.prefix_cache.num_evictable) == (6, 0, 3)
-    assert list(bm.prefix_cache.evictable) == [2, 1, 0]  # tail first: evicted before the head
+    assert list(bm.prefix_cache.evictable[0]) == [2, 1, 0]  # tail first: evicted before the head
     new = computed(bm, list(range(100, 112)), "new")  # 3 never-cached blocks are free: nothing is evicted
     assert new.block_table == [3, 4, 5] and bm.prefix_cache.num_cached_blocks == 6
     bm.free(new)

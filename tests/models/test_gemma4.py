@@ -83,15 +83,28 @@ def test_the_multimodal_checkpoints_text_decoder_equals_transformers(tiny, tmp_p
     np.testing.assert_allclose(got, hf_logits(tiny, FAMILY_TOKENS), atol=2e-5, rtol=0)
 
 
-def test_the_pool_has_a_page_of_each_shape_per_block_and_sharing_layers_no_projections(tiny):
+def test_sharing_layers_have_no_kv_projections_and_full_layers_whose_v_is_k_no_v_proj(tiny):
     loaded = load_model(str(tiny), "float32")
     layers = loaded.params["params"]["layers"]
     assert "k_proj" in layers["3"]["self_attn"] and "v_proj" in layers["3"]["self_attn"]
     assert "k_proj" in layers["2"]["self_attn"] and "v_proj" not in layers["2"]["self_attn"]  # V is K
     assert set(layers["4"]["self_attn"]) == {"q_proj", "q_norm", "o_proj"}  # reads layer 3's cache
+    assert loaded.config.kv_page_shapes == ((2, 24), (1, 48))
+
+
+def test_the_block_ids_go_to_each_page_shape_as_a_request_of_max_model_len_holds_them():
+    """Gemma 4 "dense" (sliding, sliding, full; kv heads 2 of head_dim 24 and 48): a request of 64 tokens holds 4
+    blocks of 16 in the full group and 2 in each sliding one, so the ids are shared 4 : 4 and a block's mean bytes
+    are the mean of a sliding page (K and V, 16 tokens, float32, one layer) and a full one."""
+    hf = tiny_hf_config("gemma4", **TINY_FAMILIES["gemma4-dense"][1]).to_dict()
+    cfg = ModelConfig.from_hf({**hf, "architectures": ["Gemma4ForCausalLM"]})
+    layout = cfg.kv_cache_layout
+    assert layout.group_kinds == (1, 0, 0) and layout.kind_demand(64, 16) == (4, 4)
+    # a block in flight for each sliding group's chunk, the other 99 shared 4 : 4, the odd one to the largest
+    assert layout.blocks_of_kinds(101, 64, 16) == (2 + 49 + 1, 49)
     mesh = type("OneDevice", (), {"size": 1})()
-    # a block: one layer (layers_per_group) of each kind, K and V, 16 tokens, float32
-    assert _block_bytes(loaded.config, 16, "float32", mesh) == 2 * 16 * 4 * (2 * 24 + 1 * 48)
+    sliding, full = 2 * 2 * 16 * 24 * 4, 2 * 2 * 16 * 48 * 4
+    assert _block_bytes(cfg, 16, "float32", mesh, 64) == (sliding + full) // 2
 
 
 def test_a_gemma4_without_a_second_page_shape_has_one_pool(tmp_path):

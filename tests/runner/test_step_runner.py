@@ -26,6 +26,7 @@ class RecordingModel:
     """Takes the ModelRunner's device calls and records them; a step's tokens are 100 + its row."""
 
     num_kv_groups = 1
+    group_block_offsets = (0,)
 
     def __init__(self):
         self.calls = []
