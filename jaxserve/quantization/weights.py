@@ -32,7 +32,8 @@ from jaxserve.config.model_config import ModelConfig
 from jaxserve.config.quantization_config import QuantScheme, parse_quantization
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MOE_BLOCK_KEY = "experts"  # a module holding this key is a MoE block: only its experts are quantized
+MOE_BLOCK_KEY = "experts"  # a module holding this key is a MoE block: only its experts are quantized ...
+LAYER_ATTENTION_KEY = "self_attn"  # ... unless it is a whole layer (Gemma 4 keeps its experts beside its attention)
 GROUP_SCALE, GROUP_OFFSET = "group_scale", "group_offset"  # a grouped scheme's leaves beside `kernel`
 INT8_CODES = 256
 
@@ -85,10 +86,14 @@ def _quantize_tree(tree: Any, scheme: QuantScheme) -> Any:
     if not isinstance(tree, dict):
         return tree
     if MOE_BLOCK_KEY in tree:
-        return {**tree, MOE_BLOCK_KEY: _quantize_experts(tree[MOE_BLOCK_KEY], scheme)}
+        tree = {**tree, MOE_BLOCK_KEY: _quantize_experts(tree[MOE_BLOCK_KEY], scheme)}
+        if LAYER_ATTENTION_KEY not in tree:  # a MoE block (its router and shared expert stay in dtype)
+            return tree
     out = {}
     for key, value in tree.items():
-        if key in QUANTIZED_LINEARS and isinstance(value, dict) and "kernel" in value and scheme.group_size:
+        if key == MOE_BLOCK_KEY:
+            out[key] = value  # Gemma 4's experts, beside its layer's attention: quantized above
+        elif key in QUANTIZED_LINEARS and isinstance(value, dict) and "kernel" in value and scheme.group_size:
             codes, scale, offset = quantize_groups(value["kernel"], scheme.group_size)
             out[key] = {**value, "kernel": codes, GROUP_SCALE: scale, GROUP_OFFSET: offset}
         elif key in QUANTIZED_LINEARS and isinstance(value, dict) and "kernel" in value:

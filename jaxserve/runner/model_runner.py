@@ -373,20 +373,10 @@ class ModelRunner:
         return jax.jit(self._verify, donate_argnums=(0,), out_shardings=(rep, rep)), (*args, verify)
 
     def _copy_blocks(self, kv_pool, slot_state, block_src, block_dst, slot_src, slot_dst):
-        """Copy-on-write: KV block dst[i] := block src[i] in every layer, slot dst[i] := slot src[i].
-
-        Sources are read before anything is written; out-of-range dst entries (padding) are no-ops. An int8
-        pool's scales are copied with its pages. A pool of several kinds of page copies each pair in the kind its
-        ids belong to (`config/kv_cache_groups.py`)."""
-        single = len(self.kind_blocks) == 1
-        copied = []
-        for pair, first, count in zip([kv_pool] if single else kv_pool, np.cumsum((0, *self.kind_blocks[:-1])),
-                                      self.kind_blocks, strict=True):
-            mine = (block_dst >= first) & (block_dst < first + count)
-            dst, src = jnp.where(mine, block_dst - first, count), jnp.where(mine, block_src - first, 0)
-            copied.append(jax.tree.map(lambda pool, dst=dst, src=src: pool.at[:, :, dst].set(pool[:, :, src],
-                                                                                              mode="drop"), pair))
-        return (copied[0] if single else tuple(copied)), copy_slots(slot_state, slot_src, slot_dst)
+        """Copy-on-write: KV block dst[i] := block src[i] in every layer (`copy_pool_blocks`), slot dst[i] :=
+        slot src[i]."""
+        return copy_pool_blocks(kv_pool, block_src, block_dst, self.kind_blocks), copy_slots(slot_state, slot_src,
+                                                                                             slot_dst)
 
     def _abstract_inputs(self, shape: StepShape):
         s, p = shape.batch_size, shape.pages_per_seq
@@ -570,6 +560,21 @@ class ModelRunner:
 
 def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def copy_pool_blocks(kv_pool, block_src: jax.Array, block_dst: jax.Array, kind_blocks: tuple[int, ...]):
+    """The pool with block dst[i] := block src[i] in every layer. Sources are read before anything is written;
+    out-of-range dst entries (padding) are no-ops. An int8 pool's scales are copied with its pages. A pool of several
+    kinds of page (``kind_blocks`` of each, `config/kv_cache_groups.py`) copies each pair in the kind its ids are."""
+    single = len(kind_blocks) == 1
+    copied = []
+    for pair, first, count in zip([kv_pool] if single else kv_pool, np.cumsum((0, *kind_blocks[:-1])), kind_blocks,
+                                  strict=True):
+        mine = (block_dst >= first) & (block_dst < first + count)
+        dst, src = jnp.where(mine, block_dst - first, count), jnp.where(mine, block_src - first, 0)
+        copy = lambda pool, dst=dst, src=src: pool.at[:, :, dst].set(pool[:, :, src], mode="drop")
+        copied.append(jax.tree.map(copy, pair))
+    return copied[0] if single else tuple(copied)
 
 
 def _padded_pairs(pairs: list[tuple[int, int]], size: int, out_of_range: int) -> tuple[np.ndarray, np.ndarray]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -13,6 +14,8 @@ from safetensors.numpy import load_file, save_file
 from jaxserve.compilation.sizing import _block_bytes
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.distributed.sharding import check_tensor_parallel
+from jaxserve.quantization.weights import apply_quantization
+from jaxserve.runner.model_runner import copy_pool_blocks
 from jaxserve.testing.hf_reference import hf_logits
 from jaxserve.testing.tiny_models import FAMILY_TOKENS, TINY_FAMILIES, make_tiny_model, tiny_hf_config
 from jaxserve.weights import load_model
@@ -127,3 +130,33 @@ def test_the_pallas_kernels_serve_both_page_shapes(tmp_path):
     expected = hf_logits(path, FAMILY_TOKENS)
     assert np.abs(got - expected).max() < 5e-5 * np.abs(expected).max()
     assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_int8_weights_quantize_attention_mlps_and_the_experts_beside_them(tiny, tmp_path):
+    """vLLM's int8 (weights per channel): the layer's projections, its dense MLP and its experts (which sit beside
+    the attention in a Gemma 4 layer, not in an MLP block); the router, the per-layer input projections, norms and
+    embeddings stay float. Logits stay near float32's (without experts, whose routing flips near ties)."""
+    loaded = load_model(str(tiny), "float32")
+    _, params = apply_quantization(loaded.config, loaded.params, "int8")
+    layer = params["params"]["layers"]["0"]
+    assert layer["self_attn"]["q_proj"]["kernel"].dtype == np.int8 and "kernel_scale" in layer["mlp"]["up_proj"]
+    assert layer["experts"]["gate_proj"].dtype == np.int8 and layer["experts"]["gate_proj_scale"].shape == (5, 40)
+    assert "kernel_scale" not in layer["router"]["proj"] and "kernel_scale" not in layer["per_layer_input_gate"]
+    family, overrides = TINY_FAMILIES["gemma4-dense"]
+    dense = make_tiny_model(tmp_path / "dense", family, **overrides)
+    loaded = load_model(str(dense), "float32")
+    cfg, params = apply_quantization(loaded.config, loaded.params, "int8")
+    expected = hf_logits(dense, FAMILY_TOKENS)
+    got = PagedForward(cfg, params, backend="cpu").run(FAMILY_TOKENS, [3, 0, 5, 1], [7, 9])
+    assert np.abs(got - expected).max() < 0.05 * np.abs(expected).max()
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.75
+
+
+def test_copy_on_write_copies_each_pair_in_the_kind_of_page_its_ids_are():
+    """Ids 0-2 are the first kind's blocks 0-2, ids 3-4 the second kind's 0-1; a padding pair (dst 5) is dropped."""
+    first = jnp.arange(3, dtype=jnp.float32).reshape(1, 1, 3, 1, 1) * jnp.ones((1, 2, 3, 4, 8))
+    second = (10 + jnp.arange(2, dtype=jnp.float32)).reshape(1, 1, 2, 1, 1) * jnp.ones((1, 1, 2, 4, 16))
+    pool = ((first, first), (second, second))
+    (k_first, _), (k_second, _) = copy_pool_blocks(pool, jnp.array([4, 0, 0]), jnp.array([3, 2, 5]), (3, 2))
+    assert [float(k_first[0, 0, b, 0, 0]) for b in range(3)] == [0.0, 1.0, 0.0]
+    assert [float(k_second[0, 0, b, 0, 0]) for b in range(2)] == [11.0, 11.0]

@@ -18,8 +18,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.attention.kv_cache import ScaledPages, gather_context, kv_value_dtype, quantize_rows, write_kv
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.compilation.sizing import kv_bytes_per_block
-from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.sampler_state import SlotState
+from jaxserve.runner.model_runner import copy_pool_blocks
 from jaxserve.testing.hf_reference import greedy_continuation
 from jaxserve.testing.rounding_caches import Int8RoundingCache
 from jaxserve.testing.small_buckets import small_bucket_file
@@ -109,9 +108,7 @@ def test_writes_put_each_scale_at_its_token_s_slot(tokens_per_row, writes):
 def test_a_fork_copies_scales_with_pages():
     pool = _int8_pool(1, 1, 4, 16, 64)
     pool = ScaledPages(pool.values.at[0, 0, 1].set(5), pool.scales.at[0, 0, 1].set(0.25))
-    slots = jnp.zeros((1,), jnp.int32)
-    slot_state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), SlotState.abstract(1, 8))
-    (k_pool, _), _ = ModelRunner._copy_blocks((pool, pool), slot_state, jnp.array([1]), jnp.array([3]), slots, slots)
+    k_pool, _ = copy_pool_blocks((pool, pool), jnp.array([1]), jnp.array([3]), (4,))
     assert jnp.all(k_pool.values[0, 0, 3] == 5) and jnp.all(k_pool.scales[0, 0, 3] == 0.25)
 
 
