@@ -80,6 +80,18 @@ def write_kv(
     return ScaledPages(k_pages, k_scales), ScaledPages(v_pages, v_scales)
 
 
+def write_keys(k_pool, layer: jax.Array, k: jax.Array, meta: AttentionMetadata) -> jax.Array:
+    """`write_kv` for a pool of keys only (MLA's latent, `ModelConfig.kv_values_in_keys`): ``k`` [S, Q, Hkv, D] into
+    one layer of ``k_pool``, one XLA scatter of a row per token, in place (its rows are a token each: D >= 128)."""
+    if isinstance(k_pool, ScaledPages):
+        raise ValueError("an int8 KV cache keeps no latent (keys-only) pool: use kv_cache_dtype auto or fp8")
+    _, _, num_blocks, rows, lanes = k_pool.shape
+    if lanes != k.shape[-1]:
+        raise ValueError(f"a keys-only pool holds a token per row: {lanes} lanes for keys of {k.shape[-1]}")
+    slots, (k,) = _token_slots(meta, k.shape[:2], rows, num_blocks * rows, k)
+    return _scatter_slots(k_pool, layer, slots, to_pool_dtype(k, k_pool.dtype))
+
+
 def _write_pages(k_pool, v_pool, layer, k, v, meta, writes: str):
     _, _, num_blocks, rows, lanes = k_pool.shape
     head_dim = k.shape[-1]

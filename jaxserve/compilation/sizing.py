@@ -114,10 +114,11 @@ def _block_bytes(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh, 
 def _page_bytes(model_config: ModelConfig, block_size: int, dtype) -> list[int]:
     """Per kind of page, the bytes of one block of it (the layers of one of its groups)."""
     layout = model_config.kv_cache_layout
+    pages = 1 if model_config.kv_values_in_keys else 2  # MLA keeps its latent only
     return [kv_bytes_per_block(
         num_layers=layout.rows_of_kind(kind), num_kv_heads=num_kv_heads, block_size=block_size,
         head_dim=head_dim, dtype_bytes=jax.numpy.dtype(dtype).itemsize, scale_bytes=kv_scale_bytes(dtype),
-    ) for kind, (num_kv_heads, head_dim) in enumerate(model_config.kv_page_shapes)]
+    ) * pages // 2 for kind, (num_kv_heads, head_dim) in enumerate(model_config.kv_page_shapes)]
 
 
 def _in_flight(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh, max_chunk_tokens: int,

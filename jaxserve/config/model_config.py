@@ -14,6 +14,7 @@ from typing import Any
 
 from jaxserve.config.gemma4_config import Gemma4Layers, gemma4_fields
 from jaxserve.config.kv_cache_groups import KVCacheLayout, layout_for
+from jaxserve.config.mla_config import MLAConfig, mla_fields
 from jaxserve.config.quantization_config import QuantScheme
 from jaxserve.config.rope_config import ROPE_FACTOR_FIELDS, SLIDING_LAYER, RopeConfig
 
@@ -31,6 +32,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # and Kimi K2
     "OPTForCausalLM": "opt",
     "GPT2LMHeadModel": "gpt2",
 }
@@ -38,6 +41,7 @@ LEARNED_POSITION_FAMILIES = ("opt", "gpt2")  # absolute position tables instead 
 GEMMA_FAMILIES = ("gemma2", "gemma3")  # (1 + weight) norms, norms around attention and MLP, scaled embeddings
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3")  # an RMSNorm over each head of q and k before rotary
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")  # sparse mixture-of-experts MLPs
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, DeepSeek's MoE (`mla_config.py`)
 # families whose o_proj has a bias when attention_bias is set (transformers'; Qwen2's and Mistral's never has one)
 OUT_BIAS_FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt_oss")
 ATTENTION_LAYER_TYPES = (SLIDING_LAYER, "full_attention")  # transformers' layer_types the engine serves
@@ -104,6 +108,7 @@ class ModelConfig:
     # compressed-tensors' kv_cache_scheme): K/V are stored divided by them (`models.common.Attention`)
     kv_cache_scales: bool = False
     gemma4: Gemma4Layers | None = None  # Gemma 4's per-layer shapes, KV sharing, PLE and MoE block
+    mla: MLAConfig | None = None  # DeepSeek's latent attention (the pool: one kv head of the latent) and routing
     # sliding-window layers in KV cache groups of their own, which keep only their window
     # (`config/kv_cache_groups.py`); set by the engine from EngineConfig.disable_hybrid_kv_cache_manager
     hybrid_kv_cache: bool = True
@@ -149,7 +154,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The leading features of each head that rotary embeddings rotate (all of them but for Phi-4-mini)."""
+        """The leading features of each head that rotary embeddings rotate (all of them but for Phi-4-mini; MLA's
+        rotary part)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -177,6 +185,11 @@ class ModelConfig:
             return layout_for(self.sliding_layers, self.sliding_window, hybrid=self.hybrid_kv_cache)
         return layout_for(self.sliding_layers, self.sliding_window, hybrid=self.hybrid_kv_cache,
                           layer_kinds=self.gemma4.layer_kinds, readers=self.gemma4.readers)
+
+    @property
+    def kv_values_in_keys(self) -> bool:
+        """The pool keeps keys only, the values a prefix of them (MLA's latent): no V pages."""
+        return self.mla is not None
 
     @property
     def kv_page_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -237,6 +250,8 @@ class ModelConfig:
             fields.update(_gemma_fields(hf, family))
         if family == "gemma4":
             fields.update(gemma4_fields(hf))
+        if family in MLA_FAMILIES:
+            fields.update(mla_fields(hf, family))
         if family in MOE_FAMILIES:
             fields.update(_moe_fields(hf, family))
         if family == "gpt_oss":

@@ -72,6 +72,9 @@ def engine_mesh(tensor_parallel_size: int, data_parallel_rank: int = 0) -> Mesh:
 def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:
     """Clear errors for a model the mesh cannot split evenly (heads, kv heads, MLP hidden dimension, and
     for mixture-of-experts models the experts and the shared expert's hidden dimension)."""
+    if config.mla is not None and tensor_parallel_size > 1:
+        raise ValueError("DeepSeek's latent attention is served on one device per replica (tensor_parallel_size 1) "
+                         "for now: its one latent kv head does not split over the mesh")
     if config.gemma4 is not None and tensor_parallel_size > 1:
         raise ValueError("Gemma 4 is served on one device per replica (tensor_parallel_size 1) for now: its layers' "
                          "attention shapes differ, and the mesh rules split one shape")

@@ -2,6 +2,7 @@
 constructor is `(config, dtype, attention_backend, mesh, *, scan_layers=True, untie_lm_head=False)` (the
 layouts of `common.layer_stack` and `common.untie_lm_head`)."""
 
+from jaxserve.models.deepseek import DeepseekForCausalLM
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.gemma4 import Gemma4ForCausalLM
 from jaxserve.models.gpt2 import GPT2LMHeadModel
@@ -22,6 +23,8 @@ MODEL_REGISTRY = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # the text decoder only
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
 }

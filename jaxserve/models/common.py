@@ -166,6 +166,8 @@ def attention_scale(cfg: ModelConfig) -> float:
     Gemma 4 (whose q and k are normed per head)."""
     if cfg.family == "gemma4":
         return 1.0
+    if cfg.mla is not None:
+        return cfg.mla.softmax_scale
     if cfg.query_pre_attn_scalar is not None:
         return cfg.query_pre_attn_scalar**-0.5
     return 1.0 / math.sqrt(cfg.head_dim) if cfg.scale_attn_weights else 1.0

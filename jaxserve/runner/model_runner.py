@@ -267,7 +267,11 @@ class ModelRunner:
         struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=kv_pool_sharding(self.mesh))
         pool = struct((*blocks, *page), self.kv_storage_dtype)
         if self.kv_storage_dtype == INT8_KV_DTYPE:
+            if self.config.kv_values_in_keys:
+                raise ValueError("kv_cache_dtype int8 keeps no latent (MLA) pool: use auto or fp8")
             pool = ScaledPages(pool, struct((*blocks, self.block_size), jnp.float32))
+        if self.config.kv_values_in_keys:  # MLA: the values are the keys' latent, no V pages
+            return pool, struct((*blocks, page[0], 0), self.kv_storage_dtype)
         return pool, pool
 
     def _allocate_pool(self) -> tuple:

@@ -30,6 +30,8 @@ def tiny_hf_config(family: str, **overrides):
         "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig,
         "gemma4": transformers.Gemma4TextConfig,
+        "deepseek_v2": transformers.DeepseekV2Config,
+        "deepseek_v3": transformers.DeepseekV3Config,
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
@@ -64,6 +66,25 @@ FAMILY_DEFAULTS = {
                    hidden_size_per_layer_input=12, vocab_size_per_layer_input=VOCAB, enable_moe_block=True,
                    num_experts=5, top_k_experts=2, moe_intermediate_size=40, final_logit_softcapping=30.0,
                    tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # latent attention (rank 20, rotary 8, nope 12, values 16: all different), low-rank queries, YaRN with
+    # mscale != mscale_all_dim, group-limited sigmoid routing with a correction bias, a shared expert, one dense layer
+    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12,
+                        qk_rope_head_dim=8, v_head_dim=16,
+                        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
+                        n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                        moe_intermediate_size=32, rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                                         "mscale": 1.0, "mscale_all_dim": 0.8}),
+    # DeepSeek-V2-Lite's shape: one q_proj, softmax routing (greedy), two shared experts, no renormalisation
+    "deepseek_v2": dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=12,
+                        qk_rope_head_dim=8, v_head_dim=16,
+                        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=6, num_experts_per_tok=2,
+                        topk_method="greedy", n_group=None, topk_group=None, n_shared_experts=2,
+                        routed_scaling_factor=1.0, moe_intermediate_size=32, rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                                         "mscale": 0.707, "mscale_all_dim": 0.707}),
     "mixtral": dict(num_local_experts=5, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True),
     "qwen2_moe": dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -103,6 +124,18 @@ TINY_FAMILIES = {
     "qwen2-moe-sparse-step": ("qwen2_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2}),
     "gpt-oss": ("gpt_oss", {}),
     "gemma4": ("gemma4", {}),
+    "deepseek-v3": ("deepseek_v3", {}),
+    "deepseek-v2-lite": ("deepseek_v2", {}),
+    # Kimi K2's shape (a DeepSeek-V3 architecture): one group of experts, YaRN with beta_fast = beta_slow and
+    # mscale = mscale_all_dim, another rope base, qk_nope_head_dim above v_head_dim
+    "kimi-k2": ("deepseek_v3", {"n_group": 1, "topk_group": 1, "n_routed_experts": 7, "num_experts_per_tok": 2,
+                                "routed_scaling_factor": 2.8, "qk_nope_head_dim": 16, "v_head_dim": 8,
+                                "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0,
+                                                    "original_max_position_embeddings": 32, "beta_fast": 1,
+                                                    "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
+    # V2's group-limited greedy routing (groups by their best expert) and every layer MoE (scanned)
+    "deepseek-v2-group-limited": ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 3,
+                                                  "topk_group": 2, "first_k_dense_replace": 0}),
     # Gemma 4 without PLE, experts or KV sharing (the 31B's shape): V its own projection, one kind of kv heads
     "gemma4-dense": ("gemma4", {"hidden_size_per_layer_input": 0, "enable_moe_block": False,
                                 "num_kv_shared_layers": 0, "attention_k_eq_v": False, "num_hidden_layers": 3,
@@ -157,6 +190,8 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, **override
         for name, buffer in model.named_buffers():  # Gemma 4's per-layer scale of the residual stream
             if name.endswith("layer_scalar"):
                 buffer.uniform_(0.5, 1.5)
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: large enough to matter
+                buffer.normal_(0.0, 0.5)
     model.save_pretrained(path)
     byte_level_tokenizer().save_pretrained(path)
     return path

@@ -299,7 +299,76 @@ def _gemma4_moe_sources(layer: str, intermediate: int) -> list[ParamSource]:
     ]
 
 
-FAMILY_SOURCES = {"opt": opt_sources, "gpt2": gpt2_sources, "gemma4": gemma4_sources}  # others: llama_sources
+def deepseek_sources(config: ModelConfig) -> list[ParamSource]:
+    """DeepSeek-V2 / V3 (`models/deepseek.py`): latent attention, whose rotary rows are permuted from the
+    checkpoints' interleaved pairs to rotate-half (`_rope_rows`), dense MLPs in the first `first_k_dense_replace`
+    layers and MoE blocks after them (router `gate`, V3's correction bias, experts stacked, shared experts)."""
+    layer, mla = f"model.layers.{LAYER}", config.mla
+    attn = f"{layer}.self_attn"
+    per_head = _rope_rows(config.num_heads, mla.qk_head_dim, mla.qk_nope_head_dim, mla.qk_rope_head_dim)
+    latent = _rope_rows(1, mla.latent_dim, mla.kv_lora_rank, mla.qk_rope_head_dim)
+    bias = config.attention_bias
+    sources = [
+        ParamSource(("embed_tokens", "embedding"), "model.embed_tokens.weight"),
+        ParamSource(("norm", "weight"), "model.norm.weight"),
+        *(ParamSource(("layers", norm, "weight"), f"{layer}.{norm}.weight")
+          for norm in ("input_layernorm", "post_attention_layernorm")),
+        ParamSource(("layers", "self_attn", "kv_a_proj_with_mqa", "kernel"), f"{attn}.kv_a_proj_with_mqa.weight",
+                    lambda x: latent(x).T),
+        ParamSource(("layers", "self_attn", "kv_a_layernorm", "weight"), f"{attn}.kv_a_layernorm.weight"),
+        *_linear(("layers", "self_attn", "kv_b_proj"), f"{attn}.kv_b_proj", False),
+        *_linear(("layers", "self_attn", "o_proj"), f"{attn}.o_proj", bias),
+    ]
+    if bias:
+        sources.append(ParamSource(("layers", "self_attn", "kv_a_proj_with_mqa", "bias"),
+                                   f"{attn}.kv_a_proj_with_mqa.bias", latent))
+    if mla.q_lora_rank is None:
+        sources.append(ParamSource(("layers", "self_attn", "q_proj", "kernel"), f"{attn}.q_proj.weight",
+                                   lambda x: per_head(x).T))
+    else:
+        sources += [
+            *_linear(("layers", "self_attn", "q_a_proj"), f"{attn}.q_a_proj", bias),
+            ParamSource(("layers", "self_attn", "q_a_layernorm", "weight"), f"{attn}.q_a_layernorm.weight"),
+            ParamSource(("layers", "self_attn", "q_b_proj", "kernel"), f"{attn}.q_b_proj.weight",
+                        lambda x: per_head(x).T),
+        ]
+    sources += _deepseek_mlp_sources(config, layer)
+    if not config.tie_word_embeddings:
+        sources += _linear(("lm_head",), "lm_head", False)
+    return sources
+
+
+def _rope_rows(heads: int, head_dim: int, first: int, rotary: int) -> Callable[[np.ndarray], np.ndarray]:
+    """A weight's (or bias's) output rows with each head's rotary part [first, first + rotary) reordered from
+    interleaved pairs (0, 1), (2, 3), ... to rotate-half halves: rows first + (0, 2, 4, ..., 1, 3, 5, ...)."""
+    order = np.concatenate([np.arange(0, rotary, 2), np.arange(1, rotary, 2)])
+    rows = np.arange(heads * head_dim).reshape(heads, head_dim)
+    rows[:, first:] = rows[:, first + order]
+    return lambda x: x[rows.reshape(-1)]
+
+
+def _deepseek_mlp_sources(config: ModelConfig, layer: str) -> list[ParamSource]:
+    dense = tuple(i for i, sparse in enumerate(config.sparse_layers) if not sparse)
+    sparse = tuple(i for i, is_sparse in enumerate(config.sparse_layers) if is_sparse)
+    sources = [dataclasses.replace(s, layers=dense) for s in _gated_mlp(("layers", "mlp"), f"{layer}.mlp") if dense]
+    if not sparse:
+        return sources
+    moe = [
+        ParamSource(("layers", "mlp", "gate", "kernel"), f"{layer}.mlp.gate.weight", _transpose),
+        *_gated_mlp(("layers", "mlp", "shared_experts"), f"{layer}.mlp.shared_experts"),
+        *(ParamSource(("layers", "mlp", "experts", proj), f"{layer}.mlp.experts.{EXPERT}.{proj}.weight", _transpose)
+          for proj in ("gate_proj", "up_proj", "down_proj")),
+    ]
+    if not config.mla.n_shared_experts:
+        moe = [s for s in moe if "shared_experts" not in s.path]
+    if config.mla.correction_bias:
+        moe.append(ParamSource(("layers", "mlp", "gate", "e_score_correction_bias"),
+                               f"{layer}.mlp.gate.e_score_correction_bias"))
+    return sources + [dataclasses.replace(s, layers=sparse if dense else None) for s in moe]
+
+
+FAMILY_SOURCES = {"opt": opt_sources, "gpt2": gpt2_sources, "gemma4": gemma4_sources,
+                  "deepseek_v2": deepseek_sources, "deepseek_v3": deepseek_sources}  # others: llama_sources
 
 
 def param_sources(config: ModelConfig) -> list[ParamSource]:

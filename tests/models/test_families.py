@@ -7,6 +7,8 @@ The engine's greedy tokens are in tests/models/test_family_engines.py."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -38,11 +40,23 @@ EXPECTED_CONFIG = {
     "gemma4": ("gemma4", 24, 24, (True,) * 2 + (False,) + (True,) * 3 + (False,), True, 1.0, (None, 30.0),
                (None, 0, True)),
     "gemma4-dense": ("gemma4", 24, 24, (True, True, False), True, 1.0, (None, 30.0), (None, 0, True)),
+    # the pool's page is the latent (20 + 8), the rotary part 8; scale qk_head_dim^-0.5 * YaRN's mscale^2
+    "deepseek-v3": ("deepseek_v3", 28, 8, (False,) * 3, False, 20**-0.5 * (0.08 * math.log(4) + 1) ** 2,
+                    (None, None), (8, 3, True)),
+    "kimi-k2": ("deepseek_v3", 28, 8, (False,) * 3, False, 24**-0.5 * (0.1 * math.log(8) + 1) ** 2, (None, None),
+                (7, 2, True)),
+    "deepseek-v2-lite": ("deepseek_v2", 28, 8, (False,) * 3, False, 20**-0.5 * (0.0707 * math.log(4) + 1) ** 2,
+                         (None, None), (6, 2, False)),
+    "deepseek-v2-group-limited": ("deepseek_v2", 28, 8, (False,) * 3, False,
+                                  20**-0.5 * (0.0707 * math.log(4) + 1) ** 2, (None, None), (6, 2, False)),
     "llama-attention-bias": ("llama", 16, 16, (False,) * 2, False, 0.25, (None, None), (None, 0, True)),
 }
 MIXED_MLP_LAYERS = {  # which layers are sparse
     "qwen3-moe-mlp-only-layers": (False, True, False, True),
     "qwen2-moe-sparse-step": (False, True, False),
+    "deepseek-v3": (False, True, True),  # first_k_dense_replace 1
+    "deepseek-v2-lite": (False, True, True),
+    "kimi-k2": (False, True, True),
 }
 
 
@@ -100,7 +114,8 @@ def test_mixed_dense_and_moe_layers_load_one_subtree_per_layer(name, tmp_path):
     assert kinds == MIXED_MLP_LAYERS[name]
     dense = layers["0"]["mlp"]
     assert sorted(dense) == ["down_proj", "gate_proj", "up_proj"] and dense["up_proj"]["kernel"].shape == (64, 128)
-    assert layers["1"]["mlp"]["experts"]["up_proj"].shape == (loaded.config.num_experts, 64, 48)
+    assert layers["1"]["mlp"]["experts"]["up_proj"].shape == (loaded.config.num_experts, 64,
+                                                             loaded.config.moe_intermediate_size)
 
 
 def test_prefill_logits_match_transformers(tiny):

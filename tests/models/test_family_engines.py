@@ -40,6 +40,8 @@ CASES = {
     "mixtral": ("mixtral", {"sliding_window": 6}, "cpu"),
     # pages of two shapes, KV sharing, per-layer inputs, experts beside the MLP
     "gemma4": ("gemma4", {}, "cpu"),
+    # latent attention over a pool of latents, group-limited sigmoid routing
+    "deepseek-v3": ("deepseek_v3", {}, "cpu"),
     # attention sinks and per-layer windows (Gemma 3's too: the same traced window) through the Pallas kernels,
     # biased experts with clamped SwiGLU
     "gpt-oss-pallas": ("gpt_oss", {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,

@@ -1,0 +1,184 @@
+"""DeepSeek-V2 / V3 and Kimi K2 in Flax: multi-head latent attention over a latent KV cache, DeepSeek's MoE routing.
+
+Place in the data flow: as `llama.py`'s model (whose layer stack, embedding and head it reuses), the runner calls
+`DeepseekForCausalLM.apply` in a jitted step with a batch of token ids, the KV pool and the step's
+`AttentionMetadata`. The pool keeps one "kv head" per token and layer: the latent c (kv_lora_rank, after its norm)
+and the rotary key k_pe (after rotary), [c | k_pe]; it has no V pages (`ModelConfig.kv_values_in_keys`).
+
+Attention, weight-absorbed (vLLM's MLA; `config/mla_config.py`): each head's position-free query is projected into
+the latent space through its slice of kv_b_proj (q_lat = W_UK^T q_nope), so its scores against a cached token are
+[q_lat | q_pe] . [c | k_pe]: multi-query attention of head dim kv_lora_rank + qk_rope_head_dim over the latent
+pool, with the pool itself as the values; the first kv_lora_rank of each head's output are sum_t p_t c_t, which the
+head's value slice (W_UV) takes out of the latent space before o_proj. The same attention kernels as every family's.
+
+transformers' DeepSeek, otherwise: q through a low-rank pair (q_a_proj, its norm, q_b_proj) or one q_proj (V2-Lite);
+the latent norms' eps is 1e-6 whatever `rms_norm_eps` says; rotary on q_pe and k_pe only (the checkpoints' interleaved
+pairs are permuted to rotate-half at load); softmax scale qk_head_dim^-0.5 * mscale^2. MoE layers after the first
+`first_k_dense_replace`: V3's sigmoid scores with a correction bias for selection, top-2 sums per group of experts,
+the best `topk_group` groups, top k, unbiased weights renormalised and scaled; V2's softmax, greedy or group-limited
+(groups by their best expert); shared experts beside the routed ones.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxserve.attention.backends import AttentionBackend
+from jaxserve.attention.kv_cache import write_keys
+from jaxserve.attention.metadata import AttentionMetadata
+from jaxserve.config.mla_config import MLAConfig
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.models.common import ACTIVATIONS, dense, matmul
+from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.mlp import GatedMLP
+from jaxserve.models.moe import ExpertWeights, Kernel, MoeParams, gated_activation, routed_experts
+from jaxserve.models.norms import RMSNorm
+from jaxserve.models.params import weight
+from jaxserve.models.rotary import apply_rotary, rotary_cos_sin
+
+LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm and kv_a_layernorm keep their default eps
+
+
+def absorbed(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+    """An einsum of activations with a weight under the precision policy (weights' dtype in, float32 out)."""
+    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+class MLAttention(nn.Module):
+    config: ModelConfig
+    dtype: jnp.dtype
+    backend: AttentionBackend
+
+    @nn.compact
+    def __call__(self, x, kv_pool, layer, meta: AttentionMetadata, rotary):
+        cfg, mla = self.config, self.config.mla
+        num_seqs, num_q = x.shape[:2]
+        heads, rank, nope = cfg.num_heads, mla.kv_lora_rank, mla.qk_nope_head_dim
+        q = self._query(x).reshape(num_seqs, num_q, heads, mla.qk_head_dim)
+        q_nope, q_pe = q[..., :nope], apply_rotary(q[..., nope:], *rotary)
+        compressed = dense(mla.latent_dim, "kv_a_proj_with_mqa", self.dtype, cfg.attention_bias)(x)
+        latent = RMSNorm(LATENT_NORM_EPS, self.dtype, name="kv_a_layernorm")(compressed[..., :rank])
+        k_pe = apply_rotary(compressed[..., None, rank:], *rotary)  # one rotary key for every head
+        w_kv = Kernel((rank, heads * (nope + mla.v_head_dim)), self.dtype, name="kv_b_proj")()
+        w_kv = w_kv.reshape(rank, heads, nope + mla.v_head_dim)
+        query = jnp.concatenate([absorbed(q_nope, w_kv[..., :nope], "sqhd,rhd->sqhr"), q_pe], axis=-1)
+        key = jnp.concatenate([latent[..., None, :], k_pe], axis=-1)  # [S, Q, 1, r + dr]
+        k_pool, v_pool = kv_pool
+        k_pool = write_keys(k_pool, layer, key, meta)
+        out = self.backend.attend(query, k_pool, k_pool, layer, meta, sm_scale=mla.softmax_scale,
+                                  sliding_window=None, logit_softcap=None, sinks=None)
+        latent_out = out.reshape(num_seqs, num_q, heads, mla.latent_dim)[..., :rank]
+        values = absorbed(latent_out, w_kv[..., nope:], "sqhr,rhv->sqhv").reshape(num_seqs, num_q, -1)
+        o_proj = dense(cfg.hidden_size, "o_proj", self.dtype, cfg.attention_bias, cfg.quantization)
+        return o_proj(values), (k_pool, v_pool)
+
+    def _query(self, x):
+        cfg, mla = self.config, self.config.mla
+        width = cfg.num_heads * mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            return dense(width, "q_proj", self.dtype, quantization=cfg.quantization)(x)
+        low = dense(mla.q_lora_rank, "q_a_proj", self.dtype, cfg.attention_bias)(x)
+        return dense(width, "q_b_proj", self.dtype)(RMSNorm(LATENT_NORM_EPS, self.dtype, name="q_a_layernorm")(low))
+
+
+def deepseek_route(logits: jax.Array, correction: jax.Array | None, mla: MLAConfig, top_k: int,
+                   norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """(weights f32[T, k], experts i32[T, k]) of DeepSeek's routing (module docstring) from router logits f32[T, E]."""
+    sigmoid = mla.routing == "noaux_tc"
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
+    choice = scores + correction if correction is not None else scores
+    if mla.routing != "greedy" and mla.n_group > 1:
+        num_tokens, num_experts = choice.shape
+        grouped = choice.reshape(num_tokens, mla.n_group, num_experts // mla.n_group)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1) if sigmoid else grouped.max(-1)
+        kept = jax.nn.one_hot(jax.lax.top_k(group_score, mla.topk_group)[1], mla.n_group).sum(1) > 0
+        choice = jnp.where(kept[..., None], grouped, -jnp.inf if sigmoid else 0.0).reshape(num_tokens, num_experts)
+    experts = jax.lax.top_k(choice, top_k)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * mla.routed_scaling_factor, experts
+
+
+class DeepseekMoE(nn.Module):
+    """The MoE MLP: routed experts (`moe.ExpertWeights`' layout, module "experts"), the router ("gate": its kernel
+    and V3's correction bias) and the shared experts (one `GatedMLP` of n_shared_experts times the width)."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        cfg, mla = self.config, self.config.mla
+        hidden = x.shape[-1]
+        tokens = x.reshape(-1, hidden).astype(jnp.float32)
+        kernel, correction = DeepseekGate(cfg.num_experts, self.dtype, mla.correction_bias, name="gate")(hidden)
+        logits = matmul(tokens, kernel)
+        weights, experts = deepseek_route(logits, correction, mla, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        (gate, up, down), scales, _ = ExpertWeights(cfg.num_experts, cfg.moe_intermediate_size, self.dtype,
+                                                    cfg.quantization, name="experts")(hidden)
+        glu = gated_activation(ACTIVATIONS[cfg.hidden_act])
+        dtype = self.dtype if cfg.quantization is not None else None
+        out = routed_experts(tokens, weights, experts, MoeParams(None, gate, up, down, None, scales), 0, glu, dtype)
+        if mla.n_shared_experts:
+            width = cfg.moe_intermediate_size * mla.n_shared_experts
+            out = out + GatedMLP(width, hidden, cfg.hidden_act, self.dtype, name="shared_experts")(tokens)
+        return out.reshape(x.shape)
+
+
+
+class DeepseekGate(nn.Module):
+    """The router: its kernel [hidden, E] and, with ``correction`` (V3), `e_score_correction_bias` [E] (float32)."""
+
+    num_experts: int
+    dtype: jnp.dtype
+    correction: bool
+
+    @nn.compact
+    def __call__(self, hidden_size: int) -> tuple[jax.Array, jax.Array | None]:
+        kernel = weight(self, "kernel", nn.initializers.lecun_normal(), (hidden_size, self.num_experts), self.dtype)
+        if not self.correction:
+            return kernel, None
+        bias = weight(self, "e_score_correction_bias", nn.initializers.zeros, (self.num_experts,), self.dtype)
+        return kernel, bias.astype(jnp.float32)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    """`llama.DecoderLayer`'s fields, carry and scanned input; MLA and DeepSeek's MoE (or a dense MLP)."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+    backend: AttentionBackend
+    mesh: Mesh | None = None
+    sparse: bool | None = None
+
+    @nn.compact
+    def __call__(self, carry, layer, rotary, meta):
+        cfg = self.config
+        hidden, kv_pool = carry
+        normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
+        attn_out, kv_pool = MLAttention(cfg, self.dtype, self.backend, name="self_attn")(normed, kv_pool, layer, meta,
+                                                                                         rotary)
+        hidden = hidden + attn_out
+        normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
+        sparse = cfg.num_experts is not None if self.sparse is None else self.sparse
+        if sparse:
+            mlp = DeepseekMoE(cfg, self.dtype, name="mlp")
+        else:
+            mlp = GatedMLP(cfg.intermediate_size, cfg.hidden_size, cfg.hidden_act, self.dtype, cfg.quantization,
+                           name="mlp")
+        return (hidden + mlp(normed), kv_pool), None
+
+
+class DeepseekForCausalLM(LlamaForCausalLM):
+    """`LlamaForCausalLM` with DeepSeek's layer; the rotary embedding covers qk_rope_head_dim only."""
+
+    decoder_layer: ClassVar[type[nn.Module]] = DeepseekDecoderLayer
+
+    def rotary(self, positions):
+        return rotary_cos_sin(positions, self.config.rope, self.config.mla.qk_rope_head_dim)
