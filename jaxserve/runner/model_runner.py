@@ -55,6 +55,7 @@ from jaxserve.distributed.sharding import (
     replicated,
     shard_params,
 )
+from jaxserve.logger import init_logger
 from jaxserve.models import get_model_class
 from jaxserve.models.common import unstack_layers, untie_lm_head
 from jaxserve.runner.compiler_options import compiler_options
@@ -64,6 +65,8 @@ from jaxserve.runner.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sampl
 from jaxserve.runner.sampler_state import SlotState, copy_slots, update_token_counts, write_slot
 from jaxserve.runner.spec_verify import VerifyInputs, uncount_rejected
 from jaxserve.runner.spec_verify import verify as verify_drafts
+
+logger = init_logger("jaxserve.runner.model_runner")
 
 
 class ExecutableSource(Protocol):
@@ -175,7 +178,7 @@ class ModelRunner:
         self.group_block_offsets = tuple(int(kind_offsets[kind]) for kind in layout.group_kinds)
         self.mesh = mesh if mesh is not None else make_mesh(1)
         self.platform = platform = platform or self.mesh.devices.flat[0].platform
-        self.backend = get_attention_backend(attention_backend, platform)
+        self.backend = _attention_backend(config, attention_backend, platform)
         if config.quantization is not None:  # "fp8" quantizes activations only on float8 matrix units
             capability = getattr(self.mesh.devices.flat[0], "compute_capability", None)
             self.config = config = dataclasses.replace(
@@ -564,6 +567,21 @@ class ModelRunner:
 
 def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _attention_backend(config: ModelConfig, name: str, platform: str):
+    """The attention backend a step of ``config`` runs on: ``name`` ("auto": `get_attention_backend`'s choice), but a
+    pool of latents (MLA) on the cpu or reference backend: the Pallas kernels take no latent head yet ("auto" picks
+    the reference backend there, with a warning)."""
+    backend = get_attention_backend(name, platform)
+    if not config.kv_values_in_keys or backend.name != "pallas":
+        return backend
+    if name != "auto":
+        raise ValueError("attention_backend='pallas' has no kernel for DeepSeek's latent attention yet: use 'auto' "
+                         "or 'reference' (plain XLA)")
+    logger.warning("DeepSeek's latent attention: the Pallas kernels take no latent head yet; the steps use the "
+                   "reference attention (plain XLA)")
+    return get_attention_backend("reference", platform)
 
 
 def copy_pool_blocks(kv_pool, block_src: jax.Array, block_dst: jax.Array, kind_blocks: tuple[int, ...]):

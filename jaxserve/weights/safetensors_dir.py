@@ -1,5 +1,6 @@
 """Loads a Hugging Face model directory: config.json, sharded `*.safetensors` (with or without an index); gpt-oss's
-mxfp4 experts are dequantized as they are read (`mxfp4.py`)."""
+mxfp4 experts and DeepSeek's block-wise float8 weights are dequantized as they are read (`mxfp4.py`,
+`fp8_blocks.py`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.weights.compressed_tensors import CheckpointTensors, checkpoint_scheme, has_kv_cache_scales
 from jaxserve.weights.convert import hf_name_alternatives, hf_param_names, params_from_hf
+from jaxserve.weights.fp8_blocks import block_size, dequantize_fp8_blocks, scale_name
 from jaxserve.weights.mxfp4 import dequantize_mxfp4, packed_names
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -59,14 +61,18 @@ def load_safetensors_dir(model_dir: Path, config: ModelConfig, dtype: str) -> di
     if missing:
         raise ValueError(f"model directory {model_dir} lacks tensors: {', '.join(missing[:5])}")
     handles = {}
+    fp8_block = block_size(json.loads((model_dir / "config.json").read_text()))
 
-    def read(name: str) -> np.ndarray:  # by the name in the files; gpt-oss's mxfp4 experts dequantized
+    def read(name: str) -> np.ndarray:  # by the name in the files; mxfp4 and block-wise float8 weights dequantized
         if name not in files:
             return dequantize_mxfp4(*(read(packed) for packed in packed_names(name)))
         file = files[name]
         if file not in handles:
             handles[file] = safe_open(file, framework="numpy")
-        return _to_numpy(handles[file], name, file)
+        values = _to_numpy(handles[file], name, file)
+        if fp8_block is not None and scale_name(name) in files:
+            return dequantize_fp8_blocks(values, read(scale_name(name)), fp8_block)
+        return values
 
     tensors = None
     if config.quantization is not None:  # stored quantized: the scales are read beside the kernels
