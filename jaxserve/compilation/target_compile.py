@@ -165,9 +165,10 @@ def target_engine(config: EngineConfig, target_name: str, tensor_parallel_size: 
     chips' HBM for the device's memory, a draft model's weights and pool counted (``tensor_parallel_size`` None: as
     many of the target's devices as the model's heads divide evenly). ``fit_to_steps=False``: the pool the memory
     budget alone gives, without compiling the largest steps to fit it to them (a CUDA target never fits them)."""
-    config = dataclasses.replace(config, attention_backend="pallas")
     model_path = resolve_model_path(config.model)
     model_config = load_config(model_path)
+    # the Pallas kernels, as an engine on the target picks them ("auto" for a latent (MLA) model: no latent kernel)
+    config = dataclasses.replace(config, attention_backend="auto" if model_config.kv_values_in_keys else "pallas")
     target = resolve_target(target_name, tensor_parallel_size or 1)
     if tensor_parallel_size is None:
         heads = (model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size)

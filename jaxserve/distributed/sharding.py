@@ -8,7 +8,8 @@ with `kv_pool_sharding` and compiles its steps with these shardings as in- and o
 Megatron-style split: q/k/v, gate and up projections are column-parallel (output features sharded, so
 each device holds whole attention heads and a slice of the MLP's hidden dimension); o and down
 projections are row-parallel (input features sharded; XLA sums the partial products across devices).
-The KV pool `[L, Hkv, blocks, block_size, D]` is sharded on its kv-head axis. Embeddings, norms and the
+The KV pool `[L, Hkv, blocks, block_size, D]` is sharded on its kv-head axis (MLA's pool of latents, one kv head,
+is whole on every device: each attends for its query heads). Embeddings, norms and the
 LM head are replicated. Every head count must divide by the mesh size: kv heads are not replicated, so
 a GQA model with fewer kv heads than devices is refused with an error naming both numbers.
 
@@ -28,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config.model_config import ModelConfig
 
 TP_AXIS = "tp"
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# (q_b_proj and kv_b_proj: MLA's per-head projections, out of and into the latent)
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 EXPERTS = "experts"  # the MoE block's stacked experts: these leaves are sharded on their expert axis
 EXPERT_PARALLEL = ("gate_proj", "up_proj", "down_proj")
@@ -72,9 +74,9 @@ def engine_mesh(tensor_parallel_size: int, data_parallel_rank: int = 0) -> Mesh:
 def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:
     """Clear errors for a model the mesh cannot split evenly (heads, kv heads, MLP hidden dimension, and
     for mixture-of-experts models the experts and the shared expert's hidden dimension)."""
-    if config.mla is not None and tensor_parallel_size > 1:
-        raise ValueError("DeepSeek's latent attention is served on one device per replica (tensor_parallel_size 1) "
-                         "for now: its one latent kv head does not split over the mesh")
+    if config.mla is not None:  # the latent pool is whole on every device: the query heads split
+        _check_latent_parallel(config, tensor_parallel_size)
+        return
     if config.gemma4 is not None and tensor_parallel_size > 1:
         raise ValueError("Gemma 4 is served on one device per replica (tensor_parallel_size 1) for now: its layers' "
                          "attention shapes differ, and the mesh rules split one shape")
@@ -89,6 +91,16 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> Non
     if group:  # row-parallel layers split their group scales with their inputs
         sizes[f"groups of {group} inputs of o_proj"] = config.num_heads * config.head_dim // group
         sizes[f"groups of {group} inputs of down_proj"] = config.intermediate_size // group
+    check_divisible(sizes, tensor_parallel_size)
+
+
+def _check_latent_parallel(config: ModelConfig, tensor_parallel_size: int) -> None:
+    """MLA models: heads (q_b_proj, kv_b_proj by head), the dense MLPs' and the shared experts' hidden dimensions,
+    and the routed experts (whole per device) split over the mesh."""
+    sizes = {"num_heads": config.num_heads, "intermediate_size": config.intermediate_size}
+    if config.num_experts is not None:
+        sizes["num_experts"] = config.num_experts
+        sizes["shared experts' intermediate size"] = config.moe_intermediate_size * config.mla.n_shared_experts
     check_divisible(sizes, tensor_parallel_size)
 
 
@@ -133,9 +145,10 @@ def param_shardings(params, mesh: Mesh):
     )
 
 
-def kv_pool_sharding(mesh: Mesh) -> NamedSharding:
-    """The KV pool `[L, Hkv, blocks, block_size, D]`: each device holds its kv heads' pages."""
-    return NamedSharding(mesh, P(None, TP_AXIS))
+def kv_pool_sharding(mesh: Mesh, latent: bool = False) -> NamedSharding:
+    """The KV pool `[L, Hkv, blocks, block_size, D]`: each device holds its kv heads' pages; a pool of latents
+    (MLA's one kv head, `ModelConfig.kv_values_in_keys`) is whole on every device, which attends for its heads."""
+    return NamedSharding(mesh, P() if latent else P(None, TP_AXIS))
 
 
 def hidden_sharding(mesh: Mesh, hidden_size: int) -> NamedSharding:

@@ -27,16 +27,26 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.attention.backends import AttentionBackend
 from jaxserve.attention.kv_cache import write_keys
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.config.mla_config import MLAConfig
 from jaxserve.config.model_config import ModelConfig
+from jaxserve.distributed.sharding import TP_AXIS
 from jaxserve.models.common import ACTIVATIONS, dense, matmul
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.mlp import GatedMLP
-from jaxserve.models.moe import ExpertWeights, Kernel, MoeParams, gated_activation, routed_experts
+from jaxserve.models.moe import (
+    EXPERT_PARALLEL_SPECS,
+    EXPERT_SCALE_SPECS,
+    ExpertWeights,
+    Kernel,
+    MoeParams,
+    gated_activation,
+    routed_experts,
+)
 from jaxserve.models.norms import RMSNorm
 from jaxserve.models.params import weight
 from jaxserve.models.rotary import apply_rotary, rotary_cos_sin
@@ -50,9 +60,13 @@ def absorbed(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
 
 
 class MLAttention(nn.Module):
+    """With a mesh, each device attends for its heads (q_b_proj and kv_b_proj split by head) over the whole latent
+    pool, which every device writes alike."""
+
     config: ModelConfig
     dtype: jnp.dtype
     backend: AttentionBackend
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, x, kv_pool, layer, meta: AttentionMetadata, rotary):
@@ -69,9 +83,7 @@ class MLAttention(nn.Module):
         query = jnp.concatenate([absorbed(q_nope, w_kv[..., :nope], "sqhd,rhd->sqhr"), q_pe], axis=-1)
         key = jnp.concatenate([latent[..., None, :], k_pe], axis=-1)  # [S, Q, 1, r + dr]
         k_pool, v_pool = kv_pool
-        k_pool = write_keys(k_pool, layer, key, meta)
-        out = self.backend.attend(query, k_pool, k_pool, layer, meta, sm_scale=mla.softmax_scale,
-                                  sliding_window=None, logit_softcap=None, sinks=None)
+        out, k_pool = latent_attention(query, key, k_pool, layer, meta, self.backend, mla.softmax_scale, self.mesh)
         latent_out = out.reshape(num_seqs, num_q, heads, mla.latent_dim)[..., :rank]
         values = absorbed(latent_out, w_kv[..., nope:], "sqhr,rhv->sqhv").reshape(num_seqs, num_q, -1)
         o_proj = dense(cfg.hidden_size, "o_proj", self.dtype, cfg.attention_bias, cfg.quantization)
@@ -84,6 +96,24 @@ class MLAttention(nn.Module):
             return dense(width, "q_proj", self.dtype, quantization=cfg.quantization)(x)
         low = dense(mla.q_lora_rank, "q_a_proj", self.dtype, cfg.attention_bias)(x)
         return dense(width, "q_b_proj", self.dtype)(RMSNorm(LATENT_NORM_EPS, self.dtype, name="q_a_layernorm")(low))
+
+
+def latent_attention(query, key, k_pool, layer, meta: AttentionMetadata, backend: AttentionBackend, sm_scale: float,
+                     mesh: Mesh | None):
+    """(out [S, Q, H, r + dr], pool): ``key`` [S, Q, 1, r + dr] written into the latent pool, then multi-query
+    attention of ``query`` [S, Q, H, r + dr] over it, the pool its own values; per device over its heads on a mesh."""
+
+    def local(query, key, k_pool, layer, meta):
+        k_pool = write_keys(k_pool, layer, key, meta)
+        out = backend.attend(query, k_pool, k_pool, layer, meta, sm_scale=sm_scale, sliding_window=None,
+                             logit_softcap=None, sinks=None)
+        return out, k_pool
+
+    if mesh is not None:
+        heads = P(None, None, TP_AXIS, None)
+        local = jax.shard_map(local, mesh=mesh, in_specs=(heads, P(), P(), P(), P()), out_specs=(heads, P()),
+                              check_vma=False)
+    return local(query, key, k_pool, layer, meta)
 
 
 def deepseek_route(logits: jax.Array, correction: jax.Array | None, mla: MLAConfig, top_k: int,
@@ -105,12 +135,28 @@ def deepseek_route(logits: jax.Array, correction: jax.Array | None, mla: MLAConf
     return weights * mla.routed_scaling_factor, experts
 
 
+def experts_of_tokens(tokens, weights, experts, params: MoeParams, glu, dtype, mesh: Mesh | None) -> jax.Array:
+    """Each token's weighted sum over its routed experts; on a mesh each device runs its own experts (split whole
+    over it) for every token and one psum adds them up (`moe.expert_parallel_forward`'s layout)."""
+    if mesh is None:
+        return routed_experts(tokens, weights, experts, params, 0, glu, dtype)
+
+    def local(tokens, weights, experts, params):
+        first_expert = jax.lax.axis_index(TP_AXIS) * params.gate_proj.shape[0]
+        return jax.lax.psum(routed_experts(tokens, weights, experts, params, first_expert, glu, dtype), TP_AXIS)
+
+    specs = EXPERT_PARALLEL_SPECS._replace(router=None, scales=None if params.scales is None else EXPERT_SCALE_SPECS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P())(tokens, weights, experts,
+                                                                                          params)
+
+
 class DeepseekMoE(nn.Module):
     """The MoE MLP: routed experts (`moe.ExpertWeights`' layout, module "experts"), the router ("gate": its kernel
     and V3's correction bias) and the shared experts (one `GatedMLP` of n_shared_experts times the width)."""
 
     config: ModelConfig
     dtype: jnp.dtype
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -124,7 +170,8 @@ class DeepseekMoE(nn.Module):
                                                     cfg.quantization, name="experts")(hidden)
         glu = gated_activation(ACTIVATIONS[cfg.hidden_act])
         dtype = self.dtype if cfg.quantization is not None else None
-        out = routed_experts(tokens, weights, experts, MoeParams(None, gate, up, down, None, scales), 0, glu, dtype)
+        params = MoeParams(None, gate, up, down, None, scales)
+        out = experts_of_tokens(tokens, weights, experts, params, glu, dtype, self.mesh)
         if mla.n_shared_experts:
             width = cfg.moe_intermediate_size * mla.n_shared_experts
             out = out + GatedMLP(width, hidden, cfg.hidden_act, self.dtype, name="shared_experts")(tokens)
@@ -162,13 +209,13 @@ class DeepseekDecoderLayer(nn.Module):
         cfg = self.config
         hidden, kv_pool = carry
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        attn_out, kv_pool = MLAttention(cfg, self.dtype, self.backend, name="self_attn")(normed, kv_pool, layer, meta,
-                                                                                         rotary)
+        attention = MLAttention(cfg, self.dtype, self.backend, self.mesh, name="self_attn")
+        attn_out, kv_pool = attention(normed, kv_pool, layer, meta, rotary)
         hidden = hidden + attn_out
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
         sparse = cfg.num_experts is not None if self.sparse is None else self.sparse
         if sparse:
-            mlp = DeepseekMoE(cfg, self.dtype, name="mlp")
+            mlp = DeepseekMoE(cfg, self.dtype, self.mesh, name="mlp")
         else:
             mlp = GatedMLP(cfg.intermediate_size, cfg.hidden_size, cfg.hidden_act, self.dtype, cfg.quantization,
                            name="mlp")

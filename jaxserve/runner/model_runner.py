@@ -267,7 +267,8 @@ class ModelRunner:
         tokens_per_row = self.backend.tokens_per_row(self.block_size, head_dim)
         page = pool_page_shape(self.block_size, head_dim, tokens_per_row)
         blocks = (rows, num_kv_heads, num_blocks)
-        struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=kv_pool_sharding(self.mesh))
+        sharding = kv_pool_sharding(self.mesh, self.config.kv_values_in_keys)
+        struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
         pool = struct((*blocks, *page), self.kv_storage_dtype)
         if self.kv_storage_dtype == INT8_KV_DTYPE:
             if self.config.kv_values_in_keys:
@@ -429,9 +430,9 @@ class ModelRunner:
         return executable
 
     def _step_jit(self):
-        rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
+        rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh, self.config.kv_values_in_keys)
         positions = jax.tree.map(lambda x: x.sharding, self._state_structs[3])
-        return jax.jit(self._step, donate_argnums=(1, 2, 3), out_shardings=(rep, (pool, pool), rep, positions))
+        return jax.jit(self._step, donate_argnums=(1, 2, 3), out_shardings=(rep, pool, rep, positions))
 
     def compiler_options_of(self, name: str) -> dict | None:
         """The XLA options the program ``name`` (a key of `programs`) compiles with: a step and the prompt logprobs
@@ -476,7 +477,7 @@ class ModelRunner:
         """The fork programs and (unless this runner computes none) the prompt logprobs' by name: (jitted
         function, abstract arguments)."""
         m, vocab = self.max_copies, self.config.vocab_size
-        rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh)
+        rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh, self.config.kv_values_in_keys)
         sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
         idx = sds((m,), jnp.int32)
         programs = {

@@ -239,14 +239,16 @@ def test_opt_and_gpt2_under_tensor_parallelism_match_transformers(tmp_path, buck
     [("qwen3_moe", {"num_experts": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "mlp_only_layers": [0]},
       (4,)),
      ("gemma3", {"num_attention_heads": 8, "num_key_value_heads": 4}, (4,)),
-     ("gpt_oss", {"num_attention_heads": 8, "num_key_value_heads": 4, "num_local_experts": 4}, (2,))],
+     ("gpt_oss", {"num_attention_heads": 8, "num_key_value_heads": 4, "num_local_experts": 4}, (2,)),
+     ("deepseek_v3", {}, (2,))],
 )
 def test_moe_and_gemma3_under_tensor_and_expert_parallelism_match_transformers(tmp_path, buckets, family, overrides,
                                                                                tp_sizes):
     """Attention split by heads, a MoE layer's experts split whole across the devices (2 per device: Qwen3-MoE's
     8 over 4, gpt-oss's 4 over 2) beside a dense layer's MLP split by columns (the Qwen3-MoE has a dense first layer:
     mlp_only_layers); Gemma 3's per-layer windows and local rope under the head split; gpt-oss's sinks split
-    with their heads and its experts' biases with their experts. tp 1 is transformers itself."""
+    with their heads and its experts' biases with their experts; DeepSeek-V3's latent pool whole on each device, its
+    heads split (q_b_proj, kv_b_proj), its 8 experts 4 per device. tp 1 is transformers itself."""
     path = make_tiny_model(tmp_path / family, family, seed=7, **overrides)
     expected = [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
     for tp in tp_sizes:

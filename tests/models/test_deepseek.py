@@ -102,7 +102,10 @@ def test_int8_weights_quantize_projections_mlps_and_experts_and_track_float(tmp_
 def test_what_the_engine_cannot_serve_is_refused_with_the_reason():
     with pytest.raises(ValueError, match=r"n_routed_experts \(8\) is not divisible by n_group \(3\)"):
         config_of("deepseek-v3", n_group=3)
-    with pytest.raises(ValueError, match="latent attention is served on one device per replica"):
-        check_tensor_parallel(config_of("deepseek-v3"), 2)
+    check_tensor_parallel(config_of("deepseek-v3"), 2)  # one latent kv head: the pool is whole on every device
+    with pytest.raises(ValueError, match=r"num_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
+        check_tensor_parallel(config_of("deepseek-v3"), 3)
+    with pytest.raises(ValueError, match=r"num_experts \(6\) is not divisible by tensor_parallel_size \(4\)"):
+        check_tensor_parallel(config_of("deepseek-v2-lite", intermediate_size=96), 4)
     with pytest.raises(ValueError, match="unsupported DeepSeek topk_method 'random'"):
         config_of("deepseek-v2-lite", topk_method="random")
