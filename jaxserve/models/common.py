@@ -258,6 +258,17 @@ class Attention(nn.Module):
         )
 
 
+def vocabulary_logits(model: nn.Module, hidden: jax.Array) -> jax.Array:
+    """A causal LM's float32 logits of its final hidden states: through its embedding table where tied (and not
+    untied for XLA:CPU, `untie_lm_head`), else its `lm_head`; soft-capped where its config says (Gemma)."""
+    if model.config.tie_word_embeddings and not model.untie_lm_head:
+        logits = model.embed_tokens.attend(hidden)
+    else:
+        logits = model.lm_head(hidden)
+    cap = model.config.final_logit_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
 def layer_numbers(num_layers: int) -> np.ndarray:
     """The layers' numbers as a host array: constants of the step, so that layer i of an unrolled stack passes the
     literal i to its kernels (an iota sliced per layer is a compiled kernel per layer on XLA:CPU)."""

@@ -36,7 +36,7 @@ from jaxserve.config.mla_config import MLAConfig
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.distributed.sharding import TP_AXIS
 from jaxserve.models.common import ACTIVATIONS, dense, matmul
-from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.llama import DecoderLayer, LlamaForCausalLM
 from jaxserve.models.mlp import GatedMLP
 from jaxserve.models.moe import (
     EXPERT_PARALLEL_SPECS,
@@ -195,14 +195,8 @@ class DeepseekGate(nn.Module):
         return kernel, bias.astype(jnp.float32)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(DecoderLayer):
     """`llama.DecoderLayer`'s fields, carry and scanned input; MLA and DeepSeek's MoE (or a dense MLP)."""
-
-    config: ModelConfig
-    dtype: jnp.dtype
-    backend: AttentionBackend
-    mesh: Mesh | None = None
-    sparse: bool | None = None
 
     @nn.compact
     def __call__(self, carry, layer, rotary, meta):

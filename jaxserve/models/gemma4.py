@@ -32,7 +32,15 @@ from jax.sharding import Mesh
 from jaxserve.attention.backends import AttentionBackend
 from jaxserve.attention.metadata import AttentionMetadata, token_layout
 from jaxserve.config.model_config import ModelConfig
-from jaxserve.models.common import ACTIVATIONS, dense, embedding, layer_numbers, layer_stack, paged_attention
+from jaxserve.models.common import (
+    ACTIVATIONS,
+    dense,
+    embedding,
+    layer_numbers,
+    layer_stack,
+    paged_attention,
+    vocabulary_logits,
+)
 from jaxserve.models.mlp import GatedMLP
 from jaxserve.models.moe import ExpertWeights, MoeParams, gated_activation, routed_experts
 from jaxserve.models.norms import RMSNorm
@@ -242,9 +250,4 @@ class Gemma4ForCausalLM(nn.Module):
         return (context + token.reshape(shape)) * 2**-0.5
 
     def logits(self, hidden):
-        if self.config.tie_word_embeddings and not self.untie_lm_head:
-            logits = self.embed_tokens.attend(hidden)
-        else:
-            logits = self.lm_head(hidden)
-        cap = self.config.final_logit_softcap
-        return logits if cap is None else cap * jnp.tanh(logits / cap)
+        return vocabulary_logits(self, hidden)

@@ -22,7 +22,15 @@ from jax.sharding import Mesh
 from jaxserve.attention.backends import AttentionBackend
 from jaxserve.attention.metadata import AttentionMetadata, token_layout
 from jaxserve.config.model_config import ModelConfig
-from jaxserve.models.common import Attention, dense, embedding, layer_numbers, layer_stack, norm_offset
+from jaxserve.models.common import (
+    Attention,
+    dense,
+    embedding,
+    layer_numbers,
+    layer_stack,
+    norm_offset,
+    vocabulary_logits,
+)
 from jaxserve.models.mlp import GatedMLP
 from jaxserve.models.moe import SparseMoeBlock
 from jaxserve.models.norms import RMSNorm
@@ -121,9 +129,4 @@ class LlamaForCausalLM(nn.Module):
         return rotary, rotary_cos_sin(positions, cfg.local_rope, cfg.rotary_dim)
 
     def logits(self, hidden):
-        if self.config.tie_word_embeddings and not self.untie_lm_head:
-            logits = self.embed_tokens.attend(hidden)
-        else:
-            logits = self.lm_head(hidden)
-        cap = self.config.final_logit_softcap
-        return logits if cap is None else cap * jnp.tanh(logits / cap)
+        return vocabulary_logits(self, hidden)

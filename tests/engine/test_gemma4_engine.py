@@ -9,10 +9,9 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config.kv_cache_groups import NULL_BLOCK
-from jaxserve.sampling_params import BeamSearchParams
 from jaxserve.testing.hf_reference import hf_greedy
 from jaxserve.testing.tiny_models import make_tiny_model
-from tests.engine.test_kv_cache_groups import NGRAM, PROMPTS, beam_search_without_drafts
+from tests.engine.test_kv_cache_groups import NGRAM, PROMPTS, assert_samples_and_beams_agree
 from tests.models.test_family_engines import BUCKETS
 
 MAX_TOKENS = 32
@@ -75,11 +74,4 @@ def test_a_prefix_hits_on_every_block_of_the_full_group_and_the_window_of_each_s
 
 
 def test_samples_and_beams_equal_the_engine_with_a_full_group_per_kind(llms):
-    sampled = SamplingParams(temperature=1.0, n=2, seed=7, max_tokens=12)
-    beams = BeamSearchParams(beam_width=2, max_tokens=8)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
-    samples = [[c.token_ids for o in llm.generate(prompts, sampled, use_tqdm=False) for c in o.outputs]
-               for llm in llms]
-    assert samples[0] == samples[1] and len(samples[0]) == 6
-    searched = [beam_search_without_drafts(llm, prompts[:2], beams) for llm in llms]
-    assert searched[0] == searched[1] and len(searched[0]) == 4
+    assert_samples_and_beams_agree(llms)

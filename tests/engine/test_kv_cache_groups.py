@@ -90,6 +90,11 @@ def test_sliding_groups_keep_only_what_their_window_reaches(llms):
 
 
 def test_samples_and_beams_equal_the_engine_without_groups(llms):
+    assert_samples_and_beams_agree(llms)
+
+
+def assert_samples_and_beams_agree(llms) -> None:
+    """Two engines give the same n = 2 samples of three prompts and the same beams (width 2) of two."""
     sampled = SamplingParams(temperature=1.0, n=2, seed=7, max_tokens=12)
     beams = BeamSearchParams(beam_width=2, max_tokens=8)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
