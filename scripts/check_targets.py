@@ -2,14 +2,15 @@
 
 The checks `jaxserve precompile --target` runs, over the configurations docs/benchmarks/targets.md reports: the
 embedded SmolLM2-135M, a Llama-3-8B-shaped, a Qwen3-30B-A3B-shaped (mixture of experts: 48 layers, 128
-experts, top-8) and a gpt-oss-20b-shaped config (abstract weights: only its config.json is written)
-on each topology, tensor parallel over as many chips as the heads divide. Prints each target's table
+experts, top-8), a gpt-oss-20b-shaped and a DeepSeek-V2-Lite-shaped config (abstract weights: only its config.json
+is written) on each topology, tensor parallel over as many chips as the heads divide. Prints each target's table
 (compile seconds, memory per device against HBM) and exits 1 if any program fails or does not fit.
 
     python scripts/check_targets.py                                # v5e:2x2 and v6e:2x2, both models, and cuda
     python scripts/check_targets.py --targets v5e:2x2 --models embedded --out /tmp/tables.md
     python scripts/check_targets.py --targets v6e:2x2 --models qwen3-30b-a3b --largest-only
     python scripts/check_targets.py --targets v6e:2x2 --models gpt-oss-20b --max-model-len 8192
+    python scripts/check_targets.py --targets v6e:2x2 --models deepseek-v2-lite --max-model-len 8192 --largest-only
     python scripts/check_targets.py --targets v5e:2x2 --models llama3-8b --tensor-parallel-size 1 --quantization int8
     python scripts/check_targets.py --targets v5e:2x2 --models llama3-8b --tensor-parallel-size 1 --quantization int8 \
         --kv-cache-dtype fp8                                       # and a float8 KV cache: twice the tokens
@@ -59,7 +60,22 @@ GPT_OSS_20B = {
                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
     "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16", "eos_token_id": 200002,
 }
-SHAPED_CONFIGS = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B}
+# DeepSeek-V2-Lite's config.json (15.7B parameters, 2.4B active): latent attention (kv_lora_rank 512, rotary 64), one
+# q_proj, 64 experts top-6 with 2 shared, the first layer dense, YaRN (factor 40)
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+    "num_experts_per_tok": 6, "n_shared_experts": 2, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 163840, "tie_word_embeddings": False, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 100000, "eos_token_id": 100001,
+}
+SHAPED_CONFIGS = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B,
+                  "deepseek-v2-lite": DEEPSEEK_V2_LITE}
 
 
 def model_path(name: str, workdir: Path) -> str | None:
@@ -77,7 +93,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", default="v5e:2x2,v6e:2x2,cuda")
     parser.add_argument("--models", default="embedded,llama3-8b",
-                        help="embedded, llama3-8b, qwen3-30b-a3b, gpt-oss-20b, or model paths")
+                        help="embedded, llama3-8b, qwen3-30b-a3b, gpt-oss-20b, deepseek-v2-lite, or model paths")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's, up to the grid's")
     parser.add_argument("--out", type=Path, default=None, help="also append the tables to this file")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,

@@ -104,11 +104,19 @@ def cpu_kv_blocks(model_config: ModelConfig) -> int:
 
 def _block_bytes(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh, max_model_len: int) -> int:
     """Bytes of one block of ``model_config``'s pool of K/V in ``dtype`` per device (the pool is split over the
-    heads), an int8 pool's scales included: a block holds the layers of one KV cache group. With pages of several
-    shapes (Gemma 4), their mean over the blocks as `KVCacheLayout.blocks_of_kinds` shares them out."""
+    heads; a pool of latents is whole on each device), an int8 pool's scales included: a block holds the layers of
+    one KV cache group. With pages of several shapes (Gemma 4), their mean over the blocks as
+    `KVCacheLayout.blocks_of_kinds` shares them out."""
     demand = model_config.kv_cache_layout.kind_demand(max_model_len, block_size)
     page_bytes = _page_bytes(model_config, block_size, dtype)
-    return cdiv(sum(need * size for need, size in zip(demand, page_bytes, strict=True)), sum(demand) * mesh.size)
+    devices = _pool_split(model_config, mesh)
+    return cdiv(sum(need * size for need, size in zip(demand, page_bytes, strict=True)), sum(demand) * devices)
+
+
+def _pool_split(model_config: ModelConfig, mesh: Mesh) -> int:
+    """Over how many devices a block's bytes split: the mesh (kv heads sharded), or none for a pool of latents
+    (MLA: whole on every device, `distributed.sharding.kv_pool_sharding`)."""
+    return 1 if model_config.kv_values_in_keys else mesh.size
 
 
 def _page_bytes(model_config: ModelConfig, block_size: int, dtype) -> list[int]:
@@ -131,7 +139,8 @@ def _in_flight(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh, ma
         return 0, 0
     flight = layout.in_flight_blocks(block_size, max_chunk_tokens)
     page_bytes = _page_bytes(model_config, block_size, dtype)
-    num_bytes = sum(blocks * size for blocks, size in zip(flight, page_bytes, strict=True)) // mesh.size
+    num_bytes = sum(blocks * size for blocks, size in zip(flight, page_bytes, strict=True)) // _pool_split(
+        model_config, mesh)
     return sum(flight), num_bytes + sum(flight) * other_block_bytes
 
 

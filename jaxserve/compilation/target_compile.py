@@ -171,7 +171,9 @@ def target_engine(config: EngineConfig, target_name: str, tensor_parallel_size: 
     config = dataclasses.replace(config, attention_backend="auto" if model_config.kv_values_in_keys else "pallas")
     target = resolve_target(target_name, tensor_parallel_size or 1)
     if tensor_parallel_size is None:
-        heads = (model_config.num_heads, model_config.num_kv_heads, model_config.intermediate_size)
+        # a pool of latents (MLA) is whole on every device: its one kv head does not bound the split
+        kv_heads = model_config.num_heads if model_config.kv_values_in_keys else model_config.num_kv_heads
+        heads = (model_config.num_heads, kv_heads, model_config.intermediate_size)
         tensor_parallel_size = 1 if target.lower_only else auto_tensor_parallel_size(len(target.devices), *heads)
     check_tensor_parallel(model_config, tensor_parallel_size)
     mesh = target_mesh(target, tensor_parallel_size)

@@ -52,8 +52,9 @@ def test_the_pool_keeps_the_latent_and_the_rotary_key_per_token_and_layer_only()
                          attention_backend="cpu")
     keys, values = runner.kv_pool
     assert keys.shape == (3, 1, 10, 16, 20 + 8) and values.shape == (3, 1, 10, 16, 0)
-    one_device = type("OneDevice", (), {"size": 1})()
+    one_device, four_devices = (type("Mesh", (), {"size": size})() for size in (1, 4))
     assert _block_bytes(cfg, 16, "bfloat16", one_device, 64) == 3 * 16 * 28 * 2  # 3 layers, no V
+    assert _block_bytes(cfg, 16, "bfloat16", four_devices, 64) == 3 * 16 * 28 * 2  # whole on every device
 
 
 def scores_to_logits(scores) -> jnp.ndarray:
