@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.attention.backends import get_attention_backend
+from jaxserve.attention.kv_cache import pool_of_kinds
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.models import get_model_class
 from jaxserve.models.common import unstack_layers
@@ -28,7 +29,7 @@ class PagedForward:
                                                      jnp.nan, jnp.dtype(dtype))  # unwritten slots are NaN: stray reads
         pairs = tuple((nan(layout.rows_of_kind(kind), *shape), nan(layout.rows_of_kind(kind), *shape))
                       for kind, shape in enumerate(config.kv_page_shapes))  # a (K, V) pair per page shape
-        self.pool = pairs[0] if len(pairs) == 1 else pairs
+        self.pool = pool_of_kinds(pairs)
         # the engine's XLA options for a program in this dtype (its runner's steps compile with them too)
         self._apply = jax.jit(self._forward, compiler_options=compiler_options(jax.default_backend(), dtype))
 

@@ -44,6 +44,17 @@ def page_values(pool) -> jax.Array:
     return pool.values if isinstance(pool, ScaledPages) else pool
 
 
+def pool_of_kinds(pairs) -> tuple:
+    """The KV pool of one (K, V) pair per kind of page (`ModelConfig.kv_page_shapes`): the pair itself where there is
+    one kind (every model but Gemma 4), else the tuple of pairs."""
+    return pairs[0] if len(pairs) == 1 else tuple(pairs)
+
+
+def kind_pairs(kv_pool, num_kinds: int) -> list:
+    """The (K, V) pair of each kind of a pool built by `pool_of_kinds`."""
+    return [kv_pool] if num_kinds == 1 else list(kv_pool)
+
+
 def pool_page_shape(block_size: int, head_dim: int, tokens_per_row: int = 1) -> tuple[int, int]:
     """(rows, lanes) of one block of the pool when a row holds ``tokens_per_row`` tokens."""
     return block_size // tokens_per_row, tokens_per_row * head_dim

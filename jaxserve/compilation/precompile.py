@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention.backends import get_attention_backend
+from jaxserve.attention.kv_cache import pool_of_kinds
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.compilation.compile_cache import (
     CacheCheck,
@@ -65,7 +66,7 @@ def abstract_params(model_config: ModelConfig, dtype: str) -> dict:
 
     init = lambda rng, ids, kv_pool, meta: model.init(rng, ids, kv_pool, meta, method=forward_and_logits)
     raw_key = jax.ShapeDtypeStruct((2,), jnp.uint32)  # abstract too: nothing runs, nothing compiles
-    return _plain_dicts(jax.eval_shape(init, raw_key, i32(1, 1), pairs[0] if len(pairs) == 1 else pairs, meta))
+    return _plain_dicts(jax.eval_shape(init, raw_key, i32(1, 1), pool_of_kinds(pairs), meta))
 
 
 def abstract_draft(config: EngineConfig, target_config: ModelConfig) -> tuple[ModelConfig, dict] | None:

@@ -69,16 +69,16 @@ def engine_bucket_grid(
         budget = memory_budget(config.gpu_memory_utilization, params, weights_bytes, device_memory_bytes)
     # the engine's pool keeps K/V as kv_cache_dtype says; a draft model's pool is in the model dtype
     kv_dtypes = [kv_value_dtype(config.kv_cache_dtype, config.dtype), config.dtype][:len(models)]
-    block_bytes = sum(_block_bytes(c, block_size, kv, mesh, max_model_len)
-                      for (c, _), kv in zip(models, kv_dtypes, strict=True))
+    # a block's bytes in the model's pool, and in a draft model's beside it
+    target_bytes, *draft_bytes = (_block_bytes(c, block_size, kv, mesh, max_model_len)
+                                  for (c, _), kv in zip(models, kv_dtypes, strict=True))
+    block_bytes = target_bytes + sum(draft_bytes)
     num_slots = config.max_num_seqs or max(spec.decode_batch_sizes)
     pool_budget = None if budget is None else budget.pool_bytes(
         weights_bytes, slot_state_bytes(num_slots, model_config.vocab_size))
     # pages of several shapes: the blocks set apart for a step's chunks are sized apart from the mean block
-    max_chunk_tokens = config.max_num_batched_tokens or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths)
-    fixed_blocks, fixed_bytes = _in_flight(model_config, block_size, kv_dtypes[0], mesh, max_chunk_tokens,
-                                           block_bytes - _block_bytes(model_config, block_size, kv_dtypes[0], mesh,
-                                                                      max_model_len))
+    fixed_blocks, fixed_bytes = _in_flight(model_config, block_size, kv_dtypes[0], mesh,
+                                           _max_num_batched_tokens(spec, config), sum(draft_bytes))
     less_fixed = lambda num_bytes: None if num_bytes is None else num_bytes - fixed_bytes
     num_blocks = num_blocks_from_budget(block_bytes, num_kv_blocks=config.num_kv_blocks,
                                         memory_budget_bytes=less_fixed(pool_budget),
@@ -144,12 +144,16 @@ def _in_flight(model_config: ModelConfig, block_size: int, dtype, mesh: Mesh, ma
     return sum(flight), num_bytes + sum(flight) * other_block_bytes
 
 
+def _max_num_batched_tokens(spec, config: EngineConfig) -> int:
+    """The most prompt tokens of one step: the engine's limit, else the bucket file's largest prefill."""
+    return config.max_num_batched_tokens or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths)
+
+
 def _grid(spec, config: EngineConfig, block_size: int, max_model_len: int, num_blocks: int) -> BucketGrid:
     return BucketGrid(
         spec, block_size=block_size, max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs or max(spec.decode_batch_sizes),
-        max_num_batched_tokens=config.max_num_batched_tokens
-        or max(spec.prefill_batch_sizes) * max(spec.prefill_lengths),
+        max_num_batched_tokens=_max_num_batched_tokens(spec, config),
         num_blocks=num_blocks,
         # without a latency target no mixed step holds more than the spec's token_budget (core/step_budget.py)
         mixed_token_limit=spec.mixed_token_budget if config.max_itl_ms is None else None,

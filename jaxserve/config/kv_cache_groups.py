@@ -163,6 +163,15 @@ class KVCacheLayout:
         return all(blocks >= needed for blocks, needed in zip(pools, need, strict=True))
 
 
+def first_block_ids(kind_blocks: tuple[int, ...]) -> tuple[int, ...]:
+    """Each kind's first block id: kind k's ids follow kind k - 1's (`KVCacheLayout.blocks_of_kinds`)."""
+    firsts, total = [], 0
+    for count in kind_blocks:
+        firsts.append(total)
+        total += count
+    return tuple(firsts)
+
+
 def blocks_per_request(sliding_window: int | None, num_tokens: int, block_size: int, max_chunk_tokens: int) -> int:
     """One group's share of `KVCacheLayout.blocks_per_request`."""
     full = cdiv(num_tokens, block_size)

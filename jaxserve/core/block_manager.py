@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from jaxserve.config.kv_cache_groups import NULL_BLOCK, blocks_per_request, first_kept_token
+from jaxserve.config.kv_cache_groups import NULL_BLOCK, blocks_per_request, first_block_ids, first_kept_token
 from jaxserve.core.prefix_cache import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -62,7 +62,7 @@ class BlockManager:
         self.group_kinds = tuple(group_kinds) if group_kinds is not None else (0,) * len(self.group_windows)
         self.kind_blocks = tuple(kind_blocks) if kind_blocks is not None else (num_blocks,)
         _check_kinds(self.group_windows, self.group_kinds, self.kind_blocks, num_blocks)
-        self.kind_offsets = tuple(int(x) for x in np.cumsum((0, *self.kind_blocks[:-1])))  # each kind's first id
+        self.kind_offsets = first_block_ids(self.kind_blocks)
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
         # per kind, never cached (or evicted) blocks: fresh first
         kinds = zip(self.kind_offsets, self.kind_blocks, strict=True)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jaxserve.config.kv_cache_groups import KVCacheLayout
 from jaxserve.math_utils import cdiv
 
 if TYPE_CHECKING:
@@ -536,6 +537,12 @@ class BucketGrid:
     @property
     def num_executables(self) -> int:
         return len(self.buckets)
+
+    def blocks_of_kinds(self, layout: KVCacheLayout, num_blocks: int | None = None) -> tuple[int, ...]:
+        """The pool's blocks (or ``num_blocks``) shared out among ``layout``'s kinds of page for this grid's
+        max_model_len and steps (`KVCacheLayout.blocks_of_kinds`): the block manager's and the pool's split."""
+        return layout.blocks_of_kinds(self.num_blocks if num_blocks is None else num_blocks, self.max_model_len,
+                                      self.block_size, self.max_num_batched_tokens)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         largest = self.spec.context_lengths[-1]

@@ -96,8 +96,7 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     layout = loaded.config.kv_cache_layout
     block_manager = BlockManager(grid.num_blocks, grid.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                  group_windows=layout.windows, group_kinds=layout.group_kinds,
-                                 kind_blocks=layout.blocks_of_kinds(grid.num_blocks, grid.max_model_len,
-                                                                    grid.block_size, grid.max_num_batched_tokens))
+                                 kind_blocks=grid.blocks_of_kinds(layout))
     scheduler = Scheduler(
         block_manager, grid, max_num_seqs=grid.max_num_seqs, max_num_batched_tokens=grid.max_num_batched_tokens,
         policy=config.scheduling_policy,

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.attention.backends import AttentionBackend
+from jaxserve.attention.kv_cache import kind_pairs, pool_of_kinds
 from jaxserve.attention.metadata import AttentionMetadata, token_layout
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.models.common import (
@@ -68,18 +69,6 @@ def proportional_cos_sin(positions: jax.Array, head_dim: int, theta: float, part
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def kind_pool(kv_pool, kind: int, num_kinds: int):
-    """The (K, V) pair of one kind of the pool (the pool itself when it has one kind)."""
-    return kv_pool if num_kinds == 1 else kv_pool[kind]
-
-
-def with_kind_pool(kv_pool, kind: int, num_kinds: int, pair):
-    """The pool with one kind's (K, V) pair replaced."""
-    if num_kinds == 1:
-        return pair
-    return tuple(pair if k == kind else pool for k, pool in enumerate(kv_pool))
-
-
 class Gemma4Attention(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype
@@ -96,14 +85,15 @@ class Gemma4Attention(nn.Module):
         q = dense(cfg.num_heads * head_dim, "q_proj", self.dtype, quantization=cfg.quantization)(x)
         q = apply_rotary(norm("q_norm")(q.reshape(num_seqs, num_q, cfg.num_heads, head_dim)), *rotary)
         kind, num_kinds = layout.kind_of(i), layout.num_kinds
-        pool = kind_pool(kv_pool, kind, num_kinds)
+        pairs = kind_pairs(kv_pool, num_kinds)
+        pool = pairs[kind]
         group_meta = meta.for_kv_group(layout.group_of[i])
         window = cfg.sliding_window if cfg.sliding_layers[i] else None
         if layers.kv_sources[i] == i:
             k, v = self._project_kv(x, head_dim, num_kv_heads, rotary)
             out, pool = paged_attention(q, k, v, pool, layout.slot_of[i], group_meta, self.backend, sm_scale=1.0,
                                         sliding_window=window)
-            kv_pool = with_kind_pool(kv_pool, kind, num_kinds, pool)
+            kv_pool = pool_of_kinds([pool if k == kind else pair for k, pair in enumerate(pairs)])
         else:  # KV sharing: the pages the source layer wrote, this step's tokens included
             out = self.backend.attend(q, *pool, layout.slot_of[i], group_meta, sm_scale=1.0, sliding_window=window,
                                       logit_softcap=None, sinks=None).reshape(num_seqs, num_q, -1)

@@ -41,9 +41,18 @@ import numpy as np
 from flax import struct
 
 from jaxserve.attention.backends import get_attention_backend
-from jaxserve.attention.kv_cache import INT8_KV_DTYPE, ScaledPages, kv_storage_dtype, kv_value_dtype, pool_page_shape
+from jaxserve.attention.kv_cache import (
+    INT8_KV_DTYPE,
+    ScaledPages,
+    kind_pairs,
+    kv_storage_dtype,
+    kv_value_dtype,
+    pool_of_kinds,
+    pool_page_shape,
+)
 from jaxserve.attention.metadata import AttentionMetadata, row_offsets, token_layout
 from jaxserve.config.engine_config import EngineConfig
+from jaxserve.config.kv_cache_groups import first_block_ids
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.core.buckets import BucketGrid
 from jaxserve.distributed.sharding import (
@@ -173,9 +182,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         layout = config.kv_cache_layout
         self.kind_blocks = kind_blocks or layout.blocks_of_kinds(num_blocks, config.max_position_embeddings, block_size)
-        kind_offsets = np.cumsum((0, *self.kind_blocks[:-1]))
         # per group, the first block id of its kind: a step reads each group's table less it (`input_batch`)
-        self.group_block_offsets = tuple(int(kind_offsets[kind]) for kind in layout.group_kinds)
+        self.group_block_offsets = tuple(first_block_ids(self.kind_blocks)[kind] for kind in layout.group_kinds)
         self.mesh = mesh if mesh is not None else make_mesh(1)
         self.platform = platform = platform or self.mesh.devices.flat[0].platform
         self.backend = _attention_backend(config, attention_backend, platform)
@@ -248,9 +256,7 @@ class ModelRunner:
             attention_backend=config.attention_backend, mesh=mesh, abstract=abstract, platform=platform,
             num_sampler_slots=grid.max_num_seqs, num_logprobs=config.max_logprobs, kv_cache_dtype=config.kv_cache_dtype,
             max_step_tokens=max(bucket.num_tokens for bucket in grid.buckets),
-            kind_blocks=model_config.kv_cache_layout.blocks_of_kinds(
-                grid.num_blocks if num_blocks is None else num_blocks, grid.max_model_len, grid.block_size,
-                grid.max_num_batched_tokens),
+            kind_blocks=grid.blocks_of_kinds(model_config.kv_cache_layout, num_blocks),
         )
 
     def _abstract_pool(self) -> tuple:
@@ -261,7 +267,7 @@ class ModelRunner:
         pairs = tuple(self._abstract_kind_pool(layout.rows_of_kind(kind), num_kv_heads, head_dim, num_blocks)
                       for kind, ((num_kv_heads, head_dim), num_blocks)
                       in enumerate(zip(cfg.kv_page_shapes, self.kind_blocks, strict=True)))
-        return pairs[0] if len(pairs) == 1 else pairs
+        return pool_of_kinds(pairs)
 
     def _abstract_kind_pool(self, rows: int, num_kv_heads: int, head_dim: int, num_blocks: int) -> tuple:
         tokens_per_row = self.backend.tokens_per_row(self.block_size, head_dim)
@@ -589,15 +595,14 @@ def copy_pool_blocks(kv_pool, block_src: jax.Array, block_dst: jax.Array, kind_b
     """The pool with block dst[i] := block src[i] in every layer. Sources are read before anything is written;
     out-of-range dst entries (padding) are no-ops. An int8 pool's scales are copied with its pages. A pool of several
     kinds of page (``kind_blocks`` of each, `config/kv_cache_groups.py`) copies each pair in the kind its ids are."""
-    single = len(kind_blocks) == 1
     copied = []
-    for pair, first, count in zip([kv_pool] if single else kv_pool, np.cumsum((0, *kind_blocks[:-1])), kind_blocks,
+    for pair, first, count in zip(kind_pairs(kv_pool, len(kind_blocks)), first_block_ids(kind_blocks), kind_blocks,
                                   strict=True):
         mine = (block_dst >= first) & (block_dst < first + count)
         dst, src = jnp.where(mine, block_dst - first, count), jnp.where(mine, block_src - first, 0)
         copy = lambda pool, dst=dst, src=src: pool.at[:, :, dst].set(pool[:, :, src], mode="drop")
         copied.append(jax.tree.map(copy, pair))
-    return copied[0] if single else tuple(copied)
+    return pool_of_kinds(copied)
 
 
 def _padded_pairs(pairs: list[tuple[int, int]], size: int, out_of_range: int) -> tuple[np.ndarray, np.ndarray]:
