@@ -104,9 +104,9 @@ class PageStream:
     """K/V page copies for one (sequence, kv head) grid point (and an int8 pool's scales: ``scales``)."""
 
     k_hbm: object  # ref [num_layers, num_kv_heads, total_pages, rows, lanes], HBM (pl.ANY): the stacked pool
-    v_hbm: object  # ref [num_layers, num_kv_heads, total_pages, rows, lanes], HBM (pl.ANY)
+    v_hbm: object  # ref [num_layers, num_kv_heads, total_pages, rows, lanes], HBM (pl.ANY); None: keys only (MLA)
     k_buf: object  # ref [2, pages_per_block, rows, lanes], VMEM (two slots)
-    v_buf: object  # ref [2, pages_per_block, rows, lanes], VMEM (two slots)
+    v_buf: object  # ref [2, pages_per_block, rows, lanes], VMEM (two slots); None with v_hbm
     sems: object  # DMA semaphores [2 (k, v), 2 (slot)]
     table_ref: object  # SMEM i32[num_seqs * pages_per_seq], flattened block table
     table_offset: jax.Array  # i32 scalar, seq * pages_per_seq
@@ -137,11 +137,16 @@ class PageStream:
             @pl.when(page_no < self.num_pages)
             def _(p=p, page_no=page_no):
                 page = self.table_ref[self.table_offset + page_no]
-                for which, (hbm, buf) in enumerate(((self.k_hbm, self.k_buf), (self.v_hbm, self.v_buf))):
+                for which, (hbm, buf) in enumerate(self._pools()):
                     copy = pltpu.make_async_copy(
                         hbm.at[self.layer, self.head, page], buf.at[slot, p], self.sems.at[which, slot]
                     )
                     action(copy)
+
+    def _pools(self):
+        """(HBM ref, VMEM slots) of K and of V (only K for a keys-only pool)."""
+        pools = [(self.k_hbm, self.k_buf), (self.v_hbm, self.v_buf)]
+        return pools[:1] if self.v_hbm is None else pools
 
     def start(self, block, slot) -> None:
         self._for_each_copy(block, slot, lambda copy: copy.start())
@@ -196,8 +201,8 @@ def fold_pages(stream: PageStream, num_blocks: jax.Array, body, init):
     (block ``i`` holds pages ``stream.first_page + i * pages_per_block`` onwards).
 
     k, v: [pages_per_block * rows, lanes] pool rows of the block (``PoolGeometry``; tokens past the copied
-    pages are garbage and must be masked by ``body``); scales: an int8 pool's (``PageStream.block_scales``),
-    else None. Returns the final carry.
+    pages are garbage and must be masked by ``body``; v None for a keys-only stream); scales: an int8 pool's
+    (``PageStream.block_scales``), else None. Returns the final carry.
     """
 
     @pl.when(num_blocks > 0)
@@ -214,7 +219,7 @@ def fold_pages(stream: PageStream, num_blocks: jax.Array, body, init):
         stream.wait(block, slot)
         _, pages, rows, lanes = stream.k_buf.shape
         k = stream.k_buf[slot].reshape(pages * rows, lanes)
-        v = stream.v_buf[slot].reshape(pages * rows, lanes)
+        v = None if stream.v_buf is None else stream.v_buf[slot].reshape(pages * rows, lanes)
         return body(block, k, v, stream.block_scales(block, slot), carry)
 
     return lax.fori_loop(0, num_blocks, step, init)

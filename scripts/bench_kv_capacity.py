@@ -69,7 +69,7 @@ def summaries(model: str, context: int, kv_bytes: int) -> dict[bool, str]:
     for groups in (True, False):
         config = EngineConfig(model=model, dtype="bfloat16", max_model_len=context, kv_cache_memory_bytes=kv_bytes,
                               buckets=str(buckets), disable_hybrid_kv_cache_manager=not groups)
-        model_config = config.kv_cache_model_config(load_config(Path(model)))
+        model_config = config.kv_cache_model_config(load_config(Path(model)), jax.default_backend())
         grid = engine_bucket_grid(config, model_config, {}, jax.default_backend(), mesh)
         lines[groups] = kv_cache_summary(grid, model_config.kv_cache_layout)
     return lines

@@ -46,6 +46,17 @@ class AttentionBackend(Protocol):
         sinks: jax.Array | None = None,  # f32[Hq]: a logit per query head in each softmax's denominator (gpt-oss)
     ) -> jax.Array: ...  # q's shape
 
+    def attend_latent(
+        self,
+        q: jax.Array,  # [S, Q, H, W]: each head's absorbed query [q_lat | q_pe | zeros] (`models/deepseek.py`)
+        pool: jax.Array,  # [L, 1, num_blocks, block_size, W]: rows [c | k_pe | zeros], keys and values alike
+        layer: jax.Array,  # i32[]
+        meta: AttentionMetadata,
+        *,
+        sm_scale: float,
+        kv_lora_rank: int,
+    ) -> jax.Array: ...  # [S, Q, H, kv_lora_rank]: each head's softmax-weighted sum of the rows' latents
+
 
 def window_mask(keys: jax.Array, rows: jax.Array, sliding_window: int | jax.Array | None) -> jax.Array | bool:
     """Which keys a query at position ``rows`` sees in its sliding window (rows - W < key): True for all without
@@ -55,6 +66,12 @@ def window_mask(keys: jax.Array, rows: jax.Array, sliding_window: int | jax.Arra
     if isinstance(sliding_window, int):
         return keys > rows - sliding_window
     return (sliding_window <= 0) | (keys > rows - sliding_window)
+
+
+def attend_over_rows(backend: AttentionBackend, q, pool, layer, meta, *, sm_scale, kv_lora_rank):
+    """`AttentionBackend.attend_latent` by the backend's own attention, with the pool as its keys and its values."""
+    out = backend.attend(q, pool, pool, layer, meta, sm_scale=sm_scale, sliding_window=None)
+    return out[..., :kv_lora_rank]
 
 
 class ReferenceBackend:
@@ -95,6 +112,8 @@ class ReferenceBackend:
         groups = [slice(start, start + self.group_rows) for start in range(0, num_seqs, self.group_rows)]
         outs = [attend_rows(q[rows], jax.tree.map(lambda x, rows=rows: x[rows], meta)) for rows in groups]
         return jnp.concatenate(outs, axis=0)
+
+    attend_latent = attend_over_rows
 
 
 def chunked_paged_attention(
@@ -156,7 +175,9 @@ def chunked_paged_attention(
 
 class PallasBackend:
     """The Pallas kernels: `paged_attention` for decode (Q == 1), `prefill_attention` for prefill chunks and
-    `ragged_paged_attention` for mixed steps. They read the stacked pool in place at the layer index.
+    `ragged_paged_attention` for mixed steps. They read the stacked pool in place at the layer index. A pool of
+    latents (MLA): `mla_decode_attention` for decode; prefill chunks and mixed steps attend in plain XLA (the
+    reference backend's loop over the block table) until a latent kernel takes queries of many tokens.
 
     ``platform`` is where the step runs: "tpu" (Mosaic kernels, lane-dense pool), "gpu"/"cuda"/"rocm"
     (Triton kernels), or "cpu", where the TPU variant runs in the Pallas interpreter (tests)."""
@@ -203,6 +224,20 @@ class PallasBackend:
                 query, k_pool, v_pool, meta.block_tables, meta.q_start, meta.lengths, **common
             )
         return out.astype(q.dtype)
+
+    def attend_latent(self, q, pool, layer, meta, *, sm_scale, kv_lora_rank):
+        if meta.is_ragged or q.shape[1] != 1:
+            return ReferenceBackend().attend_latent(q, pool, layer, meta, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
+        import kernels_pallas
+
+        pool = pool_values(pool)  # uint16 pools (bfloat16 bits) exist only on XLA:CPU, where the kernels interpret
+        query = q[:, 0] if pool.dtype == FP8_KV_DTYPE else q[:, 0].astype(pool.dtype)
+        lengths = jnp.maximum(meta.lengths, 1)  # padding rows (length 0) read one harmless slot
+        out = kernels_pallas.mla_decode_attention(
+            query, pool, lengths, meta.block_tables, kv_lora_rank=kv_lora_rank, layer=layer,
+            sm_scale=sm_scale, backend=self.kernel_variant, interpret=self.interpret,
+        )
+        return out[:, None].astype(q.dtype)
 
 
 class CpuBackend(ReferenceBackend):

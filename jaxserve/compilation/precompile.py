@@ -130,7 +130,7 @@ def precompile(
     model_config = load_config(model_path)
     model_config, params = apply_quantization(model_config, abstract_params(model_config, config.dtype),
                                               config.quantization)
-    model_config = config.kv_cache_model_config(model_config)
+    model_config = config.kv_cache_model_config(model_config, jax.default_backend())
     draft = abstract_draft(config, model_config)
     grid = engine_bucket_grid(config, model_config, params, jax.default_backend(), mesh, draft=draft)
     runner = ModelRunner.for_engine(model_config, params, config, grid, mesh, abstract=True)

@@ -167,8 +167,7 @@ def target_engine(config: EngineConfig, target_name: str, tensor_parallel_size: 
     budget alone gives, without compiling the largest steps to fit it to them (a CUDA target never fits them)."""
     model_path = resolve_model_path(config.model)
     model_config = load_config(model_path)
-    # the Pallas kernels, as an engine on the target picks them ("auto" for a latent (MLA) model: no latent kernel)
-    config = dataclasses.replace(config, attention_backend="auto" if model_config.kv_values_in_keys else "pallas")
+    config = dataclasses.replace(config, attention_backend="pallas")  # the kernels, as an engine there picks them
     target = resolve_target(target_name, tensor_parallel_size or 1)
     if tensor_parallel_size is None:
         # a pool of latents (MLA) is whole on every device: its one kv head does not bound the split
@@ -180,7 +179,7 @@ def target_engine(config: EngineConfig, target_name: str, tensor_parallel_size: 
     config = dataclasses.replace(target_dtype(config, target), tensor_parallel_size=tensor_parallel_size)
     model_config, params = apply_quantization(model_config, abstract_params(model_config, config.dtype),
                                               config.quantization)
-    model_config = config.kv_cache_model_config(model_config)
+    model_config = config.kv_cache_model_config(model_config, target.platform)
     draft = abstract_draft(config, model_config)
     grid = engine_bucket_grid(config, model_config, params, target.platform, mesh, target.hbm_bytes_per_device,
                               fit_to_steps=fit_to_steps and not target.lower_only, draft=draft)

@@ -13,6 +13,7 @@ import dataclasses
 import os
 
 from jaxserve.config.kv_events_config import KVEventsConfig
+from jaxserve.config.mla_config import latent_row_width
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.config.quantization_config import KV_CACHE_DTYPE_CHOICES, parse_quantization
 from jaxserve.config.speculative_config import SpeculativeConfig
@@ -166,14 +167,18 @@ class EngineConfig:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
 
-    def kv_cache_model_config(self, model_config: ModelConfig) -> ModelConfig:
-        """``model_config`` with the KV cache groups this engine keeps: sliding-window layers in groups of their own
-        (`config/kv_cache_groups.py`) unless `disable_hybrid_kv_cache_manager`, or a draft model's pool follows the
-        first group's block tables and the model has no full-attention layer to give that group every token."""
+    def kv_cache_model_config(self, model_config: ModelConfig, platform: str) -> ModelConfig:
+        """``model_config`` with the KV cache this engine keeps on ``platform``: sliding-window layers in groups of
+        their own (`config/kv_cache_groups.py`) unless `disable_hybrid_kv_cache_manager`, or a draft model's pool
+        follows the first group's block tables and the model has no full-attention layer to give that group every
+        token; a pool of latents (MLA) in rows of the platform's width (`mla_config.latent_row_width`)."""
         spec = self.speculative_config
         draft_follows = spec is not None and spec.method == "draft_model" and all(model_config.sliding_layers)
         hybrid = not (self.disable_hybrid_kv_cache_manager or draft_follows)
-        return dataclasses.replace(model_config, hybrid_kv_cache=hybrid)
+        model_config = dataclasses.replace(model_config, hybrid_kv_cache=hybrid)
+        if model_config.mla is None:
+            return model_config
+        return dataclasses.replace(model_config, head_dim=latent_row_width(model_config.mla.latent_dim, platform))
 
     @property
     def speculative_grid(self) -> tuple[int, int] | None:

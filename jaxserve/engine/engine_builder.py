@@ -84,7 +84,8 @@ def build_engine_parts(config: EngineConfig, loaded: LoadedModel | None = None) 
     config = resolve_engine_dtype(config, mesh.devices.flat[0])
     loaded = loaded or load_model(config.model, config.dtype, mesh=mesh, quantization=config.quantization)
     model_config, params = apply_quantization(loaded.config, loaded.params, config.quantization)
-    loaded = dataclasses.replace(loaded, config=config.kv_cache_model_config(model_config), params=params)
+    loaded = dataclasses.replace(loaded, config=config.kv_cache_model_config(model_config, jax.default_backend()),
+                                 params=params)
     spec = config.speculative_config
     draft = None
     if spec is not None and spec.method == "draft_model":

@@ -82,9 +82,9 @@ class MLAttention(nn.Module):
         w_kv = w_kv.reshape(rank, heads, nope + mla.v_head_dim)
         query = jnp.concatenate([absorbed(q_nope, w_kv[..., :nope], "sqhd,rhd->sqhr"), q_pe], axis=-1)
         key = jnp.concatenate([latent[..., None, :], k_pe], axis=-1)  # [S, Q, 1, r + dr]
+        query, key = (pad_to_row(x, cfg.head_dim) for x in (query, key))
         k_pool, v_pool = kv_pool
-        out, k_pool = latent_attention(query, key, k_pool, layer, meta, self.backend, mla.softmax_scale, self.mesh)
-        latent_out = out.reshape(num_seqs, num_q, heads, mla.latent_dim)[..., :rank]
+        latent_out, k_pool = latent_attention(query, key, k_pool, layer, meta, self.backend, mla, self.mesh)
         values = absorbed(latent_out, w_kv[..., nope:], "sqhr,rhv->sqhv").reshape(num_seqs, num_q, -1)
         o_proj = dense(cfg.hidden_size, "o_proj", self.dtype, cfg.attention_bias, cfg.quantization)
         return o_proj(values), (k_pool, v_pool)
@@ -98,15 +98,22 @@ class MLAttention(nn.Module):
         return dense(width, "q_b_proj", self.dtype)(RMSNorm(LATENT_NORM_EPS, self.dtype, name="q_a_layernorm")(low))
 
 
-def latent_attention(query, key, k_pool, layer, meta: AttentionMetadata, backend: AttentionBackend, sm_scale: float,
+def pad_to_row(x: jax.Array, width: int) -> jax.Array:
+    """[..., r + dr] padded with zeros to the pool's rows of ``width`` values (`mla_config.latent_row_width`): the
+    zeros add nothing to a score."""
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+def latent_attention(query, key, k_pool, layer, meta: AttentionMetadata, backend: AttentionBackend, mla: MLAConfig,
                      mesh: Mesh | None):
-    """(out [S, Q, H, r + dr], pool): ``key`` [S, Q, 1, r + dr] written into the latent pool, then multi-query
-    attention of ``query`` [S, Q, H, r + dr] over it, the pool its own values; per device over its heads on a mesh."""
+    """(out [S, Q, H, r], pool): ``key`` [S, Q, 1, W] written into the latent pool, then multi-query attention of
+    ``query`` [S, Q, H, W] over it, the rows' latents its values (`AttentionBackend.attend_latent`); per device over
+    its heads on a mesh."""
 
     def local(query, key, k_pool, layer, meta):
         k_pool = write_keys(k_pool, layer, key, meta)
-        out = backend.attend(query, k_pool, k_pool, layer, meta, sm_scale=sm_scale, sliding_window=None,
-                             logit_softcap=None, sinks=None)
+        out = backend.attend_latent(query, k_pool, layer, meta, sm_scale=mla.softmax_scale,
+                                    kv_lora_rank=mla.kv_lora_rank)
         return out, k_pool
 
     if mesh is not None:

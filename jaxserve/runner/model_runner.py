@@ -578,17 +578,22 @@ def _abstract(tree):
 
 def _attention_backend(config: ModelConfig, name: str, platform: str):
     """The attention backend a step of ``config`` runs on: ``name`` ("auto": `get_attention_backend`'s choice), but a
-    pool of latents (MLA) on the cpu or reference backend: the Pallas kernels take no latent head yet ("auto" picks
-    the reference backend there, with a warning)."""
+    pool of latents (MLA) whose rows the Pallas latent kernel does not take (`mla_attention.check_latent_shape`) on
+    the reference backend under "auto" (with a warning), refused under "pallas"."""
     backend = get_attention_backend(name, platform)
     if not config.kv_values_in_keys or backend.name != "pallas":
         return backend
-    if name != "auto":
-        raise ValueError("attention_backend='pallas' has no kernel for DeepSeek's latent attention yet: use 'auto' "
-                         "or 'reference' (plain XLA)")
-    logger.warning("DeepSeek's latent attention: the Pallas kernels take no latent head yet; the steps use the "
-                   "reference attention (plain XLA)")
-    return get_attention_backend("reference", platform)
+    from kernels_pallas.mla_attention import check_latent_shape
+
+    try:
+        check_latent_shape(config.head_dim, config.mla.kv_lora_rank)
+    except ValueError as err:
+        if name != "auto":
+            raise ValueError(f"attention_backend='pallas' has no kernel for this latent attention: {err}") from err
+        logger.warning("the Pallas latent kernel does not take this model's latent rows (%s); the steps use the "
+                       "reference attention (plain XLA)", err)
+        return get_attention_backend("reference", platform)
+    return backend
 
 
 def copy_pool_blocks(kv_pool, block_src: jax.Array, block_dst: jax.Array, kind_blocks: tuple[int, ...]):

@@ -232,8 +232,8 @@ def test_the_cli_turns_the_kv_cache_groups_off_as_vllm_does():
     config = engine_config_from_args(parser.parse_args(["--disable-hybrid-kv-cache-manager"]))
     gemma = ModelConfig("Gemma3ForCausalLM", 64, 16, 32, 4, 2, 1, 8, sliding_window=8,
                         layer_types=("sliding_attention", "full_attention") * 2)
-    assert config.kv_cache_model_config(gemma).kv_cache_layout.windows == (None,)
-    assert EngineConfig().kv_cache_model_config(gemma).kv_cache_layout.windows == (None, 8)
+    assert config.kv_cache_model_config(gemma, "cpu").kv_cache_layout.windows == (None,)
+    assert EngineConfig().kv_cache_model_config(gemma, "cpu").kv_cache_layout.windows == (None, 8)
     with pytest.raises(ValueError, match=r"^disable_hybrid_kv_cache_manager must be True or False, got 1$"):
         EngineConfig(disable_hybrid_kv_cache_manager=1)
 
@@ -243,4 +243,4 @@ def test_the_cpu_pool_default_is_the_same_bytes_with_kv_cache_groups():
     gemma = ModelConfig("Gemma3ForCausalLM", 64, 16, 32, 4, 2, 1, 8, sliding_window=8,
                         layer_types=("sliding_attention", "full_attention") * 2)
     assert cpu_kv_blocks(gemma) == 4096
-    assert cpu_kv_blocks(EngineConfig(disable_hybrid_kv_cache_manager=True).kv_cache_model_config(gemma)) == 2048
+    assert cpu_kv_blocks(EngineConfig(disable_hybrid_kv_cache_manager=True).kv_cache_model_config(gemma, "cpu")) == 2048

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.compilation.sizing import _block_bytes
+from jaxserve.config.engine_config import EngineConfig
 from jaxserve.config.mla_config import MLAConfig
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.distributed.sharding import check_tensor_parallel
@@ -110,3 +111,21 @@ def test_what_the_engine_cannot_serve_is_refused_with_the_reason():
         check_tensor_parallel(config_of("deepseek-v2-lite", intermediate_size=96), 4)
     with pytest.raises(ValueError, match="unsupported DeepSeek topk_method 'random'"):
         config_of("deepseek-v2-lite", topk_method="random")
+
+
+LATENT_KERNEL_SHAPE = dict(kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
+                           num_hidden_layers=2, hidden_size=64, n_routed_experts=4, n_group=2)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"], ids=["rows-192", "rows-256"])
+def test_the_latent_kernel_decodes_as_transformers(tmp_path, platform):
+    """The Pallas latent kernel (interpreted) serves the decode steps of a model whose latent it takes (rank 128,
+    rotary 64), in rows of its own width and in the TPU engine's rows padded to 256 lanes
+    (`EngineConfig.kv_cache_model_config`); the prompt's chunk attends in plain XLA."""
+    path = make_tiny_model(tmp_path / "m", "deepseek_v3", **LATENT_KERNEL_SHAPE)
+    loaded = load_model(str(path), "float32")
+    cfg = EngineConfig().kv_cache_model_config(loaded.config, platform)
+    assert cfg.kv_page_shapes == ((1, {"cpu": 192, "tpu": 256}[platform]),)
+    forward = PagedForward(cfg, loaded.params, backend="pallas", block_size=16, num_blocks=4)
+    got = forward.run(FAMILY_TOKENS[:9], [2, 0], [6, 1, 1, 1])
+    np.testing.assert_allclose(got, hf_logits(path, FAMILY_TOKENS[:9]), atol=2e-5, rtol=0)
