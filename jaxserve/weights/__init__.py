@@ -110,9 +110,7 @@ def _gguf_tokenizer(path: Path):
     cached = tokenizer_cache_dir(path)
     if (cached / "tokenizer_config.json").is_file():
         return _saved_tokenizer(cached)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = _converted_gguf_tokenizer(path)
     try:
         staging = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
         tokenizer.save_pretrained(str(staging))
@@ -120,6 +118,21 @@ def _gguf_tokenizer(path: Path):
     except OSError:
         pass  # a read-only or racing cache only costs the conversion next time
     return tokenizer
+
+
+def _converted_gguf_tokenizer(path: Path):
+    """AutoTokenizer's class for the file's model; the generic fast class where transformers reads no config of
+    the file's architecture (`TOKENIZER_ONLY_GGUF_ARCHITECTURES`): its tokenizer converts all the same."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from jaxserve.weights.gguf_file import TOKENIZER_ONLY_GGUF_ARCHITECTURES, read_gguf_architecture
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError:
+        if read_gguf_architecture(path) not in TOKENIZER_ONLY_GGUF_ARCHITECTURES:
+            raise
+    return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def _saved_tokenizer(directory: Path):

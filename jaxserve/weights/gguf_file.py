@@ -7,6 +7,14 @@ rows of Llama models (Mixtral too) permuted for its rotary layout and Gemma's no
 are undone here. It stacks a layer's experts into one tensor per projection (`ffn_gate_exps`: [E, I, H]),
 which is dequantized once and served to `convert.py` expert by expert; Phi-3 keeps its fused `attn_qkv` and
 `ffn_up` (gate | up) as the Hugging Face checkpoint has them, and its LongRoPE factors as two tensors.
+
+DeepSeek-V2/V3 and Kimi K2 are llama.cpp's `deepseek2`: rows as in the checkpoint (its rotary pairs interleaved,
+which `convert.py` permutes as for the checkpoint), the ranks and head sizes in `attention.*` keys, the routing in
+`expert_*` keys (a sigmoid router, with its correction bias `exp_probs_b`, is V3's; a softmax one V2's). Files
+written since llama.cpp's weight-absorbed attention (April 2025) split kv_b_proj into `attn_k_b` (each head's key
+rows transposed) and `attn_v_b` and give the per-head sizes as `key_length_mla`/`value_length_mla` (their
+`key_length`/`value_length` are the absorbed form's); older ones keep `attn_kv_b` and the per-head `key_length`.
+Both load; kv_b_proj is put back together from the split (`SplitKvB`).
 """
 
 from __future__ import annotations
@@ -32,8 +40,12 @@ GGUF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",  # DeepseekV3ForCausalLM where its router is sigmoid (V3, Kimi K2)
 }
 QWEN_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
+EXPERT_GATING_SOFTMAX, EXPERT_GATING_SIGMOID = 1, 2  # llama.cpp's expert_gating_func values
+# architectures whose config transformers' GGUF reader does not read: their tokenizer loads without it
+TOKENIZER_ONLY_GGUF_ARCHITECTURES = ("deepseek2",)
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
@@ -67,6 +79,20 @@ _QWEN_MOE_LAYER_TENSORS = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _MIXTRAL_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_gate_inp": "block_sparse_moe.gate"}
+_DEEPSEEK2_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",  # older files; newer ones split it (`SplitKvB`)
+    "ffn_gate_inp": "mlp.gate",
+    "exp_probs_b": "mlp.gate.e_score_correction",  # .bias: the checkpoint's e_score_correction_bias
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 # a layer's stacked experts -> the Hugging Face names of one expert's projection (Qwen-MoE, Mixtral)
 _EXPERT_STACKS = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
                   "ffn_down_exps": ("down_proj", "w2")}
@@ -85,18 +111,22 @@ def _layer_tensors(arch: str, moe: bool) -> dict[str, str]:
         return _PHI3_LAYER_TENSORS
     if arch in QWEN_MOE_ARCHITECTURES:
         return _QWEN_MOE_LAYER_TENSORS
+    if arch == "deepseek2":
+        return _DEEPSEEK2_LAYER_TENSORS
     return _MIXTRAL_LAYER_TENSORS if moe else _LAYER_TENSORS
 
 
 def hf_name(gguf_name: str, arch: str = "llama", moe: bool = False) -> str | None:
-    """GGUF tensor name → Hugging Face name (None for tensors the model does not use, and for stacked experts:
-    `expert_names`). `moe`: a Llama-architecture file with experts (Mixtral)."""
+    """GGUF tensor name → Hugging Face name (None for tensors the model does not use, for stacked experts:
+    `expert_names`, and for DeepSeek's split kv_b: `SplitKvB`). `moe`: a Llama-architecture file with experts
+    (Mixtral)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     layer_tensors = _layer_tensors(arch, moe)
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_tensors:
-        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
+        name = f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
+        return name.replace("e_score_correction.bias", "e_score_correction_bias")
     return None
 
 
@@ -116,6 +146,14 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def _required(reader, key: str):
+    """The metadata value of ``key``; a clear error where the file lacks it."""
+    value = _field(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF file {reader.data.filename} lacks the metadata key {key!r}")
+    return value
+
+
 def gguf_architecture(reader) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -123,6 +161,13 @@ def gguf_architecture(reader) -> str:
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
     return arch
+
+
+def read_gguf_architecture(path: Path) -> str | None:
+    """The file's `general.architecture` (whatever it is; `gguf_architecture` checks it)."""
+    import gguf
+
+    return _field(gguf.GGUFReader(str(path)), "general.architecture")
 
 
 def read_gguf_hf_config(path: Path) -> dict:
@@ -145,8 +190,8 @@ def gguf_model_config(hf_config: dict, quantization: str | None = None) -> Model
 def gguf_hf_config(reader) -> dict:
     """The GGUF metadata as a Hugging Face config.json dict."""
     arch = gguf_architecture(reader)
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(_required(reader, f"{arch}.attention.head_count"))
+    hidden = int(_required(reader, f"{arch}.embedding_length"))
     tensors = {t.name: t for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
@@ -154,8 +199,8 @@ def gguf_hf_config(reader) -> dict:
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
@@ -172,9 +217,74 @@ def gguf_hf_config(reader) -> dict:
         hf.update(_gemma_metadata(reader, arch))
     if arch == "phi3":
         hf.update(_phi3_metadata(reader, hf, tensors))
-    if _field(reader, f"{arch}.expert_count"):
+    if arch == "deepseek2":
+        hf.update(_deepseek2_metadata(reader, hf, tensors))
+    elif _field(reader, f"{arch}.expert_count"):
         hf.update(_expert_metadata(reader, arch, tensors, hf["num_hidden_layers"]))
     return hf
+
+
+def _deepseek2_metadata(reader, hf: dict, tensors: dict) -> dict:
+    """llama.cpp's DeepSeek keys as the checkpoint's config.json ones: the latent attention's ranks and per-head
+    sizes (`*_mla` in newer files, module docstring), the MoE (`_deepseek2_routing`), YaRN's mscale_all_dim."""
+    key = "deepseek2.attention"
+    if _field(reader, f"{key}.temperature_scale"):  # Mistral Large 3's llama.cpp files
+        raise ValueError(f"unsupported GGUF key {key}.temperature_scale: attention temperature tuning")
+    rope_dim = int(_required(reader, "deepseek2.rope.dimension_count"))
+    mla = _field(reader, f"{key}.key_length_mla") is not None
+    qk_head_dim = int(_required(reader, f"{key}.key_length_mla" if mla else f"{key}.key_length"))
+    q_lora_rank = _field(reader, f"{key}.q_lora_rank")
+    if q_lora_rank is None and "blk.0.attn_q_a.weight" in tensors:
+        q_lora_rank = _required(reader, f"{key}.q_lora_rank")
+    fields = {
+        "kv_lora_rank": int(_required(reader, f"{key}.kv_lora_rank")),
+        "q_lora_rank": None if q_lora_rank is None else int(q_lora_rank),
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": qk_head_dim - rope_dim,
+        "v_head_dim": int(_required(reader, f"{key}.value_length_mla" if mla else f"{key}.value_length")),
+        "head_dim": rope_dim,  # as transformers' DeepSeek configs have it; the latent's sizes are the ones read
+        "num_key_value_heads": hf["num_attention_heads"],  # the checkpoint's; llama.cpp's absorbed form has 1
+        "attention_bias": "blk.0.attn_kv_a_mqa.bias" in tensors,
+        **_deepseek2_routing(reader),
+    }
+    log_mul = _field(reader, "deepseek2.rope.scaling.yarn_log_multiplier")
+    if hf["rope_scaling"] and hf["rope_scaling"]["rope_type"] == "yarn" and log_mul:
+        # llama.cpp stores 0.1 * mscale_all_dim and takes mscale (the cos/sin scale's numerator) to be equal to it
+        mscale = float(log_mul) / 0.1
+        fields["rope_scaling"] = {**hf["rope_scaling"], "mscale": mscale, "mscale_all_dim": mscale}
+    return fields
+
+
+def _deepseek2_routing(reader) -> dict:
+    """A sigmoid router is V3's (noaux_tc with its correction bias; Kimi K2 too), a softmax one (llama.cpp's
+    default) V2's, its experts chosen within the best groups where they are grouped (group_limited_greedy)."""
+
+    def value(key: str, default=None):
+        return _field(reader, f"deepseek2.{key}", default)
+
+    gating = int(value("expert_gating_func", EXPERT_GATING_SOFTMAX))
+    if gating not in (EXPERT_GATING_SOFTMAX, EXPERT_GATING_SIGMOID):
+        raise ValueError(f"unsupported deepseek2.expert_gating_func {gating}; supported: "
+                         f"{EXPERT_GATING_SOFTMAX} (softmax), {EXPERT_GATING_SIGMOID} (sigmoid)")
+    sigmoid = gating == EXPERT_GATING_SIGMOID
+    n_group, topk_group = value("expert_group_count"), value("expert_group_used_count")
+    fields = {
+        "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+        "scoring_func": "sigmoid" if sigmoid else "softmax",
+        "topk_method": "noaux_tc" if sigmoid else "group_limited_greedy" if (n_group or 1) > 1 else "greedy",
+        "n_group": None if n_group is None else int(n_group),
+        "topk_group": None if topk_group is None else int(topk_group),
+        "first_k_dense_replace": int(value("leading_dense_block_count", 0)),
+        "n_shared_experts": int(value("expert_shared_count", 0)),
+        "routed_scaling_factor": float(value("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(value("expert_weights_norm", False)),
+        "n_routed_experts": None,
+    }
+    if value("expert_count"):
+        fields["n_routed_experts"] = int(value("expert_count"))
+        fields["num_experts_per_tok"] = int(_required(reader, "deepseek2.expert_used_count"))
+        fields["moe_intermediate_size"] = int(_required(reader, "deepseek2.expert_feed_forward_length"))
+    return fields
 
 
 def _gemma_metadata(reader, arch: str) -> dict:
@@ -284,6 +394,7 @@ def load_gguf(path: Path, dtype: str, quantization: str | None = None) -> tuple[
     moe = config.num_experts is not None
     tensors = {hf_name(t.name, arch, moe): t for t in reader.tensors if hf_name(t.name, arch, moe)}
     experts = ExpertSlices(reader.tensors, arch, config.num_experts or 0)
+    split_kv_b = SplitKvB(reader.tensors, path)
     rows = _RowFixes(arch, config)
 
     def tensor(name: str):
@@ -294,6 +405,8 @@ def load_gguf(path: Path, dtype: str, quantization: str | None = None) -> tuple[
     def get(name: str) -> np.ndarray:
         if name in experts:
             return experts.get(name)
+        if name in split_kv_b:
+            return split_kv_b.get(name)
         return rows.fix(name, dequantize_tensor(tensor(name)))
 
     if quantization != "gguf":
@@ -354,3 +467,28 @@ class ExpertSlices:
         if tensor.name != self._stack_name:
             self._stack_name, self._stack = tensor.name, dequantize_tensor(tensor)
         return self._stack[expert]
+
+
+class SplitKvB:
+    """DeepSeek's kv_b_proj ([heads * (nope + v), rank]) put back together where a GGUF file has llama.cpp's split
+    of it instead of `attn_kv_b`: `attn_k_b`, each head's key rows transposed ([heads, rank, nope]), and `attn_v_b`
+    ([heads, v, rank])."""
+
+    _NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight")
+
+    def __init__(self, gguf_tensors, path: Path):
+        self._tensors, self._path = {t.name: t for t in gguf_tensors}, path
+
+    def __contains__(self, name: str) -> bool:
+        match = self._NAME.fullmatch(name)
+        return match is not None and f"blk.{match.group(1)}.attn_kv_b.weight" not in self._tensors
+
+    def get(self, name: str) -> np.ndarray:
+        layer = self._NAME.fullmatch(name).group(1)
+        parts = [f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight"]
+        if any(part not in self._tensors for part in parts):
+            raise ValueError(f"GGUF file {self._path} lacks the tensors for {name}: blk.{layer}.attn_kv_b.weight, "
+                             f"or {parts[0]} and {parts[1]}")
+        k_b, v_b = (dequantize_tensor(self._tensors[part]) for part in parts)
+        kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # [heads, nope + v, rank]
+        return kv_b.reshape(-1, kv_b.shape[-1])

@@ -248,7 +248,7 @@ def test_unsupported_gguf_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.close()
     message = ("unsupported GGUF architecture 'gptneox'; supported: llama, qwen2, qwen3, gemma2, gemma3, phi3, "
-               "qwen2moe, qwen3moe")
+               "qwen2moe, qwen3moe, deepseek2$")
     with pytest.raises(ValueError, match=message):
         load_model(str(tmp_path / "x.gguf"))
 
