@@ -69,6 +69,8 @@ CXX_FLAGS = [
 POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16), jnp.dtype(jnp.uint8),
                jnp.dtype(jnp.int8))
 SCALED_POOL_DTYPE = jnp.dtype(jnp.int8)  # the pool that comes with k_scales and v_scales
+MAX_GROUP = 16  # query heads per kv head (paged_attention.cc's kMaxGroup)
+MAX_HEAD_DIM = 256  # (its kMaxHeadDim)
 _build_error: str | None = None
 
 

@@ -243,8 +243,10 @@ class PallasBackend:
 class CpuBackend(ReferenceBackend):
     """XLA:CPU: decode steps and prefill chunks call the native kernel of `kernels_cpu`, which reads the pages
     in place (plain XLA first copies every page through a slow gather) and attends only up to each token's
-    position, when the pool is float32 or bfloat16 (or its uint16 bits); pools of other dtypes take the
-    plain-XLA path of `ReferenceBackend`. Both apply the sliding window and the logit soft-cap."""
+    position, when the pool is float32 or bfloat16 (or its uint16 bits); pools of other dtypes, and heads the kernel
+    does not take (more than `kernels_cpu.MAX_GROUP` query heads per kv head, head_dim over `MAX_HEAD_DIM`: a real
+    DeepSeek's latent attention), take the plain-XLA path of `ReferenceBackend`. Both apply the sliding window and
+    the logit soft-cap."""
 
     name = "cpu"
     kv_writes = "native"  # the kernel library's custom call: nothing for XLA to compile per layer
@@ -261,7 +263,8 @@ class CpuBackend(ReferenceBackend):
 
         options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
         pool_dtype = page_values(k_pool).dtype
-        if pool_dtype not in kernels_cpu.POOL_DTYPES or page_values(v_pool).dtype != pool_dtype:
+        if (pool_dtype not in kernels_cpu.POOL_DTYPES or page_values(v_pool).dtype != pool_dtype
+                or not _native_heads(q.shape[2], *page_values(k_pool).shape[1::3])):
             return super().attend(q, k_pool, v_pool, layer, meta, **options)
         options.update(pool_scales(k_pool, v_pool))
         k_pool, v_pool = page_values(k_pool), page_values(v_pool)
@@ -275,6 +278,13 @@ class CpuBackend(ReferenceBackend):
                 q, k_pool, v_pool, layer, meta.block_tables, meta.q_start, meta.lengths, **options,
             )
         return out.astype(q.dtype)
+
+
+def _native_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the native CPU kernel takes these heads (`kernels_cpu.MAX_GROUP`, `MAX_HEAD_DIM`)."""
+    import kernels_cpu
+
+    return num_q_heads // num_kv_heads <= kernels_cpu.MAX_GROUP and head_dim <= kernels_cpu.MAX_HEAD_DIM
 
 
 def pool_scales(k_pool, v_pool) -> dict:

@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 TPU_LANES = 128  # a TPU tile's minor dimension
+PREFILL_FORMS = ("expanded", "absorbed")
 ROUTING_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")  # V3's sigmoid with bias; V2's softmax ones
 
 
@@ -38,8 +39,12 @@ class MLAConfig:
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
     correction_bias: bool = True  # V3: a per-expert bias added to the scores for selection only
+    # how prefill steps attend (`models/mla_expanded.py`): "expanded" (the measured faster) or "absorbed" as decode
+    prefill_form: str = "expanded"
 
     def __post_init__(self) -> None:
+        if self.prefill_form not in PREFILL_FORMS:
+            raise ValueError(f"prefill_form must be one of {PREFILL_FORMS}, got {self.prefill_form!r}")
         if self.routing not in ROUTING_METHODS:
             raise ValueError(f"unsupported DeepSeek topk_method {self.routing!r}; "
                              f"supported: {', '.join(ROUTING_METHODS)}")

@@ -5,11 +5,14 @@ Place in the data flow: as `llama.py`'s model (whose layer stack, embedding and 
 `AttentionMetadata`. The pool keeps one "kv head" per token and layer: the latent c (kv_lora_rank, after its norm)
 and the rotary key k_pe (after rotary), [c | k_pe]; it has no V pages (`ModelConfig.kv_values_in_keys`).
 
-Attention, weight-absorbed (vLLM's MLA; `config/mla_config.py`): each head's position-free query is projected into
-the latent space through its slice of kv_b_proj (q_lat = W_UK^T q_nope), so its scores against a cached token are
-[q_lat | q_pe] . [c | k_pe]: multi-query attention of head dim kv_lora_rank + qk_rope_head_dim over the latent
-pool, with the pool itself as the values; the first kv_lora_rank of each head's output are sum_t p_t c_t, which the
-head's value slice (W_UV) takes out of the latent space before o_proj. The same attention kernels as every family's.
+Attention in decode and mixed steps, weight-absorbed (vLLM's MLA; `config/mla_config.py`): each head's position-free
+query is projected into the latent space through its slice of kv_b_proj (q_lat = W_UK^T q_nope), so its scores
+against a cached token are [q_lat | q_pe] . [c | k_pe]: multi-query attention of head dim kv_lora_rank +
+qk_rope_head_dim over the latent pool, with the pool itself as the values (`AttentionBackend.attend_latent`: the
+Pallas latent kernel on TPU and GPU, the CPU kernel, plain XLA); the first kv_lora_rank of each head's output are
+sum_t p_t c_t, which the head's value slice (W_UV) takes out of the latent space before o_proj. Prefill steps attend
+in the expanded form (`mla_expanded.py`: the context's latents expanded to per-head keys and values), the faster
+for chunks of many tokens. On TPU the pool's rows are padded with zeros to whole 128-lane tiles.
 
 transformers' DeepSeek, otherwise: q through a low-rank pair (q_a_proj, its norm, q_b_proj) or one q_proj (V2-Lite);
 the latent norms' eps is 1e-6 whatever `rms_norm_eps` says; rotary on q_pe and k_pe only (the checkpoints' interleaved
@@ -37,6 +40,7 @@ from jaxserve.config.model_config import ModelConfig
 from jaxserve.distributed.sharding import TP_AXIS
 from jaxserve.models.common import ACTIVATIONS, dense, matmul
 from jaxserve.models.llama import DecoderLayer, LlamaForCausalLM
+from jaxserve.models.mla_expanded import expanded_attention
 from jaxserve.models.mlp import GatedMLP
 from jaxserve.models.moe import (
     EXPERT_PARALLEL_SPECS,
@@ -80,14 +84,17 @@ class MLAttention(nn.Module):
         k_pe = apply_rotary(compressed[..., None, rank:], *rotary)  # one rotary key for every head
         w_kv = Kernel((rank, heads * (nope + mla.v_head_dim)), self.dtype, name="kv_b_proj")()
         w_kv = w_kv.reshape(rank, heads, nope + mla.v_head_dim)
-        query = jnp.concatenate([absorbed(q_nope, w_kv[..., :nope], "sqhd,rhd->sqhr"), q_pe], axis=-1)
-        key = jnp.concatenate([latent[..., None, :], k_pe], axis=-1)  # [S, Q, 1, r + dr]
-        query, key = (pad_to_row(x, cfg.head_dim) for x in (query, key))
+        key = pad_to_row(jnp.concatenate([latent[..., None, :], k_pe], axis=-1), cfg.head_dim)  # [S, Q, 1, W]
         k_pool, v_pool = kv_pool
-        latent_out, k_pool = latent_attention(query, key, k_pool, layer, meta, self.backend, mla, self.mesh)
-        values = absorbed(latent_out, w_kv[..., nope:], "sqhr,rhv->sqhv").reshape(num_seqs, num_q, -1)
+        if mla.prefill_form == "expanded" and num_q > 1 and not meta.is_ragged:  # a prefill step
+            values, k_pool = expanded_prefill(q_nope, q_pe, w_kv, key, k_pool, layer, meta, mla, self.mesh)
+        else:
+            query = jnp.concatenate([absorbed(q_nope, w_kv[..., :nope], "sqhd,rhd->sqhr"), q_pe], axis=-1)
+            query = pad_to_row(query, cfg.head_dim)
+            latent_out, k_pool = latent_attention(query, key, k_pool, layer, meta, self.backend, mla, self.mesh)
+            values = absorbed(latent_out, w_kv[..., nope:], "sqhr,rhv->sqhv")
         o_proj = dense(cfg.hidden_size, "o_proj", self.dtype, cfg.attention_bias, cfg.quantization)
-        return o_proj(values), (k_pool, v_pool)
+        return o_proj(values.reshape(num_seqs, num_q, -1)), (k_pool, v_pool)
 
     def _query(self, x):
         cfg, mla = self.config, self.config.mla
@@ -104,11 +111,23 @@ def pad_to_row(x: jax.Array, width: int) -> jax.Array:
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
+HEADS = P(None, None, TP_AXIS, None)  # [S, Q, H, ...] by head
+KV_B_HEADS = P(None, TP_AXIS, None)  # kv_b_proj [r, H, nope + v] by head
+
+
+def on_devices(local, mesh: Mesh | None, head_specs: tuple):
+    """``local(*by_head, key, k_pool, layer, meta)`` -> (out [S, Q, H, ...], k_pool), on a mesh per device over its
+    heads (the ``by_head`` arguments split as ``head_specs`` say), the pool whole on each, written alike."""
+    if mesh is None:
+        return local
+    return jax.shard_map(local, mesh=mesh, in_specs=(*head_specs, P(), P(), P(), P()), out_specs=(HEADS, P()),
+                         check_vma=False)
+
+
 def latent_attention(query, key, k_pool, layer, meta: AttentionMetadata, backend: AttentionBackend, mla: MLAConfig,
                      mesh: Mesh | None):
     """(out [S, Q, H, r], pool): ``key`` [S, Q, 1, W] written into the latent pool, then multi-query attention of
-    ``query`` [S, Q, H, W] over it, the rows' latents its values (`AttentionBackend.attend_latent`); per device over
-    its heads on a mesh."""
+    ``query`` [S, Q, H, W] over it, the rows' latents its values (`AttentionBackend.attend_latent`)."""
 
     def local(query, key, k_pool, layer, meta):
         k_pool = write_keys(k_pool, layer, key, meta)
@@ -116,11 +135,19 @@ def latent_attention(query, key, k_pool, layer, meta: AttentionMetadata, backend
                                     kv_lora_rank=mla.kv_lora_rank)
         return out, k_pool
 
-    if mesh is not None:
-        heads = P(None, None, TP_AXIS, None)
-        local = jax.shard_map(local, mesh=mesh, in_specs=(heads, P(), P(), P(), P()), out_specs=(heads, P()),
-                              check_vma=False)
-    return local(query, key, k_pool, layer, meta)
+    return on_devices(local, mesh, (HEADS,))(query, key, k_pool, layer, meta)
+
+
+def expanded_prefill(q_nope, q_pe, w_kv, key, k_pool, layer, meta: AttentionMetadata, mla: MLAConfig,
+                     mesh: Mesh | None):
+    """(values f32[S, Q, H, v], pool): ``key`` [S, Q, 1, W] written into the latent pool, then the expanded form's
+    attention of a prefill step (`mla_expanded.expanded_attention`)."""
+
+    def local(q_nope, q_pe, w_kv, key, k_pool, layer, meta):
+        k_pool = write_keys(k_pool, layer, key, meta)
+        return expanded_attention(q_nope, q_pe, k_pool, layer, meta, w_kv, mla), k_pool
+
+    return on_devices(local, mesh, (HEADS, HEADS, KV_B_HEADS))(q_nope, q_pe, w_kv, key, k_pool, layer, meta)
 
 
 def deepseek_route(logits: jax.Array, correction: jax.Array | None, mla: MLAConfig, top_k: int,

@@ -199,6 +199,24 @@ def test_cpu_backend_equals_the_plain_xla_backend_on_decode_and_prefill(pool_dty
                                attend(ReferenceBackend(), chunk_q, chunk_meta), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("num_q_heads,head_dim", [(32, 64), (4, 576)], ids=["group-32", "head-dim-576"])
+def test_heads_the_kernel_does_not_take_attend_in_plain_xla(num_q_heads, head_dim):
+    """More query heads per kv head than the kernel's MAX_GROUP (DeepSeek-V3's 128 heads over its one latent) or a
+    head_dim over its MAX_HEAD_DIM (the latent's 576): the backend attends as the plain-XLA one does (the kernel would
+    refuse them)."""
+    rng = np.random.default_rng(3)
+    q, k_pool, v_pool, block_tables, lengths = _inputs(rng, num_q_heads, 1, head_dim, 16, 2)
+    k_pool, v_pool = jnp.asarray(k_pool), jnp.asarray(v_pool)
+    meta = AttentionMetadata(block_tables=jnp.asarray(block_tables), q_start=jnp.asarray(np.maximum(lengths - 1, 0)),
+                             lengths=jnp.asarray(lengths))
+    outs = [backend.attend(jnp.asarray(q[:, None]), k_pool, v_pool, jnp.int32(LAYER), meta, sm_scale=0.1)
+            for backend in (CpuBackend(), ReferenceBackend())]
+    np.testing.assert_array_equal(*outs)
+    with pytest.raises(Exception, match="unsupported head layout for the CPU paged attention"):
+        kernels_cpu.padded_paged_attention(jnp.asarray(q[:, None]), k_pool, v_pool, jnp.int32(LAYER),
+                                           meta.block_tables, meta.q_start, meta.lengths, sm_scale=0.1)
+
+
 def test_a_bfloat16_pool_stored_as_its_bits_reads_the_same_values():
     """The engine stores a bf16 pool as uint16 on CPU (kv_cache.kv_storage_dtype): the kernel and the plain-XLA
     path read those bits as the bf16 values, bit for bit."""

@@ -4,6 +4,7 @@ answer is known, int8 weights, and what is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -129,3 +130,17 @@ def test_the_latent_kernel_decodes_as_transformers(tmp_path, platform):
     forward = PagedForward(cfg, loaded.params, backend="pallas", block_size=16, num_blocks=4)
     got = forward.run(FAMILY_TOKENS[:9], [2, 0], [6, 1, 1, 1])
     np.testing.assert_allclose(got, hf_logits(path, FAMILY_TOKENS[:9]), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("prefill_form", ["expanded", "absorbed"])
+def test_prefill_chunks_attend_in_either_form_as_transformers(tmp_path, prefill_form):
+    """Prefill steps attend in the expanded form by default (`models/mla_expanded.py`); the absorbed form, which
+    decode and mixed steps use, gives the same logits for them."""
+    family, overrides = TINY_FAMILIES["deepseek-v3"]
+    path = make_tiny_model(tmp_path / "m", family, **overrides)
+    loaded = load_model(str(path), "float32")
+    cfg = dataclasses.replace(loaded.config, mla=dataclasses.replace(loaded.config.mla, prefill_form=prefill_form))
+    got = PagedForward(cfg, loaded.params).run(FAMILY_TOKENS, [3, 0, 5, 1, 2], [6, 5, 1, 4])
+    np.testing.assert_allclose(got, hf_logits(path, FAMILY_TOKENS), atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"prefill_form must be one of \('expanded', 'absorbed'\), got 'dense'"):
+        dataclasses.replace(loaded.config.mla, prefill_form="dense")
