@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import _common as cm
 from kernels_pallas._tpu_paging import PageStream, fold_pages
-from kernels_pallas.paged_attention import _combine_splits, _gpu_num_splits
+from kernels_pallas.paged_attention import combine_splits, gpu_num_splits, split_partials
 
 SUPPORTED_LATENT_RANKS = (128, 256, 512)  # whole TPU vregs of lanes, powers of two for Triton
 SUPPORTED_ROPE_DIMS = (32, 64, 128)
@@ -168,7 +168,7 @@ def _mla_gpu(q, pool, layer, lengths, page_indices, *, sm_scale, rank, pages_per
     num_layers, _, total_pages = pool.shape[:3]
     pages_per_seq = page_indices.shape[1]
     rows = max(16, cm.next_power_of_2(num_heads))  # Triton dots need >= 16 rows
-    num_splits = _gpu_num_splits(num_splits, num_seqs, 1, pl.cdiv(pages_per_seq, pages_per_block))
+    num_splits = gpu_num_splits(num_splits, num_seqs, 1, pl.cdiv(pages_per_seq, pages_per_block))
     pages_per_split = pl.cdiv(pl.cdiv(pages_per_seq, num_splits), pages_per_block) * pages_per_block
     # Padding entries point at page 0; they lie past every length and are masked.
     table = jnp.pad(page_indices, ((0, 0), (0, num_splits * pages_per_split - pages_per_seq)))
@@ -188,21 +188,12 @@ def _mla_gpu(q, pool, layer, lengths, page_indices, *, sm_scale, rank, pages_per
             pl.BlockSpec((None, 1), lambda s, k: (s, 0)),
             pl.BlockSpec(layer.shape, lambda s, k: (0,)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, rows, rank), lambda s, k: (s, k, 0, 0)),
-            pl.BlockSpec((None, None, rows, 1), lambda s, k: (s, k, 0, 0)),
-            pl.BlockSpec((None, None, rows, 1), lambda s, k: (s, k, 0, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((*part_shape, rank), jnp.float32),
-            jax.ShapeDtypeStruct((*part_shape, 1), jnp.float32),
-            jax.ShapeDtypeStruct((*part_shape, 1), jnp.float32),
-        ],
+        **split_partials(part_shape, rank),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=cm.interpret_arg("gpu", interpret),
         name="mla_decode_attention_gpu",
     )(q_rows, pages, table, lengths.reshape(num_seqs, 1), layer)
-    return _combine_splits(o, m, denom)[:, :num_heads].astype(q.dtype)
+    return combine_splits(o, m, denom)[:, :num_heads].astype(q.dtype)
 
 
 # ------------------------------------------------------------------------------------------ public

@@ -223,7 +223,7 @@ def _gpu_kernel(
     o_ref[...], m_ref[...], l_ref[...] = acc, m, denom
 
 
-def _combine_splits(o, m, denom, sinks=None):
+def combine_splits(o, m, denom, sinks=None):
     """Merges split partials: o f32[..., splits, rows, d]; max m, sum denom f32[..., splits, rows, 1]; with
     ``sinks`` (f32[..., rows, 1], each row's sink logit) one more term in each row's denominator."""
     m_all = jnp.max(m, axis=-3, keepdims=True)
@@ -237,7 +237,18 @@ def _combine_splits(o, m, denom, sinks=None):
     return acc / jnp.where(l_all == 0.0, 1.0, l_all)
 
 
-def _gpu_num_splits(num_splits, num_seqs, num_kv_heads, num_blocks) -> int:
+def split_partials(part_shape: tuple[int, ...], head_dim: int) -> dict:
+    """The ``out_specs`` and ``out_shape`` of a flash-decoding GPU kernel whose grid is ``part_shape[:-1]`` (its last
+    axis the split): per grid point f32 partials [rows, head_dim] (unnormalised output), [rows, 1] (max) and [rows, 1]
+    (sum), as ``combine_splits`` takes them."""
+    grid_rank = len(part_shape) - 1
+    index = lambda *ids: (*ids, 0, 0)
+    specs = [pl.BlockSpec((*(None,) * grid_rank, part_shape[-1], width), index) for width in (head_dim, 1, 1)]
+    shapes = [jax.ShapeDtypeStruct((*part_shape, width), jnp.float32) for width in (head_dim, 1, 1)]
+    return dict(out_specs=specs, out_shape=shapes)
+
+
+def gpu_num_splits(num_splits, num_seqs, num_kv_heads, num_blocks) -> int:
     if num_splits is None:
         num_splits = pl.cdiv(GPU_TARGET_PROGRAMS, num_seqs * num_kv_heads)
     return max(1, min(num_splits, num_blocks))
@@ -271,7 +282,7 @@ def _paged_attention_gpu(
     pages_per_seq = page_indices.shape[1]
     group = num_q_heads // g.num_kv_heads
     rows = max(16, cm.next_power_of_2(group))  # Triton dots need >= 16 rows
-    num_splits = _gpu_num_splits(num_splits, num_seqs, g.num_kv_heads, pl.cdiv(pages_per_seq, pages_per_block))
+    num_splits = gpu_num_splits(num_splits, num_seqs, g.num_kv_heads, pl.cdiv(pages_per_seq, pages_per_block))
     pages_per_split = pl.cdiv(pl.cdiv(pages_per_seq, num_splits), pages_per_block) * pages_per_block
     # Padding entries point at page 0; they lie past every length and are masked.
     table = jnp.pad(page_indices, ((0, 0), (0, num_splits * pages_per_split - pages_per_seq)))
@@ -295,22 +306,13 @@ def _paged_attention_gpu(
             pl.BlockSpec((None, 1), lambda s, h, k: (s, 0)),
             pl.BlockSpec(layer.shape, lambda s, h, k: (0,)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (s, h, k, 0, 0)),
-            pl.BlockSpec((None, None, None, rows, 1), lambda s, h, k: (s, h, k, 0, 0)),
-            pl.BlockSpec((None, None, None, rows, 1), lambda s, h, k: (s, h, k, 0, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((*part_shape, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((*part_shape, 1), jnp.float32),
-            jax.ShapeDtypeStruct((*part_shape, 1), jnp.float32),
-        ],
+        **split_partials(part_shape, head_dim),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=cm.interpret_arg("gpu", interpret),
         name="paged_attention_gpu",
     )(q4, *pool_arrays, table, lengths.reshape(num_seqs, 1), layer)
     sinks = None if sinks is None else cm.sink_rows(sinks, g.num_kv_heads, rows, 1)  # [Hkv, rows, 1]
-    out = _combine_splits(o, m, denom, sinks)[:, :, :group]
+    out = combine_splits(o, m, denom, sinks)[:, :, :group]
     return out.reshape(q.shape).astype(q.dtype)
 
 
