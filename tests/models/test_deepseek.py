@@ -118,28 +118,27 @@ LATENT_KERNEL_SHAPE = dict(kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_d
                            num_hidden_layers=2, hidden_size=64, n_routed_experts=4, n_group=2)
 
 
-@pytest.mark.parametrize("platform", ["cpu", "tpu"], ids=["rows-192", "rows-256"])
-def test_the_latent_kernel_decodes_as_transformers(tmp_path, platform):
+def test_the_latent_kernel_decodes_as_transformers(tmp_path):
     """The Pallas latent kernel (interpreted) serves the decode steps of a model whose latent it takes (rank 128,
-    rotary 64), in rows of its own width and in the TPU engine's rows padded to 256 lanes
-    (`EngineConfig.kv_cache_model_config`); the prompt's chunk attends in plain XLA."""
+    rotary 64) in the TPU engine's rows, padded with zeros to 256 lanes (`EngineConfig.kv_cache_model_config`; the
+    kernel's own tests take unpadded rows too); the prompt's chunk attends in the expanded form."""
     path = make_tiny_model(tmp_path / "m", "deepseek_v3", **LATENT_KERNEL_SHAPE)
     loaded = load_model(str(path), "float32")
-    cfg = EngineConfig().kv_cache_model_config(loaded.config, platform)
-    assert cfg.kv_page_shapes == ((1, {"cpu": 192, "tpu": 256}[platform]),)
+    assert EngineConfig().kv_cache_model_config(loaded.config, "cpu").kv_page_shapes == ((1, 192),)
+    cfg = EngineConfig().kv_cache_model_config(loaded.config, "tpu")
+    assert cfg.kv_page_shapes == ((1, 256),)
     forward = PagedForward(cfg, loaded.params, backend="pallas", block_size=16, num_blocks=4)
     got = forward.run(FAMILY_TOKENS[:9], [2, 0], [6, 1, 1, 1])
     np.testing.assert_allclose(got, hf_logits(path, FAMILY_TOKENS[:9]), atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("prefill_form", ["expanded", "absorbed"])
-def test_prefill_chunks_attend_in_either_form_as_transformers(tmp_path, prefill_form):
-    """Prefill steps attend in the expanded form by default (`models/mla_expanded.py`); the absorbed form, which
-    decode and mixed steps use, gives the same logits for them."""
+def test_prefill_chunks_attend_in_the_absorbed_form_on_request_as_transformers(tmp_path):
+    """Prefill steps attend in the expanded form by default (`models/mla_expanded.py`, which every family parity test
+    runs); the absorbed form, which decode and mixed steps use, gives the same logits for them."""
     family, overrides = TINY_FAMILIES["deepseek-v3"]
     path = make_tiny_model(tmp_path / "m", family, **overrides)
     loaded = load_model(str(path), "float32")
-    cfg = dataclasses.replace(loaded.config, mla=dataclasses.replace(loaded.config.mla, prefill_form=prefill_form))
+    cfg = dataclasses.replace(loaded.config, mla=dataclasses.replace(loaded.config.mla, prefill_form="absorbed"))
     got = PagedForward(cfg, loaded.params).run(FAMILY_TOKENS, [3, 0, 5, 1, 2], [6, 5, 1, 4])
     np.testing.assert_allclose(got, hf_logits(path, FAMILY_TOKENS), atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match=r"prefill_form must be one of \('expanded', 'absorbed'\), got 'dense'"):
