@@ -164,3 +164,24 @@ def test_rejects_latent_shapes_it_has_no_layout_for(width, rank, message):
     args = valid_args() | dict(q=jnp.zeros((2, 4, width)), pool=jnp.zeros((1, 6, 16, width)))
     with pytest.raises(ValueError, match=message):
         mla_decode_attention(**args, kv_lora_rank=rank, backend="tpu", interpret=True)
+
+
+@pytest.mark.parametrize("width", [640, 576], ids=["rows-640", "rows-576"])
+def test_compiles_for_a_tpu_without_one_reading_the_pool_in_place(width):
+    """Mosaic compiles the kernel for a v6e chip (deviceless: `jax.experimental.topologies`) at DeepSeek's shape over
+    a stacked pool of 2,048 pages: in the TPU engine's 640-lane rows with no temporaries at all (the pool is read in
+    place, page by page); rows of 576 values make XLA copy the whole pool into 640-lane rows first, on every call
+    (why the TPU engine pads them: `mla_config.latent_row_width`)."""
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    device = topologies.get_topology_desc("v6e:2x2", "tpu").devices[0]
+    whole = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+    struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
+    args = (struct((8, 16, width), jnp.bfloat16), struct((3, 1, 2048, 64, width), jnp.bfloat16),
+            struct((8,), jnp.int32), struct((8, 32), jnp.int32), struct((), jnp.int32))
+    call = jax.jit(lambda q, pool, lengths, table, layer: mla_decode_attention(
+        q, pool, lengths, table, kv_lora_rank=512, layer=layer, backend="tpu"))
+    temp_bytes = call.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    padded_pool = 3 * 2048 * 64 * 640 * 2
+    assert temp_bytes == 0 if width == 640 else padded_pool <= temp_bytes < padded_pool + 2**20
