@@ -57,13 +57,13 @@ def naive_latent_attention(q: np.ndarray, rows: list, sm_scale: float) -> np.nda
     return out
 
 
-LENGTHS = [[1, 17, 64, 0, 33], [16, 5]]  # page-aligned, mid-page, a full table, empty
+LENGTHS = [1, 17, 64, 0, 16, 33]  # one token, mid-page, a full table, empty, page-aligned
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("lengths", LENGTHS, ids=["mixed", "short"])
-def test_kernel_matches_the_reference_and_naive_attention(backend, dtype, lengths):
+def test_kernel_matches_the_reference_and_naive_attention(backend, dtype):
+    lengths = LENGTHS
     rng = np.random.default_rng(len(lengths))
     case = make_latent_pool(rng, lengths, dtype=dtype)
     q = jnp.asarray(rng.standard_normal((len(lengths), 5, RANK + ROPE)), dtype)

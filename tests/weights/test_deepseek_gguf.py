@@ -43,13 +43,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_deepseek2_gguf_loads_as_the_hugging_face_model(tmp_path, case):
-    name, overrides, layout, expected = CASES[case]
+def load_both(tmp_path, case: str):
+    """(the GGUF written from the case's tiny HF dir, loaded; the HF dir, loaded; the HF dir)."""
+    name, overrides, layout, _ = CASES[case]
     family, defaults = TINY_FAMILIES[name]
     hf_dir = make_tiny_model(tmp_path / "hf", family, **{**defaults, **overrides})
     from_gguf = load_model(str(make_tiny_gguf(tmp_path / f"{case}.gguf", hf_dir, kv_b_layout=layout)), "float32")
-    from_hf = load_model(str(hf_dir), "float32")
+    return from_gguf, load_model(str(hf_dir), "float32"), hf_dir
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_deepseek2_gguf_loads_as_the_hugging_face_model(tmp_path, case):
+    """The file's config and params are the HF dir's (whose own loader equals transformers: the families' tests)."""
+    expected = CASES[case][3]
+    from_gguf, from_hf, _ = load_both(tmp_path, case)
     cfg, mla, hf_mla = from_gguf.config, from_gguf.config.mla, from_hf.config.mla
     assert (cfg.architecture, mla.routing, mla.q_lora_rank, mla.n_group, mla.correction_bias) == expected
     # GGUF keeps the epsilon, the routed scaling factor and 0.1 * mscale_all_dim in float32
@@ -60,7 +67,11 @@ def test_deepseek2_gguf_loads_as_the_hugging_face_model(tmp_path, case):
                                  mla=dataclasses.replace(hf_mla, **{f: getattr(mla, f) for f in float32_fields}))
     assert cfg == stored
     assert_same_tree(from_gguf.params, from_hf.params)
-    got = PagedForward(cfg, from_gguf.params).run(TOKENS, [0, 1, 2], [len(TOKENS)])
+
+
+def test_a_deepseek2_gguf_gives_transformers_logits(tmp_path):
+    from_gguf, _, hf_dir = load_both(tmp_path, "deepseek-v3-split")
+    got = PagedForward(from_gguf.config, from_gguf.params).run(TOKENS, [0, 1, 2], [len(TOKENS)])
     np.testing.assert_allclose(got, hf_logits(hf_dir, TOKENS), atol=2e-5, rtol=0)
 
 
