@@ -176,8 +176,9 @@ def chunked_paged_attention(
 class PallasBackend:
     """The Pallas kernels: `paged_attention` for decode (Q == 1), `prefill_attention` for prefill chunks and
     `ragged_paged_attention` for mixed steps. They read the stacked pool in place at the layer index. A pool of
-    latents (MLA): `mla_decode_attention` for decode; prefill chunks and mixed steps attend in plain XLA (the
-    reference backend's loop over the block table) until a latent kernel takes queries of many tokens.
+    latents (MLA): `mla_decode_attention` for decode; mixed steps (and prefill chunks, which DeepSeek's model attends in
+    the expanded form unless asked for the absorbed one) in plain XLA, the reference backend's loop over the block
+    table, until a latent kernel takes queries of many tokens.
 
     ``platform`` is where the step runs: "tpu" (Mosaic kernels, lane-dense pool), "gpu"/"cuda"/"rocm"
     (Triton kernels), or "cpu", where the TPU variant runs in the Pallas interpreter (tests)."""
