@@ -38,8 +38,7 @@ CASES = {
     "gemma3": ("gemma3", {}, "cpu"),
     "qwen3-moe-dense-first-layer": ("qwen3_moe", {"mlp_only_layers": [0]}, "cpu"),  # layers mixing MLP kinds
     "mixtral": ("mixtral", {"sliding_window": 6}, "cpu"),
-    # pages of two shapes, KV sharing, per-layer inputs, experts beside the MLP
-    "gemma4": ("gemma4", {}, "cpu"),
+    # (Gemma 4: tests/engine/test_gemma4_engine.py, whose engine takes these buckets, mixed steps and prefix caching)
     # latent attention over a pool of latents, group-limited sigmoid routing
     "deepseek-v3": ("deepseek_v3", {}, "cpu"),
     # attention sinks and per-layer windows (Gemma 3's too: the same traced window) through the Pallas kernels,
