@@ -13,7 +13,7 @@ prompt continues from the state its previous chunk left, so any split of a promp
 Semantics are transformers' torch fallback (`models/qwen3_next/modeling_qwen3_next.py`, 5.24:
 `Qwen3NextGatedDeltaNet`, `causal_conv1d_update`, `torch_chunk_gated_delta_rule`,
 `torch_recurrent_gated_delta_rule`, `Qwen3NextRMSNormGated`). Per token, in the Qwen3.5 weights' layout
-(Qwen3-Next's fused projections are a row permutation of it):
+(`qwen3next_to_qwen35_weights` permutes Qwen3-Next's fused projections into it at load time, exactly):
 
     mixed = x W_qkv = [q (nk dk) | k (nk dk) | v (nv dv)]      z = x W_z, b = x W_b, a = x W_a
     q, k, v = split(silu(depthwise causal conv of K taps over [conv_state ; mixed]))
@@ -36,13 +36,42 @@ conv is the same whether its predecessors come from the state or from the same c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models.common import matmul
 
 PRECISION = jax.lax.Precision.HIGHEST
 CHUNK = 64  # tokens per chunk of the chunkwise form (transformers' and FLA's default)
 L2NORM_EPS = 1e-6  # transformers' l2norm of q and k, whatever rms_norm_eps says
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default: x itself above it
+
+
+class GatedDeltaNetDims(NamedTuple):
+    """A layer's head counts and sizes (transformers' linear_num_key_heads, linear_num_value_heads,
+    linear_key_head_dim, linear_value_head_dim)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: [q | k | v]."""
+        return 2 * self.key_dim + self.value_dim
 
 
 def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -187,3 +216,79 @@ def gated_rms_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) ->
     o32 = o.astype(jnp.float32)
     normed = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
     return weight.astype(jnp.float32) * normed * jax.nn.silu(z.astype(jnp.float32))
+
+
+# -------------------------------------------------------------------------------------------- whole layer
+class GatedDeltaNetParams(NamedTuple):
+    """A layer's weights in Qwen3.5's layout, kernels [in, out] (the house's `Linear` layout)."""
+
+    in_proj_qkv: jax.Array  # [H, conv_dim]: [q | k | v], heads major
+    in_proj_z: jax.Array  # [H, nv * dv]
+    in_proj_b: jax.Array  # [H, nv]
+    in_proj_a: jax.Array  # [H, nv]
+    conv1d: jax.Array  # [conv_dim, K]
+    dt_bias: jax.Array  # [nv]
+    a_log: jax.Array  # [nv]
+    norm: jax.Array  # [dv]
+    out_proj: jax.Array  # [nv * dv, H]
+
+
+def qwen3next_to_qwen35_weights(in_proj_qkvz, in_proj_ba, dims: GatedDeltaNetDims):
+    """Qwen3-Next's fused projections (torch rows [out, H]: per key head [q dk | k dk | v r dv | z r dv] and
+    [b r | a r], r = nv / nk) row-permuted to Qwen3.5's (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), same layout.
+    A permutation: exact. Works on numpy arrays (at load time) and jax arrays."""
+    nk, dk, dv = dims.num_key_heads, dims.key_head_dim, dims.value_head_dim
+    ratio = dims.num_value_heads // nk
+    per_head = in_proj_qkvz.reshape(nk, 2 * dk + 2 * ratio * dv, -1)
+    rows = lambda x: x.reshape(-1, x.shape[-1])
+    q, k = rows(per_head[:, :dk]), rows(per_head[:, dk:2 * dk])
+    v, z = rows(per_head[:, 2 * dk:2 * dk + ratio * dv]), rows(per_head[:, 2 * dk + ratio * dv:])
+    ba = in_proj_ba.reshape(nk, 2 * ratio, -1)
+    concat = np.concatenate if isinstance(in_proj_qkvz, np.ndarray) else jnp.concatenate
+    return concat([q, k, v], axis=0), z, rows(ba[:, :ratio]), rows(ba[:, ratio:])
+
+
+def params_from_hf(weights: Mapping[str, np.ndarray], dims: GatedDeltaNetDims, dtype) -> GatedDeltaNetParams:
+    """A layer's `GatedDeltaNetParams` in ``dtype`` (A_log and dt_bias kept float32) from its transformers
+    weights (keys relative to `linear_attn.`, torch layouts), Qwen3-Next's fused projections or Qwen3.5's split."""
+    w = {name: np.asarray(x) for name, x in weights.items()}
+    if "in_proj_qkvz.weight" in w:
+        qkv, z, b, a = qwen3next_to_qwen35_weights(w["in_proj_qkvz.weight"], w["in_proj_ba.weight"], dims)
+    else:
+        qkv, z, b, a = (w[f"in_proj_{name}.weight"] for name in ("qkv", "z", "b", "a"))
+    kernel = lambda x: jnp.asarray(x.T, dtype)
+    return GatedDeltaNetParams(
+        in_proj_qkv=kernel(qkv), in_proj_z=kernel(z), in_proj_b=kernel(b), in_proj_a=kernel(a),
+        conv1d=jnp.asarray(w["conv1d.weight"][:, 0, :], dtype), dt_bias=jnp.asarray(w["dt_bias"], jnp.float32),
+        a_log=jnp.asarray(w["A_log"], jnp.float32), norm=jnp.asarray(w["norm.weight"], dtype),
+        out_proj=kernel(w["out_proj.weight"]))
+
+
+def gated_deltanet_core(params: GatedDeltaNetParams, dims: GatedDeltaNetDims, x: jax.Array, conv_state: jax.Array,
+                        state: jax.Array, num_valid: jax.Array, chunk: int = CHUNK):
+    """(core output f32[S, T, nv, dv] before the gated norm, z f32[S, T, nv, dv], new conv_state, new state) of
+    hidden states x [S, T, H]: rows of one token (T = 1) in the recurrent form, longer ones chunkwise."""
+    s, t = x.shape[:2]
+    nk, nv, dk, dv = dims
+    conv_out, conv_state = causal_conv(matmul(x, params.in_proj_qkv), params.conv1d, conv_state, num_valid)
+    q, k, v = jnp.split(conv_out, [dims.key_dim, 2 * dims.key_dim], axis=-1)
+    q, k = prepare_qk(q.reshape(s, t, nk, dk), k.reshape(s, t, nk, dk), nv)
+    v = v.reshape(s, t, nv, dv)
+    g, beta = gates(matmul(x, params.in_proj_a), matmul(x, params.in_proj_b), params.a_log, params.dt_bias)
+    if t == 1:
+        core, state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, num_valid > 0)
+        core = core[:, None]
+    else:
+        core, state = gated_delta_chunked(q, k, v, g, beta, state, num_valid, chunk)
+    z = matmul(x, params.in_proj_z).reshape(s, t, nv, dv)
+    return core, z, conv_state, state
+
+
+def gated_deltanet_layer(params: GatedDeltaNetParams, dims: GatedDeltaNetDims, x: jax.Array, conv_state: jax.Array,
+                         state: jax.Array, num_valid: jax.Array, eps: float, chunk: int = CHUNK):
+    """The whole mixer: (f32[S, T, H] output, new conv_state [S, K-1, conv_dim], new state f32[S, nv, dk, dv]) of
+    hidden states x [S, T, H] (after the input norm) of right-padded rows with num_valid i32[S] real tokens each,
+    continuing from conv_state and state (zeros for a new sequence). eps is the config's rms_norm_eps."""
+    core, z, conv_state, state = gated_deltanet_core(params, dims, x, conv_state, state, num_valid, chunk)
+    normed = gated_rms_norm(core, z, params.norm, eps)
+    return matmul(normed.reshape(*x.shape[:2], dims.value_dim), params.out_proj), conv_state, state

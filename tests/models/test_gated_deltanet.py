@@ -1,10 +1,14 @@
 """The gated DeltaNet functions (jaxserve/models/gated_deltanet.py) against transformers' torch fallback of
 Qwen3-Next / Qwen3.5, in float32 at tiny held-out dims (nk=2, nv=4, dk=16, dv=24, K=4): the chunkwise form against
 torch_chunk_gated_delta_rule (longer than a chunk, from a state), the step against torch_recurrent_gated_delta_rule,
-the conv against causal_conv1d_update / causal_conv1d_fn; right-padded bucket rows against each sequence alone.
+the conv against causal_conv1d_update / causal_conv1d_fn; right-padded bucket rows against each sequence alone;
+chunked prefill then decode steps against one pass; the whole layer against Qwen3NextGatedDeltaNet and
+Qwen3_5GatedDeltaNet (no cache, and a cached prefill split in two then decode steps).
 
-Tolerances are absolute, a few times the largest difference measured (float32, 2-core EPYC): outputs O(1),
-states O(1).
+Tolerances are absolute, a few times the largest difference measured (float32, 2-core EPYC): the recurrence's
+outputs are O(1), its state O(1); the layer's outputs are O(30) and its gated RMSNorm amplifies rounding in rows of
+tiny variance (transformers itself is 2.6e-4 from a float64 truth there), so the layer is compared at 1e-3 and its
+core output (before the norm) at 2e-5.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache, Qwen3_5TextConfig, Qwen3NextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from jaxserve.models import gated_deltanet as gdn
 
 NK, NV, DK, DV, TAPS, HIDDEN = 2, 4, 16, 24, 4, 64
-CONV_DIM = 2 * NK * DK + NV * DV
+DIMS = gdn.GatedDeltaNetDims(NK, NV, DK, DV)
+CONV_DIM = DIMS.conv_dim
 EPS = 1e-6
 # per value head: A = exp(A_log) and the time step softplus(dt_bias) (Mamba's init, as Qwen3-Next's), so that the
 # heads' decays per token span ~0.9999 (a long memory: the initial state and earlier chunks matter) to ~0.25
@@ -215,3 +222,138 @@ def test_conv_state_carries_across_chunks_and_padded_rows():
         np.testing.assert_array_equal(np.asarray(state[row]), state_hf[0])
     np.testing.assert_array_equal(np.asarray(state[0]), np.concatenate([conv_state[0, 2:], mixed[0, :2]]))
     np.testing.assert_array_equal(np.asarray(state[1]), conv_state[1])
+
+
+# ------------------------------------------------------------------------------------------------ the layer
+def _hf_config(cls):
+    return cls(hidden_size=HIDDEN, linear_conv_kernel_dim=TAPS, linear_key_head_dim=DK, linear_value_head_dim=DV,
+               linear_num_key_heads=NK, linear_num_value_heads=NV, num_hidden_layers=1,
+               layer_types=["linear_attention"], rms_norm_eps=EPS, hidden_act="silu")
+
+
+@functools.cache
+def _torch_layers():
+    """transformers' Qwen3-Next layer with random weights (every parameter perturbed, so that a norm offset or a
+    permuted projection shows; A_log and dt_bias per head as `HEAD_A` and `HEAD_DT` say), and Qwen3.5's with the
+    same weights in its split layout."""
+    torch.manual_seed(0)
+    next_config = _hf_config(Qwen3NextConfig)
+    layer = hf.Qwen3NextGatedDeltaNet(next_config, 0).eval()
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            if name == "A_log":
+                param.copy_(torch.from_numpy(A_LOG))
+            elif name == "dt_bias":
+                param.copy_(torch.from_numpy(DT_BIAS))
+            elif name == "norm.weight":
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            else:
+                param.copy_(0.3 * torch.randn_like(param))
+    weights = {name: p.detach().numpy() for name, p in layer.named_parameters()}
+    qkv, z, b, a = gdn.qwen3next_to_qwen35_weights(weights["in_proj_qkvz.weight"], weights["in_proj_ba.weight"], DIMS)
+    layer35 = Qwen3_5GatedDeltaNet(_hf_config(Qwen3_5TextConfig), 0).eval()
+    with torch.no_grad():
+        for name, param in layer35.named_parameters():
+            split = {"in_proj_qkv.weight": qkv, "in_proj_z.weight": z, "in_proj_b.weight": b, "in_proj_a.weight": a}
+            param.copy_(torch.from_numpy(split[name]) if name in split else layer.get_parameter(name))
+    return layer, layer35, next_config
+
+
+def _params(layer) -> gdn.GatedDeltaNetParams:
+    return gdn.params_from_hf({n: p.detach().numpy() for n, p in layer.named_parameters()}, DIMS, jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("core",))
+def _layer(params, x, conv_state, state, num_valid, core=False):
+    if core:
+        return gdn.gated_deltanet_core(params, DIMS, x, conv_state, state, num_valid)
+    return gdn.gated_deltanet_layer(params, DIMS, x, conv_state, state, num_valid, EPS)
+
+
+def _zero_states(rows: int):
+    return jnp.zeros((rows, TAPS - 1, CONV_DIM)), jnp.zeros((rows, NV, DK, DV))
+
+
+def _hidden(seed: int, tokens: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, tokens, HIDDEN)).astype(np.float32)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_layer_equals_transformers_forward(family):
+    """150 tokens from a new sequence (no cache: transformers' chunked path), the core output captured before
+    the gated norm."""
+    layer_next, layer35, _ = _torch_layers()
+    layer = layer_next if family == "qwen3_next" else layer35
+    x = _hidden(8, 150)
+    captured = {}
+    hook = layer.norm.register_forward_hook(lambda m, i, o: captured.update(core=i[0].detach().numpy().copy()))
+    with torch.no_grad():
+        expected = layer(torch.from_numpy(x)).numpy()
+    hook.remove()
+    params = _params(layer)
+    out, _, _ = _layer(params, x, *_zero_states(1), jnp.array([150]))
+    core, _, _, _ = _layer(params, x, *_zero_states(1), jnp.array([150]), core=True)
+    core_diff, out_diff = _max_diff(core.reshape(-1, DV), captured["core"]), _max_diff(out, expected)
+    print(f"{family} layer: core {core_diff:.2e} (scale {np.abs(captured['core']).max():.2f}), "
+          f"output {out_diff:.2e} (scale {np.abs(expected).max():.1f})")
+    np.testing.assert_allclose(np.asarray(core).reshape(-1, DV), captured["core"], rtol=0, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=0, atol=1e-3)
+
+
+def test_layer_prefill_in_chunks_then_decode_equals_transformers_cache_and_one_pass():
+    """transformers with a DynamicCache: prefill 70, prefill 80 (a continuation), 6 decode steps. Here: the first
+    chunk in a padded bucket of 96 slots beside an empty row, the second alone, the decode steps in a bucket of
+    2 rows whose second is padding; against that, and against all 156 tokens in one chunked pass."""
+    layer, _, config = _torch_layers()
+    x = _hidden(9, 156)
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        expected = [layer(torch.from_numpy(x[:, :70]), cache=cache), layer(torch.from_numpy(x[:, 70:150]), cache=cache)]
+        conv_hf = cache.layers[0].conv_states[0].numpy().copy()  # [1, C, K] after the prompt: the last K - 1
+        expected += [layer(torch.from_numpy(x[:, t:t + 1]), cache=cache) for t in range(150, 156)]
+    expected = np.concatenate([e.numpy() for e in expected], axis=1)[0]
+    state_hf = cache.layers[0].recurrent_states[0].numpy()
+
+    params = _params(layer)
+    bucket = np.random.default_rng(10).standard_normal((2, 96, HIDDEN)).astype(np.float32) * 100
+    bucket[0, :70] = x[0, :70]
+    conv_state, state = _zero_states(2)
+    out1, conv_state, state = _layer(params, bucket, conv_state, state, jnp.array([70, 0]))
+    assert not np.asarray(state[1]).any() and not np.asarray(conv_state[1]).any()
+    out2, conv_state1, state1 = _layer(params, x[:, 70:150], conv_state[:1], state[:1], jnp.array([80]))
+    conv_state, state = conv_state.at[0].set(conv_state1[0]), state.at[0].set(state1[0])
+    decoded = []
+    for t in range(150, 156):
+        rows = np.stack([x[0, t:t + 1], np.full((1, HIDDEN), np.nan, np.float32)])
+        out, conv_state, state = _layer(params, rows, conv_state, state, jnp.array([1, 0]))
+        decoded.append(np.asarray(out[0]))
+    mine = np.concatenate([np.asarray(out1[0, :70]), np.asarray(out2[0])] + decoded)
+    print(f"prefill 70 + 80 + 6 decode vs transformers' cache: output {_max_diff(mine, expected):.2e}, "
+          f"state {_max_diff(state[:1], state_hf):.2e}")
+    np.testing.assert_allclose(mine, expected, rtol=0, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(state[:1]), state_hf, rtol=0, atol=1e-5)
+    # the conv state holds pre-conv rows x W_qkv: XLA's product and torch's round differently
+    print(f"conv state after the prompt vs transformers' cache: {_max_diff(conv_state1[0], conv_hf[0, :, 1:].T):.2e}")
+    np.testing.assert_allclose(np.asarray(conv_state1[0]), conv_hf[0, :, 1:].T, rtol=0, atol=1e-5)
+    assert not np.asarray(state[1]).any() and not np.asarray(conv_state[1]).any()
+
+    whole, whole_conv, whole_state = _layer(params, x, *_zero_states(1), jnp.array([156]))
+    print(f"prefill 70 + 80 + 6 decode vs one pass of 156: output {_max_diff(mine, whole[0]):.2e}, "
+          f"state {_max_diff(state[:1], whole_state):.2e}")
+    np.testing.assert_allclose(mine, np.asarray(whole[0]), rtol=0, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(state[:1]), np.asarray(whole_state), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(conv_state[:1]), np.asarray(whole_conv), rtol=0, atol=1e-5)  # x W_qkv
+
+
+def test_qwen3next_weights_permute_exactly_to_qwen35s_split():
+    """transformers' own split of the fused projections (fix_query_key_value_ordering) equals the permuted
+    weights' products exactly; Qwen3.5's layer with them equals Qwen3-Next's (same arithmetic)."""
+    layer_next, layer35, _ = _torch_layers()
+    x = torch.from_numpy(_hidden(11, 9))
+    with torch.no_grad():
+        q, k, v, z, b, a = layer_next.fix_query_key_value_ordering(layer_next.in_proj_qkvz(x), layer_next.in_proj_ba(x))
+        mixed = torch.cat([t.reshape(1, 9, -1) for t in (q, k, v)], dim=-1)
+        assert torch.equal(mixed, layer35.in_proj_qkv(x))
+        assert torch.equal(z.reshape(1, 9, -1), layer35.in_proj_z(x))
+        assert torch.equal(b, layer35.in_proj_b(x)) and torch.equal(a, layer35.in_proj_a(x))
+        assert torch.equal(layer_next(x), layer35(x))
