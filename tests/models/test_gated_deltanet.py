@@ -3,7 +3,8 @@ Qwen3-Next / Qwen3.5, in float32 at tiny held-out dims (nk=2, nv=4, dk=16, dv=24
 torch_chunk_gated_delta_rule (longer than a chunk, from a state), the step against torch_recurrent_gated_delta_rule,
 the conv against causal_conv1d_update / causal_conv1d_fn; right-padded bucket rows against each sequence alone;
 chunked prefill then decode steps against one pass; the whole layer against Qwen3NextGatedDeltaNet and
-Qwen3_5GatedDeltaNet (no cache, and a cached prefill split in two then decode steps).
+Qwen3_5GatedDeltaNet (no cache, and a cached prefill split in two then decode steps); the prefill and decode
+programs compiled deviceless for TPU (scripts/bench_gated_deltanet.py's, at these dims).
 
 Tolerances are absolute, a few times the largest difference measured (float32, 2-core EPYC): the recurrence's
 outputs are O(1), its state O(1); the layer's outputs are O(30) and its gated RMSNorm amplifies rounding in rows of
@@ -26,6 +27,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from jaxserve.models import gated_deltanet as gdn
+from tests.paths import load_script
 
 NK, NV, DK, DV, TAPS, HIDDEN = 2, 4, 16, 24, 4, 64
 DIMS = gdn.GatedDeltaNetDims(NK, NV, DK, DV)
@@ -357,3 +359,16 @@ def test_qwen3next_weights_permute_exactly_to_qwen35s_split():
         assert torch.equal(z.reshape(1, 9, -1), layer35.in_proj_z(x))
         assert torch.equal(b, layer35.in_proj_b(x)) and torch.equal(a, layer35.in_proj_a(x))
         assert torch.equal(layer_next(x), layer35(x))
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_compiles_deviceless_for_tpu_with_the_states_donated(step):
+    """scripts/bench_gated_deltanet.py's TPU programs (conv, gates, prepare_qk, then the chunkwise form or the step;
+    bfloat16 rows, float32 state) at the tiny dims, 3 rows of 150 tokens or 1: the TPU compiler takes them and
+    writes both states in place."""
+    bench = load_script("bench_gated_deltanet")
+    fn = functools.partial(getattr(bench, step), dims=DIMS)
+    tokens = 150 if step == "prefill" else 1
+    compiled, _ = bench.compile_for_tpu(fn, "v6e:2x2", 3, tokens, dims=DIMS, taps=TAPS)
+    # outputs (core, conv_state, state); arguments 6 and 7 the states
+    assert "input_output_alias={ {1}: (6, {}, may-alias), {2}: (7, {}, may-alias) }" in compiled.as_text()
