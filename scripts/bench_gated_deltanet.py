@@ -12,10 +12,13 @@ the conv). The table gives the compile seconds and `memory_analysis()` (argument
 CPU: the recurrence alone (`prepare_qk` then the form, float32, from q, k, v, g, beta and a state) in the chunkwise
 form and in the plain one (`gated_delta_recurrent`: a scan over the tokens), on the same inputs in the same run, their
 calls interleaved so that a change of load hits both alike: median milliseconds of ``--repeats`` calls after a
-compiling one, the plain form's time over the chunkwise form's, and their max |difference| (output and state).
+compiling one, the plain form's time over the chunkwise form's, and their max |difference| (output and state). The
+host's load average before and after is printed with them (on a shared host, another process taking a core slows a
+multi-threaded program more than its share). ``--single-thread`` runs XLA:CPU on one thread
+(`--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`).
 
     python scripts/bench_gated_deltanet.py
-    python scripts/bench_gated_deltanet.py --skip-tpu --repeats 5
+    python scripts/bench_gated_deltanet.py --skip-tpu --single-thread --repeats 5
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def cpu_name() -> str:
 
 
 # --------------------------------------------------------------------------------------------------------- TPU
-def prefill(mixed, a, b, conv_weight, a_log, dt_bias, conv_state, state, num_valid, dims=QWEN3_NEXT_80B):
+def prefill(mixed, a, b, conv_weight, a_log, dt_bias, conv_state, state, num_valid, dims=QWEN3_NEXT_80B,
+            chunk: int = gdn.CHUNK):
     """A layer's prefill between its projections: (core output bf16[S, T, nv, dv], conv_state, state)."""
     s, t = mixed.shape[:2]
     conv_out, conv_state = gdn.causal_conv(mixed, conv_weight, conv_state, num_valid)
@@ -62,7 +66,8 @@ def prefill(mixed, a, b, conv_weight, a_log, dt_bias, conv_state, state, num_val
     q, k = gdn.prepare_qk(q.reshape(s, t, dims.num_key_heads, -1), k.reshape(s, t, dims.num_key_heads, -1),
                           dims.num_value_heads)
     g, beta = gdn.gates(a, b, a_log, dt_bias)
-    out, state = gdn.gated_delta_chunked(q, k, v.reshape(s, t, dims.num_value_heads, -1), g, beta, state, num_valid)
+    v = v.reshape(s, t, dims.num_value_heads, -1)
+    out, state = gdn.gated_delta_chunked(q, k, v, g, beta, state, num_valid, chunk)
     return out.astype(mixed.dtype), conv_state, state
 
 
@@ -131,8 +136,10 @@ def recurrence(form):
 
 
 def main_cpu(repeats: int) -> None:
-    print(f"\nCPU ({cpu_name()}), the recurrence alone, float32, Qwen3-Next-80B's heads: plain (a scan over the "
-          f"tokens) against chunkwise (chunks of {gdn.CHUNK}), median of {repeats} calls")
+    threads = "one thread" if "intra_op_parallelism_threads=1" in os.environ.get("XLA_FLAGS", "") else "all threads"
+    print(f"\nCPU ({cpu_name()}; XLA on {threads}), the recurrence alone, float32, Qwen3-Next-80B's heads: plain (a "
+          f"scan over the tokens) against chunkwise (chunks of {gdn.CHUNK}), median of {repeats} calls")
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
     print("sequences x tokens  chunkwise ms  plain ms  plain / chunkwise  max |diff| output  state")
     chunked, plain = recurrence(gdn.gated_delta_chunked), recurrence(gdn.gated_delta_recurrent)
     for seqs, tokens in CASES:
@@ -148,6 +155,7 @@ def main_cpu(repeats: int) -> None:
         ms_c, ms_p = statistics.median(times[chunked]), statistics.median(times[plain])
         print(f"{seqs:>4} x {tokens:<12}  {ms_c:12.1f}  {ms_p:8.1f}  {ms_p / ms_c:17.2f}  "
               f"{float(jnp.abs(out_c - out_p).max()):17.1e}  {float(jnp.abs(state_c - state_p).max()):5.1e}")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
 def main() -> None:
@@ -155,7 +163,11 @@ def main() -> None:
     parser.add_argument("--topology", default="v6e:2x2", help="a TPU topology as JAX names them")
     parser.add_argument("--skip-tpu", action="store_true", help="the CPU timings only")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls of each form per case (the median)")
+    parser.add_argument("--single-thread", action="store_true", help="XLA:CPU on one thread (the CPU timings)")
     args = parser.parse_args()
+    if args.single_thread:  # read when the CPU backend starts: before the first computation
+        os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false "
+                                   "intra_op_parallelism_threads=1").strip()
     if not args.skip_tpu:
         main_tpu(args.topology)
     main_cpu(args.repeats)

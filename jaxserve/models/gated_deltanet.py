@@ -24,9 +24,10 @@ Semantics are transformers' torch fallback (`models/qwen3_next/modeling_qwen3_ne
 
 The chunkwise form computes the same recurrence a chunk of C tokens at a time (the WY / UT transform of the
 DeltaNet papers, transformers' algorithm): within a chunk, cumulative decays c = cumsum(g), a unit lower-triangular
-solve gives the chunk's corrections U and W, and one scan over chunks carries S, so the T-step serial dependence
-becomes T / C steps of matrix products. Padding tokens are exact no-ops (beta = 0 and g = 0 leave S bit for bit,
-their q, k, v zeroed), so a right-padded row ends with the state of its valid tokens.
+solve (in matrix products: `unit_lower_inverse`) gives the chunk's corrections U and W, and one scan over chunks
+carries S, so the T-step serial dependence becomes T / C steps of matrix products. Padding tokens are exact no-ops
+(beta = 0 and g = 0 leave S bit for bit, their q, k, v zeroed), so a right-padded row ends with the state of its
+valid tokens.
 
 Every product of the recurrence runs at `Precision.HIGHEST`: the state accumulates over the whole sequence in
 float32, and a TPU's default float32 precision would round each product's operands to bfloat16. The conv runs in
@@ -160,13 +161,29 @@ def gated_delta_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
     return jnp.swapaxes(out, 0, 1), state
 
 
-def _unfused_on_cpu(*operands):
-    """The operands, which XLA:CPU must compute before (not inside) their consumer: there, fusing the chunk's products
-    into the triangular solve's expanded reads of its operands took the chunkwise form from 0.35 s to 4.5 s (2048
-    tokens at Qwen3-Next's shape, 2-core EPYC). Other backends fuse as they see fit (a barrier on TPU took the
-    temporaries of that prefill from 376 to 640 MB)."""
-    return jax.lax.platform_dependent(*operands, cpu=lambda *x: jax.lax.optimization_barrier(x),
-                                      default=lambda *x: x)
+def unit_lower_inverse(lower: jax.Array) -> jax.Array:
+    """(I + lower)^-1 of strictly lower triangular matrices [..., C, C] (C a power of 2; only the strictly lower
+    triangle is read) in matrix products only. Doubling the solved diagonal blocks from 1 x 1 to C x C: with T the
+    inverse of the blocks of size b, T <- T - T L_b T, L_b the part of ``lower`` between the halves of each block of
+    2b (the block formula [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]] for every block at once); log2(C)
+    rounds of two batched C x C products.
+
+    In place of `lax.linalg.triangular_solve`, measured on a shared 2-core EPYC at Qwen3-Next's shape (1024 chunks of
+    64): XLA:CPU's solve slowed the whole chunkwise form 3-13x (0.35 s to 4.5 s for 2048 tokens) when XLA fused its
+    operands' producers into it, and again when another process took a core; the products do neither, and come closer
+    to a float64 solve (8e-7 against 1.5e-6). On TPU they are plain MXU work. Blocks reshaped out of the matrices
+    (fewer flops) ran no faster on CPU and compiled for TPU 2x slower into 2-5x the code."""
+    size = lower.shape[-1]
+    assert size & (size - 1) == 0, f"{size} is not a power of 2"
+    rows, cols = np.arange(size)[:, None], np.arange(size)[None, :]
+    inverse = jnp.broadcast_to(jnp.eye(size, dtype=lower.dtype), lower.shape)
+    block = 1
+    while block < size:
+        between_halves = (rows // (2 * block) == cols // (2 * block)) & (rows // block > cols // block)
+        below = jnp.where(between_halves, lower, 0.0)
+        inverse = inverse - _dot("...ij,...jk->...ik", inverse, _dot("...ij,...jk->...ik", below, inverse))
+        block *= 2
+    return inverse
 
 
 def _chunks(x: jax.Array, chunk: int) -> jax.Array:
@@ -180,13 +197,13 @@ def gated_delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
                         num_valid: jax.Array, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
     """The chunkwise form, for prefill rows: (o f32[S, T, nv, dv], new state f32[S, nv, dk, dv]) of q, k [S, T, nv, dk]
     (from `prepare_qk`), v [S, T, nv, dv], g, beta [S, T, nv] after state [S, nv, dk, dv]; the first num_valid[s]
-    tokens of row s are real, the rest exact no-ops (their outputs zeros). Rows never mix. Chunks of
-    min(chunk, T) tokens (T is padded to a multiple with no-op tokens)."""
+    tokens of row s are real, the rest exact no-ops (their outputs zeros). Rows never mix. Chunks of ``chunk`` tokens
+    (a power of 2; fewer for a shorter T: the next power of 2), T padded to a multiple with no-op tokens."""
     num_tokens = q.shape[1]
     valid = _valid_tokens(num_valid, num_tokens)
     q, k, v = (jnp.where(valid[..., None, None], x.astype(jnp.float32), 0.0) for x in (q, k, v))
     g, beta = (jnp.where(valid[..., None], x.astype(jnp.float32), 0.0) for x in (g, beta))
-    chunk = min(chunk, num_tokens)
+    chunk = min(chunk, 1 << (num_tokens - 1).bit_length())  # a power of 2 (`unit_lower_inverse`)
     pad = -num_tokens % chunk
     if pad:
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
@@ -198,11 +215,10 @@ def gated_delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
     causal = jnp.tril(jnp.ones((chunk, chunk), bool))
     pair_decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # exp(c_i - c_j), j <= i
     k_beta = k * beta[..., None]
-    ut_system = jnp.tril(_dot("...id,...jd->...ij", k_beta, k) * pair_decay, -1)  # strictly lower
+    ut_system = _dot("...id,...jd->...ij", k_beta, k) * pair_decay  # its strictly lower part is read
     intra = _dot("...id,...jd->...ij", q, k) * pair_decay  # the chunk's own attention, diagonal included
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    ut_system, rhs = _unfused_on_cpu(ut_system, rhs)
-    solved = jax.lax.linalg.triangular_solve(ut_system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = _dot("...ij,...jd->...id", unit_lower_inverse(ut_system), rhs)
     new_values, k_cumdecay = jnp.split(solved, [v.shape[-1]], axis=-1)  # U and W: (I + ut_system)^-1 [v_b | k_b e^c]
     q_decayed = q * jnp.exp(cum)[..., None]
     k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]

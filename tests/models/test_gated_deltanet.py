@@ -92,6 +92,17 @@ def test_gates_and_l2norm_equal_torch():
     np.testing.assert_allclose(np.asarray(gdn.l2norm(jnp.asarray(x))), hf.l2norm(t(x)).numpy(), rtol=0, atol=1e-6)
 
 
+def test_unit_lower_inverse_inverts_with_the_upper_triangle_ignored():
+    rng = np.random.default_rng(12)
+    for size in (1, 2, 16, 64):
+        matrices = rng.standard_normal((3, 2, size, size)).astype(np.float32)
+        lower = np.tril(matrices, -1) * 0.3
+        inverse = np.asarray(jax.jit(gdn.unit_lower_inverse)(lower + np.triu(matrices)))  # garbage not read
+        np.testing.assert_allclose(inverse, np.linalg.inv(np.eye(size) + lower.astype(np.float64)), rtol=0,
+                                   atol=1e-5 * max(1.0, np.abs(inverse).max()))
+        assert not np.triu(inverse, 1).any() and (np.diagonal(inverse, axis1=-2, axis2=-1) == 1).all()
+
+
 @pytest.mark.parametrize("initial", [False, True], ids=["from_zero", "continuation"])
 def test_chunked_equals_torch_chunk_rule_over_several_chunks(initial):
     """150 tokens = 3 chunks of 64 (the last one padded by the form itself), two sequences."""
@@ -364,11 +375,12 @@ def test_qwen3next_weights_permute_exactly_to_qwen35s_split():
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 def test_compiles_deviceless_for_tpu_with_the_states_donated(step):
     """scripts/bench_gated_deltanet.py's TPU programs (conv, gates, prepare_qk, then the chunkwise form or the step;
-    bfloat16 rows, float32 state) at the tiny dims, 3 rows of 150 tokens or 1: the TPU compiler takes them and
-    writes both states in place."""
+    bfloat16 rows, float32 state) at the tiny dims, 3 rows of 40 tokens (chunks of 16: the script's 64 compile 4x
+    slower) or 1: the TPU compiler takes them and writes both states in place."""
     bench = load_script("bench_gated_deltanet")
-    fn = functools.partial(getattr(bench, step), dims=DIMS)
-    tokens = 150 if step == "prefill" else 1
+    fn = functools.partial(bench.prefill, dims=DIMS, chunk=16) if step == "prefill" else functools.partial(
+        bench.decode, dims=DIMS)
+    tokens = 40 if step == "prefill" else 1
     compiled, _ = bench.compile_for_tpu(fn, "v6e:2x2", 3, tokens, dims=DIMS, taps=TAPS)
     # outputs (core, conv_state, state); arguments 6 and 7 the states
     assert "input_output_alias={ {1}: (6, {}, may-alias), {2}: (7, {}, may-alias) }" in compiled.as_text()
