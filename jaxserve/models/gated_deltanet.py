@@ -166,7 +166,9 @@ def unit_lower_inverse(lower: jax.Array) -> jax.Array:
     triangle is read) in matrix products only. Doubling the solved diagonal blocks from 1 x 1 to C x C: with T the
     inverse of the blocks of size b, T <- T - T L_b T, L_b the part of ``lower`` between the halves of each block of
     2b (the block formula [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]] for every block at once); log2(C)
-    rounds of two batched C x C products.
+    rounds of two batched C x C products. The new corners land where T is 0, so the update is a select, exact: as a
+    subtraction fused into the product, libtpu 0.0.42.1's compiler failed a register-allocation check (RET_CHECK in
+    live_range_finder.cc) on most small shapes, intermittently (the same program compiled, then failed).
 
     In place of `lax.linalg.triangular_solve`, measured on a shared 2-core EPYC at Qwen3-Next's shape (1024 chunks of
     64): XLA:CPU's solve slowed the whole chunkwise form 3-13x (0.35 s to 4.5 s for 2048 tokens) when XLA fused its
@@ -180,8 +182,9 @@ def unit_lower_inverse(lower: jax.Array) -> jax.Array:
     block = 1
     while block < size:
         between_halves = (rows // (2 * block) == cols // (2 * block)) & (rows // block > cols // block)
-        below = jnp.where(between_halves, lower, 0.0)
-        inverse = inverse - _dot("...ij,...jk->...ik", inverse, _dot("...ij,...jk->...ik", below, inverse))
+        corner = _dot("...ij,...jk->...ik", inverse, _dot("...ij,...jk->...ik", jnp.where(between_halves, -lower, 0.0),
+                                                            inverse))  # -D^-1 B A^-1 where T is 0, 0 elsewhere
+        inverse = jnp.where(between_halves, corner, inverse)
         block *= 2
     return inverse
 
