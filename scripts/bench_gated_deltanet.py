@@ -38,22 +38,14 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from host_cpu import cpu_name  # noqa: E402
+
 from jaxserve.models import gated_deltanet as gdn  # noqa: E402
 
 QWEN3_NEXT_80B = gdn.GatedDeltaNetDims(num_key_heads=16, num_value_heads=32, key_head_dim=128, value_head_dim=128)
 TAPS = 4  # linear_conv_kernel_dim
 CASES = ((1, 2048), (16, 128))  # (sequences, tokens each)
 MB = 1e6
-
-
-def cpu_name() -> str:
-    """The first processor's model name and the number of CPUs this process may use, from /proc/cpuinfo."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    return f"{name}, {len(os.sched_getaffinity(0))} CPUs"
 
 
 # --------------------------------------------------------------------------------------------------------- TPU

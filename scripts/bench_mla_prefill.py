@@ -54,6 +54,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from check_targets import DEEPSEEK_V2_LITE  # noqa: E402
+from host_cpu import cpu_name  # noqa: E402
 
 from jaxserve.attention.backends import get_attention_backend  # noqa: E402
 from jaxserve.attention.metadata import AttentionMetadata  # noqa: E402
@@ -76,18 +77,6 @@ class MLAShape:
     @property
     def softmax_scale(self) -> float:
         return (self.nope + self.rope) ** -0.5
-
-
-def cpu_name() -> str:
-    """The first processor's model name and its bfloat16 flags, from /proc/cpuinfo."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    bf16 = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags]
-    return f"{name} ({', '.join(bf16) if bf16 else 'no bf16 flags'})"
 
 
 def causal_mask(num_q: int, context: int) -> jax.Array:
