@@ -59,6 +59,12 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
+def einsum_f32(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """``jnp.einsum(spec, x, y)`` with x cast to y's dtype and float32 accumulation (activations times weights under
+    the precision policy, as `matmul`): float32 out."""
+    return jnp.einsum(spec, x.astype(y.dtype), y, preferred_element_type=jnp.float32)
+
+
 class Linear(nn.Module):
     """A dense layer under the precision policy: `kernel [in, out]` (and `bias [out]`) stored in
     `param_dtype`, float32 output. Parameter names and initializers are `nn.Dense`'s. With a `quantization`

@@ -38,7 +38,7 @@ from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.config.mla_config import MLAConfig
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.distributed.sharding import TP_AXIS
-from jaxserve.models.common import ACTIVATIONS, dense, matmul
+from jaxserve.models.common import ACTIVATIONS, dense, einsum_f32, matmul
 from jaxserve.models.llama import DecoderLayer, LlamaForCausalLM
 from jaxserve.models.mla_expanded import expanded_attention
 from jaxserve.models.mlp import GatedMLP
@@ -56,11 +56,6 @@ from jaxserve.models.params import weight
 from jaxserve.models.rotary import apply_rotary, rotary_cos_sin
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm and kv_a_layernorm keep their default eps
-
-
-def absorbed(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
-    """An einsum of activations with a weight under the precision policy (weights' dtype in, float32 out)."""
-    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 class MLAttention(nn.Module):
@@ -89,10 +84,10 @@ class MLAttention(nn.Module):
         if mla.prefill_form == "expanded" and num_q > 1 and not meta.is_ragged:  # a prefill step
             values, k_pool = expanded_prefill(q_nope, q_pe, w_kv, key, k_pool, layer, meta, mla, self.mesh)
         else:
-            query = jnp.concatenate([absorbed(q_nope, w_kv[..., :nope], "sqhd,rhd->sqhr"), q_pe], axis=-1)
+            query = jnp.concatenate([einsum_f32("sqhd,rhd->sqhr", q_nope, w_kv[..., :nope]), q_pe], axis=-1)
             query = pad_to_row(query, cfg.head_dim)
             latent_out, k_pool = latent_attention(query, key, k_pool, layer, meta, self.backend, mla, self.mesh)
-            values = absorbed(latent_out, w_kv[..., nope:], "sqhr,rhv->sqhv")
+            values = einsum_f32("sqhr,rhv->sqhv", latent_out, w_kv[..., nope:])
         o_proj = dense(cfg.hidden_size, "o_proj", self.dtype, cfg.attention_bias, cfg.quantization)
         return o_proj(values.reshape(num_seqs, num_q, -1)), (k_pool, v_pool)
 
@@ -230,24 +225,15 @@ class DeepseekGate(nn.Module):
 
 
 class DeepseekDecoderLayer(DecoderLayer):
-    """`llama.DecoderLayer`'s fields, carry and scanned input; MLA and DeepSeek's MoE (or a dense MLP)."""
+    """`llama.DecoderLayer` with MLA and DeepSeek's MoE (or a dense MLP in the first layers)."""
 
-    @nn.compact
-    def __call__(self, carry, layer, rotary, meta):
+    def attention(self) -> nn.Module:
+        return MLAttention(self.config, self.dtype, self.backend, self.mesh, name="self_attn")
+
+    def feed_forward(self) -> nn.Module:
         cfg = self.config
-        hidden, kv_pool = carry
-        normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        attention = MLAttention(cfg, self.dtype, self.backend, self.mesh, name="self_attn")
-        attn_out, kv_pool = attention(normed, kv_pool, layer, meta, rotary)
-        hidden = hidden + attn_out
-        normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
         sparse = cfg.num_experts is not None if self.sparse is None else self.sparse
-        if sparse:
-            mlp = DeepseekMoE(cfg, self.dtype, self.mesh, name="mlp")
-        else:
-            mlp = GatedMLP(cfg.intermediate_size, cfg.hidden_size, cfg.hidden_act, self.dtype, cfg.quantization,
-                           name="mlp")
-        return (hidden + mlp(normed), kv_pool), None
+        return DeepseekMoE(cfg, self.dtype, self.mesh, name="mlp") if sparse else super().feed_forward()
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):

@@ -17,8 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models.common import Attention
-from jaxserve.models.llama import DecoderLayer, LlamaForCausalLM, feed_forward, layer_rotary
+from jaxserve.models.llama import DecoderLayer, LlamaForCausalLM, layer_rotary
 from jaxserve.models.norms import RMSNorm
 
 
@@ -30,10 +29,9 @@ class GemmaDecoderLayer(DecoderLayer):
         cfg = self.config
         hidden, kv_pool = carry
         normed = self._norm("input_layernorm")(hidden)
-        attn = Attention(cfg, self.dtype, self.backend, self.mesh, name="self_attn")
-        attn_out, kv_pool = attn(normed, kv_pool, layer, meta, layer_rotary(cfg, layer, rotary))
+        attn_out, kv_pool = self.attention()(normed, kv_pool, layer, meta, layer_rotary(cfg, layer, rotary))
         hidden = hidden + self._norm("post_attention_layernorm")(attn_out)
-        mlp_out = feed_forward(cfg, self.dtype, self.mesh, self.sparse)(self._norm("pre_feedforward_layernorm")(hidden))
+        mlp_out = self.feed_forward()(self._norm("pre_feedforward_layernorm")(hidden))
         hidden = hidden + self._norm("post_feedforward_layernorm")(mlp_out)
         return (hidden, kv_pool), None
 

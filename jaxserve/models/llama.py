@@ -76,12 +76,18 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         hidden, kv_pool = carry
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
-        attn = Attention(cfg, self.dtype, self.backend, self.mesh, name="self_attn")
-        attn_out, kv_pool = attn(normed, kv_pool, layer, meta, layer_rotary(cfg, layer, rotary))
+        attn_out, kv_pool = self.attention()(normed, kv_pool, layer, meta, layer_rotary(cfg, layer, rotary))
         hidden = hidden + attn_out
         normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
-        hidden = hidden + feed_forward(cfg, self.dtype, self.mesh, self.sparse)(normed)
+        hidden = hidden + self.feed_forward()(normed)
         return (hidden, kv_pool), None
+
+    def attention(self) -> nn.Module:
+        """The layer's self-attention (a family's layer may attend otherwise: DeepSeek's latent attention)."""
+        return Attention(self.config, self.dtype, self.backend, self.mesh, name="self_attn")
+
+    def feed_forward(self) -> nn.Module:
+        return feed_forward(self.config, self.dtype, self.mesh, self.sparse)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -25,20 +25,17 @@ from jaxserve.attention.kv_cache import gather_context
 from jaxserve.attention.metadata import AttentionMetadata, token_positions
 from jaxserve.config.mla_config import MLAConfig
 from jaxserve.math_utils import cdiv, round_up
+from jaxserve.models.common import einsum_f32
 
 CHUNK_TOKENS = 256  # context tokens gathered and expanded at a time
-
-
-def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, a, b.astype(a.dtype), preferred_element_type=jnp.float32)
 
 
 def _expanded_chunk(rows: jax.Array, w_kv: jax.Array, mla: MLAConfig, dtype):
     """(keys' nope part [S, T, H, nope], rotary keys [S, T, dr], values [S, T, H, v]) of latent rows [S, T, W]."""
     nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
-    latent = rows[..., :rank].astype(w_kv.dtype)
-    k_nope = jnp.einsum("str,rhd->sthd", latent, w_kv[..., :nope], preferred_element_type=jnp.float32)
-    values = jnp.einsum("str,rhv->sthv", latent, w_kv[..., nope:], preferred_element_type=jnp.float32)
+    latent = rows[..., :rank]
+    k_nope = einsum_f32("str,rhd->sthd", latent, w_kv[..., :nope])
+    values = einsum_f32("str,rhv->sthv", latent, w_kv[..., nope:])
     k_pe = rows[..., rank:rank + mla.qk_rope_head_dim]
     return k_nope.astype(dtype), k_pe.astype(dtype), values.astype(dtype)
 
@@ -64,13 +61,14 @@ def expanded_attention(q_nope: jax.Array, q_pe: jax.Array, k_pool: jax.Array, la
         rows = gather_context(k_pool, layer, pages)[:, 0]  # [S, T, W]
         rows = jnp.where((keys[None, :] < meta.lengths[:, None])[..., None], rows, 0)  # no garbage past the context
         k_nope, k_pe, values = _expanded_chunk(rows, w_kv, mla, q_nope.dtype)
-        scores = (_dot("sqhd,sthd->shqt", q_nope, k_nope) + _dot("sqhd,std->shqt", q_pe, k_pe)) * mla.softmax_scale
+        scores = einsum_f32("sqhd,sthd->shqt", q_nope, k_nope) + einsum_f32("sqhd,std->shqt", q_pe, k_pe)
+        scores = scores * mla.softmax_scale
         scores = jnp.where((keys <= positions) & (keys < lengths), scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(scores - m_safe[..., None])
         rescale = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
-        acc = acc * rescale[..., None] + _dot("shqt,sthv->shqv", p.astype(values.dtype), values)
+        acc = acc * rescale[..., None] + einsum_f32("shqt,sthv->shqv", p, values)
         return m_new, denom * rescale + p.sum(axis=-1), acc
 
     shape = (num_seqs, num_heads, num_q)
