@@ -273,8 +273,7 @@ class ModelRunner:
         tokens_per_row = self.backend.tokens_per_row(self.block_size, head_dim)
         page = pool_page_shape(self.block_size, head_dim, tokens_per_row)
         blocks = (rows, num_kv_heads, num_blocks)
-        sharding = kv_pool_sharding(self.mesh, self.config.kv_values_in_keys)
-        struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self._pool_sharding)
         pool = struct((*blocks, *page), self.kv_storage_dtype)
         if self.kv_storage_dtype == INT8_KV_DTYPE:
             if self.config.kv_values_in_keys:
@@ -283,6 +282,11 @@ class ModelRunner:
         if self.config.kv_values_in_keys:  # MLA: the values are the keys' latent, no V pages
             return pool, struct((*blocks, page[0], 0), self.kv_storage_dtype)
         return pool, pool
+
+    @property
+    def _pool_sharding(self):
+        """The KV pool's sharding on the mesh (a pool of latents whole on every device: `kv_pool_sharding`)."""
+        return kv_pool_sharding(self.mesh, self.config.kv_values_in_keys)
 
     def _allocate_pool(self) -> tuple:
         """Zeroed K and V pools: one allocation program per array shape (K's and V's are the same), run for each."""
@@ -436,7 +440,7 @@ class ModelRunner:
         return executable
 
     def _step_jit(self):
-        rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh, self.config.kv_values_in_keys)
+        rep, pool = replicated(self.mesh), self._pool_sharding
         positions = jax.tree.map(lambda x: x.sharding, self._state_structs[3])
         return jax.jit(self._step, donate_argnums=(1, 2, 3), out_shardings=(rep, pool, rep, positions))
 
@@ -483,7 +487,7 @@ class ModelRunner:
         """The fork programs and (unless this runner computes none) the prompt logprobs' by name: (jitted
         function, abstract arguments)."""
         m, vocab = self.max_copies, self.config.vocab_size
-        rep, pool = replicated(self.mesh), kv_pool_sharding(self.mesh, self.config.kv_values_in_keys)
+        rep, pool = replicated(self.mesh), self._pool_sharding
         sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
         idx = sds((m,), jnp.int32)
         programs = {

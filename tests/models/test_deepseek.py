@@ -47,6 +47,12 @@ def test_the_config_reads_the_latent_attention_and_its_routing():
     assert config_of("deepseek-v2-lite").norm_topk_prob is False  # V2 never renormalises
 
 
+def test_an_int8_kv_cache_is_refused_for_a_pool_of_latents():
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 keeps no latent \\(MLA\\) pool: use auto or fp8"):
+        ModelRunner(config_of("deepseek-v3"), {"params": {}}, dtype="float32", block_size=16, num_blocks=10,
+                    max_rows=2, abstract=True, attention_backend="cpu", kv_cache_dtype="int8")
+
+
 def test_the_pool_keeps_the_latent_and_the_rotary_key_per_token_and_layer_only():
     cfg = config_of("deepseek-v3")
     params = {"params": {}}  # the pool's shapes do not read the weights
