@@ -265,7 +265,7 @@ class CpuBackend(ReferenceBackend):
         options = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
         pool_dtype = page_values(k_pool).dtype
         if (pool_dtype not in kernels_cpu.POOL_DTYPES or page_values(v_pool).dtype != pool_dtype
-                or not _native_heads(q.shape[2], *page_values(k_pool).shape[1::3])):
+                or not _native_heads(q.shape[2], page_values(k_pool).shape[1], page_values(k_pool).shape[-1])):
             return super().attend(q, k_pool, v_pool, layer, meta, **options)
         options.update(pool_scales(k_pool, v_pool))
         k_pool, v_pool = page_values(k_pool), page_values(v_pool)

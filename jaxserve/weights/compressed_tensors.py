@@ -35,7 +35,7 @@ from jaxserve.quantization.weights import (
     dequantize_kernel,
     quantize_kernel,
 )
-from jaxserve.weights.fp8_blocks import QUANT_METHOD as FP8_BLOCKS_METHOD
+from jaxserve.weights.fp8_blocks import block_size as fp8_block_size
 from jaxserve.weights.mxfp4 import QUANT_METHOD as MXFP4_METHOD
 
 QUANT_METHOD = "compressed-tensors"
@@ -56,7 +56,7 @@ def checkpoint_scheme(hf_config: dict[str, Any]) -> QuantScheme | None:
     method = config.get("quant_method")
     if method == MXFP4_METHOD:  # gpt-oss's experts: dequantized at load (`mxfp4.py`), served as float weights
         return None
-    if method == FP8_BLOCKS_METHOD and config.get("weight_block_size"):  # DeepSeek's: dequantized (`fp8_blocks.py`)
+    if fp8_block_size(hf_config) is not None:  # DeepSeek's block-wise float8: dequantized at load (`fp8_blocks.py`)
         return None
     if method != QUANT_METHOD:
         raise ValueError(f"unsupported quantization_config quant_method {method!r}: jaxserve reads "
