@@ -31,6 +31,7 @@ def main(argv=None) -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--buckets", default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from the device's memory")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     args = parser.parse_args(argv)
@@ -40,7 +41,7 @@ def main(argv=None) -> None:
     from jaxserve import LLM
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, buckets=args.buckets,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, num_kv_blocks=args.num_kv_blocks)
     engine = llm.llm_engine
     engine.async_scheduling = False
     requests = load_requests(args.workload, args.num_requests, engine.model_config.vocab_size)
@@ -71,7 +72,7 @@ def main(argv=None) -> None:
     print("| bucket | steps | seconds | ms/step | real rows/step |")
     print("|---|---|---|---|---|")
     for bucket, (steps, seconds, rows) in sorted(per_bucket.items(), key=lambda item: -item[1][1]):
-        print(f"| {bucket} | {steps} | {seconds:.1f} | {1e3 * seconds / steps:.0f} | {rows / steps:.1f} |")
+        print(f"| {bucket} | {steps} | {seconds:.1f} | {1e3 * seconds / steps:.2f} | {rows / steps:.1f} |")
 
 
 if __name__ == "__main__":
