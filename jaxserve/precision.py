@@ -18,6 +18,8 @@ from jaxserve.logger import init_logger
 
 logger = init_logger("jaxserve.precision")
 
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")  # JAX's platform names of NVIDIA and AMD GPUs (as kernels_pallas._common's)
+
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo names, the matrix unit first
 
 

@@ -265,7 +265,7 @@ def mla_decode_attention(
       interpret: run the kernel in the Pallas interpreter (CPU testing).
       pages_per_compute_block: pages per block of the walk (a power of two), default ~128 tokens (TPU) or ~32
         (GPU); capped at the block table width.
-      num_splits, num_warps, num_stages: GPU only: flash-decoding splits (default: ~264 programs) and Triton's
+      num_splits, num_warps, num_stages: GPU only: flash-decoding splits (default: ~1056 programs) and Triton's
         launch parameters.
     """
     _validate(q, pool, lengths, page_indices, kv_lora_rank)

@@ -45,7 +45,8 @@ from kernels_pallas import _common as cm
 from kernels_pallas._tpu_paging import fold_pages, open_stream, stream_operands
 
 # Knobs per (backend, page_size, head_dim). Starting points sized so a compute block covers 128-512 tokens;
-# not yet measured on hardware (scripts/bench_kernels.py is the tool to refine them).
+# the GPU's (16, 64) measured on an H200 (docs/benchmarks/gpu.md, `scripts/profile_gpu_steps.py --sweep`): one
+# stage 7-14% faster than two at 16 and 256 rows, the block size within noise.
 TUNED_BLOCK_SIZES: dict[tuple[str, int, int], dict[str, int]] = {
     ("tpu", 16, 64): {"pages_per_compute_block": 16},
     ("tpu", 16, 128): {"pages_per_compute_block": 16},
@@ -55,7 +56,7 @@ TUNED_BLOCK_SIZES: dict[tuple[str, int, int], dict[str, int]] = {
     ("tpu", 64, 128): {"pages_per_compute_block": 4},
     ("tpu", 128, 64): {"pages_per_compute_block": 2},
     ("tpu", 128, 128): {"pages_per_compute_block": 2},
-    ("gpu", 16, 64): {"pages_per_compute_block": 8, "num_warps": 4, "num_stages": 2},
+    ("gpu", 16, 64): {"pages_per_compute_block": 8, "num_warps": 4, "num_stages": 1},
     ("gpu", 16, 128): {"pages_per_compute_block": 8, "num_warps": 4, "num_stages": 2},
     ("gpu", 32, 64): {"pages_per_compute_block": 4, "num_warps": 4, "num_stages": 2},
     ("gpu", 32, 128): {"pages_per_compute_block": 4, "num_warps": 4, "num_stages": 2},
@@ -68,8 +69,9 @@ DEFAULT_BLOCK_SIZES = {
     "tpu": {"pages_per_compute_block": 4},
     "gpu": {"pages_per_compute_block": 2, "num_warps": 4, "num_stages": 2},
 }
-# Flash-decoding aims for about this many (sequence, kv head, split) programs to fill an H100/H200.
-GPU_TARGET_PROGRAMS = 264
+# Flash-decoding aims for about this many (sequence, kv head, split) programs: 8 per multiprocessor of an H100/H200
+# (on an H200, 16 rows of 8 kv heads: 8 splits took 19.1 us, 3 splits (264 programs) 25.6; docs/benchmarks/gpu.md).
+GPU_TARGET_PROGRAMS = 1056
 
 
 def _window_first_page(length, sliding_window: int | None, page_size: int):
@@ -384,7 +386,7 @@ def paged_attention(
         ``pltpu.InterpretParams`` may be passed instead of True.
       pages_per_compute_block: pages per KV block (power of two; both backends). Default from
         ``TUNED_BLOCK_SIZES``; capped at the block table width.
-      num_splits: GPU only, flash-decoding splits of the context; default fills ~264 programs.
+      num_splits: GPU only, flash-decoding splits of the context; default fills ~1056 programs.
       num_warps, num_stages: GPU only, Triton launch parameters.
       sliding_window: attend only the last ``sliding_window`` keys (the query's own included); None or 0: all.
         A Python int is static (compiled in); an i32 scalar array is traced (one compiled call serves every

@@ -110,7 +110,9 @@ class _Items:
         per_row = pl.cdiv(query_lens, block_q)  # items of each row
         ends = jnp.cumsum(per_row)  # items of rows 0..s
         item = jnp.arange(num_items, dtype=jnp.int32)
-        row = jnp.searchsorted(ends, item, side="right").astype(jnp.int32)  # num_rows past the last item
+        # num_rows past the last item; every pair compared (one fusion): the default bisection is a while loop of
+        # four kernels a round, which XLA:GPU ran in every layer of a mixed step (docs/benchmarks/gpu.md)
+        row = jnp.searchsorted(ends, item, side="right", method="compare_all").astype(jnp.int32)
         live = row < num_rows
         row = jnp.where(live, row, 0)
         first_token = (item - (ends[row] - per_row[row])) * block_q  # within the row

@@ -10,14 +10,40 @@ same).
 
 from __future__ import annotations
 
+import functools
+
 from jaxserve.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first outputs, for correct leading spaces
 
 
+@functools.cache
+def _decodes_in_rust_only(tokenizer_class: type) -> bool:
+    """Whether a tokenizer class's ``decode`` is transformers' fast one unchanged: the Rust tokenizer's decode, then
+    an optional clean-up of spaces (nothing else: `spaces_between_special_tokens` is the slow tokenizers')."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return False
+    return (issubclass(tokenizer_class, PreTrainedTokenizerFast)
+            and tokenizer_class.decode is PreTrainedTokenizerBase.decode
+            and tokenizer_class._decode is PreTrainedTokenizerFast._decode)
+
+
+def rust_decoder(tokenizer):
+    """The Rust tokenizer of ``tokenizer`` where decoding through it directly gives ``tokenizer.decode``'s text (a
+    fast tokenizer that overrides no decoding and cleans up no spaces), else None. transformers' decode first walks
+    the ids in Python (`to_py_obj`): on a GPU a sixth of the engine's host time per step (docs/benchmarks/gpu.md)."""
+    if not _decodes_in_rust_only(type(tokenizer)) or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return tokenizer.backend_tokenizer
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.tokenizer = tokenizer
+        self.rust_tokenizer = rust_decoder(tokenizer)
         self.params = params
         self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -26,6 +52,8 @@ class IncrementalDetokenizer:
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
 
     def _decode(self, ids: list[int]) -> str:
+        if self.rust_tokenizer is not None:
+            return self.rust_tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
         return self.tokenizer.decode(
             ids,
             skip_special_tokens=self.params.skip_special_tokens,

@@ -15,20 +15,30 @@ wall time and 10-25% less CPU on 2 cores (medians of 8 interleaved rounds: decod
 0.32, mixed 0.36 -> 0.34; the sampler and the fusion emitters' bfloat16 steps unchanged; docs/benchmarks/startup.md).
 A fixed number, not the machine's cores, so that a compile cache built on one machine serves another (the options
 are part of JAX's cache key).
+
+XLA:GPU's dot merger joins two products that share an input into one, by concatenating their other operands: in a
+model those are weights (gate and up, q/k/v), so every step copied them into one array first; on an H200 a
+Llama-3.2-1B prefill step spent a tenth of its time in that copy (docs/benchmarks/gpu.md). GPU programs turn it
+off; TPU programs get no options.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxserve.precision import GPU_PLATFORMS
+
 CODEGEN_MODULES = 4  # LLVM modules per program under the LLVM IR emitters (XLA's default: 32)
 LLVM_IR_EMITTERS = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": CODEGEN_MODULES}
 FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+GPU_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}  # never concatenate weights to merge two products
 
 
 def compiler_options(platform: str, compute_dtype) -> dict[str, bool | int] | None:
     """Options for ``jax.stages.Lowered.compile`` of a program built for ``platform`` that computes in
     ``compute_dtype``; None for XLA's defaults."""
+    if platform in GPU_PLATFORMS:
+        return dict(GPU_OPTIONS)
     if platform != "cpu":
         return None
     return dict(LLVM_IR_EMITTERS if jnp.dtype(compute_dtype) == jnp.float32 else FUSION_EMITTERS)

@@ -67,10 +67,18 @@ from jaxserve.distributed.sharding import (
 from jaxserve.logger import init_logger
 from jaxserve.models import get_model_class
 from jaxserve.models.common import unstack_layers, untie_lm_head
+from jaxserve.precision import GPU_PLATFORMS
 from jaxserve.runner.compiler_options import compiler_options
 from jaxserve.runner.input_batch import SampleShape, StepInputs, StepShape, step_shape
 from jaxserve.runner.logprobs import PromptPositions, TokenLogprobs, prompt_logprobs, prompt_targets
-from jaxserve.runner.sampler import FLAG_PROMPT_LOGPROBS, SamplingTensors, sample
+from jaxserve.runner.sampler import (
+    FLAG_PROMPT_LOGPROBS,
+    SamplingTensors,
+    every_token_allowed,
+    first_argmax,
+    sample,
+    takes_argmax_only,
+)
 from jaxserve.runner.sampler_state import SlotState, copy_slots, update_token_counts, write_slot
 from jaxserve.runner.spec_verify import VerifyInputs, uncount_rejected
 from jaxserve.runner.spec_verify import verify as verify_drafts
@@ -187,6 +195,11 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None else make_mesh(1)
         self.platform = platform = platform or self.mesh.devices.flat[0].platform
         self.backend = _attention_backend(config, attention_backend, platform)
+        # XLA:GPU runs a lax.cond by copying its predicate to the host and waiting for it there, so the sampler's
+        # conds held the host until the step's last kernel: no host work overlapped a step (docs/benchmarks/gpu.md).
+        # There a step also returns its rows' argmax, and one whose rows all take it runs no sampler (`execute`)
+        self.argmax_in_step = platform in GPU_PLATFORMS
+        self._no_logprobs: dict[int, TokenLogprobs] = {}  # by batch size: an argmax-only step's logprobs, zeros
         if config.quantization is not None:  # "fp8" quantizes activations only on float8 matrix units
             capability = getattr(self.mesh.devices.flat[0], "compute_capability", None)
             self.config = config = dataclasses.replace(
@@ -197,10 +210,11 @@ class ModelRunner:
         self.kv_storage_dtype = kv_storage_dtype(kv_value_dtype(kv_cache_dtype, self.dtype), platform)
         # XLA:CPU keeps bf16 matmuls on its fast path only with one weight array per layer and with
         # untransposed weights (common.layer_stack, common.untie_lm_head); in float32 the scan is as fast and
-        # compiles faster, and TPU and GPU keep it
+        # compiles faster. XLA:GPU copies each layer's weights out of the stack in a scan (a slice feeding cuBLAS;
+        # on an H200 a third of a Llama-3.2-1B decode step, docs/benchmarks/gpu.md): GPUs unroll. TPU keeps it
         cpu_bf16 = platform == "cpu" and self.dtype == jnp.bfloat16
         self.model = get_model_class(config.architecture)(
-            config, self.dtype, self.backend, model_mesh, scan_layers=not cpu_bf16,
+            config, self.dtype, self.backend, model_mesh, scan_layers=not (cpu_bf16 or platform in GPU_PLATFORMS),
             untie_lm_head=cpu_bf16 and config.tie_word_embeddings,
         )
         if not self.model.scan_layers:
@@ -234,6 +248,7 @@ class ModelRunner:
         self.max_copies = num_sampler_slots  # copy-on-write pairs per copy_blocks call
         self.executables: dict[StepShape, jax.stages.Compiled] = {}
         self.sampler_executables: dict[SampleShape, jax.stages.Compiled] = {}
+        self._allowed_on_device: dict[tuple[int, int], jax.Array] = {}  # `_device_sampling`'s, by shape
         self.executable_store: ExecutableSource | None = None  # set by warm-up when there is a compile cache
         self.num_compiles = 0
         self.compile_seconds = 0.0
@@ -329,7 +344,7 @@ class ModelRunner:
         """Every program the engine runs, by name: (jitted function, abstract arguments) of the steps of
         ``shapes``, the allocations and (``forks``; a draft model's runner never forks) the forks (to lower them for
         a platform this host does not have)."""
-        steps = {executable_name(shape): (self._step_jit(), self._abstract_inputs(shape)) for shape in shapes}
+        steps = {executable_name(shape): (self._step_jit(shape), self._abstract_inputs(shape)) for shape in shapes}
         samplers = {sampler_name(shape): self._sampler_program(shape) for shape in sample_shapes(shapes)}
         return {**steps, **samplers, **self._allocation_programs(), **(self._helper_programs() if forks else {})}
 
@@ -353,6 +368,8 @@ class ModelRunner:
             # the partitioner would split the layers' activations on H to match the buffer)
             hidden = jax.lax.with_sharding_constraint(hidden, replicated(self.mesh))
             prompt_positions = prompt_positions.written(hidden, targets)
+        if self.argmax_in_step and verify is None:  # what the sampler gives rows that take their argmax only
+            return logits, kv_pool, slot_state, prompt_positions, self._padded(first_argmax(logits))
         return logits, kv_pool, slot_state, prompt_positions
 
     def _padded(self, tokens: jax.Array) -> jax.Array:
@@ -414,7 +431,7 @@ class ModelRunner:
     def compile(self, shape: StepShape) -> jax.stages.Compiled:
         """Compiles (once) the executable for one step shape. Thread-safe for different shapes."""
         if shape not in self.executables:
-            executable = self._compile(self._step_jit(), self._abstract_inputs(shape), executable_name(shape))
+            executable = self._compile(self._step_jit(shape), self._abstract_inputs(shape), executable_name(shape))
             with self._compile_lock:
                 self.executables[shape] = executable
         return self.executables[shape]
@@ -439,10 +456,11 @@ class ModelRunner:
             raise RuntimeError(f"no compiled sampler executable for {shape}; warm it up first")
         return executable
 
-    def _step_jit(self):
+    def _step_jit(self, shape: StepShape):
         rep, pool = replicated(self.mesh), self._pool_sharding
         positions = jax.tree.map(lambda x: x.sharding, self._state_structs[3])
-        return jax.jit(self._step, donate_argnums=(1, 2, 3), out_shardings=(rep, pool, rep, positions))
+        argmax = (rep,) if self.argmax_in_step and not shape.num_sample_positions else ()  # `_step`'s argmax tokens
+        return jax.jit(self._step, donate_argnums=(1, 2, 3), out_shardings=(rep, pool, rep, positions, *argmax))
 
     def compiler_options_of(self, name: str) -> dict | None:
         """The XLA options the program ``name`` (a key of `programs`) compiles with: a step and the prompt logprobs
@@ -524,18 +542,39 @@ class ModelRunner:
         feed_rows = no_feed if inputs.feed_rows is None else inputs.feed_rows
         feed_cols = no_feed if inputs.feed_cols is None else inputs.feed_cols
         sampler = self._sampler(shape.sample_shape)
-        logits, self.kv_pool, self.slot_state, self.prompt_positions = executable(
+        sampling = self._device_sampling(inputs.sampling)
+        logits, self.kv_pool, self.slot_state, self.prompt_positions, *argmax = executable(
             self.params, self.kv_pool, self.slot_state, self.prompt_positions, inputs.input_ids, meta,
-            inputs.sample_index, inputs.sampling, self.no_tokens if prev_tokens is None else prev_tokens, feed_rows,
+            inputs.sample_index, sampling, self.no_tokens if prev_tokens is None else prev_tokens, feed_rows,
             feed_cols, inputs.verify,
         )
         prompt_logprobs = self._run_prompt_logprobs(shape, inputs.sampling)
+        if argmax and takes_argmax_only(inputs.sampling):  # the sampler would give these tokens, no logprobs
+            return StepOutput(argmax[0], logits, self._zero_logprobs(shape.batch_size), prompt_logprobs)
         if inputs.verify is None:
-            tokens, logprobs = sampler(self.slot_state, logits, inputs.sampling)
+            tokens, logprobs = sampler(self.slot_state, logits, sampling)
             return StepOutput(tokens, logits, logprobs, prompt_logprobs)
-        (tokens, logprobs, num_accepted), self.slot_state = sampler(self.slot_state, logits, inputs.sampling,
+        (tokens, logprobs, num_accepted), self.slot_state = sampler(self.slot_state, logits, sampling,
                                                                     inputs.verify)
         return StepOutput(tokens, logits, logprobs, prompt_logprobs, num_accepted)
+
+    def _device_sampling(self, sampling: SamplingTensors) -> SamplingTensors:
+        """Host ``sampling`` whose bitmask, where no row is constrained (`every_token_allowed`), is a copy kept on
+        the device: [S, V / 32] int32, 4 MB at 256 rows of Llama 3's vocabulary, was copied to the device twice a
+        step (for the step and for its sampler)."""
+        allowed = sampling.allowed
+        if not isinstance(allowed, np.ndarray) or allowed is not every_token_allowed(*allowed.shape):
+            return sampling
+        if allowed.shape not in self._allowed_on_device:
+            self._allowed_on_device[allowed.shape] = jax.device_put(allowed, replicated(self.mesh))
+        return sampling.replace(allowed=self._allowed_on_device[allowed.shape])
+
+    def _zero_logprobs(self, batch_size: int) -> TokenLogprobs:
+        """What the sampler returns as the logprobs of S rows that ask for none (kept on the device)."""
+        if batch_size not in self._no_logprobs:
+            zeros = TokenLogprobs.zeros((batch_size,), self.num_logprobs)
+            self._no_logprobs[batch_size] = jax.device_put(zeros, replicated(self.mesh))
+        return self._no_logprobs[batch_size]
 
     def _run_prompt_logprobs(self, shape: StepShape, sampling: SamplingTensors) -> TokenLogprobs | None:
         """After a step of several query tokens where a row asks for prompt logprobs: every position's, flat

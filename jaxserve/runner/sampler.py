@@ -91,7 +91,7 @@ class SamplingTensors:
                  r.prompt_len, r.flags, r.prompt_next_token)
                 for r in rows
             ]
-        allowed = _every_token_allowed(batch_size, bitmask_words(vocab_size))
+        allowed = every_token_allowed(batch_size, bitmask_words(vocab_size))
         masked = [(i, row.allowed) for i, row in enumerate(rows) if row.allowed is not None]
         if masked:  # a fresh array only for a step with constrained rows
             allowed = allowed.copy()
@@ -108,7 +108,7 @@ class SamplingTensors:
         ints = self.ints.copy()
         ints[:, [INT_COLUMNS.index("top_k"), INT_COLUMNS.index("min_tokens")]] = 0
         ints[:, INT_COLUMNS.index("flags")] &= FLAG_PROMPT_LOGPROBS
-        return SamplingTensors(floats, ints, _every_token_allowed(*self.allowed.shape))
+        return SamplingTensors(floats, ints, every_token_allowed(*self.allowed.shape))
 
     def with_grammar_masks(self, masks: dict[int, np.ndarray]) -> SamplingTensors:
         """These (host) rows with each row of ``masks`` constrained by its grammar's allowed-token bitmask: for a
@@ -211,6 +211,23 @@ def _tokens(processed: jax.Array, params: SamplingTensors) -> jax.Array:
 def greedy_rows(params: SamplingTensors) -> jax.Array:
     """bool[S]: the rows that take their argmax (temperature 0)."""
     return params.temperature < _EPS
+
+
+def takes_argmax_only(params: SamplingTensors) -> bool:
+    """Whether every row of host ``params`` takes the argmax of its raw logits and nothing else: temperature 0,
+    no grammar, logit bias, min_tokens still in force, penalties or logprobs (what `sample` returns for them is
+    `first_argmax(logits)` and zero logprobs)."""
+    floats, ints = np.asarray(params.floats), np.asarray(params.ints)
+    column, int_column = FLOAT_COLUMNS.index, INT_COLUMNS.index
+    flags = ints[:, int_column("flags")]
+    return bool(
+        np.all(floats[:, column("temperature")] < _EPS)
+        and not np.any(flags & (FLAG_GRAMMAR | FLAG_LOGIT_BIAS | FLAG_LOGPROBS))
+        and np.all(ints[:, int_column("step")] >= ints[:, int_column("min_tokens")])
+        and np.all(floats[:, column("repetition_penalty")] == 1.0)
+        and not np.any(floats[:, column("frequency_penalty")])
+        and not np.any(floats[:, column("presence_penalty")])
+    )
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -542,8 +559,9 @@ def _prefix_cutoff(
 
 
 @functools.lru_cache(maxsize=64)
-def _every_token_allowed(batch_size: int, num_words: int) -> np.ndarray:
-    """The bitmask of a step without constrained rows: built once per shape, read-only."""
+def every_token_allowed(batch_size: int, num_words: int) -> np.ndarray:
+    """The bitmask of a step without constrained rows: built once per shape, read-only (the runner keeps a copy of
+    it on the device: `ModelRunner._device_sampling`)."""
     allowed = np.full((batch_size, num_words), -1, np.int32)
     allowed.flags.writeable = False
     return allowed

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.compilation.precompile import abstract_params
-from jaxserve.runner.compiler_options import FUSION_EMITTERS, LLVM_IR_EMITTERS, compiler_options
+from jaxserve.runner.compiler_options import FUSION_EMITTERS, GPU_OPTIONS, LLVM_IR_EMITTERS, compiler_options
 from jaxserve.runner.input_batch import SampleShape, StepShape
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.testing.tiny_models import tiny_hf_config
@@ -18,7 +18,7 @@ from jaxserve.weights import load_config
 @pytest.mark.parametrize(
     ("platform", "dtype", "expected"),
     [("cpu", jnp.float32, LLVM_IR_EMITTERS), ("cpu", jnp.bfloat16, FUSION_EMITTERS), ("tpu", jnp.float32, None),
-     ("cuda", jnp.float32, None), ("cpu", "float32", LLVM_IR_EMITTERS)],
+     ("cuda", jnp.float32, GPU_OPTIONS), ("gpu", jnp.bfloat16, GPU_OPTIONS), ("cpu", "float32", LLVM_IR_EMITTERS)],
 )
 def test_only_float32_programs_on_cpu_get_the_llvm_ir_emitters(platform, dtype, expected):
     assert compiler_options(platform, dtype) == expected

@@ -37,6 +37,7 @@ from jaxserve.runner.sampler import (
     process_logits,
     sample,
     sample_random,
+    takes_argmax_only,
     uniforms,
 )
 from jaxserve.runner.sampler_state import SlotState, SlotTable, copy_slots, update_token_counts, write_slot
@@ -228,6 +229,33 @@ def test_greedy_rows_take_the_argmax_of_the_processed_logits():
     expected = [ref_penalties(logits[0], counts, prompt, 1.5, 0.0, 2.0).argmax(),
                 (logits[1] + np.asarray(state.logit_bias[1])).argmax()]
     np.testing.assert_array_equal(np.asarray(out.tokens), expected)
+
+
+@pytest.mark.parametrize(
+    ("rows", "argmax_only"),
+    [
+        ([row(), row(step=3, min_tokens=3)], True),  # min_tokens reached: no longer in force
+        ([row(), row(temperature=0.5)], False),
+        ([row(), row(flags=FLAG_LOGPROBS)], False),
+        ([row(flags=FLAG_LOGIT_BIAS)], False),
+        ([row(flags=FLAG_GRAMMAR)], False),
+        ([row(step=2, min_tokens=3)], False),
+        ([row(repetition=1.1)], False),
+        ([row(frequency=0.5)], False),
+        ([row(presence=-0.5)], False),
+    ],
+)
+def test_takes_argmax_only_exactly_when_sample_returns_the_raw_argmax(rows, argmax_only):
+    """The host's check that picks the GPU's argmax-only sampler (`ModelRunner._sample_argmax`): true only where
+    `sample` gives every row its raw logits' argmax and no logprobs; padding rows change nothing."""
+    params = tensors(rows, batch_size=4)
+    assert takes_argmax_only(params) is argmax_only
+    if argmax_only:
+        rng = np.random.default_rng(6)
+        logits = rng.normal(0, 1, (4, V)).astype(np.float32)
+        out = jax.jit(sample, static_argnums=3)(logits, params, slot_state(rng), K)
+        np.testing.assert_array_equal(np.asarray(out.tokens), logits.argmax(-1))
+        assert not np.any(np.asarray(out.logprobs.token_logprob))
 
 
 def test_a_batch_with_random_rows_samples_from_the_processed_logits():
