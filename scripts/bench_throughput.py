@@ -55,11 +55,14 @@ def load_requests(path: Path, num_requests: int, vocab_size: int, seed: int = 0)
 
 
 def add_requests(engine, requests: list[tuple[list[int], int]]) -> None:
-    """Queues each (prompt tokens, output length) as a greedy request of exactly that many tokens."""
+    """Queues each (prompt tokens, output length) as a greedy request of exactly that many tokens, reported once
+    finished (as `LLM.generate` asks, and vLLM's offline benchmark)."""
     from jaxserve import SamplingParams
+    from jaxserve.sampling_params import RequestOutputKind
 
     for i, (prompt, num_tokens) in enumerate(requests):
-        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
 
 
