@@ -223,13 +223,10 @@ def test_gguf_blocks_and_an_int8_kv_cache_under_tensor_parallelism_match_transfo
                               for p in PROMPTS]
 
 
-@pytest.mark.parametrize(
-    ("family", "overrides"),
-    [("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32, "num_attention_heads": 8}),
-     ("gpt2", {"n_head": 8})],
-)
-def test_opt_and_gpt2_under_tensor_parallelism_match_transformers(tmp_path, buckets, family, overrides):
-    path = make_tiny_model(tmp_path / family, family, seed=6, **overrides)
+def test_gpt2_under_tensor_parallelism_matches_transformers(tmp_path, buckets):
+    """GPT-2's fused c_attn and Conv1D weights split by heads (OPT's layer is the same `LayerNormDecoderLayer`: its
+    own tp case cost the suite an engine for no other code)."""
+    path = make_tiny_model(tmp_path / "gpt2", "gpt2", seed=6, n_head=8)
     llm = LLM(str(path), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=4)
     assert _generate(llm) == [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
 
