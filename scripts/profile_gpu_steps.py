@@ -139,14 +139,10 @@ def engine_steps(engine, args) -> list[tuple[str, object, object]]:
 
 
 def profile_step(runner, label: str, bucket, inputs, args, index: int) -> dict:
+    from jaxserve.runner.step_costs import median_step_seconds
+
+    wall = median_step_seconds(runner, bucket, inputs, runs=args.runs)
     run = lambda: runner.execute(bucket, inputs).tokens.block_until_ready()
-    run()
-    times = []
-    for _ in range(args.runs):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    wall = statistics.median(times)
     path = traced(run, args.iters, args.trace_dir / f"step{index}")
     summary = summarise(device_kernels(path), args.iters, wall_s=wall)
     print(format_summary(label, summary) + "\n", flush=True)
@@ -236,6 +232,7 @@ def kernel_fn(kind: str, knobs: dict, x: dict, reference: bool = False, interpre
 def kernel_sweep(config, args) -> list[dict]:
     """Every variant at every decode row count, in one trace per row count; device us per call of each."""
     import jax
+    from bench_kernels import time_call
 
     rows_list, context = [int(r) for r in args.sweep_rows.split(",")], args.sweep_context
     width = -(-args.max_model_len // 16)
@@ -271,23 +268,12 @@ def kernel_sweep(config, args) -> list[dict]:
                 mine = [k for k in kernels if module in k.module]
                 us, launches = sum(k.duration_ns for k in mine) / 12 / 1e3, len(mine) / 12
             else:  # the trace names no programs: wall time, the host's dispatch included
-                us, launches = wall_seconds(jitted, a) * 1e6, float("nan")
+                us, launches = time_call(jitted, *a, iters=10) * 1e6, float("nan")
             results.append({"kernel": kind, "variant": name, "rows": rows, "us": us, "device_time": matched,
                             "launches": launches})
             print(f"| {kind} | {name} | {rows} | {us:.1f}{'' if matched else ' (wall)'} | {launches:.1f} |",
                   flush=True)
     return results
-
-
-def wall_seconds(jitted, args, runs: int = 10) -> float:
-    import jax
-
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(jitted(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def bandwidth(nbytes: int = 1 << 32) -> dict:
