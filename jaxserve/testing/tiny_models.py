@@ -176,11 +176,16 @@ LEARNED_POSITION_CONFIGS = {"opt": _tiny_opt_config, "gpt2": _tiny_gpt2_config}
 
 def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
     """Saves a seeded random model (safetensors + config.json) and a byte-level tokenizer into `path`."""
+    return save_tiny_model(path, tiny_hf_config(family, **overrides), seed)
+
+
+def save_tiny_model(path: Path, config, seed: int = 0) -> Path:
+    """Saves a seeded random model of a transformers `config` (its weights scaled up as `make_tiny_model` says) and
+    a byte-level tokenizer into `path`."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(family, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # larger weights than the default init, so logits differ visibly
         for param in model.parameters():
