@@ -1,0 +1,127 @@
+"""Qwen3-Next and Qwen3.5 (dense, MoE) with every layer full attention: float32 logits equal transformers' (gated
+attention, (1 + weight) norms, partial rotary, MoE with a shared expert, a dense layer among the MoE ones), the
+multimodal checkpoint's text decoder, the engine's greedy tokens, and the refusal of configs with gated DeltaNet
+(linear-attention) layers, whose recurrent-state cache the engine does not have yet."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config.model_config import ModelConfig
+from jaxserve.distributed.sharding import check_tensor_parallel
+from jaxserve.testing.hf_reference import hf_greedy, hf_logits
+from jaxserve.testing.tiny_models import FAMILY_TOKENS, VOCAB, save_tiny_model
+from jaxserve.weights import load_model
+from tests.forward import PagedForward
+
+# held-out odd shapes: hidden 48, 4 query heads and 2 kv heads of 16 (not hidden / heads), rotary over half of each
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    layer_types=["full_attention"] * 3, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+
+
+def tiny_config(family: str, **overrides):
+    import transformers
+
+    if family == "qwen3_next":  # layer 1 dense (mlp_only_layers), the routing weights not renormalised
+        config = transformers.Qwen3NextConfig(**{**COMMON, **MOE, "intermediate_size": 80, "mlp_only_layers": [1],
+                                                 "norm_topk_prob": False, **overrides})
+    elif family == "qwen3_5_text":
+        config = transformers.Qwen3_5TextConfig(**{**COMMON, "intermediate_size": 80, **overrides})
+    else:
+        config = transformers.Qwen3_5MoeTextConfig(**{**COMMON, **MOE, **overrides})
+    config._attn_implementation = "eager"
+    return config
+
+
+FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return {family: save_tiny_model(tmp_path_factory.mktemp(family), tiny_config(family), seed=3)
+            for family in FAMILIES}
+
+
+def saved_config(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def test_the_configs_read_gate_norms_rotary_and_mlps(tiny):
+    nxt, dense, moe = (ModelConfig.from_hf(saved_config(tiny[family])) for family in FAMILIES)
+    for cfg in (nxt, dense, moe):
+        assert cfg.attn_output_gate and cfg.qk_norm and (cfg.head_dim, cfg.rotary_dim) == (16, 8)
+    assert nxt.sparse_layers == (True, False, True) and not nxt.norm_topk_prob
+    assert nxt.shared_expert_intermediate_size == 40 and nxt.unrolled_layers
+    assert dense.num_experts is None
+    assert moe.sparse_layers == (True,) * 3 and moe.norm_topk_prob and not moe.unrolled_layers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_transformers_over_chunks_and_decode_steps(tiny, family):
+    loaded = load_model(str(tiny[family]), "float32")
+    expected = hf_logits(tiny[family], FAMILY_TOKENS)
+    got = PagedForward(loaded.config, loaded.params, backend="reference", scan_layers=False).run(
+        FAMILY_TOKENS, [3, 0, 5, 1], [7, 6, 1, 1, 1])
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
+
+
+def test_the_multimodal_checkpoints_text_decoder_equals_transformers(tiny, tmp_path):
+    """`Qwen3_5MoeForConditionalGeneration` keeps the text weights under `model.language_model.` and the text config
+    in `text_config`; its vision tower and MTP head are not read."""
+    text_dir = tiny["qwen3_5_moe_text"]
+    tensors = load_file(text_dir / "model.safetensors")
+    renamed = {name.replace("model.", "model.language_model.", 1): value for name, value in tensors.items()}
+    extra = {"model.visual.patch_embed.proj.weight": np.zeros((4, 3), np.float32),
+             "mtp.fc.weight": np.zeros((4, 4), np.float32)}
+    save_file({**renamed, **extra}, tmp_path / "model.safetensors")
+    text = {key: value for key, value in saved_config(text_dir).items() if key != "architectures"}
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "text_config": text,
+    }))
+    loaded = load_model(str(tmp_path), "float32")
+    assert loaded.config.family == "qwen3_5_moe_text"
+    got = PagedForward(loaded.config, loaded.params, backend="reference").run(FAMILY_TOKENS, [3, 0, 5, 1], [16])
+    np.testing.assert_allclose(got, hf_logits(text_dir, FAMILY_TOKENS), atol=2e-5, rtol=0)
+
+
+def test_engine_greedy_tokens_equal_transformers(tiny, tmp_path):
+    """Qwen3-Next (MoE layers around a dense one) through `LLM.generate` on the cpu backend, prompts over blocks."""
+    path = tiny["qwen3_next"]
+    buckets = tmp_path / "buckets.toml"
+    buckets.write_text("block_size = 8\n[decode]\nbatch_sizes = [2]\n[prefill]\nbatch_sizes = [1]\nlengths = [16]\n"
+                       "[mixed]\nbatch_sizes = [2]\ntoken_counts = [16]\n[context]\nlengths = [64]\n")
+    llm = LLM(str(path), dtype="float32", buckets=str(buckets), max_model_len=64, attention_backend="cpu")
+    prompts, max_tokens = [list(range(5, 25)), [7, 8, 9]], 6
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(path, p, max_tokens) for p in prompts]
+
+
+def test_configs_with_linear_attention_layers_are_refused_with_the_reason(tiny):
+    hf = saved_config(tiny["qwen3_next"])
+    hf.pop("layer_types")
+    hf["num_hidden_layers"] = 8  # transformers' default: every fourth layer full attention
+    with pytest.raises(ValueError) as refused:
+        ModelConfig.from_hf(hf)
+    assert str(refused.value) == (
+        "qwen3_next: 6 of 8 layers are gated DeltaNet linear attention (layers [0, 1, 2, 4, 5, 6]); their "
+        "per-sequence recurrent-state cache is not implemented yet, so only configs whose every layer is "
+        "full_attention are served")
+    hybrid = {**saved_config(tiny["qwen3_5_text"]), "layer_types": ["linear_attention", "full_attention"] * 2,
+              "num_hidden_layers": 4}
+    with pytest.raises(ValueError, match=r"^qwen3_5_text: 2 of 4 layers are gated DeltaNet linear attention"):
+        ModelConfig.from_hf(hybrid)
+    with pytest.raises(ValueError, match=r"attention_bias=true \(biased q/k/v/o projections\) is not supported"):
+        ModelConfig.from_hf({**saved_config(tiny["qwen3_5_moe_text"]), "attention_bias": True})
+    with pytest.raises(ValueError, match="qwen3_next is served on one device per replica"):
+        check_tensor_parallel(ModelConfig.from_hf(saved_config(tiny["qwen3_next"])), 2)
