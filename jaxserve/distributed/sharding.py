@@ -80,9 +80,6 @@ def check_tensor_parallel(config: ModelConfig, tensor_parallel_size: int) -> Non
     if config.gemma4 is not None and tensor_parallel_size > 1:
         raise ValueError("Gemma 4 is served on one device per replica (tensor_parallel_size 1) for now: its layers' "
                          "attention shapes differ, and the mesh rules split one shape")
-    if config.attn_output_gate and tensor_parallel_size > 1:
-        raise ValueError(f"{config.family} is served on one device per replica (tensor_parallel_size 1) for now: "
-                         "its gated attention's q_proj (query and gate rows per head) is not checked split yet")
     sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads}
     if config.num_experts is None or config.mixes_mlp_kinds:  # experts are split whole, dense MLPs by columns
         sizes["intermediate_size"] = config.intermediate_size

@@ -15,40 +15,15 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config.model_config import ModelConfig
 from jaxserve.distributed.sharding import check_tensor_parallel
 from jaxserve.testing.hf_reference import hf_greedy, hf_logits
-from jaxserve.testing.tiny_models import FAMILY_TOKENS, VOCAB, save_tiny_model
+from jaxserve.testing.tiny_models import FAMILY_TOKENS, save_tiny_model, tiny_qwen3_next_config
+from jaxserve.testing.tiny_models import QWEN3_NEXT_FAMILIES as FAMILIES
 from jaxserve.weights import load_model
 from tests.forward import PagedForward
-
-# held-out odd shapes: hidden 48, 4 query heads and 2 kv heads of 16 (not hidden / heads), rotary over half of each
-COMMON = dict(
-    vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    layer_types=["full_attention"] * 3, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-)
-MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
-
-
-def tiny_config(family: str, **overrides):
-    import transformers
-
-    if family == "qwen3_next":  # layer 1 dense (mlp_only_layers), the routing weights not renormalised
-        config = transformers.Qwen3NextConfig(**{**COMMON, **MOE, "intermediate_size": 80, "mlp_only_layers": [1],
-                                                 "norm_topk_prob": False, **overrides})
-    elif family == "qwen3_5_text":
-        config = transformers.Qwen3_5TextConfig(**{**COMMON, "intermediate_size": 80, **overrides})
-    else:
-        config = transformers.Qwen3_5MoeTextConfig(**{**COMMON, **MOE, **overrides})
-    config._attn_implementation = "eager"
-    return config
-
-
-FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return {family: save_tiny_model(tmp_path_factory.mktemp(family), tiny_config(family), seed=3)
+    return {family: save_tiny_model(tmp_path_factory.mktemp(family), tiny_qwen3_next_config(family), seed=3)
             for family in FAMILIES}
 
 
@@ -123,5 +98,6 @@ def test_configs_with_linear_attention_layers_are_refused_with_the_reason(tiny):
         ModelConfig.from_hf(hybrid)
     with pytest.raises(ValueError, match=r"attention_bias=true \(biased q/k/v/o projections\) is not supported"):
         ModelConfig.from_hf({**saved_config(tiny["qwen3_5_moe_text"]), "attention_bias": True})
-    with pytest.raises(ValueError, match="qwen3_next is served on one device per replica"):
+    # tensor parallelism splits the experts whole (tests/distributed/check_tensor_parallel.py serves it at tp 2)
+    with pytest.raises(ValueError, match=r"num_experts \(5\) is not divisible by tensor_parallel_size \(2\)"):
         check_tensor_parallel(ModelConfig.from_hf(saved_config(tiny["qwen3_next"])), 2)
