@@ -208,18 +208,21 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, **override
     return save_tiny_model(path, tiny_hf_config(family, **overrides), seed)
 
 
-def save_tiny_model(path: Path, config, seed: int = 0) -> Path:
+def save_tiny_model(path: Path, config, seed: int = 0, model_class=None) -> Path:
     """Saves a seeded random model of a transformers `config` (its weights scaled up as `make_tiny_model` says) and
-    a byte-level tokenizer into `path`."""
+    a byte-level tokenizer into `path`; `model_class`: the transformers class to save (default: the causal LM that
+    `AutoModelForCausalLM` picks for the config)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config) if model_class is None else model_class(config)
+    model.eval()
+    hidden_size = config.get_text_config().hidden_size  # a multimodal config's text decoder's
     with torch.no_grad():  # larger weights than the default init, so logits differ visibly
         for param in model.parameters():
             param.normal_(0.0, 0.15 if param.dim() > 1 else 0.5)
-            if param.dim() == 1 and param.shape[0] == config.hidden_size:
+            if param.dim() == 1 and param.shape[0] == hidden_size:
                 param.add_(1.0)
         for name, buffer in model.named_buffers():  # Gemma 4's per-layer scale of the residual stream
             if name.endswith("layer_scalar"):

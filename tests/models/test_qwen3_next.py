@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config.model_config import ModelConfig
@@ -50,23 +50,27 @@ def test_logits_equal_transformers_over_chunks_and_decode_steps(tiny, family):
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
 
 
-def test_the_multimodal_checkpoints_text_decoder_equals_transformers(tiny, tmp_path):
-    """`Qwen3_5MoeForConditionalGeneration` keeps the text weights under `model.language_model.` and the text config
-    in `text_config`; its vision tower and MTP head are not read."""
-    text_dir = tiny["qwen3_5_moe_text"]
-    tensors = load_file(text_dir / "model.safetensors")
-    renamed = {name.replace("model.", "model.language_model.", 1): value for name, value in tensors.items()}
-    extra = {"model.visual.patch_embed.proj.weight": np.zeros((4, 3), np.float32),
-             "mtp.fc.weight": np.zeros((4, 4), np.float32)}
-    save_file({**renamed, **extra}, tmp_path / "model.safetensors")
-    text = {key: value for key, value in saved_config(text_dir).items() if key != "architectures"}
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "text_config": text,
-    }))
-    loaded = load_model(str(tmp_path), "float32")
-    assert loaded.config.family == "qwen3_5_moe_text"
-    got = PagedForward(loaded.config, loaded.params, backend="reference").run(FAMILY_TOKENS, [3, 0, 5, 1], [16])
-    np.testing.assert_allclose(got, hf_logits(text_dir, FAMILY_TOKENS), atol=2e-5, rtol=0)
+def test_the_multimodal_checkpoints_text_decoder_equals_transformers(tmp_path):
+    """A `Qwen3_5MoeForConditionalGeneration` saved by transformers (a one-block vision tower): the text config under
+    `text_config`, the text weights under `model.language_model.`, the vision weights not read. Its logits of a
+    text-only prompt (mRoPE with three equal rows of positions) are the plain partial rotary's."""
+    import torch
+    import transformers
+
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=48, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)
+    config = transformers.Qwen3_5MoeConfig(text_config=tiny_qwen3_next_config("qwen3_5_moe_text").to_dict(),
+                                           vision_config=vision)
+    path = save_tiny_model(tmp_path, config, seed=3, model_class=transformers.Qwen3_5MoeForConditionalGeneration)
+    assert any(name.startswith("model.visual.") for name in load_file(path / "model.safetensors"))
+    loaded = load_model(str(path), "float32")
+    assert (loaded.config.architecture, loaded.config.family) == ("Qwen3_5MoeForConditionalGeneration",
+                                                                  "qwen3_5_moe_text")
+    model = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([FAMILY_TOKENS])).logits[0].numpy()
+    got = PagedForward(loaded.config, loaded.params, backend="reference").run(FAMILY_TOKENS, [3, 0, 5, 1], [9, 7])
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=0)
 
 
 def test_engine_greedy_tokens_equal_transformers(tiny, tmp_path):
