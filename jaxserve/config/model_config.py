@@ -16,6 +16,12 @@ from jaxserve.config.gemma4_config import Gemma4Layers, gemma4_fields
 from jaxserve.config.kv_cache_groups import KVCacheLayout, layout_for
 from jaxserve.config.mla_config import MLAConfig, mla_fields
 from jaxserve.config.quantization_config import QuantScheme
+from jaxserve.config.qwen3_next_config import (
+    QWEN3_NEXT_ARCHITECTURES,
+    QWEN3_NEXT_FAMILIES,
+    qwen3_next_fields,
+    qwen3_next_hf,
+)
 from jaxserve.config.rope_config import ROPE_FACTOR_FIELDS, SLIDING_LAYER, RopeConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -36,7 +42,11 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",  # and Kimi K2
     "OPTForCausalLM": "opt",
     "GPT2LMHeadModel": "gpt2",
+    **QWEN3_NEXT_ARCHITECTURES,  # full-attention layers only (`qwen3_next_config.py`)
 }
+# checkpoints of a multimodal model: the text config under `text_config`, the text weights under `model.language_model.`
+TEXT_CONFIG_ARCHITECTURES = ("Gemma4ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+                             "Qwen3_5MoeForConditionalGeneration")
 LEARNED_POSITION_FAMILIES = ("opt", "gpt2")  # absolute position tables instead of rotary embeddings
 GEMMA_FAMILIES = ("gemma2", "gemma3")  # (1 + weight) norms, norms around attention and MLP, scaled embeddings
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3")  # an RMSNorm over each head of q and k before rotary
@@ -51,7 +61,7 @@ SUPPORTED_ACTIVATIONS = ("silu", "relu", "gelu", "gelu_new", "gelu_pytorch_tanh"
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder: the rotary families (Llama 2/3, Mistral, Qwen2/3, SmolLM2, Phi-3, Gemma 2/3,
-    and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss), OPT or GPT-2.
+    the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, Qwen3-Next / Qwen3.5 full-attention), OPT, GPT-2.
 
     Rotary families share one decoder (`jaxserve.models.llama`, Gemma's in `jaxserve.models.gemma`); the
     fields after `hidden_act` switch on what a family adds. `layer_types` lists transformers' per-layer
@@ -92,6 +102,7 @@ class ModelConfig:
     attention_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax's denominator
     expert_bias: bool = False  # gpt-oss: the router and the experts' projections have biases
     swiglu: tuple[float, float] | None = None  # gpt-oss: the experts' clamped SwiGLU (alpha, limit)
+    attn_output_gate: bool = False  # Qwen3-Next / 3.5: q_proj gives each head a gate too; out * sigmoid(gate)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     layer_norm_eps: float = 1e-5
@@ -243,8 +254,10 @@ class ModelConfig:
             return cls(architecture=arch, **_opt_fields(hf))
         if family == "gpt2":
             return cls(architecture=arch, **_gpt2_fields(hf))
-        if arch == "Gemma4ForConditionalGeneration":
+        if arch in TEXT_CONFIG_ARCHITECTURES:
             hf = {**hf, **hf.get("text_config", {})}
+        if family in QWEN3_NEXT_FAMILIES:
+            hf = qwen3_next_hf(hf, family)
         fields = _rotary_fields(hf, family)
         if family in GEMMA_FAMILIES:
             fields.update(_gemma_fields(hf, family))
@@ -256,6 +269,8 @@ class ModelConfig:
             fields.update(_moe_fields(hf, family))
         if family == "gpt_oss":
             fields.update(_gpt_oss_fields(hf))
+        if family in QWEN3_NEXT_FAMILIES:
+            fields.update(qwen3_next_fields(hf, family))
         return cls(architecture=arch, **fields)
 
 

@@ -2,6 +2,7 @@
 constructor is `(config, dtype, attention_backend, mesh, *, scan_layers=True, untie_lm_head=False)` (the
 layouts of `common.layer_stack` and `common.untie_lm_head`)."""
 
+from jaxserve.config.qwen3_next_config import QWEN3_NEXT_ARCHITECTURES
 from jaxserve.models.deepseek import DeepseekForCausalLM
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.gemma4 import Gemma4ForCausalLM
@@ -27,6 +28,9 @@ MODEL_REGISTRY = {
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    # full-attention layers only (gated attention, (1 + weight) norms): ModelConfig switches; the
+    # ForConditionalGeneration checkpoints' text decoder only
+    **{arch: LlamaForCausalLM for arch in QWEN3_NEXT_ARCHITECTURES},
 }
 
 

@@ -34,6 +34,7 @@ from jaxserve.attention.kv_cache import write_kv
 from jaxserve.attention.metadata import AttentionMetadata
 from jaxserve.config.model_config import GEMMA_FAMILIES, ModelConfig
 from jaxserve.config.quantization_config import KV_SCALE_NAMES, QuantScheme
+from jaxserve.config.qwen3_next_config import QWEN3_NEXT_FAMILIES
 from jaxserve.distributed.sharding import TP_AXIS
 from jaxserve.models.norms import RMSNorm
 from jaxserve.models.params import weight
@@ -200,8 +201,8 @@ def layer_window(cfg: ModelConfig, layer: jax.Array) -> tuple[int | None, jax.Ar
 
 
 def norm_offset(cfg: ModelConfig) -> float:
-    """Gemma's norms scale by (1 + weight)."""
-    return 1.0 if cfg.family in GEMMA_FAMILIES else 0.0
+    """Gemma's and Qwen3-Next's / Qwen3.5's norms scale by (1 + weight)."""
+    return 1.0 if cfg.family in GEMMA_FAMILIES or cfg.family in QWEN3_NEXT_FAMILIES else 0.0
 
 
 class Attention(nn.Module):
@@ -209,6 +210,8 @@ class Attention(nn.Module):
     positions; `out_bias` says whether o_proj has a bias (OPT and GPT-2 do; None: the config's
     `attention_out_bias`, the rotary families').
     Qwen3 and Gemma 3 normalise every head of q and k (`q_norm`, `k_norm`) before the rotary embedding.
+    Qwen3-Next / Qwen3.5 (`attn_output_gate`): q_proj gives each head its query and then a gate (2 * head_dim rows
+    per head), and the attention output is multiplied by sigmoid(gate) before o_proj.
 
     A checkpoint's float8 K/V scales (`k_scale`, `v_scale`: one per layer, `ModelConfig.kv_cache_scales`) are
     vLLM's: the pool stores K / k_scale and V / v_scale. One number per layer factors out of attention, so no
@@ -224,6 +227,9 @@ class Attention(nn.Module):
     def __call__(self, x, kv_pool, layer, meta: AttentionMetadata, rotary=None):
         cfg = self.config
         q, k, v = self._project_qkv(x)
+        gate = None
+        if cfg.attn_output_gate:
+            q, gate = q[..., :cfg.head_dim], q[..., cfg.head_dim:]
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_offset(cfg), name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_offset(cfg), name="k_norm")(k)
@@ -246,6 +252,8 @@ class Attention(nn.Module):
         )
         if cfg.kv_cache_scales:
             out = out * v_scale.astype(out.dtype)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.reshape(out.shape))
         out_bias = cfg.attention_out_bias if self.out_bias is None else self.out_bias
         return dense(cfg.hidden_size, "o_proj", self.dtype, out_bias, cfg.quantization)(out), kv_pool
 
@@ -254,11 +262,12 @@ class Attention(nn.Module):
         num_seqs, num_q = x.shape[:2]
         bias = cfg.attention_bias
         quantization = cfg.quantization
-        q = dense(cfg.num_heads * cfg.head_dim, "q_proj", self.dtype, bias, quantization)(x)
+        q_dim = 2 * cfg.head_dim if cfg.attn_output_gate else cfg.head_dim  # each head's query, then its gate
+        q = dense(cfg.num_heads * q_dim, "q_proj", self.dtype, bias, quantization)(x)
         k = dense(cfg.num_kv_heads * cfg.head_dim, "k_proj", self.dtype, bias, quantization)(x)
         v = dense(cfg.num_kv_heads * cfg.head_dim, "v_proj", self.dtype, bias, quantization)(x)
         return (
-            q.reshape(num_seqs, num_q, cfg.num_heads, cfg.head_dim),
+            q.reshape(num_seqs, num_q, cfg.num_heads, q_dim),
             k.reshape(num_seqs, num_q, cfg.num_kv_heads, cfg.head_dim),
             v.reshape(num_seqs, num_q, cfg.num_kv_heads, cfg.head_dim),
         )

@@ -1,7 +1,8 @@
 """The rotary decoder in Flax: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norms), SmolLM2 (tied embeddings),
 Phi-3 (its fused projections split at load; partial rotary), and the mixture-of-experts Mixtral, Qwen2-MoE,
-Qwen3-MoE and gpt-oss (attention sinks and biases; `moe.SparseMoeBlock` in place of the MLP). Gemma 2 and 3 extend
-it (`gemma.py`).
+Qwen3-MoE and gpt-oss (attention sinks and biases; `moe.SparseMoeBlock` in place of the MLP), and Qwen3-Next /
+Qwen3.5 with full-attention layers only ((1 + weight) norms, the gated attention of `common.Attention`, Qwen2-MoE's
+shared expert). Gemma 2 and 3 extend it (`gemma.py`).
 
 Place in the data flow: the model runner calls `LlamaForCausalLM.apply` inside a jitted step with a
 batch of token ids (`[S, Q]` padded or `[1, T]` ragged), the stacked KV pool and the step's
@@ -75,10 +76,10 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, layer, rotary, meta):
         cfg = self.config
         hidden, kv_pool = carry
-        normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(hidden)
+        normed = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_offset(cfg), name="input_layernorm")(hidden)
         attn_out, kv_pool = self.attention()(normed, kv_pool, layer, meta, layer_rotary(cfg, layer, rotary))
         hidden = hidden + attn_out
-        normed = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(hidden)
+        normed = RMSNorm(cfg.rms_norm_eps, self.dtype, norm_offset(cfg), name="post_attention_layernorm")(hidden)
         hidden = hidden + self.feed_forward()(normed)
         return (hidden, kv_pool), None
 

@@ -174,18 +174,55 @@ def _tiny_gpt2_config(**overrides):
 LEARNED_POSITION_CONFIGS = {"opt": _tiny_opt_config, "gpt2": _tiny_gpt2_config}
 
 
+# Qwen3-Next and Qwen3.5 with every layer full attention (the engine refuses their linear-attention layers for now):
+# held-out odd shapes (hidden 48, 4 query and 2 kv heads of 16, rotary over half of each head), experts with a shared
+# expert, Qwen3-Next's layer 1 dense (mlp_only_layers) and its routing weights not renormalised
+QWEN3_NEXT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_QWEN3_NEXT_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    layer_types=["full_attention"] * 3, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+_QWEN3_NEXT_MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=40)
+
+
+def tiny_qwen3_next_config(family: str, **overrides):
+    """A tiny transformers config of `family` (one of `QWEN3_NEXT_FAMILIES`), for `save_tiny_model`."""
+    import transformers
+
+    if family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(**{**_QWEN3_NEXT_COMMON, **_QWEN3_NEXT_MOE, "intermediate_size": 80,
+                                                 "mlp_only_layers": [1], "norm_topk_prob": False, **overrides})
+    elif family == "qwen3_5_text":
+        config = transformers.Qwen3_5TextConfig(**{**_QWEN3_NEXT_COMMON, "intermediate_size": 80, **overrides})
+    else:
+        config = transformers.Qwen3_5MoeTextConfig(**{**_QWEN3_NEXT_COMMON, **_QWEN3_NEXT_MOE, **overrides})
+    config._attn_implementation = "eager"
+    return config
+
+
 def make_tiny_model(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
     """Saves a seeded random model (safetensors + config.json) and a byte-level tokenizer into `path`."""
+    return save_tiny_model(path, tiny_hf_config(family, **overrides), seed)
+
+
+def save_tiny_model(path: Path, config, seed: int = 0, model_class=None) -> Path:
+    """Saves a seeded random model of a transformers `config` (its weights scaled up as `make_tiny_model` says) and
+    a byte-level tokenizer into `path`; `model_class`: the transformers class to save (default: the causal LM that
+    `AutoModelForCausalLM` picks for the config)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(family, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config) if model_class is None else model_class(config)
+    model.eval()
+    hidden_size = config.get_text_config().hidden_size  # a multimodal config's text decoder's
     with torch.no_grad():  # larger weights than the default init, so logits differ visibly
         for param in model.parameters():
             param.normal_(0.0, 0.15 if param.dim() > 1 else 0.5)
-            if param.dim() == 1 and param.shape[0] == config.hidden_size:
+            if param.dim() == 1 and param.shape[0] == hidden_size:
                 param.add_(1.0)
         for name, buffer in model.named_buffers():  # Gemma 4's per-layer scale of the residual stream
             if name.endswith("layer_scalar"):

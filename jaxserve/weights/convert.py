@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxserve.config.model_config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.config.model_config import GEMMA_FAMILIES, TEXT_CONFIG_ARCHITECTURES, ModelConfig
 from jaxserve.config.quantization_config import KV_SCALE_NAMES
 from jaxserve.quantization.weights import GROUP_OFFSET
 
@@ -404,7 +404,7 @@ def hf_param_names(config: ModelConfig) -> list[str]:
 
 def hf_name_alternatives(name: str, config: ModelConfig) -> list[str]:
     """`name` and, for families whose hub checkpoints omit it, `name` without the wrapper's prefix."""
-    if config.architecture == "Gemma4ForConditionalGeneration" and name.startswith("model."):
+    if config.architecture in TEXT_CONFIG_ARCHITECTURES and name.startswith("model."):
         return [name.replace("model.", "model.language_model.", 1), name]
     prefix = BASE_MODEL_PREFIX.get(config.family)
     if prefix and name.startswith(prefix):

@@ -20,7 +20,7 @@ from jaxserve.runner.input_batch import StepInputs, step_shape
 from jaxserve.runner.sampler import PAD_FLOATS, SamplingRow, SamplingTensors
 from jaxserve.testing.hf_reference import hf_greedy
 from jaxserve.testing.small_buckets import small_bucket_file
-from jaxserve.testing.tiny_models import make_tiny_model
+from jaxserve.testing.tiny_models import make_tiny_model, save_tiny_model, tiny_qwen3_next_config
 
 assert jax.device_count() == 8, f"run with XLA_FLAGS=--xla_force_host_platform_device_count=8 ({os.environ})"
 
@@ -257,6 +257,16 @@ def test_moe_and_gemma3_under_tensor_and_expert_parallelism_match_transformers(t
             assert {shard.data.shape[0] for shard in experts.addressable_shards} == {8 // tp}
             dense_up = layers["0"]["mlp"]["up_proj"]["kernel"]
             assert {shard.data.shape for shard in dense_up.addressable_shards} == {(64, 128 // tp)}
+
+
+def test_qwen3_next_under_tensor_and_expert_parallelism_matches_transformers(tmp_path, buckets):
+    """Qwen3-Next with full-attention layers only: its gated q_proj (each head's query rows, then its gate rows) split
+    with the heads, 4 experts 2 per device beside the shared expert, the dense layer's MLP split by columns."""
+    path = save_tiny_model(tmp_path / "qwen3_next", tiny_qwen3_next_config("qwen3_next", num_experts=4), seed=7)
+    llm = LLM(str(path), dtype="float32", buckets=buckets, max_model_len=128, tensor_parallel_size=2)
+    assert _generate(llm) == [hf_greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
+    q_proj = llm.llm_engine.runner.params["params"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"]
+    assert {shard.data.shape for shard in q_proj.addressable_shards} == {(48, 4 * 2 * 16 // 2)}
 
 
 def test_orbax_checkpoint_restores_into_the_mesh_sharding(model_dir, llms, tmp_path, buckets):
