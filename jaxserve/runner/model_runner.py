@@ -561,18 +561,24 @@ class ModelRunner:
     def _device_sampling(self, sampling: SamplingTensors) -> SamplingTensors:
         """Host ``sampling`` whose bitmask, where no row is constrained (`every_token_allowed`), is a copy kept on
         the device: [S, V / 32] int32, 4 MB at 256 rows of Llama 3's vocabulary, was copied to the device twice a
-        step (for the step and for its sampler)."""
+        step (for the step and for its sampler). Not across processes: a follower host replays the step from the
+        arrays it is sent, not this cached one, and the processes' arguments must match."""
         allowed = sampling.allowed
         if not isinstance(allowed, np.ndarray) or allowed is not every_token_allowed(*allowed.shape):
+            return sampling
+        if jax.process_count() > 1:
             return sampling
         if allowed.shape not in self._allowed_on_device:
             self._allowed_on_device[allowed.shape] = jax.device_put(allowed, replicated(self.mesh))
         return sampling.replace(allowed=self._allowed_on_device[allowed.shape])
 
     def _zero_logprobs(self, batch_size: int) -> TokenLogprobs:
-        """What the sampler returns as the logprobs of S rows that ask for none (kept on the device)."""
+        """What the sampler returns as the logprobs of S rows that ask for none, kept on the device (copied there
+        from NumPy zeros: an eager `jnp.zeros` would compile while serving)."""
         if batch_size not in self._no_logprobs:
-            zeros = TokenLogprobs.zeros((batch_size,), self.num_logprobs)
+            k = self.num_logprobs
+            zeros = TokenLogprobs(np.zeros(batch_size, np.float32), np.zeros(batch_size, np.int32),
+                                  np.zeros((batch_size, k), np.int32), np.zeros((batch_size, k), np.float32))
             self._no_logprobs[batch_size] = jax.device_put(zeros, replicated(self.mesh))
         return self._no_logprobs[batch_size]
 

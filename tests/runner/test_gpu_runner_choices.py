@@ -51,6 +51,7 @@ def test_greedy_steps_run_no_sampler_and_equal_transformers(gpu_like_llm, model_
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model_dir, p, 8) for p in PROMPTS]
     assert runs == []
+    assert llm.llm_engine.stats.num_compiles_after_warm_up == 0
 
 
 def test_a_step_with_a_sampled_or_logprobs_row_runs_the_sampler(gpu_like_llm):
