@@ -49,24 +49,31 @@ if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
 
 
-# The slowest modules, slowest first (seconds of one pytest-xdist worker while the other runs too, 2-core AMD EPYC,
-# 2026-11-29), run before the others so that the two workers end together: xdist hands whole modules out in
-# collection order (`make test` passes --no-loadscope-reorder; xdist's default order, by number of tests, left the
-# one-test tensor-parallel module, 5 minutes then, to run alone at the end of the suite).
+# The slowest modules, slowest first (seconds of their slowest tests in one pytest-xdist worker while the other runs
+# too, `--durations=80`, 2-core AMD EPYC, 2026-11-30), run before the others so that the two workers end together:
+# xdist hands whole modules out in collection order (`make test` passes --no-loadscope-reorder; xdist's default
+# order, by number of tests, left the one-test tensor-parallel module, 5 minutes then, to run alone at the end).
 SLOWEST_MODULES = (
-    "tests/e2e/test_embedded_model.py",  # 234
-    "tests/compilation/test_targets.py",  # 113
-    "tests/distributed/test_tensor_parallel.py",  # 112
-    "tests/speculative/test_embedded_speculation.py",  # 85
-    "tests/models/test_families.py",  # 82
-    "tests/models/test_family_engines.py",  # 67
-    "tests/compilation/test_precompile_draft.py",  # 58
-    "tests/speculative/test_spec_decode.py",  # 58
-    "tests/entrypoints/test_router.py",  # 50: its replicas load test_embedded_model's steps from the compile cache
-    "tests/compilation/test_compile_cache.py",  # 49
-    "tests/e2e/test_bfloat16_accuracy.py",  # 42
-    "tests/distributed/test_multihost_serving.py",  # 40
+    "tests/e2e/test_embedded_model.py",  # 200
+    "tests/distributed/test_tensor_parallel.py",  # 138
+    "tests/speculative/test_embedded_speculation.py",  # 88
+    "tests/compilation/test_targets.py",  # 64
+    "tests/compilation/test_compile_cache.py",  # 60
+    "tests/compilation/test_precompile_draft.py",  # 53
+    "tests/distributed/test_multihost_serving.py",  # 53
+    "tests/speculative/test_spec_decode.py",  # 43
+    "tests/entrypoints/test_router.py",  # 42: its replicas load test_embedded_model's steps from the compile cache
     "tests/kernels/test_ragged_paged_attention.py",  # 39
+    "tests/models/test_family_engines.py",  # 34
+    "tests/e2e/test_bfloat16_accuracy.py",  # 33
+    "tests/entrypoints/test_engine_core_process.py",  # 33
+    "tests/models/test_gemma4.py",  # 32
+    "tests/engine/test_gemma4_engine.py",  # 31
+    "tests/entrypoints/test_serve_cli.py",  # 26
+    "tests/models/test_families.py",  # 25
+    "tests/speculative/test_draft_model.py",  # 25
+    "tests/runner/test_pallas_engine.py",  # 24
+    "tests/models/test_qwen3_next.py",  # 20
 )
 
 
