@@ -28,16 +28,22 @@ COPY_RUNS = 20
 SPEC_BANDWIDTH = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100 PCIe": 2.0e12}
 
 
+def own_pages(rows: int, tokens: int, block_size: int, width: int, first: int = 0) -> np.ndarray:
+    """Block tables of ``rows`` rows holding ``tokens`` tokens each on pages of their own, from page ``first``."""
+    pages = -(-tokens // block_size)
+    tables = np.zeros((rows, width), np.int32)
+    tables[:, :pages] = first + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
+    return tables
+
+
 def decode_inputs(runner, bucket, cached: int):
     """Every row of the bucket decoding its token `cached` + 1, its pages its own (rows r * pages .. )."""
-    from jaxserve.math_utils import cdiv
     from jaxserve.runner.input_batch import StepInputs, step_shape
     from jaxserve.runner.sampler import SamplingTensors
 
     shape = step_shape(bucket, runner.block_size)
-    rows, pages = shape.batch_size, cdiv(cached + 1, runner.block_size)
-    tables = np.zeros((rows, shape.pages_per_seq), np.int32)
-    tables[:, :pages] = np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
+    rows = shape.batch_size
+    tables = own_pages(rows, cached + 1, runner.block_size, shape.pages_per_seq)
     lengths = np.full(rows, cached + 1, np.int32)
     return StepInputs(np.zeros((rows, 1), np.int32), tables, lengths - 1, lengths, np.zeros(rows, np.int32),
                       SamplingTensors.from_rows([], rows, runner.num_sampler_slots, runner.config.vocab_size))

@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's jaxserve, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_decode_roofline import decode_inputs, own_pages  # noqa: E402
 from gpu_trace import device_kernels, format_summary, summarise, traced  # noqa: E402
 
 
@@ -66,14 +67,6 @@ def build_engine(args):
 
     return LLM(args.model, dtype=args.dtype, buckets=args.buckets, max_model_len=args.max_model_len,
                num_kv_blocks=args.num_kv_blocks, attention_backend=args.attention_backend).llm_engine
-
-
-def own_pages(rows: int, tokens: int, block_size: int, width: int, first: int = 0) -> np.ndarray:
-    """Block tables of ``rows`` rows holding ``tokens`` tokens each on pages of their own, from page ``first``."""
-    pages = -(-tokens // block_size)
-    tables = np.zeros((rows, width), np.int32)
-    tables[:, :pages] = first + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
-    return tables
 
 
 def prefill_inputs(runner, bucket, chunk: int):
@@ -118,8 +111,6 @@ def mixed_inputs(runner, bucket, decode_rows: int, cached: int):
 
 def engine_steps(engine, args) -> list[tuple[str, object, object]]:
     """(label, bucket, inputs) of every step to profile that the grid has a bucket for."""
-    from bench_decode_roofline import decode_inputs
-
     runner, grid = engine.runner, engine.grid
     steps = []
     for batch in (int(b) for b in args.batches.split(",")):

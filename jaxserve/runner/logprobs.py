@@ -36,9 +36,10 @@ class TokenLogprobs:
     top_logprobs: jax.Array  # f32[..., K]
 
     @classmethod
-    def zeros(cls, batch_shape: tuple[int, ...], k: int) -> TokenLogprobs:
-        return cls(jnp.zeros(batch_shape, jnp.float32), jnp.zeros(batch_shape, jnp.int32),
-                   jnp.zeros((*batch_shape, k), jnp.int32), jnp.zeros((*batch_shape, k), jnp.float32))
+    def zeros(cls, batch_shape: tuple[int, ...], k: int, xp=jnp) -> TokenLogprobs:
+        """Zeros in array module ``xp`` (NumPy for host arrays that are then copied to a device)."""
+        return cls(xp.zeros(batch_shape, xp.float32), xp.zeros(batch_shape, xp.int32),
+                   xp.zeros((*batch_shape, k), xp.int32), xp.zeros((*batch_shape, k), xp.float32))
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> TokenLogprobs:

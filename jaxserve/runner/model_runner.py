@@ -564,9 +564,8 @@ class ModelRunner:
         step (for the step and for its sampler). Not across processes: a follower host replays the step from the
         arrays it is sent, not this cached one, and the processes' arguments must match."""
         allowed = sampling.allowed
-        if not isinstance(allowed, np.ndarray) or allowed is not every_token_allowed(*allowed.shape):
-            return sampling
-        if jax.process_count() > 1:
+        unconstrained = isinstance(allowed, np.ndarray) and allowed is every_token_allowed(*allowed.shape)
+        if not unconstrained or jax.process_count() > 1:
             return sampling
         if allowed.shape not in self._allowed_on_device:
             self._allowed_on_device[allowed.shape] = jax.device_put(allowed, replicated(self.mesh))
@@ -576,9 +575,7 @@ class ModelRunner:
         """What the sampler returns as the logprobs of S rows that ask for none, kept on the device (copied there
         from NumPy zeros: an eager `jnp.zeros` would compile while serving)."""
         if batch_size not in self._no_logprobs:
-            k = self.num_logprobs
-            zeros = TokenLogprobs(np.zeros(batch_size, np.float32), np.zeros(batch_size, np.int32),
-                                  np.zeros((batch_size, k), np.int32), np.zeros((batch_size, k), np.float32))
+            zeros = TokenLogprobs.zeros((batch_size,), self.num_logprobs, xp=np)
             self._no_logprobs[batch_size] = jax.device_put(zeros, replicated(self.mesh))
         return self._no_logprobs[batch_size]
 

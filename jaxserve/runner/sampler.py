@@ -163,7 +163,7 @@ def sample(logits: jax.Array, params: SamplingTensors, slots: SlotState, num_log
     """logits f32[S, V] (raw) -> one token per row, plus raw logprobs when a row wants them."""
     tokens = sample_tokens(logits, params, slots)
     logprobs = jax.lax.cond(
-        jnp.any(params.flag(FLAG_LOGPROBS)),
+        _any_logprobs(params),
         lambda: token_logprobs(logits, tokens, num_logprobs),
         lambda: TokenLogprobs.zeros(tokens.shape, num_logprobs),
     )
@@ -179,12 +179,7 @@ def sample_tokens(logits: jax.Array, params: SamplingTensors, slots: SlotState,
     takes its argmax in branches that return tokens, never logits (a `lax.cond` that passes [S, V] logits
     through copies them, 15 ms per cond for a [64, 49152] batch on XLA:CPU, as much as the greedy sampler);
     a batch with random rows pays that copy once, beside its draw's cost."""
-    processes = (
-        jnp.any(params.flag(FLAG_GRAMMAR))
-        | jnp.any(params.flag(FLAG_LOGIT_BIAS))
-        | jnp.any(params.step < params.min_tokens)
-        | _any_penalty(params)
-    )
+    processes = _any_processing(params)
     processed = lambda: process_logits(logits, params, slots, uncounted)
 
     def greedy_batch() -> jax.Array:
@@ -214,20 +209,20 @@ def greedy_rows(params: SamplingTensors) -> jax.Array:
 
 
 def takes_argmax_only(params: SamplingTensors) -> bool:
-    """Whether every row of host ``params`` takes the argmax of its raw logits and nothing else: temperature 0,
-    no grammar, logit bias, min_tokens still in force, penalties or logprobs (what `sample` returns for them is
-    `first_argmax(logits)` and zero logprobs)."""
-    floats, ints = np.asarray(params.floats), np.asarray(params.ints)
-    column, int_column = FLOAT_COLUMNS.index, INT_COLUMNS.index
-    flags = ints[:, int_column("flags")]
-    return bool(
-        np.all(floats[:, column("temperature")] < _EPS)
-        and not np.any(flags & (FLAG_GRAMMAR | FLAG_LOGIT_BIAS | FLAG_LOGPROBS))
-        and np.all(ints[:, int_column("step")] >= ints[:, int_column("min_tokens")])
-        and np.all(floats[:, column("repetition_penalty")] == 1.0)
-        and not np.any(floats[:, column("frequency_penalty")])
-        and not np.any(floats[:, column("presence_penalty")])
-    )
+    """Whether every row of host ``params`` takes the argmax of its raw logits and nothing else: the predicates of
+    `sample`'s conds, on the host (its result for such rows is `first_argmax(logits)` and zero logprobs)."""
+    return bool(greedy_rows(params).all() & ~_any_processing(params) & ~_any_logprobs(params))
+
+
+def _any_processing(params: SamplingTensors) -> jax.Array:
+    """Whether some row's logits are processed before its token is chosen (grammar, logit_bias, min_tokens still in
+    force, a penalty). Array methods only: the host asks it of NumPy rows too (`takes_argmax_only`)."""
+    return (params.flag(FLAG_GRAMMAR).any() | params.flag(FLAG_LOGIT_BIAS).any()
+            | (params.step < params.min_tokens).any() | _any_penalty(params))
+
+
+def _any_logprobs(params: SamplingTensors) -> jax.Array:
+    return params.flag(FLAG_LOGPROBS).any()
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -285,11 +280,8 @@ def apply_penalties(logits: jax.Array, params: SamplingTensors, slots: SlotState
 
 
 def _any_penalty(params: SamplingTensors) -> jax.Array:
-    return (
-        jnp.any(params.repetition_penalty != 1.0)
-        | jnp.any(params.frequency_penalty != 0.0)
-        | jnp.any(params.presence_penalty != 0.0)
-    )
+    return ((params.repetition_penalty != 1.0).any() | (params.frequency_penalty != 0.0).any()
+            | (params.presence_penalty != 0.0).any())
 
 
 def sample_random(logits: jax.Array, params: SamplingTensors) -> jax.Array:

@@ -177,7 +177,6 @@ LEARNED_POSITION_CONFIGS = {"opt": _tiny_opt_config, "gpt2": _tiny_gpt2_config}
 # Qwen3-Next and Qwen3.5 with every layer full attention (the engine refuses their linear-attention layers for now):
 # held-out odd shapes (hidden 48, 4 query and 2 kv heads of 16, rotary over half of each head), experts with a shared
 # expert, Qwen3-Next's layer 1 dense (mlp_only_layers) and its routing weights not renormalised
-QWEN3_NEXT_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 _QWEN3_NEXT_COMMON = dict(
     vocab_size=VOCAB, hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     layer_types=["full_attention"] * 3, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -189,7 +188,7 @@ _QWEN3_NEXT_MOE = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_si
 
 
 def tiny_qwen3_next_config(family: str, **overrides):
-    """A tiny transformers config of `family` (one of `QWEN3_NEXT_FAMILIES`), for `save_tiny_model`."""
+    """A tiny transformers config of `family` (of `qwen3_next_config.QWEN3_NEXT_FAMILIES`), for `save_tiny_model`."""
     import transformers
 
     if family == "qwen3_next":

@@ -13,10 +13,10 @@ from safetensors.numpy import load_file
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config.model_config import ModelConfig
+from jaxserve.config.qwen3_next_config import QWEN3_NEXT_FAMILIES as FAMILIES
 from jaxserve.distributed.sharding import check_tensor_parallel
 from jaxserve.testing.hf_reference import hf_greedy, hf_logits
 from jaxserve.testing.tiny_models import FAMILY_TOKENS, save_tiny_model, tiny_qwen3_next_config
-from jaxserve.testing.tiny_models import QWEN3_NEXT_FAMILIES as FAMILIES
 from jaxserve.weights import load_model
 from tests.forward import PagedForward
 
